@@ -37,6 +37,8 @@ struct RunArgs {
   std::string log_format = "text";  // text | json
   std::vector<std::string> allow;   // extra entries for --phase allowlist without config
   int dns_port = 53;                // DNS proxy port on loopback in the sandbox; 0 = no interception
+  double verify_interval_s = 5;     // tamper safety net: compare the table every N s; 0 = off
+  int monitor_rcvbuf = 0;           // nftables event socket buffer, bytes; 0 = default (8 MiB, grows)
 };
 int cmd_run(const RunArgs& args);
 

@@ -18,31 +18,16 @@
 
 #include "control/protocol.h"
 #include "control/server.h"
+#include "daemon/audit_log.h"
 #include "daemon/commands.h"
 #include "daemon/sandbox.h"
 #include "daemon/sockdiag.h"
+#include "daemon/tamper_guard.h"
 #include "dns/proxy.h"
 
 namespace egressd::daemon {
 
 namespace {
-
-void setup_logging(const std::string& format) {
-  // One named logger per module, all to stderr; one line per event.
-  auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
-  for (const char* name : {"egressd", "sandbox", "control", "dns"}) {
-    if (spdlog::get(name)) continue;
-    auto l = std::make_shared<spdlog::logger>(name, sink);
-    spdlog::register_logger(l);
-  }
-  spdlog::set_default_logger(spdlog::get("egressd"));
-  if (format == "json") {
-    spdlog::set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%fZ","level":"%l","logger":"%n","msg":"%v"})", spdlog::pattern_time_type::utc);
-  } else {
-    spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%fZ %l %n: %v", spdlog::pattern_time_type::utc);
-  }
-  spdlog::flush_on(spdlog::level::info);
-}
 
 // Joins the target network namespace. Must run before any socket that has to
 // live in the sandbox (netlink, DNS proxy) is created, and before any thread
@@ -94,7 +79,7 @@ std::uint32_t random_mark() {
 }  // namespace
 
 int cmd_run(const RunArgs& a) {
-  setup_logging(a.log_format);
+  setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
   auto log = spdlog::get("egressd");
   ::signal(SIGPIPE, SIG_IGN);
 
@@ -149,7 +134,19 @@ int cmd_run(const RunArgs& a) {
   Sandbox sandbox(std::move(opts), std::move(*kernel), caps);
   const auto t0 = std::chrono::steady_clock::now();
 
+  // Subscribed before start: every change after it is seen (start's own are
+  // told apart by the portid).
+  TamperGuardOptions gopts;
+  gopts.verify_interval = std::chrono::milliseconds(static_cast<std::int64_t>(a.verify_interval_s * 1000));
+  if (a.monitor_rcvbuf > 0) {
+    gopts.rcvbuf = a.monitor_rcvbuf;
+    gopts.grow_rcvbuf = false;
+  }
+  auto guard = TamperGuard::open(io, sandbox, gopts);
+  if (!guard) return report(guard.error().wrap("tamper detection"));
+
   if (auto s = sandbox.start(initial); !s) return report(s.error());
+  (*guard)->start();
   // The proxy needs the own-traffic mark, fixed by start (drawn, or adopted
   // from the table). Until it listens, redirected queries fail fast (port
   // unreachable): nothing leaves.
@@ -178,16 +175,41 @@ int cmd_run(const RunArgs& a) {
 
   std::string ups;
   for (const auto& u : upstream) ups += (ups.empty() ? "" : ",") + u;
-  log->info("ready phase={} mode={} gen={} socket={} dns_port={} upstream={} startup_us={}", sandbox.state().phase,
-            to_string(sandbox.state().mode), sandbox.state().generation, a.socket, a.dns_port, ups.empty() ? "-" : ups,
-            std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  const auto startup_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+  audit_event("startup",
+              {{"version", EGRESSD_VERSION},
+               {"pid", ::getpid()},
+               {"netns", a.netns_pid != 0 ? "/proc/" + std::to_string(a.netns_pid) + "/ns/net" : a.netns_path},
+               {"phase", sandbox.state().phase},
+               {"mode", to_string(sandbox.state().mode)},
+               {"generation", sandbox.state().generation},
+               {"socket", a.socket},
+               {"dns_port", a.dns_port},
+               {"upstream", upstream},
+               {"capabilities", caps.to_json()},
+               {"verify_interval_s", a.verify_interval_s},
+               {"startup_us", startup_us}},
+              spdlog::level::info,
+              fmt::format("ready phase={} mode={} gen={} socket={} dns_port={} upstream={} startup_us={}",
+                          sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
+                          a.socket, a.dns_port, ups.empty() ? "-" : ups, startup_us));
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](const boost::system::error_code& ec, int sig) {
     if (ec) return;
-    log->info("signal={} shutting down; policy {}", sig,
-              a.cleanup_on_exit ? "removed (--cleanup-on-exit)" : "stays in force");
+    (*guard)->close();  // --cleanup-on-exit deletes the table: not tampering
+    audit_event("shutdown",
+                {{"signal", sig},
+                 {"phase", sandbox.state().phase},
+                 {"generation", sandbox.state().generation},
+                 {"policy", a.cleanup_on_exit ? "removed" : "stays"},
+                 {"tampers", (*guard)->tampers()},
+                 {"restores", (*guard)->restores()}},
+                spdlog::level::info,
+                fmt::format("signal={} shutting down; policy {}", sig,
+                            a.cleanup_on_exit ? "removed (--cleanup-on-exit)" : "stays in force"));
     if (a.cleanup_on_exit) {
       if (auto s = sandbox.remove_table(); !s) {
         log->error("cleanup failed: {}", s.error().message);

@@ -41,6 +41,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   d->add_flag("--cleanup-on-exit", run.cleanup_on_exit, "delete the nftables table on SIGTERM/SIGINT");
   d->add_option("--log-format", run.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  d->add_option("--verify-interval", run.verify_interval_s,
+                "seconds between checks of the nftables table against the phase in force (tamper safety net); 0 = off")
+      ->check(CLI::Range(0.0, 86400.0));
+  d->add_option("--monitor-rcvbuf", run.monitor_rcvbuf,
+                "receive buffer of the nftables event socket in bytes (default 8 MiB, grows on overrun)")
+      ->check(CLI::Range(0, 1 << 30));
 
   try {
     app.parse(argc, argv);

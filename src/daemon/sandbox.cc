@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "control/protocol.h"
+#include "daemon/audit_log.h"
 #include "dns/message.h"
 
 namespace egressd::daemon {
@@ -196,27 +197,45 @@ Status Sandbox::start(const std::string& initial_phase) {
     state_ = *adopted;
     inline_ = adopted_inline;
     matcher_ = dns::NameMatcher(active_phase().entries);
-    log()->info("adopted phase={} mode={} gen={} (table unchanged)", state_.phase, to_string(state_.mode), state_.generation);
+    audit_event("adoption",
+                {{"phase", state_.phase}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+                 {"restaged", false}},
+                spdlog::level::info,
+                fmt::format("adopted phase={} mode={} gen={} (table unchanged)", state_.phase,
+                            to_string(state_.mode), state_.generation));
     return {};
   }
   // The config changed: restage every phase in one batch, keeping the phase
   // in force and its generation when it still exists.
   if (named != nullptr) {
     if (auto s = install(*named, adopted->generation, true); !s) return s;
-    log()->info("adopted phase={} gen={} and restaged the changed config", named->name, state_.generation);
+    audit_event("adoption",
+                {{"phase", named->name}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+                 {"restaged", true}},
+                spdlog::level::info,
+                fmt::format("adopted phase={} gen={} and restaged the changed config", named->name,
+                            state_.generation));
     return {};
   }
   if (adopted_inline) {
     inline_ = adopted_inline;
     if (auto s = install(*inline_, adopted->generation, true); !s) return s;
-    log()->info("adopted inline policy gen={} and restaged the changed config", state_.generation);
+    audit_event("adoption",
+                {{"phase", "inline"}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+                 {"restaged", true}},
+                spdlog::level::info,
+                fmt::format("adopted inline policy gen={} and restaged the changed config", state_.generation));
     return {};
   }
   if (auto s = install(*initial, adopted->generation + 1, true); !s) return s;
   inline_unknown_ = false;
-  log()->warn("adopted phase={} cannot be carried into the new config (unknown there, or an inline policy "
-              "without its state file); switched to phase={} gen={}",
-              adopted->phase, initial->name, state_.generation);
+  audit_event("adoption",
+              {{"phase", initial->name}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+               {"restaged", true}, {"dropped_phase", adopted->phase}},
+              spdlog::level::warn,
+              fmt::format("adopted phase={} cannot be carried into the new config (unknown there, or an inline "
+                          "policy without its state file); switched to phase={} gen={}",
+                          adopted->phase, initial->name, state_.generation));
   return {};
 }
 
@@ -258,12 +277,22 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   }
   inline_unknown_ = false;
   const json counts = entry_counts(target);
-  log()->info("switch from={} to={} mode={} gen={} entries={} hostname={} wildcard={} ipv4={} ipv6={} "
-              "ipv4_cidr={} ipv6_cidr={} unresolved={} duration_us={}",
-              from, next.phase, to_string(target.mode), next.generation, target.entries.size(),
-              counts["hostname"].get<std::size_t>(), counts["wildcard"].get<std::size_t>(),
-              counts["ipv4"].get<std::size_t>(), counts["ipv6"].get<std::size_t>(),
-              counts["ipv4-cidr"].get<std::size_t>(), counts["ipv6-cidr"].get<std::size_t>(), unresolved.size(), us);
+  audit_event("switch",
+              {{"from", from},
+               {"to", next.phase},
+               {"mode", to_string(target.mode)},
+               {"generation", next.generation},
+               {"entries", counts},
+               {"unresolved", unresolved.size()},
+               {"duration_us", us}},
+              spdlog::level::info,
+              fmt::format("switch from={} to={} mode={} gen={} entries={} hostname={} wildcard={} ipv4={} ipv6={} "
+                          "ipv4_cidr={} ipv6_cidr={} unresolved={} duration_us={}",
+                          from, next.phase, to_string(target.mode), next.generation, target.entries.size(),
+                          counts["hostname"].get<std::size_t>(), counts["wildcard"].get<std::size_t>(),
+                          counts["ipv4"].get<std::size_t>(), counts["ipv6"].get<std::size_t>(),
+                          counts["ipv4-cidr"].get<std::size_t>(), counts["ipv6-cidr"].get<std::size_t>(),
+                          unresolved.size(), us));
   if (opts_.after_switch) opts_.after_switch(target_ptr, next.generation);
   return json{{"phase", next.phase},
               {"mode", to_string(target.mode)},
@@ -310,8 +339,8 @@ void Sandbox::run_next_apply() {
       } else {
         for (const auto& l : *r) {
           if (dns::is_rebinding_target(l.addr)) {
-            log()->warn("rebinding guard: name={} addr={} not learned (loopback, link-local or metadata)", name,
-                        l.addr.to_string());
+            audit_event("rebinding_guard", {{"name", name}, {"address", l.addr.to_string()}, {"learned", false}},
+                        spdlog::level::warn);
             continue;
           }
           remember(name, l.addr, learn_timeout_ms(l.ttl));
@@ -448,8 +477,8 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     // The phase may have changed since the query was decided.
     if (!matcher_.matches(l.qname)) continue;
     if (dns::is_rebinding_target(l.addr)) {
-      log()->warn("rebinding guard: name={} addr={} not learned (loopback, link-local or metadata)", l.qname,
-                  l.addr.to_string());
+      audit_event("rebinding_guard", {{"name", l.qname}, {"address", l.addr.to_string()}, {"learned", false}},
+                  spdlog::level::warn);
       continue;
     }
     const std::uint64_t ms = learn_timeout_ms(l.ttl);

@@ -107,6 +107,20 @@ class Sandbox : public dns::PolicyHooks {
   std::uint32_t own_mark() const { return opts_.compile.own_mark; }
   const Phase& active_phase() const;
 
+  // ---- tamper repair (sandbox_tamper.cc; the tamper guard drives it) ----
+  // Replaces table inet egressd, whatever became of it (missing, changed,
+  // dormant), with the phase in force at the same generation, plus the
+  // learned addresses that phase allows, in one batch. On failure the kernel's
+  // error; nothing changed then.
+  Status restore_table();
+  // How the kernel's table differs from what the phase in force expects: the
+  // table missing or dormant, its comment, chains and sets by name, rules by
+  // comment in each chain. Empty when it matches. Set elements are not
+  // compared (learned ones come and go).
+  Result<std::vector<std::string>> verify_table();
+  // The netlink portid egressd's own nftables changes carry.
+  std::uint32_t kernel_portid() const { return kernel_->portid(); }
+
   // dns::PolicyHooks
   dns::Action decide(const std::string& qname) override;
   void learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) override;

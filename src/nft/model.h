@@ -128,6 +128,11 @@ struct Table {
 // One atomic change = one netlink batch. Operations run in order.
 struct OpAddTable { Table table; };       // the whole table with all contents
 struct OpDeleteTable { std::string name; };
+// `add table` without NLM_F_EXCL: creates an empty table when there is none,
+// leaves an existing one and its contents alone (and clears its flags, e.g.
+// dormant). Followed by OpDeleteTable and OpAddTable it replaces a table that
+// may or may not exist, in one transaction.
+struct OpEnsureTable { std::string name; };
 struct OpAddSet { Set set; };             // with its elements
 struct OpDeleteSet { std::string name; };
 struct OpAddElems { std::string set; SetType type; bool interval; std::vector<SetElem> elems; };
@@ -138,7 +143,7 @@ struct OpFlushChain { std::string name; };
 struct OpAddRule { std::string chain; Rule rule; };
 
 using Op = std::variant<OpAddTable, OpDeleteTable, OpAddSet, OpDeleteSet, OpAddElems, OpDeleteElems,
-                        OpAddChain, OpDeleteChain, OpFlushChain, OpAddRule>;
+                        OpAddChain, OpDeleteChain, OpFlushChain, OpAddRule, OpEnsureTable>;
 
 struct Change {
   std::string table = "egressd";

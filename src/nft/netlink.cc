@@ -190,7 +190,7 @@ NftUdata comment_udata(std::uint8_t type, const std::string& comment) {
 
 // ---- tables, chains, sets ----------------------------------------------------
 
-void put_table(BatchWriter& w, const std::string& name, const std::string& comment) {
+void put_table(BatchWriter& w, const std::string& name, const std::string& comment, bool exclusive = true) {
   auto t = checked<NftTable>(nftnl_table_alloc());
   nftnl_table_set_str(t.get(), NFTNL_TABLE_NAME, name.c_str());
   nftnl_table_set_u32(t.get(), NFTNL_TABLE_FLAGS, 0);
@@ -199,7 +199,7 @@ void put_table(BatchWriter& w, const std::string& name, const std::string& comme
     nftnl_table_set_data(t.get(), NFTNL_TABLE_USERDATA, nftnl_udata_buf_data(ud.get()),
                          nftnl_udata_buf_len(ud.get()));
   }
-  nlmsghdr* nlh = w.start(NFT_MSG_NEWTABLE, NLM_F_CREATE | NLM_F_EXCL, Verb::add_table, name);
+  nlmsghdr* nlh = w.start(NFT_MSG_NEWTABLE, static_cast<std::uint16_t>(NLM_F_CREATE | (exclusive ? NLM_F_EXCL : 0)), Verb::add_table, name);
   nftnl_table_nlmsg_build_payload(nlh, t.get());
   w.finish(nlh);
 }
@@ -565,6 +565,7 @@ struct OpWriter {
     }
   }
   void operator()(const OpDeleteTable& op) { put_named(w, NFT_MSG_DELTABLE, Verb::delete_table, table, op.name); }
+  void operator()(const OpEnsureTable& op) { put_table(w, op.name, "", false); }
   void operator()(const OpAddSet& op) { add_set(op.set); }
   void operator()(const OpDeleteSet& op) { put_named(w, NFT_MSG_DELSET, Verb::delete_set, table, op.name); }
   void operator()(const OpAddElems& op) { put_elems(w, table, op.set, op.type, op.interval, op.elems, ElemOp::add); }
@@ -718,7 +719,7 @@ class NetlinkKernel final : public Kernel {
     for (int attempt = 0; attempt < kReadAttempts; ++attempt) {
       TableInfo info;
       std::uint64_t table_before = 0, table_after = 0;
-      int err = get_table(name, table_before, &info.comment);
+      int err = get_table(name, table_before, &info.comment, &info.flags);
       if (err == ENOENT) return std::optional<TableInfo>{};
       if (err != 0) return errno_error("get table inet " + name, err);
       if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_)) != 0) return errno_error("list chains of table inet " + name, err);
@@ -958,13 +959,14 @@ class NetlinkKernel final : public Kernel {
   }
 
   // The table's handle (unique for the namespace's lifetime) and comment.
-  int get_table(const std::string& name, std::uint64_t& handle, std::string* comment) {
+  int get_table(const std::string& name, std::uint64_t& handle, std::string* comment, std::uint32_t* flags = nullptr) {
     nlmsghdr* req = request(NFT_MSG_GETTABLE, NFPROTO_INET, NLM_F_ACK);
     mnl_attr_put_strz(req, NFTA_TABLE_NAME, name.c_str());
     return talk(req, [&](const nlmsghdr* nlh) {
       auto t = checked<NftTable>(nftnl_table_alloc());
       if (nftnl_table_nlmsg_parse(nlh, t.get()) < 0) return;
       handle = nftnl_table_get_u64(t.get(), NFTNL_TABLE_HANDLE);
+      if (flags != nullptr) *flags = nftnl_table_get_u32(t.get(), NFTNL_TABLE_FLAGS);
       std::uint32_t len = 0;
       const void* ud = nftnl_table_get_data(t.get(), NFTNL_TABLE_USERDATA, &len);
       if (comment != nullptr && ud != nullptr) *comment = udata_comment(ud, len, NFTNL_UDATA_TABLE_COMMENT);
@@ -1024,6 +1026,8 @@ class NetlinkKernel final : public Kernel {
       out.push_back(std::move(ri));
     });
   }
+
+  std::uint32_t portid() const override { return mnl_socket_get_portid(sock_.get()); }
 
   static constexpr sockaddr_nl kernel_addr_{AF_NETLINK, 0, 0, 0};
 

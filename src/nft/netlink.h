@@ -25,6 +25,7 @@ struct RuleInfo {
 
 struct TableInfo {
   std::string comment;
+  std::uint32_t flags = 0;          // NFT_TABLE_F_* (dormant: the table does nothing)
   std::vector<std::string> chains;  // kernel order
   std::vector<std::string> sets;
   std::vector<RuleInfo> rules;      // every rule of every chain, kernel order
@@ -42,6 +43,10 @@ class Kernel {
   virtual Status apply(const Change& change) = 0;
   // Reads table inet `name`; nullopt when it does not exist.
   virtual Result<std::optional<TableInfo>> read_table(const std::string& name) = 0;
+  // The netlink portid of the socket changes are sent from (0 = none): the
+  // kernel's change notifications carry it, which tells egressd's own changes
+  // from everyone else's (nft/monitor.h).
+  virtual std::uint32_t portid() const { return 0; }
 };
 
 // Opens a netlink socket in the current network namespace.

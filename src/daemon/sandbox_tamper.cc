@@ -1,0 +1,74 @@
+// Sandbox: putting table inet egressd back after someone else changed it, and
+// comparing the kernel's table with the phase in force (tamper_guard.h).
+#include <linux/netfilter/nf_tables.h>
+
+#include <algorithm>
+#include <map>
+
+#include "daemon/sandbox.h"
+
+namespace egressd::daemon {
+
+Status Sandbox::restore_table() {
+  const Phase& phase = active_phase();
+  nft::Change ch;
+  ch.table = nft::kTableName;
+  // Ensure + delete + add: one transaction whether or not the table (or
+  // any of its contents) is still there, so there is no moment without it.
+  ch.ops.push_back(nft::OpEnsureTable{nft::kTableName});
+  ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
+  ch.ops.push_back(
+      nft::OpAddTable{nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile)});
+  for (auto& op : carried_learned(phase, active_chain())) ch.ops.push_back(std::move(op));
+  return kernel_->apply(ch);
+}
+
+Result<std::vector<std::string>> Sandbox::verify_table() {
+  auto read = kernel_->read_table(nft::kTableName);
+  if (!read) return read.error();
+  std::vector<std::string> diffs;
+  if (!read->has_value()) {
+    diffs.push_back("table inet egressd missing");
+    return diffs;
+  }
+  const nft::TableInfo& info = **read;
+  const Phase& phase = active_phase();
+  const nft::Table want = nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile);
+  if (info.flags & NFT_TABLE_F_DORMANT) diffs.push_back("table inet egressd dormant");
+  if (info.comment != want.comment) diffs.push_back("table comment changed");
+
+  auto compare_names = [&](const char* what, std::vector<std::string> have, std::vector<std::string> expect) {
+    std::sort(have.begin(), have.end());
+    std::sort(expect.begin(), expect.end());
+    std::vector<std::string> extra, missing;
+    std::set_difference(have.begin(), have.end(), expect.begin(), expect.end(), std::back_inserter(extra));
+    std::set_difference(expect.begin(), expect.end(), have.begin(), have.end(), std::back_inserter(missing));
+    for (const auto& n : extra) diffs.push_back(std::string(what) + " " + n + " added");
+    for (const auto& n : missing) diffs.push_back(std::string(what) + " " + n + " missing");
+  };
+  std::vector<std::string> want_chains, want_sets;
+  for (const auto& c : want.chains) want_chains.push_back(c.name);
+  for (const auto& s : want.sets) want_sets.push_back(s.name);
+  compare_names("chain", info.chains, want_chains);
+  compare_names("set", info.sets, want_sets);
+
+  std::map<std::string, std::vector<std::string>> have_rules;
+  for (const auto& r : info.rules) have_rules[r.chain].push_back(r.comment);
+  for (const auto& c : want.chains) {
+    std::vector<std::string> expect;
+    for (const auto& r : c.rules) expect.push_back(r.comment);
+    const auto it = have_rules.find(c.name);
+    const std::vector<std::string> none;
+    const auto& have = it == have_rules.end() ? none : it->second;
+    if (have == expect) continue;
+    if (it == have_rules.end() && std::find(info.chains.begin(), info.chains.end(), c.name) == info.chains.end()) {
+      continue;  // reported as a missing chain
+    }
+    diffs.push_back("chain " + c.name + ": " + std::to_string(have.size()) + " rules, " +
+                    std::to_string(expect.size()) + " expected" +
+                    (have.size() == expect.size() ? " (changed)" : ""));
+  }
+  return diffs;
+}
+
+}  // namespace egressd::daemon

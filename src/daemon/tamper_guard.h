@@ -1,0 +1,92 @@
+// Tamper detection: watches nftables change events in the sandbox's namespace
+// and puts table inet egressd back when anyone else changes it.
+//
+//   event      a transaction (ended by its NEWGEN) that deleted the table,
+//              flushed the ruleset, or added/deleted/changed chains, rules,
+//              sets or elements of the table, sent from a socket that is not
+//              egressd's own -> restore at once, log a `tamper` event.
+//   overrun    ENOBUFS on the event socket (notifications lost) -> re-dump
+//              the table, compare with the phase in force, restore if it
+//              differs; log a `monitor_overrun` event.
+//   timer      every verify_interval, the same comparison (safety net for
+//              anything the events could not show).
+//
+// A tamperer in a loop gets a restore per wakeup (never fewer: egressd must not
+// fail open), and at most `log_burst` tamper lines, then one per
+// `log_refill`; the suppressed count goes into the next line.
+//
+// Not thread-safe: runs on the daemon's event loop.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <memory>
+
+#include "daemon/sandbox.h"
+#include "egressd/result.h"
+#include "nft/monitor.h"
+
+namespace egressd::daemon {
+
+struct TamperGuardOptions {
+  std::chrono::milliseconds verify_interval{5000};  // 0 = no periodic verification
+  // Event socket receive buffer. Large: egressd's own switch of a 10k-entry
+  // policy is 10k element notifications (coalesced by the kernel into ~8 KiB
+  // skbs). grow_rcvbuf doubles it on each overrun up to kMaxRcvbuf.
+  int rcvbuf = 8 << 20;
+  bool grow_rcvbuf = true;
+  std::size_t log_burst = 10;
+  std::chrono::milliseconds log_refill{1000};
+};
+
+class TamperGuard {
+ public:
+  static constexpr int kMaxRcvbuf = 64 << 20;
+
+  // Subscribes to the events of the current network namespace. Call before
+  // sandbox.start() so that nothing after it goes unseen; start() begins
+  // reading. The sandbox must outlive the guard.
+  static Result<std::unique_ptr<TamperGuard>> open(boost::asio::io_context& io, Sandbox& sandbox,
+                                                    TamperGuardOptions opts);
+  ~TamperGuard();
+
+  void start();
+  void close();
+
+  std::uint64_t tampers() const { return tampers_; }
+  std::uint64_t restores() const { return restores_; }
+
+ private:
+  TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, nft::MonitorSocket sock, TamperGuardOptions opts);
+  void wait_readable();
+  void on_readable();
+  void on_verify_timer();
+  // Restores the table; returns the time it took (us) or the error.
+  Result<std::int64_t> restore();
+  void schedule_retry();
+  bool take_log_token();
+  void log_tamper(const nft::Tamper& t, const Result<std::int64_t>& restored);
+
+  boost::asio::io_context& io_;
+  Sandbox& sandbox_;
+  nft::MonitorSocket sock_;
+  TamperGuardOptions opts_;
+  nft::ChangeTracker tracker_;
+  boost::asio::posix::stream_descriptor sd_;
+  boost::asio::steady_timer verify_timer_;
+  boost::asio::steady_timer retry_timer_;
+  std::chrono::milliseconds retry_delay_{0};
+  bool closed_ = false;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // log rate limit (token bucket)
+  double tokens_;
+  std::chrono::steady_clock::time_point tokens_at_;
+  std::uint64_t suppressed_ = 0;
+  std::uint64_t tampers_ = 0;
+  std::uint64_t restores_ = 0;
+  std::uint64_t overruns_ = 0;
+};
+
+}  // namespace egressd::daemon

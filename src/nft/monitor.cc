@@ -1,0 +1,276 @@
+#include "nft/monitor.h"
+
+#include <arpa/inet.h>
+#include <libmnl/libmnl.h>
+#include <linux/netfilter.h>
+#include <linux/netfilter/nf_tables.h>
+#include <linux/netfilter/nfnetlink.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace egressd::nft {
+
+namespace {
+
+// Every nf_tables object message carries its table name as attribute 1
+// (NFTA_TABLE_NAME, NFTA_CHAIN_TABLE, NFTA_RULE_TABLE, NFTA_SET_TABLE,
+// NFTA_SET_ELEM_LIST_TABLE, NFTA_OBJ_TABLE, NFTA_FLOWTABLE_TABLE). The object
+// name attribute differs per type.
+struct TypeInfo {
+  ObjKind kind;
+  bool added;
+  std::uint16_t name_attr;  // 0 = none
+};
+
+std::optional<TypeInfo> type_info(std::uint16_t msg) {
+  switch (msg) {
+    case NFT_MSG_NEWTABLE: return TypeInfo{ObjKind::table, true, 0};
+    case NFT_MSG_DELTABLE: return TypeInfo{ObjKind::table, false, 0};
+    case NFT_MSG_NEWCHAIN: return TypeInfo{ObjKind::chain, true, NFTA_CHAIN_NAME};
+    case NFT_MSG_DELCHAIN: return TypeInfo{ObjKind::chain, false, NFTA_CHAIN_NAME};
+    case NFT_MSG_NEWRULE: return TypeInfo{ObjKind::rule, true, NFTA_RULE_CHAIN};
+    case NFT_MSG_DELRULE: return TypeInfo{ObjKind::rule, false, NFTA_RULE_CHAIN};
+    case NFT_MSG_NEWSET: return TypeInfo{ObjKind::set, true, NFTA_SET_NAME};
+    case NFT_MSG_DELSET: return TypeInfo{ObjKind::set, false, NFTA_SET_NAME};
+    case NFT_MSG_NEWSETELEM: return TypeInfo{ObjKind::element, true, NFTA_SET_ELEM_LIST_SET};
+    case NFT_MSG_DELSETELEM: return TypeInfo{ObjKind::element, false, NFTA_SET_ELEM_LIST_SET};
+    case NFT_MSG_NEWOBJ: return TypeInfo{ObjKind::object, true, NFTA_OBJ_NAME};
+    case NFT_MSG_DELOBJ: return TypeInfo{ObjKind::object, false, NFTA_OBJ_NAME};
+    case NFT_MSG_NEWFLOWTABLE: return TypeInfo{ObjKind::flowtable, true, NFTA_FLOWTABLE_NAME};
+    case NFT_MSG_DELFLOWTABLE: return TypeInfo{ObjKind::flowtable, false, NFTA_FLOWTABLE_NAME};
+    default: return std::nullopt;
+  }
+}
+
+// A NUL-terminated string attribute as std::string; "" if malformed.
+std::string attr_str(const nlattr* a) {
+  if (mnl_attr_validate(a, MNL_TYPE_NUL_STRING) < 0) return "";
+  return mnl_attr_get_str(a);
+}
+
+std::uint32_t attr_be32(const nlattr* a) {
+  if (mnl_attr_validate(a, MNL_TYPE_U32) < 0) return 0;
+  return ntohl(mnl_attr_get_u32(a));
+}
+
+const char* kind_name(ObjKind k) {
+  switch (k) {
+    case ObjKind::table: return "table";
+    case ObjKind::chain: return "chain";
+    case ObjKind::rule: return "rule";
+    case ObjKind::set: return "set";
+    case ObjKind::element: return "element";
+    case ObjKind::object: return "object";
+    case ObjKind::flowtable: return "flowtable";
+  }
+  return "object";
+}
+
+}  // namespace
+
+std::optional<Event> parse_event(const nlmsghdr* nlh) {
+  if (NFNL_SUBSYS_ID(nlh->nlmsg_type) != NFNL_SUBSYS_NFTABLES) return std::nullopt;
+  if (nlh->nlmsg_len < NLMSG_LENGTH(sizeof(nfgenmsg))) return std::nullopt;
+  const std::uint16_t msg = NFNL_MSG_TYPE(nlh->nlmsg_type);
+  const auto* gen = static_cast<const nfgenmsg*>(mnl_nlmsg_get_payload(nlh));
+  Event ev;
+  ev.portid = nlh->nlmsg_pid;
+  ev.family = gen->nfgen_family;
+  if (msg == NFT_MSG_NEWGEN) {
+    ev.is_gen = true;
+    mnl_attr_parse(nlh, sizeof(nfgenmsg), [](const nlattr* a, void* p) -> int {
+      auto* e = static_cast<Event*>(p);
+      switch (mnl_attr_get_type(a)) {
+        case NFTA_GEN_ID: e->gen_id = attr_be32(a); break;
+        case NFTA_GEN_PROC_PID: e->proc_pid = attr_be32(a); break;
+        case NFTA_GEN_PROC_NAME: e->proc_name = attr_str(a); break;
+        default: break;
+      }
+      return MNL_CB_OK;
+    }, &ev);
+    return ev;
+  }
+  const auto info = type_info(msg);
+  if (!info) return std::nullopt;
+  ev.kind = info->kind;
+  ev.added = info->added;
+  struct Ctx {
+    Event* ev;
+    std::uint16_t name_attr;
+    bool has_table = false;
+  } ctx{&ev, info->name_attr};
+  const int rc = mnl_attr_parse(nlh, sizeof(nfgenmsg), [](const nlattr* a, void* p) -> int {
+    auto* c = static_cast<Ctx*>(p);
+    const std::uint16_t type = mnl_attr_get_type(a);
+    if (type == 1) {  // the table name, see above
+      c->ev->table = attr_str(a);
+      c->has_table = true;
+    } else if (c->name_attr != 0 && type == c->name_attr) {
+      c->ev->object = attr_str(a);
+    }
+    if (c->ev->kind == ObjKind::element && type == NFTA_SET_ELEM_LIST_ELEMENTS) {
+      // mnl_attr_for_each_nested is C (void* to nlattr*); the same walk by hand.
+      int rest = static_cast<int>(mnl_attr_get_payload_len(a));
+      for (auto* e = static_cast<const nlattr*>(mnl_attr_get_payload(a)); mnl_attr_ok(e, rest);
+           e = mnl_attr_next(e)) {
+        rest -= static_cast<int>(MNL_ALIGN(e->nla_len));
+        ++c->ev->elements;
+      }
+    }
+    return MNL_CB_OK;
+  }, &ctx);
+  if (rc < 0 || !ctx.has_table) return std::nullopt;
+  return ev;
+}
+
+std::string TableChanges::describe(const std::string& table) const {
+  const std::string name = "table inet " + table;
+  if (table_deleted) {
+    if (other_tables_deleted > 0) {
+      return "ruleset flushed (" + name + " and " + std::to_string(other_tables_deleted) + " other table" +
+             (other_tables_deleted == 1 ? "" : "s") + " deleted)";
+    }
+    return name + " deleted";
+  }
+  std::string out;
+  auto add = [&](const std::string& s) { out += (out.empty() ? "" : ", ") + s; };
+  if (table_added) add(name + " changed");
+  for (const auto& [key, n] : objects) {
+    const auto& [kind, added, obj] = key;
+    const char* verb = added ? "added" : "deleted";
+    switch (kind) {
+      case ObjKind::rule:
+        add((n == 1 ? std::string("rule ") : std::to_string(n) + " rules ") + verb + (added ? " to" : " from") +
+            " chain " + obj);
+        break;
+      case ObjKind::element:
+        add((n == 1 ? std::string("element ") : std::to_string(n) + " elements ") + verb +
+            (added ? " to" : " from") + " set " + obj);
+        break;
+      case ObjKind::chain:
+      case ObjKind::set:
+        // NEW on an existing chain or set is a change (policy, hook, flags).
+        add(std::string(kind_name(kind)) + " " + obj + " " + (added ? "added or changed" : "deleted"));
+        break;
+      default:
+        add(std::string(kind_name(kind)) + " " + obj + " " + verb);
+        break;
+    }
+  }
+  if (more > 0) add(std::to_string(more) + " more change" + (more == 1 ? "" : "s"));
+  return out.empty() ? name + " changed" : out;
+}
+
+bool ChangeTracker::is_own(std::uint32_t portid) const {
+  return portid != 0 && std::find(own_.begin(), own_.end(), portid) != own_.end();
+}
+
+std::optional<Tamper> ChangeTracker::feed(const nlmsghdr* nlh) {
+  if (NFNL_SUBSYS_ID(nlh->nlmsg_type) != NFNL_SUBSYS_NFTABLES) return std::nullopt;
+  // egressd's own changes: only their NEWGEN matters (it ends the transaction).
+  if (is_own(nlh->nlmsg_pid) && NFNL_MSG_TYPE(nlh->nlmsg_type) != NFT_MSG_NEWGEN) return std::nullopt;
+  auto ev = parse_event(nlh);
+  if (!ev) return std::nullopt;
+  return feed(*ev);
+}
+
+std::optional<Tamper> ChangeTracker::feed(const Event& ev) {
+  if (ev.is_gen) {
+    std::optional<Tamper> out;
+    if (!pending_.empty() && !is_own(ev.portid)) {
+      out = Tamper{std::move(pending_), ev.portid, ev.proc_pid, ev.proc_name, ev.gen_id};
+    }
+    pending_ = {};
+    return out;
+  }
+  if (is_own(ev.portid)) return std::nullopt;
+  if (ev.family != NFPROTO_INET || ev.table != table_) {
+    if (ev.kind == ObjKind::table && !ev.added) ++pending_.other_tables_deleted;
+    return std::nullopt;
+  }
+  if (ev.kind == ObjKind::table) {
+    (ev.added ? pending_.table_added : pending_.table_deleted) = true;
+    return std::nullopt;
+  }
+  // Anonymous sets (`{ a, b }` inside a rule) come and go with their rule,
+  // which is reported.
+  if ((ev.kind == ObjKind::set || ev.kind == ObjKind::element) && ev.object.rfind("__set", 0) == 0) {
+    return std::nullopt;
+  }
+  const std::uint32_t n = ev.kind == ObjKind::element ? std::max<std::uint32_t>(ev.elements, 1) : 1;
+  auto key = std::make_tuple(ev.kind, ev.added, ev.object);
+  if (auto it = pending_.objects.find(key); it != pending_.objects.end()) {
+    it->second += n;
+  } else if (pending_.objects.size() < TableChanges::kMaxObjects) {
+    pending_.objects.emplace(std::move(key), n);
+  } else {
+    pending_.more += n;
+  }
+  return std::nullopt;
+}
+
+// ---- socket ----------------------------------------------------------------
+
+Result<MonitorSocket> MonitorSocket::open(int rcvbuf) {
+  UniqueFd fd(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_NETFILTER));
+  if (!fd.ok()) return errno_error("open nftables monitor socket (NETLINK_NETFILTER)", errno);
+  if (rcvbuf > 0) {
+    // Before subscribing: a burst right after the subscription must fit.
+    // SO_RCVBUFFORCE needs CAP_NET_ADMIN in the initial user namespace; the
+    // plain option is capped by net.core.rmem_max.
+    if (setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUFFORCE, &rcvbuf, sizeof rcvbuf) < 0) {
+      (void)setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+    }
+  }
+  sockaddr_nl addr{};
+  addr.nl_family = AF_NETLINK;
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) < 0) {
+    return errno_error("bind nftables monitor socket", errno);
+  }
+  socklen_t len = sizeof addr;
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) < 0) {
+    return errno_error("getsockname of nftables monitor socket", errno);
+  }
+  int group = NFNLGRP_NFTABLES;
+  if (setsockopt(fd.get(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &group, sizeof group) < 0) {
+    return errno_error("subscribe to nftables events (NFNLGRP_NFTABLES)", errno);
+  }
+  return MonitorSocket(std::move(fd), addr.nl_pid);
+}
+
+int MonitorSocket::rcvbuf() const {
+  int v = 0;
+  socklen_t l = sizeof v;
+  if (getsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &v, &l) < 0) return 0;
+  return v;
+}
+
+Result<MonitorSocket::ReadResult> MonitorSocket::read(const std::function<void(const nlmsghdr*)>& on_msg,
+                                                      std::size_t max_datagrams) {
+  ReadResult r;
+  for (std::size_t i = 0; i < max_datagrams; ++i) {
+    const ssize_t n = ::recv(fd_.get(), buf_.data(), buf_.size(), MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ENOBUFS) {  // the queue overflowed: what was dropped is gone
+        r.overrun = true;
+        continue;
+      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return r;
+      return errno_error("read nftables events", errno);
+    }
+    int rest = static_cast<int>(n);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(buf_.data()); mnl_nlmsg_ok(nlh, rest);
+         nlh = mnl_nlmsg_next(nlh, &rest)) {
+      ++r.messages;
+      on_msg(nlh);
+    }
+  }
+  r.more = true;
+  return r;
+}
+
+}  // namespace egressd::nft
