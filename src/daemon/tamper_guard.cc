@@ -128,9 +128,11 @@ void TamperGuard::on_readable() {
       audit_event("monitor_overrun", f, spdlog::level::err);
       schedule_retry();
     } else if (diffs->empty()) {
+      // Nothing to repair: rate-limited like tamper lines (a flood of changes
+      // to other tables can overrun the socket on every wakeup).
       f["differences"] = json::array();
       f["restored"] = false;
-      audit_event("monitor_overrun", f, spdlog::level::warn);
+      if (take_log_token()) audit_event("monitor_overrun", f, spdlog::level::warn);
     } else {
       ++tampers_;
       auto restored = restore();

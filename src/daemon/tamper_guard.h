@@ -54,6 +54,9 @@ class TamperGuard {
 
   void start();
   void close();
+  // Another netlink socket of egressd's own whose nftables changes are not
+  // tampering (the sandbox's kernel socket is known from the start).
+  void add_own_portid(std::uint32_t portid) { tracker_.add_own_portid(portid); }
 
   std::uint64_t tampers() const { return tampers_; }
   std::uint64_t restores() const { return restores_; }
