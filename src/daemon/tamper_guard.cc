@@ -171,7 +171,6 @@ void TamperGuard::on_verify_timer() {
     ++tampers_;
     const auto t0 = Clock::now();
     auto restored = restore();
-    nft::Tamper t;
     std::string what;
     for (const auto& d : *diffs) what += (what.empty() ? "" : ", ") + d;
     Result<std::int64_t> timed = restored ? Result<std::int64_t>(us_since(t0)) : restored;
