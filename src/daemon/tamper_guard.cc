@@ -116,11 +116,12 @@ void TamperGuard::on_readable() {
     Result<std::int64_t> timed = restored ? Result<std::int64_t>(us_since(t_event)) : restored;
     for (const auto& t : found) log_tamper(t, timed);
     if (found_total > found.size()) suppressed_ += found_total - found.size();
-  } else if (overrun) {
+  }
+  if (overrun) {
     // Some notifications are gone: the table may have been changed by
-    // anyone. Re-dump it and compare; restore only when it differs (egressd's
-    // own big switch can overrun the buffer and must not cause a rebuild,
-    // which would cause the next overrun).
+    // anyone, also after a tamper just restored. Re-dump it and compare;
+    // restore only when it differs (egressd's own big switch can overrun the
+    // buffer and must not cause a rebuild, which would cause the next overrun).
     auto diffs = sandbox_.verify_table();
     json f{{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_.rcvbuf()}};
     if (!diffs) {

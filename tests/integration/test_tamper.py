@@ -15,6 +15,7 @@ The contract:
 The tamperer is the nft CLI run inside the sandbox namespace (as root, i.e. with NET_ADMIN: the
 sandbox must never have it, see docs/security.md).
 """
+import datetime
 import json
 import re
 import signal
@@ -57,6 +58,10 @@ def log_lines(d) -> list[dict]:
         assert isinstance(obj, dict), line
         out.append(obj)
     return out
+
+
+def parse_time(t: str) -> datetime.datetime:
+    return datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.timezone.utc)
 
 
 def events(d, name: str) -> list[dict]:
@@ -228,17 +233,24 @@ def test_event_socket_overrun_redumps_and_restores(lab, egressd):
     script = ("table inet flood {\n  set s { type ipv4_addr; }\n}\n"
               f"add element inet flood s {{ {elems} }}\n"
               "insert rule inet egressd output accept\n")
+    flood_at = datetime.datetime.now(datetime.timezone.utc)
     rc, _, err = lab.nft(lab.sandbox, "-f", "-", input=script)
     assert rc == 0, err
 
-    def repaired():
-        return [e for e in events(d, "monitor_overrun") if e.get("restored") is True]
-    ev = labmod.wait_for(repaired, 3.0, "a monitor_overrun event that restored the table")[0]
-    assert ev["redumped"] is True, ev
-    assert any("chain output" in x for x in ev["differences"]), ev
-    assert ev["restore_us"] > 0, ev
-    assert normalized_table(lab) == table
+    def redumped_after_flood():
+        # Any overrun logged after the flood started is the flood's (egressd's own start-up
+        # batch may have overrun the tiny buffer too, before).
+        return [e for e in events(d, "monitor_overrun")
+                if e["redumped"] is True and "error" not in e and parse_time(e["time"]) >= flood_at]
+    ev = labmod.wait_for(redumped_after_flood, 3.0, "a monitor_overrun event after the flood")
+    labmod.wait_for(lambda: normalized_table(lab) == table, 2.0, "the accept rule to be removed")
     assert denied(lab.tcp_connect(DENIED_IP, 80))
+    # Repaired by the re-dump, unless the rule's own notification squeezed through (the daemon
+    # reads on the other core while the kernel delivers) and the event path repaired it first.
+    by_redump = [e for e in ev if e["restored"] is True and any("chain output" in x for x in e["differences"])]
+    by_event = [e for e in events(d, "tamper") if e["what"] == "rule added to chain output"]
+    assert by_redump or by_event, (ev, events(d, "tamper"))
+    print(f"overrun: repaired by {'re-dump' if by_redump else 'event'}: {(by_redump or by_event)[0]}")
     # The daemon keeps watching: a later tamper is still caught (by the event or by a re-dump).
     rc, _, err = lab.nft(lab.sandbox, "delete table inet egressd")
     assert rc == 0, err
