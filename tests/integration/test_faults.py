@@ -67,13 +67,26 @@ def table_json(lab) -> dict:
 
 def active_policy(t: dict) -> tuple[int, str]:
     """(generation from the state comment, chain `active` jumps to); asserts chain `active` is
-    one state rule and one goto, as the compiler writes it."""
+    one state rule and one goto, as the compiler writes it, and that the ct mark of the state
+    rule, of the comment and of every accept in the target chain are the same, and the target
+    chain uses only its own sets."""
     rules = [r for r in t["rules"] if r["chain"] == "active"]
     comments = [r["comment"] for r in rules if r.get("comment", "").startswith("egressd gen=")]
     gotos = [stmt["goto"]["target"] for r in rules for stmt in r["expr"] if "goto" in stmt]
     gotos += [stmt["jump"]["target"] for r in rules for stmt in r["expr"] if "jump" in stmt]
     assert len(comments) == 1 and len(gotos) == 1, f"chain active is not one state rule + one goto: {rules}"
     fields = dict(kv.split("=", 1) for kv in comments[0].split()[1:] if "=" in kv)
+    mark = int(fields["mark"], 16)
+    ct_mark = {"ct": {"key": "mark"}}
+    matched = [e["match"]["right"] for r in rules for e in r["expr"]
+               if "match" in e and e["match"]["left"] == ct_mark]
+    assert matched == [mark], f"state rule matches ct mark {matched}, its comment says {mark:#x}"
+    target = [r for r in t["rules"] if r["chain"] == gotos[0]]
+    set_marks = {e["mangle"]["value"] for r in target for e in r["expr"] if "mangle" in e}
+    assert set_marks == {mark}, f"chain {gotos[0]} sets ct marks {set_marks}, want {mark:#x}"
+    used = {e["match"]["right"] for r in target for e in r["expr"]
+            if "match" in e and isinstance(e["match"]["right"], str) and e["match"]["right"].startswith("@")}
+    assert all(u.startswith(f"@{gotos[0]}_") for u in used), f"chain {gotos[0]} uses sets {sorted(used)}"
     return int(fields["gen"]), gotos[0]
 
 
