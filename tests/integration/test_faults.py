@@ -336,6 +336,8 @@ def check_socket_is_ours(d):
 def test_deleted_socket_file_is_recreated(lab, egressd):
     d = egressd(SOCKET_CONFIG)
     held = d.connect()  # a client connected before keeps its connection
+    assert d.request({"cmd": "ping"}).get("ok") is True
+    base_fds = fd_count(d.pid)
     os.unlink(d.socket_path)
     labmod.wait_for(lambda: d.socket_path.exists() and ctl_works(d), SOCKET_DEADLINE,
                     "egressctl to work again after the socket file was deleted")
@@ -344,6 +346,9 @@ def test_deleted_socket_file_is_recreated(lab, egressd):
     held.sendall(b'{"cmd":"ping"}\n')
     assert read_reply(held).get("ok") is True
     held.close()
+    # The old listening socket was closed, not leaked.
+    labmod.wait_for(lambda: fd_count(d.pid) <= base_fds - 1, SOCKET_DEADLINE,
+                    f"egressd's open files to drop below {base_fds} (now {fd_count(d.pid)})")
     # The policy did not change, and the new socket takes a switch.
     assert rejected(lab.tcp_connect("198.51.100.11", 80))
     assert d.request({"cmd": "apply", "phase": "environment"}).get("ok") is True
