@@ -227,9 +227,10 @@ struct ReplyState {
 
 struct State {
   State(asio::io_context& io, ServerOptions o, Handler h)
-      : acceptor(io), opts(std::move(o)), handler(std::move(h)), log(control_logger()) {}
+      : acceptor(io), watch_timer(io), opts(std::move(o)), handler(std::move(h)), log(control_logger()) {}
 
   stream::acceptor acceptor;
+  asio::steady_timer watch_timer;  // socket-file check (ServerOptions::watch_interval)
   ServerOptions opts;
   Handler handler;
   std::shared_ptr<spdlog::logger> log;
@@ -238,6 +239,11 @@ struct State {
   bool closed = false;
   dev_t dev = 0;
   ino_t ino = 0;
+  std::optional<uid_t> owner;  // who the socket file is given to (see Server::listen)
+  // Bumped each time the socket is bound again; an accept loop of an older
+  // listener ends instead of accepting on the new one.
+  std::uint64_t listen_gen = 0;
+  std::string watch_problem;  // the last problem logged by the socket-file check
 
   bool authorized(uid_t uid) const { return uid == 0 || opts.allowed_uids.count(uid) > 0; }
 };
@@ -408,12 +414,13 @@ awaitable<void> session(std::shared_ptr<State> st, std::shared_ptr<Conn> c) {
   }
 }
 
-awaitable<void> accept_loop(std::shared_ptr<State> st) {
+awaitable<void> accept_loop(std::shared_ptr<State> st, std::uint64_t gen) {
   asio::steady_timer backoff(st->acceptor.get_executor());
-  while (!st->closed) {
+  while (!st->closed && st->listen_gen == gen) {
     boost::system::error_code ec;
     stream::socket sock = co_await st->acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
     if (st->closed) co_return;
+    if (ec && st->listen_gen != gen) co_return;  // our listener was replaced by a new one
     if (ec) {
       if (ec == asio::error::operation_aborted) co_return;
       st->log->warn("accept failed path={} error={}", st->opts.path, ec.message());
@@ -444,6 +451,90 @@ awaitable<void> accept_loop(std::shared_ptr<State> st) {
   }
 }
 
+bool file_intact(const State& st) {
+  if (st.ino == 0) return false;
+  struct stat s {};
+  if (::lstat(st.opts.path.c_str(), &s) != 0) return false;
+  return S_ISSOCK(s.st_mode) && s.st_dev == st.dev && s.st_ino == st.ino;
+}
+
+const char* file_kind(mode_t m) {
+  if (S_ISREG(m)) return "regular file";
+  if (S_ISDIR(m)) return "directory";
+  if (S_ISLNK(m)) return "symbolic link";
+  if (S_ISFIFO(m)) return "fifo";
+  if (S_ISCHR(m) || S_ISBLK(m)) return "device node";
+  return "file";
+}
+
+// Takes the new listening socket `fd` (bound at the path) in place of the old one.
+Status adopt_listener(State& st, int fd) {
+  struct stat s {};
+  if (::stat(st.opts.path.c_str(), &s) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return errno_error("cannot stat control socket " + st.opts.path + " after bind", err);
+  }
+  boost::system::error_code ec;
+  st.acceptor.close(ec);  // wakes the old accept loop with operation_aborted
+  st.acceptor.assign(stream(), fd, ec);
+  if (ec) {
+    ::close(fd);
+    ::unlink(st.opts.path.c_str());
+    st.dev = 0;
+    st.ino = 0;
+    return Error::runtime("cannot watch control socket " + st.opts.path + ": " + ec.message());
+  }
+  st.dev = s.st_dev;
+  st.ino = s.st_ino;
+  ++st.listen_gen;
+  return Status::success();
+}
+
+// The socket-file check: a path that no longer leads to our socket is bound
+// again if it is free or holds a socket (ours unlinked and re-created, a stale
+// one, or someone else's, live or not); anything else there is left alone.
+// The rule is documented in docs/security.md and docs/protocol.md.
+void check_socket_file(const std::shared_ptr<State>& st) {
+  if (st->closed || file_intact(*st)) return;
+  const std::string& path = st->opts.path;
+  auto problem = [&](const std::string& msg) {
+    if (msg == st->watch_problem) return;  // said once, not every tick
+    st->watch_problem = msg;
+    st->log->error("control socket path={} unusable: {}; egressctl cannot connect until this is fixed", path, msg);
+  };
+  std::string what;
+  struct stat s {};
+  if (::lstat(path.c_str(), &s) != 0) {
+    if (errno != ENOENT) return problem(std::string("cannot stat it: ") + std::strerror(errno));
+    what = "was deleted";
+  } else if (S_ISSOCK(s.st_mode)) {
+    what = "was replaced by another socket (owner uid " + std::to_string(s.st_uid) + ", inode " +
+           std::to_string(s.st_ino) + ")";
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      return problem("it was replaced by another socket, which cannot be removed: " + std::string(std::strerror(errno)));
+  } else {
+    return problem(std::string("it is now a ") + file_kind(s.st_mode) + " (owner uid " + std::to_string(s.st_uid) +
+                   "), not our socket; not replacing it");
+  }
+  auto fd = bind_socket(path, st->owner);
+  if (!fd) return problem("cannot bind it again: " + fd.error().message);
+  if (auto a = adopt_listener(*st, *fd); !a) return problem(a.error().message);
+  st->watch_problem.clear();
+  st->log->warn("control socket path={} {}; listening there again (mode 0600)", path, what);
+  asio::co_spawn(st->acceptor.get_executor(), accept_loop(st, st->listen_gen), asio::detached);
+}
+
+awaitable<void> watch_loop(std::shared_ptr<State> st) {
+  while (!st->closed) {
+    boost::system::error_code ec;
+    st->watch_timer.expires_after(st->opts.watch_interval);
+    co_await st->watch_timer.async_wait(asio::redirect_error(use_awaitable, ec));
+    if (st->closed) co_return;
+    check_socket_file(st);
+  }
+}
+
 class ServerImpl final : public Server {
  public:
   explicit ServerImpl(std::shared_ptr<State> st) : st_(std::move(st)) {}
@@ -454,6 +545,7 @@ class ServerImpl final : public Server {
     st_->closed = true;
     boost::system::error_code ec;
     st_->acceptor.close(ec);
+    st_->watch_timer.cancel();
     // Copy: closing wakes sessions, whose cleanup erases from the set.
     auto conns = st_->conns;
     for (auto& c : conns) c->close();
@@ -465,12 +557,7 @@ class ServerImpl final : public Server {
     st_->log->info("control socket closed path={}", st_->opts.path);
   }
 
-  bool socket_file_intact() const override {
-    if (st_->ino == 0) return false;
-    struct stat s {};
-    if (::lstat(st_->opts.path.c_str(), &s) != 0) return false;
-    return S_ISSOCK(s.st_mode) && s.st_dev == st_->dev && s.st_ino == st_->ino;
-  }
+  bool socket_file_intact() const override { return file_intact(*st_); }
 
  private:
   std::shared_ptr<State> st_;
@@ -490,6 +577,7 @@ Result<std::unique_ptr<Server>> Server::listen(boost::asio::io_context& io, Serv
   auto fd = bind_socket(opts.path, owner);
   if (!fd) return fd.error();
   auto st = std::make_shared<State>(io, std::move(opts), std::move(handler));
+  st->owner = owner;
   struct stat s {};
   if (::stat(st->opts.path.c_str(), &s) != 0) {
     const int err = errno;
@@ -509,7 +597,8 @@ Result<std::unique_ptr<Server>> Server::listen(boost::asio::io_context& io, Serv
   for (uid_t u : st->opts.allowed_uids)
     if (u != 0) uids += "," + std::to_string(u);
   st->log->info("listening path={} allowed_uids={} max_clients={}", st->opts.path, uids, st->opts.max_clients);
-  asio::co_spawn(io, accept_loop(st), asio::detached);
+  asio::co_spawn(io, accept_loop(st, st->listen_gen), asio::detached);
+  if (st->opts.watch_interval.count() > 0) asio::co_spawn(io, watch_loop(st), asio::detached);
   return std::unique_ptr<Server>(std::make_unique<ServerImpl>(std::move(st)));
 }
 

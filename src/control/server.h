@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <boost/asio/io_context.hpp>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -39,6 +40,13 @@ struct ServerOptions {
   // but need their own way to the file (e.g. a bind mount).
   std::set<uid_t> allowed_uids;
   std::size_t max_clients = 128;  // beyond this, new connections are closed at once
+  // How often the server checks that the socket file at `path` is still the
+  // one it bound (0: never). When it is not, the server binds a new listening
+  // socket there, with the same mode and owner, if the path is now free or
+  // holds a socket; anything else at the path is left alone and logged
+  // (docs/security.md, "The control socket file"). Connections already
+  // accepted are not affected.
+  std::chrono::milliseconds watch_interval{0};
 };
 
 // Runs on the io_context it was given (single-threaded): call close() and

@@ -167,6 +167,7 @@ int cmd_run(const RunArgs& a) {
   control::ServerOptions sopts;
   sopts.path = a.socket;
   sopts.allowed_uids.insert(a.allow_uids.begin(), a.allow_uids.end());
+  sopts.watch_interval = std::chrono::seconds(1);  // re-create the socket file if it goes
   auto server = control::Server::listen(io, sopts, [&](const nlohmann::json& req, control::Reply reply) {
     sandbox.handle(req, std::move(reply));
   });

@@ -587,6 +587,7 @@ json Sandbox::status() {
   if (proxy_ != nullptr) {
     const auto c = proxy_->counters();
     j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed}, {"malformed", c.malformed}};
+    j["dns"]["inflight"] = c.inflight;
   } else {
     j["dns"] = nullptr;
   }

@@ -138,7 +138,11 @@ class Core : public std::enable_shared_from_this<Core> {
   void close();
   bool closed() const { return closed_; }
   std::uint16_t port() const { return port_; }
-  ProxyCounters counters() const { return counters_; }
+  ProxyCounters counters() const {
+    ProxyCounters c = counters_;
+    c.inflight = inflight_;
+    return c;
+  }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done);
 
   // One query from a client. `msg` is modified (the upstream ID is written

@@ -56,8 +56,11 @@ struct ProxyOptions {
 // forwarded: sent upstream; refused: answered REFUSED/NXDOMAIN by policy;
 // failed: answered SERVFAIL (upstream failure, learn failure, inflight limit);
 // malformed: dropped or answered FORMERR/NOTIMP.
+// inflight: forwarded queries not answered yet (a gauge, not a counter; at
+// most max_inflight).
 struct ProxyCounters {
   std::uint64_t forwarded = 0, refused = 0, failed = 0, malformed = 0;
+  std::uint64_t inflight = 0;
 };
 
 // Single-threaded: every call, and every PolicyHooks call it makes, runs on

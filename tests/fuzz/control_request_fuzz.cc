@@ -152,6 +152,9 @@ struct Slot {
   int replies = 0;
   json reply;
   std::string cmd;
+  // True while handle() runs: a reply then is synchronous. Kept here, not on
+  // the loop's stack, because a held apply replies after its line's iteration.
+  bool sync = true;
 };
 
 }  // namespace
@@ -213,12 +216,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto switched_before = switched.size();
     Slot& slot = slots.emplace_back();
     slot.cmd = (*req)["cmd"].get<std::string>();
-    bool sync = true;
-    sb.handle(*req, [&slot, &sb, &last_async_gen, &sync, &kernel](json r) {
+    sb.handle(*req, [&slot, &sb, &last_async_gen, &kernel](json r) {
       ++slot.replies;
       FUZZ_CHECK(slot.replies == 1);
       check_shape(r);
-      if (!sync && r["ok"].get<bool>()) {
+      if (!slot.sync && r["ok"].get<bool>()) {
         // A queued apply completing: in order, and in force when answered.
         const auto g = r["generation"].get<std::uint64_t>();
         FUZZ_CHECK(g == sb.state().generation);
@@ -228,7 +230,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       slot.reply = std::move(r);
     });
-    sync = false;
+    slot.sync = false;
     if (slot.replies == 1) {
       const json& r = slot.reply;
       if (!r["ok"].get<bool>()) {

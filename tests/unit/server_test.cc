@@ -658,3 +658,103 @@ TEST_CASE("a number too large for a double gets invalid_request, and the connect
   CHECK(r.reply()["id"] == 3);
   CHECK(calls == 1);
 }
+
+// --- the socket file under the server's feet (ServerOptions::watch_interval) ---
+
+// True when a fresh connection to `path` gets a reply line from a server (ours:
+// the only one here that answers) before the deadline. Polls: the check runs
+// on the server's timer.
+bool answers_within(const std::string& path, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    const auto a = addr_of(path);
+    bool ok = false;
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0 &&
+        ::send(fd, "{\"cmd\":\"ping\"}\n", 15, MSG_NOSIGNAL) == 15) {
+      pollfd p{fd, POLLIN, 0};
+      char c = 0;
+      ok = ::poll(&p, 1, 200) == 1 && ::recv(fd, &c, 1, 0) == 1 && c == '{';
+    }
+    ::close(fd);
+    if (ok) return true;
+    std::this_thread::sleep_for(20ms);  // the next attempt, not a synchronisation
+  }
+  return false;
+}
+
+control::ServerOptions watched() {
+  control::ServerOptions o;
+  o.watch_interval = 50ms;
+  return o;
+}
+
+TEST_CASE("a deleted socket file is bound again, mode 0600; open connections keep working") {
+  Harness h(echo_handler, watched());
+  Raw before(h.path);
+  REQUIRE(::unlink(h.path.c_str()) == 0);
+  CHECK(answers_within(h.path, kDeadline));
+  struct stat st {};
+  REQUIRE(::lstat(h.path.c_str(), &st) == 0);
+  CHECK(S_ISSOCK(st.st_mode));
+  CHECK((st.st_mode & 07777) == 0600);
+  bool intact = false;
+  h.on_loop([&] { intact = h.server->socket_file_intact(); });
+  CHECK(intact);
+  before.send("{\"cmd\":\"ping\",\"id\":1}\n");
+  CHECK(before.reply()["id"] == 1);
+}
+
+TEST_CASE("another socket put at the path is replaced by ours") {
+  Harness h(echo_handler, watched());
+  REQUIRE(::unlink(h.path.c_str()) == 0);
+  // A listener that accepts and never answers: an impostor.
+  const int other = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(other >= 0);
+  const auto a = addr_of(h.path);
+  // The server may have re-created the file already: then take it over the same way.
+  bool bound = false;
+  for (int i = 0; i < 100 && !bound; ++i) {
+    bound = ::bind(other, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0;
+    if (!bound) {
+      REQUIRE(errno == EADDRINUSE);
+      ::unlink(h.path.c_str());
+    }
+  }
+  REQUIRE(bound);
+  REQUIRE(::listen(other, 8) == 0);
+  CHECK(answers_within(h.path, kDeadline));
+  bool intact = false;
+  h.on_loop([&] { intact = h.server->socket_file_intact(); });
+  CHECK(intact);
+  ::close(other);
+}
+
+TEST_CASE("a regular file put at the path is left alone; once it is gone the socket comes back") {
+  Harness h(echo_handler, watched());
+  REQUIRE(::unlink(h.path.c_str()) == 0);
+  // Same race as above: the server may have bound again in between.
+  for (int i = 0; i < 100; ++i) {
+    const int fd = ::open(h.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      REQUIRE(::write(fd, "keep me\n", 8) == 8);
+      ::close(fd);
+      break;
+    }
+    REQUIRE(errno == EEXIST);
+    ::unlink(h.path.c_str());
+  }
+  // Give the check several ticks to (wrongly) touch the file: a file that is
+  // still there, with its content, after 10 intervals has been left alone.
+  std::this_thread::sleep_for(500ms);
+  struct stat st {};
+  REQUIRE(::lstat(h.path.c_str(), &st) == 0);
+  CHECK(S_ISREG(st.st_mode));
+  std::ifstream in(h.path);
+  std::string content;
+  std::getline(in, content);
+  CHECK(content == "keep me");
+  REQUIRE(::unlink(h.path.c_str()) == 0);
+  CHECK(answers_within(h.path, kDeadline));
+}

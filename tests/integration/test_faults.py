@@ -1,0 +1,398 @@
+"""Fault suite (issue 8): egressd killed in the middle of a switch, a hostile or broken upstream
+DNS server, the control socket file deleted or replaced under the daemon. Each test checks the
+policy in force afterwards (in the kernel, and from the sandbox).
+
+Real kernel, real nftables, real egressd; the hostile upstream is FAULTY_DNS below, a small
+scripted DNS server run in the lab's internet namespace on a documentation address.
+"""
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lab as labmod
+from lab import GATEWAY_V4, SERVERS
+
+FAST = 0.5  # s: a rejected connect is answered at once
+
+
+def rejected(out) -> bool:
+    return out == "refused" and out.elapsed < FAST
+
+
+# --- kill -9 in the middle of a switch ---------------------------------------------------------
+
+KILL_ROUNDS = 30         # kills, at most
+KILL_TIME_BOUND = 150.0  # s for all rounds (the count reached is asserted below)
+MIN_ROUNDS = 8
+BIG = 5000               # entries of each inline policy
+# Two servers the inline policies take turns allowing: exactly one of them is allowed by any
+# policy this test applies, so a connect to each tells which policy the kernel enforces.
+SIDE = ("198.51.100.10", "198.51.100.11")
+DENIED = "203.0.113.10"  # never allowed
+
+KILL_CONFIG = """\
+initial_phase: verifier
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  verifier: { network_mode: no-network }
+"""
+
+
+def big_inline(side: int) -> dict:
+    """An inline allowlist of BIG entries: one server of SIDE and BIG-1 IPv6 addresses in
+    2001:db8:100::/48 (documentation space, nothing listens there)."""
+    allow = [SIDE[side]] + [f"2001:db8:100:{side:x}::{k:x}" for k in range(1, BIG)]
+    return {"cmd": "apply", "mode": "allowlist", "allow": allow}
+
+
+def table_json(lab) -> dict:
+    rc, out, err = lab.nft(lab.sandbox, "-j", "list", "table", "inet", "egressd", timeout=30)
+    assert rc == 0, f"table inet egressd is gone after kill -9 (the policy would be open): {err}"
+    objs = json.loads(out)["nftables"]
+    return {
+        "chains": {o["chain"]["name"] for o in objs if "chain" in o},
+        "rules": [o["rule"] for o in objs if "rule" in o],
+        "sets": {o["set"]["name"]: o["set"] for o in objs if "set" in o},
+    }
+
+
+def active_policy(t: dict) -> tuple[int, str]:
+    """(generation from the state comment, chain `active` jumps to); asserts chain `active` is
+    one state rule and one goto, as the compiler writes it, and that the ct mark of the state
+    rule, of the comment and of every accept in the target chain are the same, and the target
+    chain uses only its own sets."""
+    rules = [r for r in t["rules"] if r["chain"] == "active"]
+    comments = [r["comment"] for r in rules if r.get("comment", "").startswith("egressd gen=")]
+    gotos = [stmt["goto"]["target"] for r in rules for stmt in r["expr"] if "goto" in stmt]
+    gotos += [stmt["jump"]["target"] for r in rules for stmt in r["expr"] if "jump" in stmt]
+    assert len(comments) == 1 and len(gotos) == 1, f"chain active is not one state rule + one goto: {rules}"
+    fields = dict(kv.split("=", 1) for kv in comments[0].split()[1:] if "=" in kv)
+    mark = int(fields["mark"], 16)
+    ct_mark = {"ct": {"key": "mark"}}
+    matched = [e["match"]["right"] for r in rules for e in r["expr"]
+               if "match" in e and e["match"]["left"] == ct_mark]
+    assert matched == [mark], f"state rule matches ct mark {matched}, its comment says {mark:#x}"
+    target = [r for r in t["rules"] if r["chain"] == gotos[0]]
+    set_marks = {e["mangle"]["value"] for r in target for e in r["expr"] if "mangle" in e}
+    assert set_marks == {mark}, f"chain {gotos[0]} sets ct marks {set_marks}, want {mark:#x}"
+    used = {e["match"]["right"] for r in target for e in r["expr"]
+            if "match" in e and isinstance(e["match"]["right"], str) and e["match"]["right"].startswith("@")}
+    assert all(u.startswith(f"@{gotos[0]}_") for u in used), f"chain {gotos[0]} uses sets {sorted(used)}"
+    return int(fields["gen"]), gotos[0]
+
+
+def element_count(s: dict) -> int:
+    return len(s.get("elem", []))
+
+
+def send_without_waiting(path, request: dict) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    s.sendall(json.dumps(request).encode() + b"\n")
+    return s
+
+
+def read_reply(s: socket.socket) -> dict:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, "the daemon closed the connection without a reply"
+        buf += chunk
+    return json.loads(buf.split(b"\n", 1)[0])
+
+
+def test_kill9_mid_switch_leaves_old_or_new_policy_whole_and_restart_adopts(lab, egressd):
+    d = egressd(KILL_CONFIG)
+    # The first apply, waited for: its duration is the window the kills aim into.
+    t0 = time.monotonic()
+    with send_without_waiting(d.socket_path, big_inline(0)) as s:
+        reply = read_reply(s)
+    window = time.monotonic() - t0
+    assert reply.get("ok") is True, reply
+    side_of = {reply["generation"]: 0}  # generation -> which SIDE server its policy allows
+    rng = random.Random(8)
+    outcomes = {"old": 0, "new": 0}
+    rounds = 0
+    started = time.monotonic()
+    while rounds < KILL_ROUNDS and time.monotonic() - started < KILL_TIME_BOUND:
+        before = d.status()["generation"]
+        side = 1 - side_of[before]
+        s = send_without_waiting(d.socket_path, big_inline(side))
+        # The fault: SIGKILL at a random point of the switch (request parsing, set building,
+        # the netlink batch, the reply), or just after it.
+        time.sleep(rng.uniform(0, window * 1.2))
+        d.kill(signal.SIGKILL)
+        assert d.wait() == -signal.SIGKILL
+        s.close()
+        rounds += 1
+
+        t = table_json(lab)
+        gen, chain = active_policy(t)
+        assert gen in (before, before + 1), f"round {rounds}: generation {gen}, was {before}"
+        outcomes["old" if gen == before else "new"] += 1
+        side_of.setdefault(gen, side)
+        # Whole: chain active points at this generation's chain, its sets hold every entry,
+        # and no other inline policy's chain is left in the table.
+        assert chain == f"il{gen}", f"round {rounds}: state says gen {gen}, active jumps to {chain}"
+        inline_chains = {c for c in t["chains"] if c.startswith("il")}
+        assert inline_chains == {chain}, f"round {rounds}: inline chains in the kernel: {sorted(inline_chains)}"
+        static = [n for n in t["sets"] if n.startswith(chain + "_") and "timeout" not in t["sets"][n].get("flags", [])]
+        total = sum(element_count(t["sets"][n]) for n in static)
+        assert total == BIG, f"round {rounds}: gen {gen}'s sets {static} hold {total} entries, want {BIG}"
+        # Never open, never a mix: exactly this policy's server is reachable.
+        allowed, other = SIDE[side_of[gen]], SIDE[1 - side_of[gen]]
+        assert lab.tcp_connect(allowed, 80) == "ok", f"round {rounds}: gen {gen} allows {allowed}"
+        assert rejected(lab.tcp_connect(other, 80)), f"round {rounds}: gen {gen} does not allow {other}"
+        assert rejected(lab.tcp_connect(DENIED, 80)), f"round {rounds}: {DENIED} reachable"
+
+        d.start()  # same arguments: adopts what the kernel holds
+        st = d.status()
+        assert (st["generation"], st["mode"]) == (gen, "allowlist"), f"round {rounds}: restart adopted {st}"
+    print(f"kill -9 mid-switch: {rounds} rounds, window {window * 1000:.0f} ms, kernel kept old {outcomes['old']}, "
+          f"new {outcomes['new']}")
+    assert rounds >= MIN_ROUNDS, f"only {rounds} rounds in {KILL_TIME_BOUND:g} s"
+
+
+# --- a broken or hostile upstream DNS server ---------------------------------------------------
+
+FAULTY_ADDR = "198.51.100.53"
+GOOD_V4 = "198.51.100.10"  # what good answers carry
+BAD_V4 = "203.0.113.10"   # what late or mismatched answers carry: must never be learned
+
+# Behaviour by the first label of the question name:
+#   ok-*      a correct answer (A GOOD_V4; AAAA: no records)
+#   slow-*    an answer (A BAD_V4), 5 s late
+#   garbage-* 48 random bytes, then the right ID followed by random bytes
+#   badid-*   an answer (A BAD_V4) with another ID
+#   big-*     UDP: the right ID and question, ancount 65535, then 3000 bytes of junk, no TC
+#   tcpjunk-* UDP: an empty answer with TC set (so the client retries over TCP);
+#             TCP: a length prefix of 65535 and 64 KiB of junk
+FAULTY_DNS = r"""
+import random, socket, struct, sys, threading, time
+addr = sys.argv[1]
+rng = random.Random(53)
+
+def question(msg):
+    i = 12
+    labels = []
+    while msg[i]:
+        labels.append(msg[i + 1:i + 1 + msg[i]].decode())
+        i += 1 + msg[i]
+    return labels, msg[12:i + 5], struct.unpack_from("!H", msg, i + 1)[0]
+
+def answer(msg, qid=None, tc=False, addr="203.0.113.10"):
+    labels, q, qtype = question(msg)
+    qid = struct.unpack_from("!H", msg)[0] if qid is None else qid
+    an = qtype == 1
+    flags = 0x8180 | (0x0200 if tc else 0)
+    out = struct.pack("!HHHHHH", qid, flags, 1, 0 if tc else int(an), 0, 0) + q
+    if an and not tc:
+        out += b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 60, 4) + socket.inet_aton(addr)
+    return out
+
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((addr, 53))
+    while True:
+        msg, peer = s.recvfrom(65536)
+        try:
+            labels, q, qtype = question(msg)
+        except Exception:
+            continue
+        mode = labels[0].split("-")[0]
+        qid = struct.unpack_from("!H", msg)[0]
+        if mode == "ok":
+            s.sendto(answer(msg, addr="198.51.100.10"), peer)
+        elif mode == "slow":
+            threading.Timer(5.0, lambda m=msg, p=peer: s.sendto(answer(m), p)).start()
+        elif mode == "garbage":
+            s.sendto(rng.randbytes(48), peer)
+            s.sendto(struct.pack("!H", qid) + rng.randbytes(200), peer)
+        elif mode == "badid":
+            s.sendto(answer(msg, qid=qid ^ 0x5555), peer)
+        elif mode == "big":
+            s.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, 65535, 0, 0) + q + rng.randbytes(3000), peer)
+        elif mode == "tcpjunk":
+            s.sendto(answer(msg, tc=True), peer)
+
+def tcp_conn(c):
+    with c:
+        try:
+            c.recv(65536)
+            c.sendall(struct.pack("!H", 65535) + rng.randbytes(65535))
+            c.settimeout(10)
+            c.recv(1)
+        except OSError:
+            pass
+
+def tcp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, 53))
+    s.listen(64)
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=tcp_conn, args=(c,), daemon=True).start()
+
+threading.Thread(target=udp, daemon=True).start()
+threading.Thread(target=tcp, daemon=True).start()
+print("READY", flush=True)
+threading.Event().wait()
+"""
+
+FAULTY_CONFIG = f"""\
+initial_phase: agent
+dns: {{ upstream: ["{FAULTY_ADDR}"] }}
+phases:
+  agent:
+    network_mode: allowlist
+    allowed_hosts: ["*.up.example.org"]
+"""
+
+FAULT_MODES = ("slow", "garbage", "badid", "big", "tcpjunk")
+
+
+def start_faulty_dns(lab):
+    lab.internet.ip("addr", "add", f"{FAULTY_ADDR}/32", "dev", "lo")
+    p = lab.spawn([sys.executable, "-c", FAULTY_DNS, FAULTY_ADDR], netns=lab.internet,
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = labmod._read_line(p, 10.0, "the faulty DNS server")
+    assert line == "READY", line
+    return p
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_broken_upstream_gives_servfail_within_2s_without_crash_or_leak(lab, egressd):
+    start_faulty_dns(lab)
+    d = egressd(FAULTY_CONFIG)
+    tag = f"{random.getrandbits(32):08x}"
+    # A working answer first: c-ares's sockets exist from here on, so they are in the baseline.
+    r = lab.dns_query(f"ok-0.{tag}.up.example.org", timeout=5.0)
+    assert (r.outcome, r.rcode, r.addresses) == ("ok", "NOERROR", [GOOD_V4]), r
+    base_fds = fd_count(d.pid)
+    before = d.status()["dns"]
+    n = 0
+    for mode in FAULT_MODES:
+        for i, (qtype, tcp) in enumerate((("A", False), ("AAAA", False), ("A", True))):
+            name = f"{mode}-{i}.{tag}.up.example.org"
+            r = lab.dns_query(name, qtype, tcp=tcp, timeout=5.0)
+            what = f"{qtype} {name} ({'tcp' if tcp else 'udp'}) with the upstream answering {mode}"
+            assert r.outcome == "ok", f"{what}: no answer ({r.outcome!r})"
+            assert r.rcode == "SERVFAIL", f"{what}: rcode {r.rcode}, records {r.records}"
+            assert r.outcome.elapsed < 2.0, f"{what}: SERVFAIL after {r.outcome.elapsed:.2f} s, want < 2 s"
+            n += 1
+    assert d.running, "egressd died"
+    after = d.status()["dns"]
+    assert after["failed"] - before["failed"] == n, (before, after)
+    # No leak: nothing stays in flight, no socket stays open (slow answers arrive 5 s late and
+    # are dropped; c-ares closes the connections it read junk from).
+    labmod.wait_for(lambda: d.status()["dns"]["inflight"] == 0, 10.0, "in-flight queries to drop to 0")
+    labmod.wait_for(lambda: fd_count(d.pid) <= base_fds, 15.0,
+                    f"egressd's open files to return to {base_fds} (now {fd_count(d.pid)})")
+    # The failures taught nothing, and the upstream still works when it behaves.
+    assert rejected(lab.tcp_connect(BAD_V4, 80)), "a failed query taught an address"
+    r = lab.dns_query(f"ok-1.{tag}.up.example.org", timeout=5.0)
+    assert (r.outcome, r.rcode, r.addresses) == ("ok", "NOERROR", [GOOD_V4]), r
+    assert lab.tcp_connect(GOOD_V4, 80) == "ok"
+
+
+# --- the control socket file under the daemon --------------------------------------------------
+
+SOCKET_DEADLINE = 5.0  # s: the daemon checks its socket file every second
+
+SOCKET_CONFIG = """\
+initial_phase: agent
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  agent: { network_mode: allowlist, allowed_hosts: ["198.51.100.10"] }
+"""
+
+
+def ctl_works(d) -> bool:
+    rc, out, _ = d.ctl("status", "--json", timeout=5)
+    return rc == 0 and json.loads(out)["phase"] == "agent"
+
+
+def check_socket_is_ours(d):
+    st = os.lstat(d.socket_path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    assert st.st_uid == 0
+
+
+def test_deleted_socket_file_is_recreated(lab, egressd):
+    d = egressd(SOCKET_CONFIG)
+    held = d.connect()  # a client connected before keeps its connection
+    assert d.request({"cmd": "ping"}).get("ok") is True
+    base_fds = fd_count(d.pid)
+    os.unlink(d.socket_path)
+    labmod.wait_for(lambda: d.socket_path.exists() and ctl_works(d), SOCKET_DEADLINE,
+                    "egressctl to work again after the socket file was deleted")
+    check_socket_is_ours(d)
+    assert "was deleted; listening there again" in d.log()
+    held.sendall(b'{"cmd":"ping"}\n')
+    assert read_reply(held).get("ok") is True
+    held.close()
+    # The old listening socket was closed, not leaked.
+    labmod.wait_for(lambda: fd_count(d.pid) <= base_fds - 1, SOCKET_DEADLINE,
+                    f"egressd's open files to drop below {base_fds} (now {fd_count(d.pid)})")
+    # The policy did not change, and the new socket takes a switch.
+    assert rejected(lab.tcp_connect("198.51.100.11", 80))
+    assert d.request({"cmd": "apply", "phase": "environment"}).get("ok") is True
+    assert lab.tcp_connect("198.51.100.11", 80) == "ok"
+
+
+def test_socket_replaced_by_another_listener_is_taken_back(lab, egressd):
+    d = egressd(SOCKET_CONFIG)
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Replace the file atomically: bind the impostor elsewhere in the directory, rename it over.
+    tmp = d.socket_path.with_name("impostor.sock")
+    impostor.bind(str(tmp))
+    impostor.listen(8)
+    os.rename(tmp, d.socket_path)
+    impostor_ino = os.lstat(d.socket_path).st_ino
+
+    def taken_back():
+        return os.lstat(d.socket_path).st_ino != impostor_ino and ctl_works(d)
+
+    labmod.wait_for(taken_back, SOCKET_DEADLINE, "egressd to take its socket path back from another listener")
+    check_socket_is_ours(d)
+    assert "was replaced by another socket" in d.log()
+    impostor.close()
+
+
+def test_non_socket_at_the_socket_path_is_left_alone(lab, egressd):
+    d = egressd(SOCKET_CONFIG)
+    os.unlink(d.socket_path)
+    # egressd may bind again between the unlink and the open: then take the path once more.
+    for _ in range(100):
+        try:
+            fd = os.open(d.socket_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            os.unlink(d.socket_path)
+    os.write(fd, b"operator's file\n")
+    os.close(fd)
+    labmod.wait_for(lambda: "not our socket; not replacing it" in d.log(), SOCKET_DEADLINE,
+                    "egressd to log that a regular file sits at its socket path")
+    assert d.socket_path.read_bytes() == b"operator's file\n"
+    rc, _, err = d.ctl("status", timeout=5)
+    assert rc != 0 and str(d.socket_path) in err, err
+    assert d.running
+    # Once the file is gone, the socket comes back.
+    os.unlink(d.socket_path)
+    labmod.wait_for(lambda: ctl_works(d), SOCKET_DEADLINE, "egressctl to work again once the file is gone")
+    check_socket_is_ours(d)
