@@ -13,7 +13,7 @@ From the moment before exec, this process polls (about every 0.2 ms) for
           accepted, so this is the first moment an orchestrator could switch).
 Beside them, the peer: `nft -f` of `egressd render` of the initial phase (the same ruleset
 with every phase staged) into the empty namespace, timed from exec to exit, N times.
-p50/p99 over N starts. Defaults: N = 30; --quick: 5.
+p50/p99 over N starts. Defaults: N = 30; --quick: 3.
 
 Exits 0 when it ran (numbers are judged in docs), 1 when something failed to run, 77 with
 "SKIP: reason" when not root.
@@ -113,12 +113,12 @@ def nft_time(ns: lab.Netns, script: Path) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CI smoke: 5 starts")
-    ap.add_argument("--starts", type=int, help="starts (default 30, quick 5)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: 3 starts")
+    ap.add_argument("--starts", type=int, help="starts (default 30, quick 3)")
     ap.add_argument("--entries", type=int, default=20, help="literal entries of the agent phase")
     ap.add_argument("--json", dest="json_out", metavar="FILE")
     a = ap.parse_args()
-    a.starts = a.starts or (5 if a.quick else 30)
+    a.starts = a.starts or (3 if a.quick else 30)
     if os.geteuid() != 0:
         print("SKIP: needs root (network namespaces, nftables)")
         return 77
