@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Datapath throughput, no rules vs egressd holding 100k set elements, side by side (DESIGN §5).
 
-    server namespace  <tag>-up                     two client namespaces, <tag>-norules and
-      lo  198.51.100.53/32  iperf3 -s :5201  <-veth->  <tag>-egressd, each eth0 192.0.2.(4k+2)/30,
+    server namespace  <tag>-up                     three client namespaces, <tag>-norules,
+      lo  198.51.100.53/32  iperf3 -s :5201  <-veth->  -conntrack, -egressd, each eth0 192.0.2.(4k+2)/30,
           203.0.113.10/32   (a denied address)         routes to the two server addresses only
                                                      (no default route, no host-namespace veth)
 
   norules  no nftables table at all in the client namespace
+  conntrack  the floor of any stateful design, for comparison: a table with a filter and a nat
+           output chain that tracks every flow and accepts on a conntrack mark
+           (`ct mark 0x1 accept; ct mark set 0x1 accept`), no sets
   egressd  egressd run --netns <tag>-egressd, phase `big`: an allowlist of N literal entries
            (3/4 single addresses, 1/4 /31 CIDRs of 198.18.0.0/15, the benchmarking range,
            plus 198.51.100.53, the iperf3 server), so the kernel holds N set elements
 
 iperf3 -c 198.51.100.53 -t S from each client namespace in turn, TCP and then UDP (-u -b 0,
 no rate limit: the sender goes as fast as the path lets it), rounds that alternate the order of
-the two sides (a change in background load hits both alike). Throughput: TCP, what the
+the sides (a change in background load hits them alike). Throughput: TCP, what the
 receiver got (sum_received); UDP, what the sender pushed through the kernel (the output hook
 where the rules are, the veth and the receiving stack up to the socket run in the sending
 thread's context), because at -b 0 the receiving iperf3 process, not the datapath, bounds what
@@ -53,7 +56,12 @@ PREFIX = "egbdp-"
 SERVER = dp.UPSTREAM  # 198.51.100.53 on the server namespace's lo
 DENIED = "203.0.113.10"
 PORT = 5201
-SIDES = ("norules", "egressd")
+SIDES = ("norules", "conntrack", "egressd")
+CONNTRACK_TABLE = """table inet ctonly {
+  chain output { type filter hook output priority filter; policy accept; ct mark 0x1 accept; ct mark set 0x1 accept; }
+  chain nat { type nat hook output priority -101; policy accept; }
+}
+"""
 BUDGET = 0.97
 
 
@@ -126,6 +134,7 @@ def main():
         lab.wait_for(lambda: dp.alive_or_fail(server, "iperf3 -s") or
                      (listening(PORT, SERVER) and listening(80, DENIED)), 10, "iperf3 -s and the denied listener")
 
+        dp.nft(topo.clients["conntrack"], "-f", "-", input=CONNTRACK_TABLE)
         ns = topo.clients["egressd"]
         policy = tmp / "policy.json"
         policy.write_text(json.dumps({
@@ -144,7 +153,7 @@ def main():
         # The rules are in force: the denied address is rejected from the egressd side only.
         for side in SIDES:
             got = topo.clients[side].tcp_connect(DENIED, 80, timeout=2.0)
-            want_ok = side == "norules"
+            want_ok = side != "egressd"
             if (got == "ok") != want_ok:
                 raise dp.BenchError(f"{side}: tcp to {DENIED}:80 gave {got!r}, expected "
                                     f"{'ok' if want_ok else 'a rejection'}")
@@ -155,7 +164,8 @@ def main():
         for r in range(a.rounds):
             res = {}
             for proto in ("tcp", "udp"):
-                order = SIDES if (r + (proto == "udp")) % 2 == 0 else SIDES[::-1]
+                k = (r + (proto == "udp")) % len(SIDES)
+                order = SIDES[k:] + SIDES[:k]
                 for side in order:
                     dp.alive_or_fail(eg, "egressd")
                     res[f"{side}_{proto}"] = iperf3(topo.clients[side], proto == "udp", a.seconds)
@@ -186,18 +196,21 @@ def main():
             summary[f"{side}_{proto}_gbps"] = statistics.median(r[f"{side}_{proto}"]["bps"] for r in rounds) / 1e9
         per_round[proto] = [r[f"egressd_{proto}"]["bps"] / r[f"norules_{proto}"]["bps"] for r in rounds]
         ratios[proto] = statistics.median(per_round[proto])
+        per_round[f"{proto}_conntrack"] = [r[f"conntrack_{proto}"]["bps"] / r[f"norules_{proto}"]["bps"] for r in rounds]
+        ratios[f"{proto}_conntrack"] = statistics.median(per_round[f"{proto}_conntrack"])
 
     print(f"datapath: iperf3 {a.rounds} round(s) x {a.seconds:g} s per side and protocol; egressd holds "
           f"{elements} set elements ({a.entries} entries, ready in {ready_s:.2f} s)")
     print(f"machine: {os.cpu_count()} cpus, load average {load_before[0]:.2f} before, {dp.loadavg()[0]:.2f} after; "
           f"{elapsed:.0f} s")
-    print(f"{'proto':<6} {'no rules':>12} {'egressd':>12} {'ratio':>7}")
+    print(f"{'proto':<6} {'no rules':>12} {'egressd':>12} {'ratio':>7}   (conntrack floor: Gb/s, ratio to no rules)")
     for proto in ("tcp", "udp"):
         spread = (f"  (rounds {min(per_round[proto]):.3f} .. {max(per_round[proto]):.3f})"
                   if len(per_round[proto]) > 1 else "")
         ok = "within" if ratios[proto] >= BUDGET else "MISSED"
         print(f"{proto:<6} {summary[f'norules_{proto}_gbps']:>8.2f} Gb/s {summary[f'egressd_{proto}_gbps']:>7.2f} Gb/s"
-              f" {ratios[proto]:>7.3f}   budget >= {BUDGET:g}: {ok}{spread}")
+              f" {ratios[proto]:>7.3f}   budget >= {BUDGET:g}: {ok}{spread}"
+              f"   ({summary[f'conntrack_{proto}_gbps']:.2f} Gb/s, {ratios[f'{proto}_conntrack']:.3f})")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({
             "config": {k: v for k, v in vars(a).items() if k != "json_out"},
