@@ -27,9 +27,9 @@ ROOT = HERE.parents[1]
 # name, full arguments, quick arguments, time limit (s) of the full run. The quick arguments
 # keep the whole --quick run under 30 s: it is a smoke test that every benchmark runs.
 BENCHES = [
-    ("switch_latency", [], ["--quick"], 150),
+    ("switch_latency", ["--loads", "6"], ["--quick"], 150),
     ("dns_proxy", ["--rounds", "3"], ["--quick", "--names", "1000", "--lat-seconds", "0.2", "--limit", "2"], 200),
-    ("datapath", [], ["--quick"], 150),
+    ("datapath", ["--rounds", "4"], ["--quick"], 150),
     ("memory", [], ["--quick"], 150),
     ("startup", [], ["--quick"], 60),
 ]
