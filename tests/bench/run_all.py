@@ -226,7 +226,9 @@ set title 'throughput at saturation'
 set ylabel 'answers per second'
 plot 'dns_proxy.dat' using 2:xtic(1) notitle lc rgb '#4477aa'
 set title 'latency at 1000 queries/s'
-set ylabel 'microseconds'
+set ylabel 'microseconds (log scale)'
+set logscale y
+set yrange [10:*]
 plot 'dns_proxy.dat' using 3:xtic(1) title 'p50' lc rgb '#4477aa', '' using 4 title 'p99' lc rgb '#ee6677'
 unset multiplot
 """)
