@@ -134,7 +134,7 @@ def rows_startup(d):
             d["ready"]["p99_ms"] / d["nft"]["p99_ms"]),
         row("start: exec -> first apply, p50", d["apply"]["p50_ms"], "ms", "nft -f p50", d["nft"]["p50_ms"],
             d["apply"]["p50_ms"] / d["nft"]["p50_ms"]),
-    ]
+    ] + ([row("start: of which install -> ready, p50", d["own"]["p50_ms"], "ms")] if "own" in d else [])
 
 
 ROWS = {"switch_latency": rows_switch, "dns_proxy": rows_dns, "datapath": rows_datapath,
