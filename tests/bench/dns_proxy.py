@@ -216,12 +216,12 @@ class Topology:
                 print(f"cleanup: {ns.name}: {e}", file=sys.stderr)
 
 
-def sweep_stale():
-    """Removes egbdns-<pid>-* namespaces and temporary directories whose process is gone (a
+def sweep_stale(prefix: str = PREFIX):
+    """Removes <prefix><pid>-* namespaces and temporary directories whose process is gone (a
     run killed with SIGKILL; its children died with it, through pdeathsig)."""
     tmp = Path(tempfile.gettempdir())
-    for d in tmp.glob(f"{PREFIX}*-*"):
-        m = re.match(re.escape(PREFIX) + r"(\d+)-", d.name)
+    for d in tmp.glob(f"{prefix}*-*"):
+        m = re.match(re.escape(prefix) + r"(\d+)-", d.name)
         if m and d.is_dir() and not lab._pid_alive(int(m.group(1))):
             shutil.rmtree(d, ignore_errors=True)
     try:
@@ -229,7 +229,7 @@ def sweep_stale():
     except FileNotFoundError:
         return
     for name in names:
-        m = re.match(re.escape(PREFIX) + r"(\d+)-", name)
+        m = re.match(re.escape(prefix) + r"(\d+)-", name)
         if m and not lab._pid_alive(int(m.group(1))):
             ns = lab.Netns(name)
             for pid in ns.pids():

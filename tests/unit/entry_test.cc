@@ -1,5 +1,6 @@
 // Allowlist entries (DESIGN §1): every accepted class, every rejected class,
 // normalization, dedupe and name matching.
+#include <arpa/inet.h>
 #include <doctest/doctest.h>
 
 #include <string>
@@ -460,4 +461,35 @@ TEST_CASE("a rejected wildcard's hint escapes control bytes like the entry itsel
   CHECK(msg.find('\x1b') == std::string::npos);
   CHECK(msg.find('\x01') == std::string::npos);
   CHECK(contains(msg, "write \"*.\\x1bc.example\\x01\""));
+}
+
+TEST_CASE("IPv4 text form is inet_ntop's, for every byte value and prefix length") {
+  // IpPrefix::to_string formats IPv4 by hand (it is on the path of every
+  // inline allowlist entry); the text must stay exactly what inet_ntop prints.
+  for (unsigned v = 0; v < 256; ++v) {
+    for (std::size_t pos = 0; pos < 4; ++pos) {
+      IpPrefix ip;
+      ip.family = 4;
+      ip.prefix_len = 32;
+      ip.bytes = {198, 51, 100, 7};
+      ip.bytes[pos] = static_cast<std::uint8_t>(v);
+      char want[INET_ADDRSTRLEN] = {};
+      REQUIRE(inet_ntop(AF_INET, ip.bytes.data(), want, sizeof want) != nullptr);
+      CHECK(ip.to_string() == want);
+      const auto back = parse_ip(ip.to_string());
+      REQUIRE(back.has_value());
+      CHECK(back->bytes == ip.bytes);
+    }
+  }
+  IpPrefix net;
+  net.family = 4;
+  net.bytes = {0, 0, 0, 0};
+  for (int len = 0; len < 32; ++len) {
+    net.prefix_len = static_cast<std::uint8_t>(len);
+    CHECK(net.to_string() == "0.0.0.0/" + std::to_string(len));
+  }
+  net.bytes = {255, 255, 255, 255};
+  net.prefix_len = 32;
+  CHECK(net.to_string() == "255.255.255.255");
+  CHECK(accept("203.0.113.0/31").text == "203.0.113.0/31");
 }
