@@ -625,6 +625,10 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
     if (cmd == "status") return reply(ok_reply(status()));
     return reply(ok_reply({{"capabilities", caps_.to_json()}}));
   }
+  if (cmd == "explain") {
+    if (auto e = check_fields({"target", "phase"})) return reply(*e);
+    return reply(explain_reply(req));
+  }
   if (cmd != "apply") {
     return reply(error_reply("unknown_command",
                              "unknown command \"" + cmd + "\" (commands: ping, status, capabilities, apply)"));

@@ -20,7 +20,8 @@ Phase allowlist(std::vector<std::string> raw, std::string name = "agent") {
 
 Target target(std::string_view raw) {
   auto t = parse_target(raw);
-  REQUIRE_MESSAGE(t.ok(), std::string(raw));
+  const std::string what(raw);
+  REQUIRE_MESSAGE(t.ok(), what);
   return *t;
 }
 
@@ -28,7 +29,8 @@ IpPrefix ip(const char* s) { return *parse_ip(s); }
 
 std::string parse_error(std::string_view raw) {
   auto t = parse_target(raw);
-  REQUIRE_MESSAGE(!t.ok(), std::string(raw) + " parsed as " + (t.ok() ? t->text() : ""));
+  const std::string what = std::string(raw) + " parsed as " + (t.ok() ? t->text() : "");
+  REQUIRE_MESSAGE(!t.ok(), what);
   CHECK(t.error().kind == ErrorKind::invalid);
   return t.error().message;
 }
@@ -130,7 +132,7 @@ TEST_CASE("an address learned for a name a wildcard allows: entry and learned na
   CHECK(*x.entry == "*.cdn.example");
   CHECK(*x.learned_name == "foo.cdn.example");
   CHECK(x.names == std::vector<std::string>{"foo.cdn.example", "other.example"});
-  CHECK(x.reason.find("learned from DNS for foo.cdn.example, which entry *.cdn.example of phase agent allows") == 0);
+  CHECK(x.reason.find("203.0.113.10 was learned from DNS for foo.cdn.example, which entry *.cdn.example of phase agent allows") == 0);
 
   x = ask(ph, "2001:db8:3::10", learned);
   CHECK(x.allowed);
