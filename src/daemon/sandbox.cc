@@ -401,6 +401,9 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const std::st
     if (!m.matches(name)) continue;
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;
+      // public remembers every answer (attribution, hosts --suggest), the
+      // rebinding guard's addresses included; they never enter a learned set.
+      if (dns::is_rebinding_target(a.addr)) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(a.expires - now).count();
       nft::SetElem e{a.addr, a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000))};
       (a.addr.family == 4 ? v4 : v6).elems.push_back(e);
