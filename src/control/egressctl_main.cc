@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "audit/explain.h"
 #include "control/client.h"
 
 namespace {
@@ -36,6 +37,8 @@ struct Options {
   std::string phase;
   std::string mode;
   std::vector<std::string> allow;
+  // explain (--phase NAME goes into `phase`)
+  std::string target;
 };
 
 std::string dump(const Json& j, int indent = -1) {
@@ -155,6 +158,21 @@ int print_capabilities(const Json& r) {
   return kExitOk;
 }
 
+// explain: one verdict line, then the reason and the names behind an address.
+int print_explain(const Json& r) {
+  const bool allowed = r.value("allowed", false);
+  std::string line = std::string(allowed ? "allowed: " : "denied: ") + field(r, "target");
+  if (r.contains("entry") && r["entry"].is_string()) line += " by entry " + text(r["entry"]);
+  if (r.contains("learned_name") && r["learned_name"].is_string())
+    line += " via learned name " + text(r["learned_name"]);
+  line += " (phase " + field(r, "phase") + ", " + field(r, "mode") + ")";
+  if (r.contains("hint") && r["hint"].is_string()) line += " \u2014 hint: " + text(r["hint"]);
+  std::cout << line << '\n' << "  reason: " << field(r, "reason") << '\n';
+  if (r.contains("names") && r["names"].is_array() && !r["names"].empty())
+    std::cout << "  names that resolved to it: " << join(r["names"], ", ") << '\n';
+  return kExitOk;
+}
+
 // Sends one request and hands a successful reply to `on_ok`; everything else
 // becomes a message on stderr and an exit code.
 int run(const Options& o, const Json& request, const std::function<int(const Json&)>& on_ok) {
@@ -214,6 +232,18 @@ int cmd_capabilities(const Options& o) {
              [&](const Json& r) { return o.json ? print_json(r) : print_capabilities(r); });
 }
 
+// Exit 0 whether the target is allowed or denied: the request succeeded.
+int cmd_explain(const Options& o) {
+  // Checked here too, so a typo fails fast (exit 2) even with no daemon.
+  if (auto t = egressd::audit::parse_target(o.target); !t) {
+    std::cerr << "error: " << t.error().message << '\n';
+    return kExitInvalid;
+  }
+  Json req = {{"cmd", "explain"}, {"target", o.target}};
+  if (!o.phase.empty()) req["phase"] = o.phase;
+  return run(o, req, [&](const Json& r) { return o.json ? print_json(r) : print_explain(r); });
+}
+
 int cmd_ping(const Options& o) {
   return run(o, {{"cmd", "ping"}}, [](const Json&) {
     std::cout << "ok\n";
@@ -249,6 +279,7 @@ int main(int argc, char** argv) {
       {"status", "show the phase, mode, generation, counters and entries in force", cmd_status},
       {"capabilities", "show what this egressd and kernel support", cmd_capabilities},
       {"ping", "check that egressd answers", cmd_ping},
+      {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
@@ -263,6 +294,10 @@ int main(int argc, char** argv) {
   apply->add_flag("--json", o.json, "print the reply as JSON");
   commands[1].sub->add_flag("--json", o.json, "print the reply as JSON");
   commands[2].sub->add_flag("--json", o.json, "print the reply as JSON");
+  CLI::App* explain = commands[4].sub;
+  explain->add_option("TARGET", o.target, "hostname, IP, NAME:PORT, IPv4:PORT or [IPv6]:PORT")->required();
+  explain->add_option("--phase", o.phase, "explain for this phase of the policy file (default: the one in force)");
+  explain->add_flag("--json", o.json, "print the reply as JSON");
 
   try {
     app.parse(argc, argv);

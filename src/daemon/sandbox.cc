@@ -430,6 +430,9 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const std::st
     if (!m.matches(name)) continue;
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;
+      // public remembers every answer (attribution, hosts --suggest), the
+      // rebinding guard's addresses included; they never enter a learned set.
+      if (dns::is_rebinding_target(a.addr)) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(a.expires - now).count();
       nft::SetElem e{a.addr, a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000))};
       (a.addr.family == 4 ? v4 : v6).elems.push_back(e);
@@ -654,6 +657,10 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
     if (cmd == "ping") return reply(ok_reply());
     if (cmd == "status") return reply(ok_reply(status()));
     return reply(ok_reply({{"capabilities", caps_.to_json()}}));
+  }
+  if (cmd == "explain") {
+    if (auto e = check_fields({"target", "phase"})) return reply(*e);
+    return reply(explain_reply(req));
   }
   if (cmd != "apply") {
     return reply(error_reply("unknown_command",

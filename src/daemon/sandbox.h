@@ -146,6 +146,8 @@ class Sandbox : public dns::PolicyHooks {
 
   Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target, bool is_inline,
                                    std::vector<std::string> unresolved);
+  // The reply to an `explain` request (src/daemon/sandbox_explain.cc).
+  nlohmann::json explain_reply(const nlohmann::json& request) const;
   void enqueue_apply(ApplyJob job);
   void run_next_apply();
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);

@@ -47,7 +47,8 @@ namespace {
 constexpr int kMaxRequestDepth = 64;  // as src/control/server.cc
 
 const std::set<std::string> kCodes = {"invalid_request", "request_too_large", "unknown_command", "unknown_phase",
-                                      "invalid_policy",  "unauthorized",      "kernel_error",    "internal"};
+                                      "invalid_policy",  "unauthorized",      "kernel_error",    "internal",
+                                      "unavailable"};
 
 // Resolutions complete when the harness says so. Names containing "fail"
 // fail; names starting with "lo" resolve to loopback (the rebinding guard
@@ -250,6 +251,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         FUZZ_CHECK(kernel.accepted == accepted_before);
         if (slot.cmd == "status") {
           for (const char* k : {"phase", "mode", "generation", "entries", "counters"}) FUZZ_CHECK(r.contains(k));
+        }
+        if (slot.cmd == "explain") {  // the DESIGN §2 contract
+          FUZZ_CHECK(r["allowed"].is_boolean() && r["reason"].is_string());
+          FUZZ_CHECK(r["entry"].is_string() || (r["entry"].is_null() && r["learned_name"].is_null()));
         }
       }
       check_kernel_state(kernel, sb);

@@ -816,3 +816,24 @@ def test_rebinding_answers_are_not_learned(lab, egressd):
     names = learned_names(d)
     assert not [n for n in names if t in n and not n.startswith("ok.")], names
     assert rejected(lab.tcp_connect("169.254.169.254", 80)), "the metadata address must stay denied"
+
+
+def test_rebinding_answers_observed_in_public_are_not_carried_into_an_allowlist(lab, egressd):
+    # public records every answer (for attribution); a switch carries remembered addresses of
+    # names the new phase allows into its sets. The rebinding guard must hold on that path too.
+    t = tok()
+    hosts = {
+        f"meta.{t}.rebind.example.org": ["169.254.169.254", "fd00:ec2::254"],
+        f"ll.{t}.rebind.example.org": ["169.254.10.1", "fe80::1"],
+        f"ok.{t}.rebind.example.org": ["203.0.113.10", "2001:db8:3::10"],
+    }
+    serve(lab, hosts=hosts)
+    d = egressd(policy(agent=["*.rebind.example.org"]), phase="environment")
+    for name in hosts:
+        for qtype in ("A", "AAAA"):
+            r = lab.dns_query(name, qtype)
+            assert r.outcome == "ok" and r.rcode == "NOERROR", f"{qtype} {name}: {r.outcome!r} {r.rcode}"
+    assert d.ctl("apply", "agent")[0] == 0
+    assert set(learned_set(lab, 4)) == {"203.0.113.10"}, learned_set(lab, 4)
+    assert set(learned_set(lab, 6)) == {"2001:db8:3::10"}, learned_set(lab, 6)
+    assert rejected(lab.tcp_connect("169.254.169.254", 80)), "the metadata address must stay denied"

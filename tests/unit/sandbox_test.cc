@@ -452,3 +452,46 @@ TEST_CASE("a full learned-address table costs no walk per answer, and still lear
   // took tens of seconds; with one sweep a second, milliseconds.
   CHECK(elapsed < std::chrono::seconds(2));
 }
+
+TEST_CASE("rebinding-guard answers observed in public are never carried into an allowlist's sets") {
+  Fixture f(dns_policy());
+  REQUIRE(f.sb->start("environment").ok());
+  f.sb->learn({learned("meta.example.org", "169.254.169.254", 60), learned("ok.example.org", "198.51.100.31", 60)},
+              [](Status) {});
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  const auto* v4 = elems_for(f.kernel->applied.back(), "ph_agent_d4");
+  REQUIRE(v4 != nullptr);
+  REQUIRE(v4->elems.size() == 1);
+  CHECK(v4->elems[0].from.to_string() == "198.51.100.31");
+}
+
+TEST_CASE("explain answers from the phase in force and what DNS taught the sandbox") {
+  Fixture f(dns_policy());
+  REQUIRE(f.sb->start("environment").ok());
+  // Observed in public: attribution for later denials.
+  f.sb->learn({learned("files.pythonhosted.org", "198.51.100.40", 60)}, [](Status) {});
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  f.sb->learn({learned("cdn.example.org", "198.51.100.41", 60)}, [](Status) {});
+
+  json r = f.sb->handle({{"cmd", "explain"}, {"target", "198.51.100.41:443"}});
+  REQUIRE(r["ok"] == true);
+  CHECK(r["allowed"] == true);
+  CHECK(r["entry"] == "*.example.org");
+  CHECK(r["learned_name"] == "cdn.example.org");
+  CHECK(r["phase"] == "agent");
+
+  r = f.sb->handle({{"cmd", "explain"}, {"target", "198.51.100.40"}});
+  CHECK(r["allowed"] == false);
+  CHECK(r["names"] == json::array({"files.pythonhosted.org"}));
+  CHECK(r["hint"] == "add files.pythonhosted.org, or *.pythonhosted.org");
+
+  r = f.sb->handle({{"cmd", "explain"}, {"target", "198.51.100.40"}, {"phase", "environment"}});
+  CHECK(r["allowed"] == true);
+  CHECK(r["mode"] == "public");
+
+  CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "*.x.org"}})["error"]["code"] == "invalid_request");
+  CHECK(f.sb->handle({{"cmd", "explain"}})["error"]["code"] == "invalid_request");
+  CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "x.org"}, {"phase", "nope"}})["error"]["code"] ==
+        "unknown_phase");
+  CHECK(f.sb->status()["phase"] == "agent");
+}

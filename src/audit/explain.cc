@@ -1,0 +1,343 @@
+#include "audit/explain.h"
+
+#include <algorithm>
+#include <set>
+
+#include "dns/matcher.h"
+#include "dns/message.h"
+
+namespace egressd::audit {
+
+namespace {
+
+constexpr const char* kForms = "a target is a hostname, an IP address, NAME:PORT, IPv4:PORT or [IPv6]:PORT";
+
+// The raw target for messages: JSON string syntax escapes quotes and control
+// bytes, so a hostile target cannot forge log lines or move the cursor.
+std::string quoted(std::string_view s) {
+  return nlohmann::json(std::string(s)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Error bad(std::string_view raw, const std::string& why) {
+  return Error::invalid("target " + quoted(raw) + ": " + why);
+}
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::string_view trim(std::string_view s) {
+  auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+Result<std::uint16_t> parse_port(std::string_view raw, std::string_view text) {
+  // At most 5 digits before converting, so no overflow; leading zeros are
+  // refused so one port has one spelling.
+  if (!all_digits(text) || text.size() > 5 || (text.size() > 1 && text.front() == '0')) {
+    return bad(raw, "port " + quoted(text) + " is not a number from 1 to 65535");
+  }
+  const int port = std::stoi(std::string(text));
+  if (port < 1 || port > 65535) return bad(raw, "port " + std::string(text) + " is not a number from 1 to 65535");
+  return static_cast<std::uint16_t>(port);
+}
+
+// parse_entry's messages read `entry "<raw>": <reason>`; keep the reason.
+std::string entry_reason(const std::string& message) {
+  if (message.rfind("entry \"", 0) != 0) return message;
+  for (std::size_t i = 7; i < message.size(); ++i) {
+    if (message[i] == '\\') {
+      ++i;  // quote() escapes `"` and `\` with a backslash
+    } else if (message[i] == '"') {
+      return message.compare(i + 1, 2, ": ") == 0 ? message.substr(i + 3) : message;
+    }
+  }
+  return message;
+}
+
+// The host part (no port) of a target: an IPv4 address or a hostname.
+Result<Target> parse_host(std::string_view raw, std::string_view host) {
+  Target t;
+  if (auto ip = parse_ip(host)) {
+    t.is_address = true;
+    t.addr = *ip;
+    return t;
+  }
+  // "192.0.2.256" or "1.2.3" would pass as hostnames (entries accept them,
+  // see hostname_problem); as a target they are almost surely a typo'd address.
+  if (!host.empty() && host.find_first_not_of("0123456789.") == std::string_view::npos) {
+    return bad(raw, quoted(host) + " is not a valid IPv4 address");
+  }
+  auto e = parse_entry(host);
+  if (!e) return bad(raw, entry_reason(e.error().message));
+  switch (e->kind) {
+    case EntryKind::hostname:
+      t.hostname = e->text;
+      return t;
+    case EntryKind::wildcard:
+      return bad(raw, "a wildcard is an allowlist entry, not a target: ask about one name, such as www." +
+                          std::string(e->name_suffix()));
+    case EntryKind::ipv4_cidr:
+    case EntryKind::ipv6_cidr:
+      return bad(raw, "a CIDR is an allowlist entry, not a target: ask about one address");
+    case EntryKind::ipv4:
+    case EntryKind::ipv6:
+      break;
+  }
+  return bad(raw, kForms);
+}
+
+std::string parent_of(const std::string& name) {
+  const auto dot = name.find('.');
+  return dot == std::string::npos ? std::string() : name.substr(dot + 1);
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+std::string addr_hint(const IpPrefix& a) {
+  // A CIDR of the usual allocation size around it: /24 for IPv4, /64 for IPv6.
+  IpPrefix net = a;
+  net.prefix_len = a.family == 4 ? 24 : 64;
+  for (std::size_t i = net.prefix_len / 8; i < net.size(); ++i) net.bytes[i] = 0;
+  return "add " + a.to_string() + ", or a CIDR such as " + net.to_string();
+}
+
+bool is_loopback(const IpPrefix& a) {
+  if (a.family == 4) return a.bytes[0] == 127;
+  IpPrefix lo6 = *parse_ip("::1");
+  return a == lo6;
+}
+
+const Entry* best_ip_entry(const Phase& phase, const IpPrefix& addr) {
+  const Entry* best = nullptr;
+  for (const auto& e : phase.entries) {
+    if (e.is_name() || !e.ip.contains(addr)) continue;
+    if (best == nullptr || e.ip.prefix_len > best->ip.prefix_len) best = &e;
+  }
+  return best;
+}
+
+void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, const LearnedView& learned) {
+  const std::string a = addr.to_string();
+  if (phase.entries.empty()) {
+    x.reason = "phase " + phase.name + " is an allowlist with no entries: all egress is denied";
+    x.hint = x.names.empty() ? addr_hint(addr) : suggest_entries(x.names);
+    return;
+  }
+  if (const Entry* e = best_ip_entry(phase, addr)) {
+    x.allowed = true;
+    x.entry = e->text;
+    x.reason = e->ip.prefix_len == (addr.family == 4 ? 32 : 128)
+                   ? a + " is entry " + e->text + " of phase " + phase.name
+                   : a + " is inside entry " + e->text + " of phase " + phase.name;
+    return;
+  }
+  const dns::NameMatcher matcher(phase.entries);
+  const bool guarded = dns::is_rebinding_target(addr);
+  std::vector<std::string> guarded_names;
+  for (const auto& [name, addrs] : learned) {
+    if (std::find(addrs.begin(), addrs.end(), addr) == addrs.end()) continue;
+    const Entry* e = matcher.match(name);
+    if (e == nullptr) continue;
+    if (guarded) {
+      guarded_names.push_back(name);
+      continue;
+    }
+    // std::map order: the first allowed name alphabetically, so the answer is stable.
+    x.allowed = true;
+    x.entry = e->text;
+    x.learned_name = name;
+    x.reason = a + " was learned from DNS for " + name + ", which entry " + e->text + " of phase " + phase.name +
+               " allows";
+    return;
+  }
+  const std::string none = a + " is in no IP or CIDR entry of phase " + phase.name;
+  if (!guarded_names.empty()) {
+    x.reason = none + "; " + join(guarded_names, ", ") +
+               " resolved to it, but DNS answers in loopback, link-local or metadata ranges are never learned "
+               "(rebinding guard)";
+    x.hint = "add " + a + " as an IP entry if the sandbox really needs it";
+    return;
+  }
+  // Names that resolved to it earlier and are allowed now: the answer expired
+  // (or came before the switch and was not carried), so a fresh query fixes it.
+  std::vector<std::string> allowed_names;
+  for (const auto& n : x.names)
+    if (matcher.matches(n)) allowed_names.push_back(n);
+  if (!allowed_names.empty()) {
+    x.reason = none + ", and it is not a live answer for an allowed name: " + join(allowed_names, ", ") +
+               " resolved to it before, but that answer has expired";
+    x.hint = "resolve " + allowed_names.front() + " again through egressd (a new DNS answer allows its addresses), "
+             "or add " + a;
+    return;
+  }
+  if (!x.names.empty()) {
+    x.reason = none + ", and no name it allows resolved to it (resolved from: " + join(x.names, ", ") + ")";
+    x.hint = suggest_entries(x.names);
+    return;
+  }
+  x.reason = none + ", and no name resolved to it through egressd";
+  x.hint = addr_hint(addr);
+}
+
+void explain_hostname(Explanation& x, const Phase& phase, const std::string& host, const LearnedView& learned) {
+  const dns::NameMatcher matcher(phase.entries);
+  if (const Entry* e = matcher.match(host)) {
+    x.allowed = true;
+    x.entry = e->text;
+    x.reason = "the DNS proxy answers " + host + " (entry " + e->text + " of phase " + phase.name + ")";
+    if (e->kind == EntryKind::hostname) x.reason += "; exact hostnames are pre-resolved when the phase is applied";
+    x.reason += "; connections to the addresses it resolves to through egressd are allowed";
+    if (auto it = learned.find(host); it != learned.end() && !it->second.empty()) {
+      std::vector<std::string> now;
+      for (const auto& a : it->second) now.push_back(a.to_string());
+      x.reason += " (now: " + join(now, ", ") + ")";
+    }
+    return;
+  }
+  x.reason = "no entry of phase " + phase.name + " matches " + host +
+             ": the DNS proxy refuses it without asking upstream, so the sandbox cannot reach it by name";
+  for (const auto& e : phase.entries) {
+    if (e.kind == EntryKind::wildcard && e.name_suffix() == host) {
+      x.reason += " (entry " + e.text + " matches only names below " + host + ", never " + host + " itself)";
+      break;
+    }
+  }
+  x.hint = suggest_entries({host});
+}
+
+}  // namespace
+
+std::string Target::text() const {
+  std::string host = is_address ? addr.to_string() : hostname;
+  if (!port) return host;
+  if (is_address && addr.family == 6) host = "[" + host + "]";
+  return host + ":" + std::to_string(*port);
+}
+
+Result<Target> parse_target(std::string_view raw) {
+  const std::string_view s = trim(raw);
+  if (s.empty()) return bad(raw, "empty; " + std::string(kForms));
+  if (s.front() == '[') {
+    const auto close = s.find(']');
+    if (close == std::string_view::npos) return bad(raw, "\"[\" without \"]\"; " + std::string(kForms));
+    auto ip = parse_ip(s.substr(1, close - 1));
+    if (!ip || ip->family != 6) return bad(raw, quoted(s.substr(1, close - 1)) + " is not a valid IPv6 address");
+    Target t;
+    t.is_address = true;
+    t.addr = *ip;
+    const std::string_view rest = s.substr(close + 1);
+    if (rest.empty()) return t;
+    if (rest.front() != ':') return bad(raw, "expected \":PORT\" after \"]\"");
+    auto port = parse_port(raw, rest.substr(1));
+    if (!port) return port.error();
+    t.port = *port;
+    return t;
+  }
+  const auto colon = s.find(':');
+  if (colon != std::string_view::npos && s.find(':', colon + 1) != std::string_view::npos) {
+    // Two or more colons: a bare IPv6 address, which cannot carry a port.
+    if (auto ip = parse_ip(s)) {
+      Target t;
+      t.is_address = true;
+      t.addr = *ip;
+      return t;
+    }
+    const auto last = s.rfind(':');
+    if (all_digits(s.substr(last + 1)) && parse_ip(s.substr(0, last))) {
+      return bad(raw, "an IPv6 address with a port is written [" + std::string(s.substr(0, last)) + "]:" +
+                          std::string(s.substr(last + 1)));
+    }
+    if (s.find("://") != std::string_view::npos) return bad(raw, "URLs are not targets: give the hostname alone");
+    return bad(raw, quoted(s) + " is not a valid IPv6 address");
+  }
+  if (colon == std::string_view::npos) return parse_host(raw, s);
+  if (s.compare(colon, 3, "://") == 0) return bad(raw, "URLs are not targets: give the hostname alone");
+  auto t = parse_host(raw, s.substr(0, colon));
+  if (!t) return t;
+  auto port = parse_port(raw, s.substr(colon + 1));
+  if (!port) return port.error();
+  t->port = *port;
+  return t;
+}
+
+std::string suggest_entries(const std::vector<std::string>& names_in) {
+  std::set<std::string> names(names_in.begin(), names_in.end());
+  std::vector<std::string> exact, wild;
+  std::set<std::string> seen_wild;
+  for (const auto& n : names) {
+    exact.push_back(n);
+    const std::string parent = parent_of(n);
+    // No wildcard over a top-level domain (*.com, *.org): that is not advice.
+    if (parent.find('.') != std::string::npos && seen_wild.insert(parent).second) wild.push_back("*." + parent);
+  }
+  // Long lists are not advice either; the full list is in `names`.
+  constexpr std::size_t kMax = 5;
+  auto shown = [&](const std::vector<std::string>& v) {
+    std::vector<std::string> head(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(std::min(v.size(), kMax)));
+    std::string out = join(head, " or ");
+    if (v.size() > kMax) out += " (or one of " + std::to_string(v.size() - kMax) + " more)";
+    return out;
+  };
+  std::string out = "add " + shown(exact);
+  if (!wild.empty()) out += ", or " + shown(wild);
+  return out;
+}
+
+Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for) {
+  Explanation x;
+  x.target = target.text();
+  x.phase = phase.name;
+  x.mode = phase.mode;
+  if (target.is_address) {
+    std::set<std::string> names;
+    if (names_for) {
+      for (auto& n : names_for(target.addr)) names.insert(std::move(n));
+    }
+    for (const auto& [name, addrs] : learned) {
+      if (std::find(addrs.begin(), addrs.end(), target.addr) != addrs.end()) names.insert(name);
+    }
+    x.names.assign(names.begin(), names.end());
+  }
+  const std::string what = target.is_address ? target.addr.to_string() : target.hostname;
+
+  if (target.is_address && is_loopback(target.addr)) {
+    x.allowed = true;
+    x.reason = what + " is a loopback address: loopback is always allowed";
+  } else if (phase.mode == Mode::public_) {
+    x.allowed = true;
+    x.reason = "phase " + phase.name + " is public: all egress is allowed";
+    if (!target.is_address) x.reason += " and DNS queries are forwarded";
+  } else if (phase.mode == Mode::no_network) {
+    x.reason = "phase " + phase.name + " is no-network: all egress is denied (loopback excepted)";
+    if (!target.is_address) x.reason += " and every DNS query is refused";
+    x.hint = "switch to a phase that allows it (egressctl apply PHASE; check one first with explain --phase PHASE)";
+  } else if (target.is_address) {
+    explain_address(x, phase, target.addr, learned);
+  } else {
+    explain_hostname(x, phase, target.hostname, learned);
+  }
+  if (target.port) x.reason += "; this holds for any port (egressd policies do not depend on the port)";
+  return x;
+}
+
+nlohmann::json Explanation::to_json() const {
+  auto opt = [](const std::optional<std::string>& s) { return s ? nlohmann::json(*s) : nlohmann::json(nullptr); };
+  return {{"target", target},
+          {"phase", phase},
+          {"mode", std::string(to_string(mode))},
+          {"allowed", allowed},
+          {"reason", reason},
+          {"entry", opt(entry)},
+          {"learned_name", opt(learned_name)},
+          {"names", names},
+          {"hint", opt(hint)}};
+}
+
+}  // namespace egressd::audit

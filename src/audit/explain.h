@@ -1,0 +1,76 @@
+// `explain`: why a hostname or address is allowed or denied by a phase.
+// Pure: the caller passes the phase, what DNS taught it (learned addresses)
+// and a way to ask which names resolved to an address; nothing here touches
+// the kernel, the proxy or a clock, so every answer is unit-tested.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "egressd/policy.h"
+#include "egressd/result.h"
+
+namespace egressd::audit {
+
+// What `egressctl explain TARGET` asks about.
+struct Target {
+  bool is_address = false;
+  std::string hostname;  // normalized (lower-case, no trailing dot) when !is_address
+  IpPrefix addr;         // a single address when is_address
+  std::optional<std::uint16_t> port;
+
+  // Canonical text: "pypi.org", "pypi.org:443", "192.0.2.10:443",
+  // "2001:db8::1", "[2001:db8::1]:443".
+  std::string text() const;
+};
+
+// Parses a hostname (normalized like an allowlist entry: trimmed,
+// lower-cased, one trailing dot dropped), an IPv4/IPv6 address, NAME:port,
+// IPv4:port or [IPv6]:port (port 1-65535). On failure an invalid-kind error
+// reading `target "<raw>": <reason>` (wildcards, CIDRs, URLs, bad ports, an
+// IPv6 address with an unbracketed port, malformed addresses).
+Result<Target> parse_target(std::string_view raw);
+
+// Name -> addresses DNS answers taught the sandbox that are still live (not
+// expired). Names are normalized; addresses are single addresses.
+using LearnedView = std::map<std::string, std::vector<IpPrefix>>;
+// Hostnames that resolved to an address in this sandbox (any phase, expired
+// answers included), for attribution and hints. May return duplicates.
+using NamesFor = std::function<std::vector<std::string>(const IpPrefix&)>;
+
+struct Explanation {
+  std::string target;  // Target::text()
+  std::string phase;
+  Mode mode = Mode::no_network;
+  bool allowed = false;
+  std::string reason;                       // one sentence for people
+  std::optional<std::string> entry;         // the entry that allows it
+  std::optional<std::string> learned_name;  // the DNS name through which `entry` allows an address
+  std::vector<std::string> names;           // sorted, unique: names that resolved to the address
+  std::optional<std::string> hint;          // what to change when denied
+
+  // The protocol fields (docs/protocol.md "explain"), without "ok":
+  // target, phase, mode, allowed, reason, entry, learned_name, names, hint
+  // (absent optionals are null).
+  nlohmann::json to_json() const;
+};
+
+// Explains `target` under `phase` as egressd enforces it: loopback always
+// allowed; public allows all; no-network denies all; allowlist allows an
+// address inside an IP/CIDR entry (the most specific one wins) or learned
+// from DNS for a name an entry allows (never a rebinding-guard address), and
+// a hostname the DNS proxy would answer. `names_for` may be empty.
+Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned,
+                    const NamesFor& names_for);
+
+// The allowlist advice for a denied name: "add files.pythonhosted.org, or
+// *.pythonhosted.org" (no wildcard over a single-label parent such as *.org).
+std::string suggest_entries(const std::vector<std::string>& names);
+
+}  // namespace egressd::audit

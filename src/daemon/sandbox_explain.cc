@@ -1,0 +1,64 @@
+// Sandbox's `explain` command: gathers what this sandbox knows (the phase,
+// its learned addresses, the names behind an address) and hands it to the
+// pure audit::explain, which makes the decision.
+#include "audit/explain.h"
+#include "control/protocol.h"
+#include "daemon/sandbox.h"
+
+namespace egressd::daemon {
+
+nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
+  using control::error_reply;
+  if (!req.contains("target") || !req["target"].is_string()) {
+    return error_reply("invalid_request", "explain needs a string \"target\" (a hostname, IP or IP:port)");
+  }
+  auto target = audit::parse_target(req["target"].get<std::string>());
+  if (!target) return error_reply(target.error(), "invalid_request");
+
+  const Phase* phase = nullptr;
+  if (req.contains("phase")) {
+    if (!req["phase"].is_string()) return error_reply("invalid_request", "\"phase\" must be a string");
+    const std::string name = req["phase"].get<std::string>();
+    phase = opts_.policy.find(name);
+    if (phase == nullptr) {
+      std::string names;
+      for (const auto& p : opts_.policy.phases) names += (names.empty() ? "" : ", ") + p.name;
+      return error_reply("unknown_phase", "unknown phase \"" + name + "\" (phases: " + names + ")");
+    }
+  } else {
+    // Answering from a guess would be worse than not answering: the kernel
+    // enforces entries this process cannot see.
+    if (inline_unknown_) {
+      return error_reply("unavailable",
+                         "the inline policy in force was adopted without its state file, so its entries are unknown "
+                         "here; ask about a named phase with \"phase\", or apply the policy again");
+    }
+    phase = &active_phase();
+  }
+
+  const auto now = Clock::now();
+  audit::LearnedView live;
+  for (const auto& [name, addrs] : learned_) {
+    for (const auto& a : addrs) {
+      if (a.expires > now) live[name].push_back(a.addr);
+    }
+  }
+  // Every name remembered for the address, expired answers included: they
+  // still say where the address came from.
+  const audit::NamesFor names_for = [this](const IpPrefix& addr) {
+    std::vector<std::string> names;
+    for (const auto& [name, addrs] : learned_) {
+      for (const auto& a : addrs) {
+        if (a.addr == addr) {
+          names.push_back(name);
+          break;
+        }
+      }
+    }
+    // merge: also ask audit::NameIndex::names_for
+    return names;
+  };
+  return control::ok_reply(audit::explain(*phase, *target, live, names_for).to_json());
+}
+
+}  // namespace egressd::daemon

@@ -1,0 +1,299 @@
+// explain (src/audit/explain.h): target parsing, and the verdict, entry,
+// learned name and hint for each way a phase allows or denies a target.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "audit/explain.h"
+
+using namespace egressd;
+using namespace egressd::audit;
+
+namespace {
+
+Phase allowlist(std::vector<std::string> raw, std::string name = "agent") {
+  auto ph = make_inline_phase(name, Mode::allowlist, raw);
+  REQUIRE(ph.ok());
+  return *ph;
+}
+
+Target target(std::string_view raw) {
+  auto t = parse_target(raw);
+  const std::string what(raw);
+  REQUIRE_MESSAGE(t.ok(), what);
+  return *t;
+}
+
+IpPrefix ip(const char* s) { return *parse_ip(s); }
+
+std::string parse_error(std::string_view raw) {
+  auto t = parse_target(raw);
+  const std::string what = std::string(raw) + " parsed as " + (t.ok() ? t->text() : "");
+  REQUIRE_MESSAGE(!t.ok(), what);
+  CHECK(t.error().kind == ErrorKind::invalid);
+  return t.error().message;
+}
+
+Explanation ask(const Phase& ph, std::string_view raw, const LearnedView& learned = {},
+                const NamesFor& names_for = {}) {
+  return explain(ph, target(raw), learned, names_for);
+}
+
+}  // namespace
+
+TEST_CASE("targets: hostnames, addresses, ports") {
+  CHECK(target("PyPI.org.").text() == "pypi.org");
+  CHECK_FALSE(target("pypi.org").is_address);
+  CHECK(target("pypi.org:443").text() == "pypi.org:443");
+  CHECK(target(" 192.0.2.10 ").text() == "192.0.2.10");
+  CHECK(target("192.0.2.10:443").text() == "192.0.2.10:443");
+  CHECK(*target("192.0.2.10:443").port == 443);
+  CHECK(target("2001:DB8::0:1").text() == "2001:db8::1");
+  CHECK_FALSE(target("2001:db8::1").port.has_value());
+  const Target v6 = target("[2001:db8::1]:8443");
+  CHECK(v6.is_address);
+  CHECK(v6.addr == ip("2001:db8::1"));
+  CHECK(*v6.port == 8443);
+  CHECK(v6.text() == "[2001:db8::1]:8443");
+  CHECK(target("[2001:db8::1]").text() == "2001:db8::1");
+  CHECK(*target("198.51.100.1:65535").port == 65535);
+}
+
+TEST_CASE("bad targets are refused with a message naming them") {
+  CHECK(parse_error("").find("target \"\": empty") == 0);
+  CHECK(parse_error("*.example.com").find("target \"*.example.com\": a wildcard is an allowlist entry") == 0);
+  CHECK(parse_error("192.0.2.0/24").find("a CIDR is an allowlist entry") != std::string::npos);
+  CHECK(parse_error("https://pypi.org/simple").find("URLs are not targets") != std::string::npos);
+  CHECK(parse_error("192.0.2.256").find("\"192.0.2.256\" is not a valid IPv4 address") != std::string::npos);
+  CHECK(parse_error("192.0.2.10:0").find("port \"0\"") == std::string::npos);
+  CHECK(parse_error("192.0.2.10:0").find("port 0 is not a number from 1 to 65535") != std::string::npos);
+  CHECK(parse_error("192.0.2.10:65536").find("port 65536") != std::string::npos);
+  CHECK(parse_error("192.0.2.10:http").find("port \"http\"") != std::string::npos);
+  CHECK(parse_error("192.0.2.10:").find("port \"\"") != std::string::npos);
+  CHECK(parse_error("2001:db8::1:443:x").find("is not a valid IPv6 address") != std::string::npos);
+  CHECK(parse_error("[192.0.2.1]:80").find("is not a valid IPv6 address") != std::string::npos);
+  CHECK(parse_error("[2001:db8::1]443").find("expected \":PORT\"") != std::string::npos);
+  CHECK(parse_error("[2001:db8::1").find("without \"]\"") != std::string::npos);
+  CHECK(parse_error("fe80::1%eth0").find("fe80::1%eth0") != std::string::npos);
+  CHECK(parse_error("bad_name.example").find("target \"bad_name.example\": label") == 0);
+  // A control byte is escaped, so the message cannot forge a log line.
+  CHECK(parse_error("a\nb").find("\\n") != std::string::npos);
+}
+
+TEST_CASE("an IPv6 address with an unbracketed port is explained, not guessed") {
+  // 2001:db8::1:443 is itself a valid address, so only a non-address reads as addr:port.
+  CHECK(target("2001:db8::1:443").text() == "2001:db8::1:443");
+  CHECK(parse_error("2001:db8:::443").find("written [2001:db8::]:443") != std::string::npos);
+  CHECK(parse_error("2001:db8::g").find("is not a valid IPv6 address") != std::string::npos);
+  CHECK(parse_error("::ffff:192.0.2.1:80").find("written [::ffff:192.0.2.1]:80") != std::string::npos);
+}
+
+TEST_CASE("an IP entry and the most specific CIDR entry allow an address") {
+  const Phase ph = allowlist({"192.0.2.0/24", "192.0.2.10", "2001:db8::/32", "2001:db8:2::/64", "pypi.org"});
+  auto x = ask(ph, "192.0.2.10");
+  CHECK(x.allowed);
+  REQUIRE(x.entry);
+  CHECK(*x.entry == "192.0.2.10");
+  CHECK_FALSE(x.learned_name);
+  CHECK_FALSE(x.hint);
+  CHECK(x.reason == "192.0.2.10 is entry 192.0.2.10 of phase agent");
+
+  x = ask(ph, "192.0.2.99");
+  CHECK(x.allowed);
+  CHECK(*x.entry == "192.0.2.0/24");
+  CHECK(x.reason == "192.0.2.99 is inside entry 192.0.2.0/24 of phase agent");
+
+  x = ask(ph, "[2001:db8:2::10]:443");
+  CHECK(x.allowed);
+  CHECK(*x.entry == "2001:db8:2::/64");
+  CHECK(x.target == "[2001:db8:2::10]:443");
+  CHECK(x.reason.find("any port") != std::string::npos);
+
+  x = ask(ph, "2001:db8:ffff::1");
+  CHECK(x.allowed);
+  CHECK(*x.entry == "2001:db8::/32");
+
+  // IPv4 entries never allow IPv6 addresses and the other way round.
+  x = ask(allowlist({"2001:db8::/32"}), "192.0.2.1");
+  CHECK_FALSE(x.allowed);
+  CHECK_FALSE(x.entry);
+}
+
+TEST_CASE("an address learned for a name a wildcard allows: entry and learned name") {
+  const Phase ph = allowlist({"*.cdn.example", "pypi.org"});
+  const LearnedView learned = {
+      {"foo.cdn.example", {ip("203.0.113.10"), ip("2001:db8:3::10")}},
+      {"other.example", {ip("203.0.113.10"), ip("198.51.100.11")}},
+      {"pypi.org", {ip("198.51.100.10")}},
+  };
+  auto x = ask(ph, "203.0.113.10:443", learned);
+  CHECK(x.allowed);
+  CHECK(*x.entry == "*.cdn.example");
+  CHECK(*x.learned_name == "foo.cdn.example");
+  CHECK(x.names == std::vector<std::string>{"foo.cdn.example", "other.example"});
+  CHECK(x.reason.find("203.0.113.10 was learned from DNS for foo.cdn.example, which entry *.cdn.example of phase agent allows") == 0);
+
+  x = ask(ph, "2001:db8:3::10", learned);
+  CHECK(x.allowed);
+  CHECK(*x.learned_name == "foo.cdn.example");
+
+  x = ask(ph, "198.51.100.10", learned);
+  CHECK(x.allowed);
+  CHECK(*x.entry == "pypi.org");
+  CHECK(*x.learned_name == "pypi.org");
+
+  // Learned only for a name the phase does not allow.
+  x = ask(ph, "198.51.100.11", learned);
+  CHECK_FALSE(x.allowed);
+  CHECK_FALSE(x.entry);
+  CHECK_FALSE(x.learned_name);
+  CHECK(x.names == std::vector<std::string>{"other.example"});
+  CHECK(*x.hint == "add other.example");
+}
+
+TEST_CASE("a denied address names the hostnames that resolved to it and hints like for a name") {
+  const Phase ph = allowlist({"pypi.org"});
+  std::vector<IpPrefix> asked;
+  const NamesFor names_for = [&](const IpPrefix& a) {
+    asked.push_back(a);
+    return std::vector<std::string>{"files.pythonhosted.org", "files.pythonhosted.org"};
+  };
+  auto x = ask(ph, "198.51.100.11:443", {}, names_for);
+  CHECK_FALSE(x.allowed);
+  CHECK(asked == std::vector<IpPrefix>{ip("198.51.100.11")});
+  CHECK(x.names == std::vector<std::string>{"files.pythonhosted.org"});
+  CHECK(*x.hint == "add files.pythonhosted.org, or *.pythonhosted.org");
+  CHECK(x.reason.find("198.51.100.11 is in no IP or CIDR entry of phase agent") == 0);
+  CHECK(x.reason.find("files.pythonhosted.org") != std::string::npos);
+
+  // Several names: each exact name, and each sibling wildcard once.
+  const NamesFor several = [](const IpPrefix&) {
+    return std::vector<std::string>{"b.cdn.example", "a.cdn.example", "x.other.example"};
+  };
+  x = ask(ph, "198.51.100.11", {}, several);
+  CHECK(*x.hint == "add a.cdn.example or b.cdn.example or x.other.example, or *.cdn.example or *.other.example");
+
+  // No name: the address itself, or a CIDR around it.
+  x = ask(ph, "198.51.100.11");
+  CHECK(x.names.empty());
+  CHECK(*x.hint == "add 198.51.100.11, or a CIDR such as 198.51.100.0/24");
+  x = ask(ph, "2001:db8:3::10");
+  CHECK(*x.hint == "add 2001:db8:3::10, or a CIDR such as 2001:db8:3::/64");
+}
+
+TEST_CASE("a denied address whose allowed name's answer expired: resolve again") {
+  const Phase ph = allowlist({"a.example.com"});
+  const NamesFor names_for = [](const IpPrefix&) { return std::vector<std::string>{"a.example.com"}; };
+  auto x = ask(ph, "198.51.100.10", {}, names_for);
+  CHECK_FALSE(x.allowed);
+  CHECK(x.reason.find("has expired") != std::string::npos);
+  CHECK(x.hint->find("resolve a.example.com again") == 0);
+}
+
+TEST_CASE("rebinding-guard addresses are never allowed through a learned name") {
+  const Phase ph = allowlist({"*.example.org"});
+  const LearnedView learned = {{"meta.example.org", {ip("169.254.169.254")}}};
+  auto x = ask(ph, "169.254.169.254", learned);
+  CHECK_FALSE(x.allowed);
+  CHECK(x.reason.find("rebinding guard") != std::string::npos);
+  // An explicit entry still allows it (DESIGN §1).
+  x = ask(allowlist({"169.254.169.254"}), "169.254.169.254", learned);
+  CHECK(x.allowed);
+  CHECK(*x.entry == "169.254.169.254");
+}
+
+TEST_CASE("hostnames: answered by the DNS proxy by an exact entry or a wildcard") {
+  const Phase ph = allowlist({"pypi.org", "*.example.com", "192.0.2.0/24"});
+  const LearnedView learned = {{"pypi.org", {ip("198.51.100.10")}}};
+  auto x = ask(ph, "PyPI.org", learned);
+  CHECK(x.allowed);
+  CHECK(*x.entry == "pypi.org");
+  CHECK_FALSE(x.learned_name);
+  CHECK(x.names.empty());
+  CHECK(x.reason.find("the DNS proxy answers pypi.org") == 0);
+  CHECK(x.reason.find("pre-resolved") != std::string::npos);
+  CHECK(x.reason.find("198.51.100.10") != std::string::npos);
+
+  x = ask(ph, "a.b.example.com:443");
+  CHECK(x.allowed);
+  CHECK(*x.entry == "*.example.com");
+  CHECK(x.reason.find("pre-resolved") == std::string::npos);
+  CHECK(x.reason.find("any port") != std::string::npos);
+}
+
+TEST_CASE("a denied hostname gets a hint with the wildcard over its parent") {
+  const Phase ph = allowlist({"pypi.org"});
+  auto x = ask(ph, "files.pythonhosted.org");
+  CHECK_FALSE(x.allowed);
+  CHECK_FALSE(x.entry);
+  CHECK(*x.hint == "add files.pythonhosted.org, or *.pythonhosted.org");
+  CHECK(x.reason.find("refuses it without asking upstream") != std::string::npos);
+  // Never a wildcard over a top-level domain.
+  x = ask(ph, "example.com");
+  CHECK(*x.hint == "add example.com");
+}
+
+TEST_CASE("a wildcard does not allow its apex") {
+  const Phase ph = allowlist({"*.example.com"});
+  auto x = ask(ph, "example.com");
+  CHECK_FALSE(x.allowed);
+  CHECK(x.reason.find("entry *.example.com matches only names below example.com, never example.com itself") !=
+        std::string::npos);
+  CHECK(*x.hint == "add example.com");
+  CHECK(ask(ph, "www.example.com").allowed);
+}
+
+TEST_CASE("public allows everything, no-network denies everything, loopback is always allowed") {
+  const Phase pub{"environment", Mode::public_, {}};
+  auto x = ask(pub, "198.51.100.11:443");
+  CHECK(x.allowed);
+  CHECK_FALSE(x.entry);
+  CHECK(x.mode == Mode::public_);
+  CHECK(x.reason.find("phase environment is public") == 0);
+  x = ask(pub, "files.pythonhosted.org");
+  CHECK(x.allowed);
+  CHECK(x.reason.find("DNS queries are forwarded") != std::string::npos);
+
+  const Phase none{"verifier", Mode::no_network, {}};
+  x = ask(none, "192.0.2.10");
+  CHECK_FALSE(x.allowed);
+  CHECK_FALSE(x.entry);
+  CHECK(x.reason.find("phase verifier is no-network") == 0);
+  CHECK(x.hint->find("switch to a phase") == 0);
+  x = ask(none, "pypi.org");
+  CHECK_FALSE(x.allowed);
+  CHECK(x.reason.find("refused") != std::string::npos);
+
+  CHECK(ask(none, "127.0.0.53").allowed);
+  CHECK(ask(none, "[::1]:8080").allowed);
+  CHECK(ask(none, "127.0.0.53").reason.find("loopback is always allowed") != std::string::npos);
+
+  // An allowlist with no entries denies everything.
+  x = ask(allowlist({}), "192.0.2.10");
+  CHECK_FALSE(x.allowed);
+  CHECK(x.reason.find("no entries") != std::string::npos);
+}
+
+TEST_CASE("the JSON shape") {
+  const Phase ph = allowlist({"*.cdn.example"});
+  const LearnedView learned = {{"foo.cdn.example", {ip("203.0.113.10")}}};
+  auto j = ask(ph, "203.0.113.10", learned).to_json();
+  CHECK(j["target"] == "203.0.113.10");
+  CHECK(j["phase"] == "agent");
+  CHECK(j["mode"] == "allowlist");
+  CHECK(j["allowed"] == true);
+  CHECK(j["entry"] == "*.cdn.example");
+  CHECK(j["learned_name"] == "foo.cdn.example");
+  CHECK(j["names"] == nlohmann::json::array({"foo.cdn.example"}));
+  CHECK(j["hint"].is_null());
+  CHECK(j["reason"].is_string());
+  CHECK(j.size() == 9);
+
+  j = ask(ph, "files.pythonhosted.org").to_json();
+  CHECK(j["allowed"] == false);
+  CHECK(j["entry"].is_null());
+  CHECK(j["learned_name"].is_null());
+  CHECK(j["names"] == nlohmann::json::array());
+  CHECK(j["hint"] == "add files.pythonhosted.org, or *.pythonhosted.org");
+}
