@@ -124,7 +124,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
 
 Chain deny_chain(const Policy& policy) {
   Chain c{"deny", std::nullopt, {}};
-  if (policy.enforce.log_group != 0) c.rules.push_back({{StmtLog{policy.enforce.log_group}}, ""});
+  // Rate-limited in the kernel: a flood of denied packets costs egressd at
+  // most kLogRate messages a second (the rest are still denied, unlogged).
+  if (policy.enforce.log_group != 0) {
+    c.rules.push_back({{StmtLimit{kLogRate, kLogBurst}, StmtLog{policy.enforce.log_group}}, ""});
+  }
   if (policy.enforce.deny == DenyAction::drop) {
     c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   } else {

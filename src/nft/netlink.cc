@@ -424,6 +424,15 @@ class RuleBuilder {
     cmp(NFT_CMP_EQ, m.addr.bytes.data(), len);
   }
   void operator()(const StmtCounter&) { add(expr("counter")); }
+  void operator()(const StmtLimit& s) {
+    auto e = expr("limit");
+    nftnl_expr_set_u64(e.get(), NFTNL_EXPR_LIMIT_RATE, s.per_second);
+    nftnl_expr_set_u64(e.get(), NFTNL_EXPR_LIMIT_UNIT, 1);  // seconds
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_BURST, s.burst);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_TYPE, NFT_LIMIT_PKTS);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_FLAGS, 0);
+    add(std::move(e));
+  }
   void operator()(const StmtLog& s) {
     auto e = expr("log");
     nftnl_expr_set_u16(e.get(), NFTNL_EXPR_LOG_GROUP, s.group);
@@ -741,6 +750,14 @@ class NetlinkKernel final : public Kernel {
       return std::optional<TableInfo>{std::move(info)};
     }
     return Error::runtime("read table inet " + name + ": its chains and sets kept changing during the read");
+  }
+
+  Result<std::vector<RuleInfo>> read_rules(const std::string& name) override {
+    std::vector<RuleInfo> rules;
+    const int err = dump_rules(name, rules);
+    if (err == ENOENT) return std::vector<RuleInfo>{};
+    if (err != 0) return errno_error("list rules of table inet " + name, err);
+    return rules;
   }
 
  private:
