@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "audit/suggest.h"
+#include "control/audit_view.h"
 #include "control/client.h"
 
 namespace {
@@ -36,6 +38,11 @@ struct Options {
   std::string phase;
   std::string mode;
   std::vector<std::string> allow;
+  // denied, hosts
+  bool follow = false;
+  bool suggest = false;
+  bool wildcards = false;
+  std::string hosts_phase;
 };
 
 std::string dump(const Json& j, int indent = -1) {
@@ -221,6 +228,67 @@ int cmd_ping(const Options& o) {
   });
 }
 
+// denied: the records; --follow asks again and again with the last id seen
+// as the cursor, each request waiting in the daemon (long-poll) until a new
+// record or wait_ms, so a quiet sandbox costs one request every 20 s.
+int cmd_denied(const Options& o) {
+  auto print = [&](const Json& records) {
+    if (!records.is_array()) return;
+    for (const auto& rec : records) {
+      std::cout << (o.json ? dump(rec) : egressd::control::denied_line(rec)) << '\n';
+    }
+    std::cout << std::flush;
+  };
+  if (!o.follow) {
+    return run(o, {{"cmd", "denied"}}, [&](const Json& r) {
+      if (o.json) return print_json(r);
+      const Json records = r.value("records", Json::array());
+      if (records.empty()) std::cout << "no denied connections recorded\n";
+      print(records);
+      return kExitOk;
+    });
+  }
+  const auto wait_ms = static_cast<std::uint64_t>(std::clamp(o.timeout_s * 1000 / 2, 1.0, 20000.0));
+  // The first request prints what is recorded already, then each waits.
+  std::uint64_t since = 0;
+  for (bool first = true;; first = false) {
+    const int rc = run(o, {{"cmd", "denied"}, {"since", since}, {"wait_ms", first ? 0 : wait_ms}}, [&](const Json& r) {
+      const Json records = r.value("records", Json::array());
+      print(records);
+      for (const auto& rec : records) {
+        if (rec.contains("id") && rec["id"].is_number_unsigned()) since = std::max(since, rec["id"].get<std::uint64_t>());
+      }
+      return kExitOk;
+    });
+    if (rc != kExitOk) return rc;
+  }
+}
+
+// hosts: names per phase; --suggest / --wildcards: the allowed_hosts list.
+int cmd_hosts(const Options& o) {
+  Json req = {{"cmd", "hosts"}};
+  if (!o.hosts_phase.empty()) req["phase"] = o.hosts_phase;
+  return run(o, req, [&](const Json& r) {
+    const Json hosts = r.value("hosts", Json::array());
+    if (o.suggest || o.wildcards) {
+      const auto s = egressd::audit::suggest_allowed_hosts(egressd::control::resolved_names(hosts), o.wildcards);
+      if (o.json) {
+        std::cout << dump(Json{{"allowed_hosts", s.entries}, {"skipped", s.skipped}}, 2) << '\n';
+      } else {
+        std::cout << egressd::audit::suggestion_yaml(s);
+      }
+      return kExitOk;
+    }
+    if (o.json) return print_json(r);
+    if (hosts.empty()) {
+      std::cout << "no names resolved through egressd yet\n";
+      return kExitOk;
+    }
+    std::cout << egressd::control::hosts_table(hosts);
+    return kExitOk;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -249,6 +317,8 @@ int main(int argc, char** argv) {
       {"status", "show the phase, mode, generation, counters and entries in force", cmd_status},
       {"capabilities", "show what this egressd and kernel support", cmd_capabilities},
       {"ping", "check that egressd answers", cmd_ping},
+      {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
+      {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
@@ -263,6 +333,18 @@ int main(int argc, char** argv) {
   apply->add_flag("--json", o.json, "print the reply as JSON");
   commands[1].sub->add_flag("--json", o.json, "print the reply as JSON");
   commands[2].sub->add_flag("--json", o.json, "print the reply as JSON");
+
+  for (auto& c : commands) {
+    if (std::string(c.name) == "denied") {
+      c.sub->add_flag("--json", o.json, "print JSON (with --follow: one record per line)");
+      c.sub->add_flag("--follow,-f", o.follow, "keep printing new records until interrupted");
+    } else if (std::string(c.name) == "hosts") {
+      c.sub->add_flag("--json", o.json, "print the reply as JSON");
+      c.sub->add_flag("--suggest", o.suggest, "print a ready-to-paste allowed_hosts list of the names resolved");
+      c.sub->add_flag("--wildcards", o.wildcards, "with --suggest: collapse sibling names into *.parent");
+      c.sub->add_option("--phase", o.hosts_phase, "only names resolved while this phase was in force");
+    }
+  }
 
   try {
     app.parse(argc, argv);

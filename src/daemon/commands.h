@@ -37,6 +37,8 @@ struct RunArgs {
   std::string log_format = "text";  // text | json
   std::vector<std::string> allow;   // extra entries for --phase allowlist without config
   int dns_port = 53;                // DNS proxy port on loopback in the sandbox; 0 = no interception
+  std::size_t denied_records = 1024;  // denied-record ring size
+  std::size_t names = 8192;         // (phase, name) pairs remembered for attribution and `hosts`
 };
 int cmd_run(const RunArgs& args);
 

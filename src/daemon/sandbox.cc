@@ -225,6 +225,18 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   const Phase& target = *target_ptr;
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
   flush_learned();  // addresses answered under the old phase go in before it changes
+  // The switch flushes `active` and deletes an inline chain, and their
+  // counters with them: read them first so status stays cumulative.
+  std::uint64_t retiring_packets = 0, retiring_bytes = 0;
+  if (auto rules = kernel_->read_rules(nft::kTableName)) {
+    const std::string old_inline = state_.is_inline ? nft::inline_chain(state_.generation) : "";
+    for (const auto& r : *rules) {
+      if (r.chain == "active" || (!old_inline.empty() && r.chain == old_inline)) {
+        retiring_packets += r.packets;
+        retiring_bytes += r.bytes;
+      }
+    }
+  }
   const auto t0 = Clock::now();
   const nft::ActiveState next = nft::make_state(opts_.policy, target, state_.generation + 1, is_inline);
   nft::Change ch = nft::build_switch(opts_.policy, target, next, state_);
@@ -238,6 +250,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
     return s.error();
   }
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+  retired_allowed_packets_ += retiring_packets;
+  retired_allowed_bytes_ += retiring_bytes;
   const std::string from = state_.phase;
   state_ = next;
   matcher_ = dns::NameMatcher(target.entries);
@@ -424,10 +438,24 @@ dns::Action Sandbox::decide(const std::string& qname) {
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
   ++dns_refused_;
+  names_.refused(state_.phase, qname);
+  if (denied_.add_dns(qname, state_.phase)) wake_denied_waiters();
   log()->debug("dns refused qname={} qtype={} phase={}", qname, qtype, state_.phase);
 }
 
 void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) {
+  // Every answer, in every mode, feeds name attribution (`denied`, `hosts`).
+  // Only answers reach here: a refused name was never resolved.
+  if (!addrs.empty()) {
+    std::vector<IpPrefix> ips;
+    for (std::size_t i = 0; i < addrs.size(); ++i) {
+      ips.push_back(addrs[i].addr);
+      if (i + 1 == addrs.size() || addrs[i + 1].qname != addrs[i].qname) {
+        names_.observe(state_.phase, addrs[i].qname, ips);
+        ips.clear();
+      }
+    }
+  }
   if (state_.mode == Mode::public_) {
     // Everything is allowed: nothing to insert, only observe (for attribution
     // of later denials and for `hosts --suggest`).
@@ -531,7 +559,8 @@ json Sandbox::status() {
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  std::uint64_t ap = 0, ab = 0, dp = 0, db = 0;
+  // allowed_*: the chains in the table now, plus what switches retired.
+  std::uint64_t ap = retired_allowed_packets_, ab = retired_allowed_bytes_, dp = 0, db = 0;
   if (auto info = kernel_->read_table(nft::kTableName); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
@@ -562,6 +591,7 @@ json Sandbox::status() {
     j["dns"] = nullptr;
   }
   if (inline_unknown_) j["entries_unknown"] = true;
+  j["audit"] = audit_status();
   return j;
 }
 
@@ -625,9 +655,10 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
     if (cmd == "status") return reply(ok_reply(status()));
     return reply(ok_reply({{"capabilities", caps_.to_json()}}));
   }
+  if (cmd == "denied" || cmd == "hosts") return handle_audit(req, std::move(reply));
   if (cmd != "apply") {
-    return reply(error_reply("unknown_command",
-                             "unknown command \"" + cmd + "\" (commands: ping, status, capabilities, apply)"));
+    return reply(error_reply("unknown_command", "unknown command \"" + cmd +
+                                                    "\" (commands: ping, status, capabilities, apply, denied, hosts)"));
   }
   if (auto e = check_fields({"phase", "mode", "allow"})) return reply(*e);
   const bool has_phase = req.contains("phase"), has_mode = req.contains("mode");
