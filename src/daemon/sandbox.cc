@@ -225,18 +225,6 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   const Phase& target = *target_ptr;
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
   flush_learned();  // addresses answered under the old phase go in before it changes
-  // The switch flushes `active` and deletes an inline chain, and their
-  // counters with them: read them first so status stays cumulative.
-  std::uint64_t retiring_packets = 0, retiring_bytes = 0;
-  if (auto rules = kernel_->read_rules(nft::kTableName)) {
-    const std::string old_inline = state_.is_inline ? nft::inline_chain(state_.generation) : "";
-    for (const auto& r : *rules) {
-      if (r.chain == "active" || (!old_inline.empty() && r.chain == old_inline)) {
-        retiring_packets += r.packets;
-        retiring_bytes += r.bytes;
-      }
-    }
-  }
   const auto t0 = Clock::now();
   const nft::ActiveState next = nft::make_state(opts_.policy, target, state_.generation + 1, is_inline);
   nft::Change ch = nft::build_switch(opts_.policy, target, next, state_);
@@ -250,8 +238,6 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
     return s.error();
   }
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
-  retired_allowed_packets_ += retiring_packets;
-  retired_allowed_bytes_ += retiring_bytes;
   const std::string from = state_.phase;
   state_ = next;
   matcher_ = dns::NameMatcher(target.entries);
@@ -559,19 +545,22 @@ json Sandbox::status() {
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  // allowed_*: the chains in the table now, plus what switches retired.
-  std::uint64_t ap = retired_allowed_packets_, ab = retired_allowed_bytes_, dp = 0, db = 0;
+  // Cumulative across switches: `counter jump active` in chain output sees
+  // every packet the policy decides; what `deny` did not take was allowed
+  // (the chains are dumped one after the other, hence the clamp).
+  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
   if (auto info = kernel_->read_table(nft::kTableName); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
         dp += r.packets;
         db += r.bytes;
-      } else if (r.chain == "active" || r.chain.rfind("ph_", 0) == 0 || r.chain.rfind("il", 0) == 0) {
-        ap += r.packets;
-        ab += r.bytes;
+      } else if (r.chain == "output") {
+        pp += r.packets;
+        pb += r.bytes;
       }
     }
   }
+  const std::uint64_t ap = pp > dp ? pp - dp : 0, ab = pb > db ? pb - db : 0;
   json phases = json::array();
   for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
   json j{{"phase", state_.phase},

@@ -183,8 +183,6 @@ class Sandbox : public dns::PolicyHooks {
   std::size_t learned_count_ = 0;
   Clock::time_point next_sweep_{};  // earliest time remember() may sweep a full table again
   std::uint64_t dns_refused_ = 0;
-  // Counters of rules a switch flushed or deleted (status stays cumulative).
-  std::uint64_t retired_allowed_packets_ = 0, retired_allowed_bytes_ = 0;
   audit::NameIndex names_{opts_.names};
   audit::DeniedLog denied_{opts_.denied};
   audit::NflogReader* nflog_ = nullptr;

@@ -118,7 +118,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   for (std::uint8_t t : {kNdRouterSolicit, kNdNeighborSolicit, kNdNeighborAdvert}) {
     c.rules.push_back({{MatchNdIcmpv6{t}, accept()}, ""});
   }
-  c.rules.push_back({{StmtVerdict{VerdictKind::jump, "active"}}, ""});
+  // Every packet the policy decides passes here once and is then either
+  // accepted or sent to `deny`: allowed = this counter - deny's counters.
+  // Both chains outlive switches (only `active` and inline chains are
+  // rewritten), so status counts across switches at no cost to a switch.
+  c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::jump, "active"}}, ""});
   return c;
 }
 

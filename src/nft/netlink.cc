@@ -752,14 +752,6 @@ class NetlinkKernel final : public Kernel {
     return Error::runtime("read table inet " + name + ": its chains and sets kept changing during the read");
   }
 
-  Result<std::vector<RuleInfo>> read_rules(const std::string& name) override {
-    std::vector<RuleInfo> rules;
-    const int err = dump_rules(name, rules);
-    if (err == ENOENT) return std::vector<RuleInfo>{};
-    if (err != 0) return errno_error("list rules of table inet " + name, err);
-    return rules;
-  }
-
  private:
   // ---- batches ----
 

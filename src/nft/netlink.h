@@ -42,14 +42,6 @@ class Kernel {
   virtual Status apply(const Change& change) = 0;
   // Reads table inet `name`; nullopt when it does not exist.
   virtual Result<std::optional<TableInfo>> read_table(const std::string& name) = 0;
-  // The rules of table inet `name` with their counters (empty when the table
-  // does not exist): one dump, cheaper than read_table (counters before a
-  // switch rewrites the counting rules).
-  virtual Result<std::vector<RuleInfo>> read_rules(const std::string& name) {
-    auto t = read_table(name);
-    if (!t) return t.error();
-    return t->has_value() ? (*t)->rules : std::vector<RuleInfo>{};
-  }
 };
 
 // Opens a netlink socket in the current network namespace.

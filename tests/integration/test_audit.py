@@ -169,6 +169,8 @@ print(sent)
     total = sum(r["count"] for r in recs)
     assert len(recs) <= total <= 50 + 100 * (flood_s + 1), (total, flood_s)
     audit = d.status()["audit"]
+    print(f"flood: {n} connects in {flood_s:.2f} s, {len(recs)} records, counts sum {total}, "
+          f"{polls} status polls, slowest {slowest * 1000:.1f} ms, audit {audit}")
     assert audit["denied_records"] <= 1024
     assert audit["denied_total"] >= total
 

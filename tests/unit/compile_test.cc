@@ -77,7 +77,7 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   std::vector<std::string> text;
   for (const auto& r : out->rules) text.push_back(render_rule(r));
   CHECK(text.front() == "oif \"lo\" accept");
-  CHECK(text.back() == "jump active");
+  CHECK(text.back() == "counter jump active");  // counts every packet the policy decides (status)
   for (const auto& r : text) CHECK(r.find("ct state") == std::string::npos);
   CHECK(std::find(text.begin(), text.end(), "ct direction reply accept") != text.end());
 }
