@@ -81,12 +81,16 @@ struct DnsOptions {
   bool observe_public = true;
 };
 
+// Denied packets are logged to this NFLOG group unless `enforce.log_group`
+// says otherwise (docs/audit.md). NFLOG groups are per network namespace.
+inline constexpr std::uint16_t kDefaultLogGroup = 1985;
+
 struct EnforceOptions {
   DenyAction deny = DenyAction::reject;
   // Allow outbound packets of connections initiated from outside the sandbox.
   bool inbound_replies = true;
-  // NFLOG group used by deny rules (0 = no logging).
-  std::uint16_t log_group = 0;
+  // NFLOG group deny rules log to, for `egressctl denied` (0 = no logging).
+  std::uint16_t log_group = kDefaultLogGroup;
 };
 
 struct Phase {

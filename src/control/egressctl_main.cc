@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "audit/explain.h"
+#include "audit/suggest.h"
+#include "control/audit_view.h"
 #include "control/client.h"
 
 namespace {
@@ -39,6 +41,11 @@ struct Options {
   std::vector<std::string> allow;
   // explain (--phase NAME goes into `phase`)
   std::string target;
+  // denied, hosts
+  bool follow = false;
+  bool suggest = false;
+  bool wildcards = false;
+  std::string hosts_phase;
 };
 
 std::string dump(const Json& j, int indent = -1) {
@@ -251,6 +258,67 @@ int cmd_ping(const Options& o) {
   });
 }
 
+// denied: the records; --follow asks again and again with the last id seen
+// as the cursor, each request waiting in the daemon (long-poll) until a new
+// record or wait_ms, so a quiet sandbox costs one request every 20 s.
+int cmd_denied(const Options& o) {
+  auto print = [&](const Json& records) {
+    if (!records.is_array()) return;
+    for (const auto& rec : records) {
+      std::cout << (o.json ? dump(rec) : egressd::control::denied_line(rec)) << '\n';
+    }
+    std::cout << std::flush;
+  };
+  if (!o.follow) {
+    return run(o, {{"cmd", "denied"}}, [&](const Json& r) {
+      if (o.json) return print_json(r);
+      const Json records = r.value("records", Json::array());
+      if (records.empty()) std::cout << "no denied connections recorded\n";
+      print(records);
+      return kExitOk;
+    });
+  }
+  const auto wait_ms = static_cast<std::uint64_t>(std::clamp(o.timeout_s * 1000 / 2, 1.0, 20000.0));
+  // The first request prints what is recorded already, then each waits.
+  std::uint64_t since = 0;
+  for (bool first = true;; first = false) {
+    const int rc = run(o, {{"cmd", "denied"}, {"since", since}, {"wait_ms", first ? 0 : wait_ms}}, [&](const Json& r) {
+      const Json records = r.value("records", Json::array());
+      print(records);
+      for (const auto& rec : records) {
+        if (rec.contains("id") && rec["id"].is_number_unsigned()) since = std::max(since, rec["id"].get<std::uint64_t>());
+      }
+      return kExitOk;
+    });
+    if (rc != kExitOk) return rc;
+  }
+}
+
+// hosts: names per phase; --suggest / --wildcards: the allowed_hosts list.
+int cmd_hosts(const Options& o) {
+  Json req = {{"cmd", "hosts"}};
+  if (!o.hosts_phase.empty()) req["phase"] = o.hosts_phase;
+  return run(o, req, [&](const Json& r) {
+    const Json hosts = r.value("hosts", Json::array());
+    if (o.suggest || o.wildcards) {
+      const auto s = egressd::audit::suggest_allowed_hosts(egressd::control::resolved_names(hosts), o.wildcards);
+      if (o.json) {
+        std::cout << dump(Json{{"allowed_hosts", s.entries}, {"skipped", s.skipped}}, 2) << '\n';
+      } else {
+        std::cout << egressd::audit::suggestion_yaml(s);
+      }
+      return kExitOk;
+    }
+    if (o.json) return print_json(r);
+    if (hosts.empty()) {
+      std::cout << "no names resolved through egressd yet\n";
+      return kExitOk;
+    }
+    std::cout << egressd::control::hosts_table(hosts);
+    return kExitOk;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,6 +348,8 @@ int main(int argc, char** argv) {
       {"capabilities", "show what this egressd and kernel support", cmd_capabilities},
       {"ping", "check that egressd answers", cmd_ping},
       {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
+      {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
+      {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
@@ -298,6 +368,18 @@ int main(int argc, char** argv) {
   explain->add_option("TARGET", o.target, "hostname, IP, NAME:PORT, IPv4:PORT or [IPv6]:PORT")->required();
   explain->add_option("--phase", o.phase, "explain for this phase of the policy file (default: the one in force)");
   explain->add_flag("--json", o.json, "print the reply as JSON");
+
+  for (auto& c : commands) {
+    if (std::string(c.name) == "denied") {
+      c.sub->add_flag("--json", o.json, "print JSON (with --follow: one record per line)");
+      c.sub->add_flag("--follow,-f", o.follow, "keep printing new records until interrupted");
+    } else if (std::string(c.name) == "hosts") {
+      c.sub->add_flag("--json", o.json, "print the reply as JSON");
+      c.sub->add_flag("--suggest", o.suggest, "print a ready-to-paste allowed_hosts list of the names resolved");
+      c.sub->add_flag("--wildcards", o.wildcards, "with --suggest: collapse sibling names into *.parent");
+      c.sub->add_option("--phase", o.hosts_phase, "only names resolved while this phase was in force");
+    }
+  }
 
   try {
     app.parse(argc, argv);

@@ -39,6 +39,8 @@ struct RunArgs {
   int dns_port = 53;                // DNS proxy port on loopback in the sandbox; 0 = no interception
   double verify_interval_s = 5;     // tamper safety net: compare the table every N s; 0 = off
   int monitor_rcvbuf = 0;           // nftables event socket buffer, bytes; 0 = default (8 MiB, grows)
+  std::size_t denied_records = 1024;  // denied-record ring size
+  std::size_t names = 8192;         // (phase, name) pairs remembered for attribution and `hosts`
 };
 int cmd_run(const RunArgs& args);
 

@@ -13,9 +13,11 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <fstream>
 #include <sstream>
 
+#include "audit/nflog.h"
 #include "control/protocol.h"
 #include "control/server.h"
 #include "daemon/audit_log.h"
@@ -76,6 +78,20 @@ std::uint32_t random_mark() {
   return m;
 }
 
+// True when this kernel takes the deny chain's rate-limited log rule (nft_log
+// and nft_limit; nft_log needs the nfnetlink_log backend, which a container
+// cannot load as a module). Probed like the capabilities: nothing stays.
+bool probe_log(nft::Kernel& kernel, std::uint16_t group) {
+  nft::Table t;
+  t.name = "egressd_probe";
+  t.chains.push_back({"c", std::nullopt, {{{nft::StmtLimit{nft::kLogRate, nft::kLogBurst}, nft::StmtLog{group}}, ""}}});
+  nft::Change ch;
+  ch.table = t.name;
+  ch.ops.push_back(nft::OpAddTable{t});
+  ch.ops.push_back(nft::OpDeleteTable{t.name});
+  return kernel.apply(ch).ok();
+}
+
 }  // namespace
 
 int cmd_run(const RunArgs& a) {
@@ -108,6 +124,14 @@ int cmd_run(const RunArgs& a) {
         "this kernel cannot redirect DNS to egressd (no nat in nf_tables); hostnames cannot be enforced. "
         "Run with --dns-port 0 to enforce addresses only"));
   }
+  if (policy->enforce.log_group != 0 && !probe_log(**kernel, policy->enforce.log_group)) {
+    // Logging is for `egressctl denied`, not enforcement: run without it
+    // rather than not at all, and say so.
+    log->warn("this kernel cannot log denied packets (nft log/limit, nfnetlink_log); running without "
+              "log_group={}: `denied` will show refused DNS queries only",
+              policy->enforce.log_group);
+    policy->enforce.log_group = 0;
+  }
   const std::vector<std::string> upstream = dns::expand_upstreams(policy->dns, read_resolv_conf());
 
   SandboxOptions opts;
@@ -131,6 +155,14 @@ int cmd_run(const RunArgs& a) {
     reaper.reap(std::move(phase), gen);
   };
   opts.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  opts.run_after = [&io](std::chrono::milliseconds delay, std::function<void()> fn) {
+    auto t = std::make_shared<boost::asio::steady_timer>(io, delay);
+    t->async_wait([t, fn = std::move(fn)](const boost::system::error_code& ec) {
+      if (!ec) fn();
+    });
+  };
+  opts.denied.capacity = a.denied_records;
+  opts.names.max_entries = a.names;
   Sandbox sandbox(std::move(opts), std::move(*kernel), caps);
   const auto t0 = std::chrono::steady_clock::now();
 
@@ -162,6 +194,20 @@ int cmd_run(const RunArgs& a) {
     proxy = std::move(*p);
     sandbox.attach_proxy(proxy.get());
     sandbox.preresolve_active();
+  }
+
+  // Denied packets: the deny chain logs to this group (rate-limited in the
+  // kernel). Without the reader the policy is enforced all the same; only
+  // `denied` lacks packet records, so a failure here is not fatal.
+  std::unique_ptr<audit::NflogReader> nflog;
+  if (const std::uint16_t group = policy->enforce.log_group; group != 0) {
+    auto r = audit::NflogReader::open(io, group, [&sandbox](const audit::LoggedPacket& p) { sandbox.denied_packet(p); });
+    if (r) {
+      nflog = std::move(*r);
+      sandbox.attach_nflog(nflog.get());
+    } else {
+      log->warn("denied packets will not be recorded: {}", r.error().message);
+    }
   }
 
   control::ServerOptions sopts;
@@ -219,6 +265,7 @@ int cmd_run(const RunArgs& a) {
     }
     (*server)->close();
     if (proxy) proxy->close();
+    if (nflog) nflog->close();
     io.stop();
   });
   // Ready only once SIGTERM is handled: an orchestrator may stop us at once.

@@ -39,6 +39,12 @@ int main(int argc, char** argv) {
   d->add_option("--dns-port", run.dns_port,
                 "port of the DNS proxy on 127.0.0.1/::1 in the sandbox (default 53); 0 = no DNS interception")
       ->check(CLI::Range(0, 65535));
+  d->add_option("--denied-records", run.denied_records, "denied-connection records kept (oldest dropped first)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
+  d->add_option("--names", run.names, "resolved (phase, name) pairs kept for `hosts` and attribution")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
   d->add_flag("--cleanup-on-exit", run.cleanup_on_exit, "delete the nftables table on SIGTERM/SIGINT");
   d->add_option("--log-format", run.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   d->add_option("--verify-interval", run.verify_interval_s,

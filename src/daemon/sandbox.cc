@@ -456,10 +456,24 @@ dns::Action Sandbox::decide(const std::string& qname) {
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
   ++dns_refused_;
+  names_.refused(state_.phase, qname);
+  if (denied_.add_dns(qname, state_.phase)) wake_denied_waiters();
   log()->debug("dns refused qname={} qtype={} phase={}", qname, qtype, state_.phase);
 }
 
 void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) {
+  // Every answer, in every mode, feeds name attribution (`denied`, `hosts`).
+  // Only answers reach here: a refused name was never resolved.
+  if (!addrs.empty()) {
+    std::vector<IpPrefix> ips;
+    for (std::size_t i = 0; i < addrs.size(); ++i) {
+      ips.push_back(addrs[i].addr);
+      if (i + 1 == addrs.size() || addrs[i + 1].qname != addrs[i].qname) {
+        names_.observe(state_.phase, addrs[i].qname, ips);
+        ips.clear();
+      }
+    }
+  }
   if (state_.mode == Mode::public_) {
     // Everything is allowed: nothing to insert, only observe (for attribution
     // of later denials and for `hosts --suggest`).
@@ -563,18 +577,22 @@ json Sandbox::status() {
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  std::uint64_t ap = 0, ab = 0, dp = 0, db = 0;
+  // Cumulative across switches: `counter jump active` in chain output sees
+  // every packet the policy decides; what `deny` did not take was allowed
+  // (the chains are dumped one after the other, hence the clamp).
+  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
   if (auto info = kernel_->read_table(nft::kTableName); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
         dp += r.packets;
         db += r.bytes;
-      } else if (r.chain == "active" || r.chain.rfind("ph_", 0) == 0 || r.chain.rfind("il", 0) == 0) {
-        ap += r.packets;
-        ab += r.bytes;
+      } else if (r.chain == "output") {
+        pp += r.packets;
+        pb += r.bytes;
       }
     }
   }
+  const std::uint64_t ap = pp > dp ? pp - dp : 0, ab = pb > db ? pb - db : 0;
   json phases = json::array();
   for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
   json j{{"phase", state_.phase},
@@ -595,6 +613,7 @@ json Sandbox::status() {
     j["dns"] = nullptr;
   }
   if (inline_unknown_) j["entries_unknown"] = true;
+  j["audit"] = audit_status();
   return j;
 }
 
@@ -662,9 +681,10 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
     if (auto e = check_fields({"target", "phase"})) return reply(*e);
     return reply(explain_reply(req));
   }
+  if (cmd == "denied" || cmd == "hosts") return handle_audit(req, std::move(reply));
   if (cmd != "apply") {
-    return reply(error_reply("unknown_command",
-                             "unknown command \"" + cmd + "\" (commands: ping, status, capabilities, apply)"));
+    return reply(error_reply("unknown_command", "unknown command \"" + cmd +
+                                                    "\" (commands: ping, status, capabilities, apply, explain, denied, hosts)"));
   }
   if (auto e = check_fields({"phase", "mode", "allow"})) return reply(*e);
   const bool has_phase = req.contains("phase"), has_mode = req.contains("mode");

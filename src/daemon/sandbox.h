@@ -15,6 +15,9 @@
 #include <deque>
 #include <map>
 
+#include "audit/denied.h"
+#include "audit/names.h"
+#include "audit/nflog.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
 #include "egressd/policy.h"
@@ -71,6 +74,12 @@ struct SandboxOptions {
   // At most this many (name, address) pairs are remembered (status, carrying
   // learned addresses across switches); the kernel sets are not limited by it.
   std::size_t max_learned = 65536;
+  // Name attribution and denied-connection records (docs/protocol.md: denied, hosts).
+  audit::NameIndexOptions names;
+  audit::DeniedOptions denied;
+  // Runs `fn` after `delay` on the event loop (`denied` long-poll). Empty:
+  // a `denied` request never waits (tests).
+  std::function<void(std::chrono::milliseconds delay, std::function<void()> fn)> run_after;
 };
 
 class Sandbox : public dns::PolicyHooks {
@@ -120,6 +129,13 @@ class Sandbox : public dns::PolicyHooks {
   Result<std::vector<std::string>> verify_table();
   // The netlink portid egressd's own nftables changes carry.
   std::uint32_t kernel_portid() const { return kernel_->portid(); }
+  // A packet the deny chain logged (NFLOG): becomes a denied record naming
+  // the hostnames its destination resolved from.
+  void denied_packet(const audit::LoggedPacket& pkt);
+  // The NFLOG reader whose counters status reports. Not owned; may be nullptr.
+  void attach_nflog(audit::NflogReader* reader) { nflog_ = reader; }
+  const audit::NameIndex& names() const { return names_; }
+  const audit::DeniedLog& denied() const { return denied_; }
 
   // dns::PolicyHooks
   dns::Action decide(const std::string& qname) override;
@@ -162,6 +178,11 @@ class Sandbox : public dns::PolicyHooks {
   void save_inline_state();
   std::optional<Phase> load_inline_state(std::uint64_t generation);
 
+  // src/daemon/sandbox_audit.cc: `denied` and `hosts` requests.
+  void handle_audit(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);
+  void wake_denied_waiters();
+  nlohmann::json audit_status() const;
+
   SandboxOptions opts_;
   std::unique_ptr<nft::Kernel> kernel_;
   Capabilities caps_;
@@ -177,6 +198,17 @@ class Sandbox : public dns::PolicyHooks {
   std::size_t learned_count_ = 0;
   Clock::time_point next_sweep_{};  // earliest time remember() may sweep a full table again
   std::uint64_t dns_refused_ = 0;
+  audit::NameIndex names_{opts_.names};
+  audit::DeniedLog denied_{opts_.denied};
+  audit::NflogReader* nflog_ = nullptr;
+  struct DeniedWaiter {
+    std::uint64_t id;
+    std::uint64_t since;
+    std::size_t limit;
+    std::function<void(nlohmann::json)> reply;
+  };
+  std::vector<DeniedWaiter> denied_waiters_;
+  std::uint64_t next_waiter_ = 1;
 };
 
 }  // namespace egressd::daemon

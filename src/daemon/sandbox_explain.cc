@@ -5,6 +5,8 @@
 #include "control/protocol.h"
 #include "daemon/sandbox.h"
 
+#include <algorithm>
+
 namespace egressd::daemon {
 
 nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
@@ -55,7 +57,11 @@ nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
         }
       }
     }
-    // merge: also ask audit::NameIndex::names_for
+    // Names observed in any phase (public included) and refused names the
+    // index tied to this address, most recent first, without repeats.
+    for (auto& n : names_.names_for(addr)) {
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(std::move(n));
+    }
     return names;
   };
   return control::ok_reply(audit::explain(*phase, *target, live, names_for).to_json());

@@ -118,13 +118,21 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   for (std::uint8_t t : {kNdRouterSolicit, kNdNeighborSolicit, kNdNeighborAdvert}) {
     c.rules.push_back({{MatchNdIcmpv6{t}, accept()}, ""});
   }
-  c.rules.push_back({{StmtVerdict{VerdictKind::jump, "active"}}, ""});
+  // Every packet the policy decides passes here once and is then either
+  // accepted or sent to `deny`: allowed = this counter - deny's counters.
+  // Both chains outlive switches (only `active` and inline chains are
+  // rewritten), so status counts across switches at no cost to a switch.
+  c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::jump, "active"}}, ""});
   return c;
 }
 
 Chain deny_chain(const Policy& policy) {
   Chain c{"deny", std::nullopt, {}};
-  if (policy.enforce.log_group != 0) c.rules.push_back({{StmtLog{policy.enforce.log_group}}, ""});
+  // Rate-limited in the kernel: a flood of denied packets costs egressd at
+  // most kLogRate messages a second (the rest are still denied, unlogged).
+  if (policy.enforce.log_group != 0) {
+    c.rules.push_back({{StmtLimit{kLogRate, kLogBurst}, StmtLog{policy.enforce.log_group}}, ""});
+  }
   if (policy.enforce.deny == DenyAction::drop) {
     c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   } else {

@@ -39,6 +39,8 @@
 namespace egressd::nft {
 
 inline constexpr const char* kTableName = "egressd";
+// Denied packets logged per second (and burst) at most; the rest are denied unlogged.
+inline constexpr std::uint32_t kLogRate = 100, kLogBurst = 50;
 // The default meta mark (SO_MARK) of egressd's own upstream DNS sockets, used
 // by `render`. The daemon draws a random mark when it creates the table and
 // keeps it in the table comment: a sandbox process with CAP_NET_RAW (Docker's

@@ -77,6 +77,10 @@ struct MatchDaddrSet { std::string set; SetType type; };
 struct MatchDaddr { IpPrefix addr; };
 // counter (anonymous; packets/bytes read back for status)
 struct StmtCounter {};
+// limit rate N/second [burst B packets]: matches while under the rate, so the
+// statements after it in the rule run at most that often (nft omits the
+// default burst 5 when listing).
+struct StmtLimit { std::uint32_t per_second; std::uint32_t burst = 5; };
 // log group N
 struct StmtLog { std::uint16_t group; };
 // ct mark set value
@@ -92,7 +96,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchMetaMark, MatchCtDirectionReply, MatchCtMark,
                           MatchL4Proto, MatchDport, MatchNdIcmpv6, MatchDaddrSet, MatchDaddr,
-                          StmtCounter, StmtLog, StmtCtMarkSet, StmtRedirect, StmtRejectTcpReset,
+                          StmtCounter, StmtLimit, StmtLog, StmtCtMarkSet, StmtRedirect, StmtRejectTcpReset,
                           StmtRejectAdminProhibited, StmtVerdict>;
 
 struct Rule {

@@ -424,6 +424,15 @@ class RuleBuilder {
     cmp(NFT_CMP_EQ, m.addr.bytes.data(), len);
   }
   void operator()(const StmtCounter&) { add(expr("counter")); }
+  void operator()(const StmtLimit& s) {
+    auto e = expr("limit");
+    nftnl_expr_set_u64(e.get(), NFTNL_EXPR_LIMIT_RATE, s.per_second);
+    nftnl_expr_set_u64(e.get(), NFTNL_EXPR_LIMIT_UNIT, 1);  // seconds
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_BURST, s.burst);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_TYPE, NFT_LIMIT_PKTS);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LIMIT_FLAGS, 0);
+    add(std::move(e));
+  }
   void operator()(const StmtLog& s) {
     auto e = expr("log");
     nftnl_expr_set_u16(e.get(), NFTNL_EXPR_LOG_GROUP, s.group);

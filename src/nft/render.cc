@@ -98,6 +98,11 @@ struct StmtText {
     return std::string(m.addr.family == 4 ? "ip" : "ip6") + " daddr " + m.addr.to_string();
   }
   std::string operator()(const StmtCounter&) const { return "counter"; }
+  std::string operator()(const StmtLimit& s) const {
+    std::string t = "limit rate " + std::to_string(s.per_second) + "/second";
+    if (s.burst != 5) t += " burst " + std::to_string(s.burst) + " packets";
+    return t;
+  }
   std::string operator()(const StmtLog& s) const { return "log group " + std::to_string(s.group); }
   std::string operator()(const StmtCtMarkSet& s) const { return "ct mark set " + hex32(s.value); }
   std::string operator()(const StmtRedirect& s) const { return "redirect to :" + std::to_string(s.port); }

@@ -77,7 +77,7 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   std::vector<std::string> text;
   for (const auto& r : out->rules) text.push_back(render_rule(r));
   CHECK(text.front() == "oif \"lo\" accept");
-  CHECK(text.back() == "jump active");
+  CHECK(text.back() == "counter jump active");  // counts every packet the policy decides (status)
   for (const auto& r : text) CHECK(r.find("ct state") == std::string::npos);
   CHECK(std::find(text.begin(), text.end(), "ct direction reply accept") != text.end());
 }
@@ -91,7 +91,7 @@ TEST_CASE("inbound replies can be turned off; drop replaces reject; log group is
   for (const auto& r : find_chain(t, "output")->rules) CHECK(render_rule(r) != "ct direction reply accept");
   const Chain* deny = find_chain(t, "deny");
   REQUIRE(deny->rules.size() == 2);
-  CHECK(render_rule(deny->rules[0]) == "log group 9");
+  CHECK(render_rule(deny->rules[0]) == "limit rate 100/second burst 50 packets log group 9");
   CHECK(render_rule(deny->rules[1]) == "counter drop");
 }
 
@@ -99,9 +99,11 @@ TEST_CASE("reject: TCP gets a reset, everything else admin-prohibited") {
   const Policy p = three_phases();
   const Table t = build_table(p, nullptr, named(p, "verifier", 1), CompileOptions{});
   const Chain* deny = find_chain(t, "deny");
-  REQUIRE(deny->rules.size() == 2);
-  CHECK(render_rule(deny->rules[0]) == "meta l4proto tcp counter reject with tcp reset");
-  CHECK(render_rule(deny->rules[1]) == "counter reject with icmpx admin-prohibited");
+  REQUIRE(deny->rules.size() == 3);
+  // Logging is on by default, rate-limited in the kernel.
+  CHECK(render_rule(deny->rules[0]) == "limit rate 100/second burst 50 packets log group 1985");
+  CHECK(render_rule(deny->rules[1]) == "meta l4proto tcp counter reject with tcp reset");
+  CHECK(render_rule(deny->rules[2]) == "counter reject with icmpx admin-prohibited");
 }
 
 TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd's own mark") {

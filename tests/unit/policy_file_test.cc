@@ -96,7 +96,7 @@ TEST_CASE("defaults: no dns, no enforce, no initial_phase") {
   CHECK(p.dns.observe_public);
   CHECK(p.enforce.deny == DenyAction::reject);
   CHECK(p.enforce.inbound_replies);
-  CHECK(p.enforce.log_group == 0);
+  CHECK(p.enforce.log_group == kDefaultLogGroup);
 
   const Policy q = accept("dns:\nenforce: ~\nphases: {a: public}\n");
   CHECK(q.dns.min_ttl_s == 30);

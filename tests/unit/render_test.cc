@@ -50,6 +50,8 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchDaddr{ip("2001:DB8::9")}) == "ip6 daddr 2001:db8::9");
   CHECK(one(StmtCounter{}) == "counter");
   CHECK(one(StmtLog{100}) == "log group 100");
+  CHECK(one(StmtLimit{100, 50}) == "limit rate 100/second burst 50 packets");
+  CHECK(one(StmtLimit{20}) == "limit rate 20/second");  // nft omits the default burst 5
   CHECK(one(StmtCtMarkSet{0x45470001}) == "ct mark set 0x45470001");
   CHECK(one(StmtRedirect{5353}) == "redirect to :5353");
   CHECK(one(StmtRejectTcpReset{}) == "reject with tcp reset");

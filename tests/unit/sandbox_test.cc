@@ -494,4 +494,39 @@ TEST_CASE("explain answers from the phase in force and what DNS taught the sandb
   CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "x.org"}, {"phase", "nope"}})["error"]["code"] ==
         "unknown_phase");
   CHECK(f.sb->status()["phase"] == "agent");
+TEST_CASE("denied records: a packet names what resolved to its address in public; a refused query is a dns record") {
+  Fixture f(dns_policy());
+  REQUIRE(f.sb->start("environment").ok());
+  f.sb->learn({learned("cdn.example", "203.0.113.5", 60)}, [](Status) {});
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  audit::LoggedPacket p;
+  p.proto = 6;
+  p.dst = *parse_ip("203.0.113.5");
+  p.port = 443;
+  for (int i = 0; i < 5; ++i) f.sb->denied_packet(p);
+  f.sb->refused("exfil.example", 1);
+  json r = f.sb->handle({{"cmd", "denied"}});
+  REQUIRE(r["ok"] == true);
+  REQUIRE(r["records"].size() == 2);
+  CHECK(r["records"][0]["names"] == json::array({"cdn.example"}));
+  CHECK(r["records"][0]["phase"] == "agent");
+  CHECK(r["records"][0]["count"] == 5);
+  CHECK(r["records"][1]["kind"] == "dns");
+  CHECK(r["records"][1]["names"] == json::array({"exfil.example"}));
+  CHECK(r["last_id"] == 2);
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"since", 1}})["records"].size() == 1);
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"since", 2}})["records"].empty());
+  // A cursor from a previous daemon run (larger than any id) starts over.
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"since", 99}})["records"].size() == 2);
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"since", -1}})["error"]["code"] == "invalid_request");
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"wait_ms", 600000}})["error"]["code"] == "invalid_request");
+  CHECK(f.sb->handle({{"cmd", "denied"}, {"bogus", 1}})["error"]["code"] == "invalid_request");
+  json h = f.sb->handle({{"cmd", "hosts"}});
+  REQUIRE(h["hosts"].size() == 2);
+  CHECK(h["hosts"][0]["phase"] == "environment");
+  CHECK(h["hosts"][0]["name"] == "cdn.example");
+  CHECK(h["hosts"][0]["addresses"] == json::array({"203.0.113.5"}));
+  CHECK(h["hosts"][1]["refused"] == 1);
+  CHECK(f.sb->handle({{"cmd", "hosts"}, {"phase", "agent"}})["hosts"].size() == 1);
+  CHECK(f.sb->status()["audit"]["denied_total"] == 6);
 }

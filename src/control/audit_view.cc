@@ -1,0 +1,91 @@
+#include "control/audit_view.h"
+
+#include <algorithm>
+
+#include "audit/suggest.h"
+
+namespace egressd::control {
+
+namespace {
+
+using nlohmann::json;
+
+std::string str(const json& o, const char* key) {
+  if (!o.is_object() || !o.contains(key) || o[key].is_null()) return "-";
+  const json& v = o[key];
+  return v.is_string() ? audit::printable(v.get<std::string>()) : v.dump();
+}
+
+std::string names_of(const json& o) {
+  std::string out;
+  if (!o.is_object() || !o.contains("names") || !o["names"].is_array()) return out;
+  for (const auto& n : o["names"]) {
+    if (!n.is_string()) continue;
+    out += (out.empty() ? "" : ", ") + audit::printable(n.get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string denied_line(const json& r) {
+  std::string line = str(r, "time") + "  " + str(r, "phase") + "  ";
+  if (str(r, "kind") == "dns") {
+    line += "dns query refused: " + names_of(r);
+  } else {
+    const std::string dst = str(r, "dst");
+    const bool v6 = dst.find(':') != std::string::npos;
+    line += str(r, "proto") + " ";
+    if (r.contains("port") && r["port"].is_number()) {
+      line += (v6 ? "[" + dst + "]" : dst) + ":" + str(r, "port");
+    } else {
+      line += dst;
+    }
+  }
+  line += "  x" + str(r, "count");
+  if (str(r, "kind") != "dns") {
+    const std::string n = names_of(r);
+    line += n.empty() ? "  (no name resolved to it through egressd)" : "  names: " + n;
+  }
+  return line;
+}
+
+std::string hosts_table(const json& hosts) {
+  std::vector<std::vector<std::string>> rows = {{"PHASE", "NAME", "RESOLVED", "REFUSED", "ADDRESSES"}};
+  if (hosts.is_array()) {
+    for (const auto& h : hosts) {
+      std::string addrs;
+      if (h.contains("addresses") && h["addresses"].is_array()) {
+        for (const auto& a : h["addresses"]) addrs += (addrs.empty() ? "" : " ") + (a.is_string() ? a.get<std::string>() : a.dump());
+      }
+      rows.push_back({str(h, "phase"), str(h, "name"), str(h, "resolved"), str(h, "refused"), addrs.empty() ? "-" : addrs});
+    }
+  }
+  std::vector<std::size_t> width(rows[0].size(), 0);
+  for (const auto& r : rows)
+    for (std::size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::vector<std::string> resolved_names(const json& hosts, const std::string& phase) {
+  std::vector<std::string> out;
+  if (!hosts.is_array()) return out;
+  for (const auto& h : hosts) {
+    if (!h.is_object() || !h.contains("name") || !h["name"].is_string()) continue;
+    if (!phase.empty() && h.value("phase", "") != phase) continue;
+    if (!h.contains("resolved") || !h["resolved"].is_number_unsigned() || h["resolved"].get<std::uint64_t>() == 0) continue;
+    out.push_back(h["name"].get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace egressd::control
