@@ -494,6 +494,8 @@ TEST_CASE("explain answers from the phase in force and what DNS taught the sandb
   CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "x.org"}, {"phase", "nope"}})["error"]["code"] ==
         "unknown_phase");
   CHECK(f.sb->status()["phase"] == "agent");
+}
+
 TEST_CASE("denied records: a packet names what resolved to its address in public; a refused query is a dns record") {
   Fixture f(dns_policy());
   REQUIRE(f.sb->start("environment").ok());
