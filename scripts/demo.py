@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The scripts/demo walkthrough: egressd in a throwaway lab (see tests/integration/lab.py)."""
 import os
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,21 @@ def main():
         for line in d.log().splitlines():
             if "switch" in line or "adopted" in line or "installed" in line:
                 print("  " + line.split(" ", 1)[1])
+        title("10. Why was this blocked? denied records and explain")
+        ctl = [os.environ.get("EGRESSCTL", str(ROOT / "build/src/egressctl")), "--socket", str(d.socket_path)]
+        d.ctl("apply", "agent")
+        r = lab.dns_query("c.example.net")
+        print(f"  dig c.example.net -> {r.rcode or r.outcome}")
+        print(f"  tcp 198.51.100.11 -> {probe(lab, '198.51.100.11', 'tcp')}")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # NFLOG delivers asynchronously: wait for the record
+            out = subprocess.run(ctl + ["denied", "--json"], capture_output=True, text=True).stdout
+            if '"packet"' in out:
+                break
+        shell(ctl + ["denied"])
+        shell(ctl + ["explain", "198.51.100.11:443"])
+        shell(ctl + ["explain", "c.example.net"])
+        shell(ctl + ["explain", "x.wild.example.org"])
     print(f"\n{BOLD}Lab removed.{OFF} Next: README.md (policy format, egressctl, guarantees).")
     return 0
 
