@@ -2,6 +2,7 @@
 // control socket until SIGTERM/SIGINT. The policy stays in the kernel when
 // egressd exits or dies (fail closed) unless --cleanup-on-exit is given.
 #include <fcntl.h>
+#include <malloc.h>
 #include <sched.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_sinks.h>
@@ -151,8 +152,21 @@ int cmd_run(const RunArgs& a) {
       log->info("aborted sockets={} gen={} (flows the new phase does not allow)", *n, gen);
     }
   });
-  opts.after_switch = [&reaper](std::shared_ptr<const Phase> phase, std::uint64_t gen) {
+  // Building a policy (parse, compile, the netlink batch) allocates far more
+  // than the policy in force keeps; glibc holds the freed memory in its heap
+  // unless asked. Once the daemon has been idle for a moment after start-up
+  // or a switch, hand it back: about 1 MiB of 8 idle with 1k entries.
+  // Deferred, so that back-to-back switches never wait for a trim.
+  boost::asio::steady_timer trim_timer(io);
+  auto trim_when_idle = [&trim_timer] {
+    trim_timer.expires_after(std::chrono::milliseconds(300));  // cancels a pending trim
+    trim_timer.async_wait([](const boost::system::error_code& ec) {
+      if (!ec) ::malloc_trim(0);
+    });
+  };
+  opts.after_switch = [&reaper, &trim_when_idle](std::shared_ptr<const Phase> phase, std::uint64_t gen) {
     reaper.reap(std::move(phase), gen);
+    trim_when_idle();
   };
   opts.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
   opts.run_after = [&io](std::chrono::milliseconds delay, std::function<void()> fn) {
@@ -272,6 +286,7 @@ int cmd_run(const RunArgs& a) {
   if (!a.ready_file.empty()) {
     if (auto s = write_ready_file(a.ready_file, sandbox.state()); !s) return report(s.error());
   }
+  trim_when_idle();
   io.run();
   if (!a.ready_file.empty()) ::unlink(a.ready_file.c_str());
   return exit_code;

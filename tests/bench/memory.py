@@ -11,8 +11,9 @@ policy with one phase, so nothing else is staged:
                198.18.0.0/15; dnsperf asks every name once (-q 20), so egressd learns N
                addresses (it remembers at most 65536 of them; the kernel set takes every one).
 VmRSS (resident now) and VmHWM (peak) are read from /proc/<pid>/status once the ready file
-exists and a status request over the control socket has been answered (learned: after dnsperf
-finished and the set holds an element per name answered).
+exists, a status request over the control socket has been answered (learned: after dnsperf
+finished and the set holds an element per name answered) and VmRSS has then held still for
+1 s (idle: egressd hands the heap a policy install freed back to the kernel once idle).
 Beside them: the peak RSS (getrusage ru_maxrss, through /usr/bin/time -f %M) of `nft -f` loading
 `egressd render` of the same 1k and 100k phases into an empty namespace: what a sidecar that
 shells out to nft needs for the same work.
@@ -74,6 +75,23 @@ def status_request(sock: Path):
             raise dp.BenchError(f"egressd status failed: {buf[:200]!r}")
 
 
+def settled_status(pid: int, still_s: float = 1.0, deadline_s: float = 10.0) -> dict[str, int]:
+    """/proc status once VmRSS has not changed for still_s (sampled every 0.1 s), or at the
+    deadline (then the last sample: a daemon that never settles is measured as it is)."""
+    end = time.monotonic() + deadline_s
+    st = proc_status(pid)
+    since = time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.1)  # sampling interval, not synchronisation
+        now = proc_status(pid)
+        if now["VmRSS"] != st["VmRSS"]:
+            since = time.monotonic()
+        st = now
+        if time.monotonic() - since >= still_s:
+            break
+    return st
+
+
 def nft_peak_kib(ns: lab.Netns, script: Path) -> int:
     """Peak RSS of `nft -f script` in ns (an empty table first). /usr/bin/time forks nft from a
     small process, so the figure is nft's own and not this interpreter's."""
@@ -101,7 +119,7 @@ def idle_run(ns: lab.Netns, tmp: Path, procs: dp.Procs, n: int) -> dict:
     except lab.LabError as e:
         raise dp.BenchError(f"{e}\n{dp.tail(p.log)}") from None
     status_request(sock)
-    st = proc_status(p.pid)
+    st = settled_status(p.pid)
     procs.stop(p)
     # The peer: nft -f of the same phase, rendered by egressd.
     script = tmp / f"{name}.nft"
@@ -125,7 +143,7 @@ def learned_run(topo: dp.Topology, tmp: Path, procs: dp.Procs, names: int) -> di
         dp.check_answers("egressd", r, "learning run")
         dp.alive_or_fail(p, "egressd")
         status_request(tmp / "egressd.sock")
-        st = proc_status(p.pid)
+        st = settled_status(p.pid)
         elements = counter()
     finally:
         bench.stop_contender("egressd", p)
