@@ -28,11 +28,6 @@ std::shared_ptr<spdlog::logger> log() {
 constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
                                    EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};
 
-json entry_counts(const Phase& ph) {
-  json j = json::object();
-  for (EntryKind k : kAllKinds) j[std::string(to_string(k))] = ph.count(k);
-  return j;
-}
 
 // Writes `text` to `path` atomically (temp file + rename), so a crash leaves
 // the old or the new content, never a torn file.
@@ -117,6 +112,7 @@ Status check_capabilities(const Phase& phase, const Capabilities& caps) {
   if (!caps.filter) return Error::runtime("this kernel cannot filter output in an inet table (nf_tables, nft_reject)");
   if (phase.mode != Mode::allowlist) return {};
   if (!caps.sets) return Error::runtime("this kernel lacks nftables sets, which allowlists need");
+  if (caps.ipv6) return {};
   for (const auto& e : phase.entries) {
     if ((e.kind == EntryKind::ipv6 || e.kind == EntryKind::ipv6_cidr) && !caps.ipv6) {
       return Error::invalid("entry \"" + e.text + "\" in phase " + phase.name +
@@ -124,6 +120,28 @@ Status check_capabilities(const Phase& phase, const Capabilities& caps) {
     }
   }
   return {};
+}
+
+PhaseFacts::PhaseFacts(const Phase& phase) : matcher(std::make_shared<const dns::NameMatcher>(phase.entries)) {
+  for (const Entry& e : phase.entries) {
+    ++counts[static_cast<std::size_t>(e.kind)];
+    if (e.kind == EntryKind::hostname) hostnames.push_back(e.text);
+  }
+}
+
+json PhaseFacts::counts_json() const {
+  json j = json::object();
+  for (EntryKind k : kAllKinds) j[std::string(to_string(k))] = counts[static_cast<std::size_t>(k)];
+  return j;
+}
+
+std::shared_ptr<const PhaseFacts> Sandbox::facts(const Phase& phase) const {
+  const auto& named = opts_.policy.phases;
+  const bool is_named = !named.empty() && &phase >= named.data() && &phase < named.data() + named.size();
+  if (!is_named) return std::make_shared<const PhaseFacts>(phase);
+  auto& slot = named_facts_[&phase];
+  if (!slot) slot = std::make_shared<const PhaseFacts>(phase);
+  return slot;
 }
 
 Sandbox::Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps)
@@ -145,7 +163,7 @@ Status Sandbox::install(const Phase& phase, std::uint64_t generation, bool repla
       nft::build_table(opts_.policy, st.is_inline ? &phase : nullptr, st, opts_.compile)});
   if (auto s = kernel_->apply(ch); !s) return s;
   state_ = st;
-  matcher_ = dns::NameMatcher(phase.entries);
+  active_facts_ = facts(phase);
   return {};
 }
 
@@ -196,7 +214,7 @@ Status Sandbox::start(const std::string& initial_phase) {
   if (same_config && (named != nullptr || adopted->is_inline)) {
     state_ = *adopted;
     inline_ = adopted_inline;
-    matcher_ = dns::NameMatcher(active_phase().entries);
+    active_facts_ = facts(active_phase());
     audit_event("adoption",
                 {{"phase", state_.phase}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
                  {"restaged", false}},
@@ -259,7 +277,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
   state_ = next;
-  matcher_ = dns::NameMatcher(target.entries);
+  active_facts_ = facts(target);
   if (is_inline) {
     inline_ = target;
     // After the reply: the kernel already holds the policy, and the file only
@@ -276,7 +294,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
     inline_.reset();
   }
   inline_unknown_ = false;
-  const json counts = entry_counts(target);
+  const json counts = active_facts_->counts_json();
   audit_event("switch",
               {{"from", from},
                {"to", next.phase},
@@ -316,10 +334,7 @@ void Sandbox::run_next_apply() {
   auto job = std::make_shared<ApplyJob>(std::move(applies_.front()));
   applies_.pop_front();
   std::vector<std::string> names;
-  if (proxy_ != nullptr && job->target->mode == Mode::allowlist) {
-    for (const auto& e : job->target->entries)
-      if (e.kind == EntryKind::hostname) names.push_back(e.text);
-  }
+  if (proxy_ != nullptr && job->target->mode == Mode::allowlist) names = facts(*job->target)->hostnames;
   if (names.empty()) {
     finish_apply(std::move(*job), {});
     return;
@@ -420,7 +435,8 @@ void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint6
 std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const std::string& chain) const {
   std::vector<nft::Op> ops;
   if (target.mode != Mode::allowlist) return ops;
-  const dns::NameMatcher m(target.entries);
+  const std::shared_ptr<const PhaseFacts> f = facts(target);
+  const dns::NameMatcher& m = *f->matcher;
   if (m.size() == 0) return ops;
   const auto now = Clock::now();
   const auto [s4, s6] = nft::learned_sets(chain);
@@ -450,7 +466,7 @@ dns::Action Sandbox::decide(const std::string& qname) {
     case Mode::allowlist: break;
   }
   if (!state_.is_inline && opts_.policy.find(state_.phase) == nullptr && !inline_) return dns::Action::refuse;
-  if (matcher_.matches(qname)) return dns::Action::forward;
+  if (active_facts_->matcher->matches(qname)) return dns::Action::forward;
   return opts_.policy.dns.deny_answer == DenyAnswer::nxdomain ? dns::Action::nxdomain : dns::Action::refuse;
 }
 
@@ -492,7 +508,7 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
   const auto [s4, s6] = nft::learned_sets(active_chain());
   for (const auto& l : addrs) {
     // The phase may have changed since the query was decided.
-    if (!matcher_.matches(l.qname)) continue;
+    if (!active_facts_->matcher->matches(l.qname)) continue;
     if (dns::is_rebinding_target(l.addr)) {
       audit_event("rebinding_guard", {{"name", l.qname}, {"address", l.addr.to_string()}, {"learned", false}},
                   spdlog::level::warn);
@@ -599,7 +615,7 @@ json Sandbox::status() {
          {"mode", to_string(state_.mode)},
          {"generation", state_.generation},
          {"entries", entries},
-         {"entry_counts", entry_counts(ph)},
+         {"entry_counts", active_facts_->counts_json()},
          {"counters", {{"allowed_packets", ap}, {"allowed_bytes", ab}, {"denied_packets", dp}, {"denied_bytes", db}}},
          {"learned", learned},
          {"phases", phases},

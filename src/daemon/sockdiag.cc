@@ -176,6 +176,8 @@ struct FlowReaper::Impl {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return stop || job.has_value(); });
         if (stop) return;
+        const std::uint64_t queued = job->second;
+        if (cv.wait_for(lock, kReapSettle, [&] { return stop || latest != queued; })) continue;  // superseded
         j = std::move(*job);
         job.reset();
       }

@@ -5,6 +5,8 @@
 // failure fast.
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,13 +30,19 @@ struct FlowInfo {
 Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep);
 
 // Runs destroy_flows on a thread of its own so the event loop never waits for
-// sock_diag dumps (they walk the kernel's global socket hash tables: hundreds
-// of microseconds each). Only the newest request matters: a job superseded by
-// a later switch stops destroying at once, so a late job can never abort a
-// flow that the phase now in force allows.
+// sock_diag dumps (they walk the kernel's global socket hash tables: 1-5 ms of
+// kernel time on a host with a 256k-bucket TCP hash). Only the newest request
+// matters: a job superseded by a later switch stops destroying at once, so a
+// late job can never abort a flow that the phase now in force allows. A job
+// waits kReapSettle first, so a burst of switches (an orchestrator stepping
+// through phases) is reaped once, for its last phase, instead of taking a CPU
+// from the switches that follow. The rules cut those flows at the switch
+// itself; the reaper only makes their sockets fail at once.
 //
 // Construct it after joining the sandbox namespace: the thread inherits the
 // namespace of the thread that creates it.
+inline constexpr std::chrono::milliseconds kReapSettle{10};
+
 class FlowReaper {
  public:
   using Report = std::function<void(Result<int> destroyed, std::uint64_t generation)>;
