@@ -190,6 +190,8 @@ int cmd_run(const RunArgs& a) {
   }
   auto guard = TamperGuard::open(io, sandbox, gopts);
   if (!guard) return report(guard.error().wrap("tamper detection"));
+  sandbox.set_large_batch_runner(
+      [g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
 
   if (auto s = sandbox.start(initial); !s) return report(s.error());
   (*guard)->start();

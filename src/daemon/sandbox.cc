@@ -144,6 +144,27 @@ std::shared_ptr<const PhaseFacts> Sandbox::facts(const Phase& phase) const {
   return slot;
 }
 
+static std::size_t element_count(const nft::Change& ch) {
+  std::size_t n = 0;
+  for (const auto& op : ch.ops) {
+    if (const auto* t = std::get_if<nft::OpAddTable>(&op)) {
+      for (const auto& set : t->table.sets) n += set.elems.size();
+    } else if (const auto* a = std::get_if<nft::OpAddSet>(&op)) {
+      n += a->set.elems.size();
+    } else if (const auto* e = std::get_if<nft::OpAddElems>(&op)) {
+      n += e->elems.size();
+    } else if (const auto* d = std::get_if<nft::OpDeleteElems>(&op)) {
+      n += d->elems.size();
+    }
+  }
+  return n;
+}
+
+Status Sandbox::apply_batch(const nft::Change& ch) {
+  if (!large_batch_runner_ || element_count(ch) < kLargeBatchElements) return kernel_->apply(ch);
+  return large_batch_runner_([&] { return kernel_->apply(ch); });
+}
+
 Sandbox::Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps)
     : opts_(std::move(opts)), kernel_(std::move(kernel)), caps_(caps) {}
 
@@ -161,7 +182,7 @@ Status Sandbox::install(const Phase& phase, std::uint64_t generation, bool repla
   if (replace_existing) ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
   ch.ops.push_back(nft::OpAddTable{
       nft::build_table(opts_.policy, st.is_inline ? &phase : nullptr, st, opts_.compile)});
-  if (auto s = kernel_->apply(ch); !s) return s;
+  if (auto s = apply_batch(ch); !s) return s;
   state_ = st;
   active_facts_ = facts(phase);
   return {};
@@ -270,7 +291,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   // client's cached address is refused.
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
   for (auto& op : carried_learned(target, chain)) ch.ops.push_back(std::move(op));
-  if (auto s = kernel_->apply(ch); !s) {
+  if (auto s = apply_batch(ch); !s) {
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }
@@ -551,7 +572,7 @@ void Sandbox::flush_learned() {
     ch.ops = std::move(p.ops);
     // Re-adding an element refreshes its timeout on this kernel (checked on
     // 6.x: `add element` with a new timeout replaces the expiry).
-    st = kernel_->apply(ch);
+    st = apply_batch(ch);
     if (!st) log()->error("learned addresses not inserted: {}", st.error().message);
   }
   if (st) {

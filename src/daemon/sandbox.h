@@ -142,6 +142,16 @@ class Sandbox : public dns::PolicyHooks {
   Result<std::vector<std::string>> verify_table();
   // The netlink portid egressd's own nftables changes carry.
   std::uint32_t kernel_portid() const { return kernel_->portid(); }
+  // The namespace's ruleset generation (moved by every commit, anyone's).
+  Result<std::uint32_t> kernel_generation() { return kernel_->generation(); }
+  // Runs each kernel batch of at least kLargeBatchElements set elements (an
+  // install, an inline switch, a big learned flush): `apply` sends it. The
+  // tamper guard stops listening to change events meanwhile: the kernel
+  // writes one notification per element to every listener, which doubled
+  // the time of a 10k-entry inline switch. Empty: batches are sent as they are.
+  using BatchRunner = std::function<Status(const std::function<Status()>& apply)>;
+  static constexpr std::size_t kLargeBatchElements = 256;
+  void set_large_batch_runner(BatchRunner fn) { large_batch_runner_ = std::move(fn); }
   // A packet the deny chain logged (NFLOG): becomes a denied record naming
   // the hostnames its destination resolved from.
   void denied_packet(const audit::LoggedPacket& pkt);
@@ -196,8 +206,12 @@ class Sandbox : public dns::PolicyHooks {
   void wake_denied_waiters();
   nlohmann::json audit_status() const;
 
+  // kernel_->apply, through large_batch_runner_ when the batch is large.
+  Status apply_batch(const nft::Change& ch);
+
   SandboxOptions opts_;
   std::unique_ptr<nft::Kernel> kernel_;
+  BatchRunner large_batch_runner_;
   Capabilities caps_;
   nft::ActiveState state_;
   std::optional<Phase> inline_;  // the inline policy in force, if any

@@ -1,8 +1,13 @@
 #include "daemon/tamper_guard.h"
 
+#include <linux/netfilter/nfnetlink.h>
+#include <linux/netlink.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <boost/asio/post.hpp>
 
 #include "daemon/audit_log.h"
@@ -192,6 +197,54 @@ void TamperGuard::on_verify_timer() {
   verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
     if (!ec && *alive) on_verify_timer();
   });
+}
+
+Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
+  if (closed_) return apply();
+  int group = NFNLGRP_NFTABLES;
+  const auto before = sandbox_.kernel_generation();
+  if (!before || setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_DROP_MEMBERSHIP, &group, sizeof group) < 0) {
+    return apply();  // heard, as any batch
+  }
+  Status st = apply();
+  const bool rejoined = setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &group, sizeof group) == 0;
+  const int rejoin_errno = errno;
+  const auto after = sandbox_.kernel_generation();
+  // Our batch moved the generation by one if it committed, else not at all.
+  const std::uint32_t expected = *before + (st ? 1u : 0u);
+  if (rejoined && after && *after == expected) return st;
+
+  std::string what;
+  if (!rejoined) {
+    what = std::string("could not listen to nftables events again (") + std::strerror(rejoin_errno) + ")";
+  } else if (!after) {
+    what = "ruleset generation unreadable after an unheard batch: " + after.error().message;
+  } else {
+    what = fmt::format("{} commit(s) by others while egressd's own batch was not listened to",
+                       static_cast<std::uint32_t>(*after - expected));
+  }
+  // The caller is in the middle of a switch: repair on the next turn of the
+  // loop, against the phase then in force.
+  boost::asio::post(io_, [this, alive = alive_, rejoined, what] {
+    if (!*alive || closed_) return;
+    if (!rejoined) {
+      int g = NFNLGRP_NFTABLES;
+      if (setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &g, sizeof g) < 0) {
+        log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
+                     std::strerror(errno), opts_.verify_interval.count());
+      }
+    }
+    ++tampers_;
+    const auto t0 = Clock::now();
+    auto restored = restore();
+    json f{{"what", what}, {"found_by", "generation"}, {"by_pid", nullptr}, {"by_comm", nullptr},
+           {"restored", restored.ok()}, {"phase", sandbox_.state().phase},
+           {"generation", sandbox_.state().generation}};
+    if (restored) f["restore_us"] = us_since(t0);
+    if (!restored) f["error"] = restored.error().message;
+    audit_event("tamper", f, spdlog::level::warn);
+  });
+  return st;
 }
 
 Result<std::int64_t> TamperGuard::restore() {

@@ -10,6 +10,15 @@
 //              differs; log a `monitor_overrun` event.
 //   timer      every verify_interval, the same comparison (safety net for
 //              anything the events could not show).
+//   unheard    egressd's own large batches (Sandbox::kLargeBatchElements set
+//              elements or more) are sent with the subscription dropped: the
+//              kernel would write a notification per element to this socket,
+//              which doubled a 10k-entry inline switch. The ruleset generation
+//              is read before and after; if anyone else committed meanwhile,
+//              the phase in force is restored at once and a `tamper` event
+//              logged (found_by "generation"). A commit racing the
+//              unsubscribe itself by microseconds is caught at the next event
+//              or by the timer.
 //
 // A tamperer in a loop gets a restore per wakeup (never fewer: egressd must not
 // fail open), and at most `log_burst` tamper lines, then one per
@@ -22,6 +31,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
+#include <functional>
 #include <memory>
 
 #include "daemon/sandbox.h"
@@ -57,6 +67,10 @@ class TamperGuard {
   // Another netlink socket of egressd's own whose nftables changes are not
   // tampering (the sandbox's kernel socket is known from the start).
   void add_own_portid(std::uint32_t portid) { tracker_.add_own_portid(portid); }
+
+  // Runs `apply` (egressd's own batch) without listening to change events;
+  // see `unheard` above. Installed with Sandbox::set_large_batch_runner.
+  Status apply_unheard(const std::function<Status()>& apply);
 
   std::uint64_t tampers() const { return tampers_; }
   std::uint64_t restores() const { return restores_; }

@@ -1063,6 +1063,26 @@ class NetlinkKernel final : public Kernel {
 
   std::uint32_t portid() const override { return mnl_socket_get_portid(sock_.get()); }
 
+  Result<std::uint32_t> generation() override {
+    nlmsghdr* req = request(NFT_MSG_GETGEN, AF_UNSPEC, NLM_F_ACK);
+    std::optional<std::uint32_t> gen;
+    const int err = talk(req, [&](const nlmsghdr* nlh) {
+      if ((nlh->nlmsg_type & 0xff) != NFT_MSG_NEWGEN) return;
+      mnl_attr_parse(
+          nlh, sizeof(nfgenmsg),
+          [](const nlattr* a, void* p) -> int {
+            if (mnl_attr_get_type(a) == NFTA_GEN_ID && mnl_attr_validate(a, MNL_TYPE_U32) >= 0) {
+              *static_cast<std::optional<std::uint32_t>*>(p) = ntohl(mnl_attr_get_u32(a));
+            }
+            return MNL_CB_OK;
+          },
+          &gen);
+    });
+    if (err != 0) return errno_error("get ruleset generation", err);
+    if (!gen) return Error::runtime("get ruleset generation: the kernel's reply had no NFTA_GEN_ID");
+    return *gen;
+  }
+
   static constexpr sockaddr_nl kernel_addr_{AF_NETLINK, 0, 0, 0};
 
   MnlSocket sock_;

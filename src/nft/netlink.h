@@ -47,6 +47,9 @@ class Kernel {
   // kernel's change notifications carry it, which tells egressd's own changes
   // from everyone else's (nft/monitor.h).
   virtual std::uint32_t portid() const { return 0; }
+  // The namespace's ruleset generation (NFT_MSG_GETGEN): every committed
+  // batch, anyone's, moves it by one.
+  virtual Result<std::uint32_t> generation() { return Error::runtime("ruleset generation: not supported"); }
 };
 
 // Opens a netlink socket in the current network namespace.

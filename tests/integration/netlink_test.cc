@@ -25,6 +25,11 @@
 #include <thread>
 #include <vector>
 
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+
+#include "daemon/sandbox.h"
+#include "daemon/tamper_guard.h"
 #include "nft/compile.h"
 #include "nft/netlink.h"
 
@@ -782,4 +787,106 @@ TEST_CASE("timing: named switch and 10k-entry inline switch") {
     std::printf("[netlink] inline %s: switch %.0f us, nft -f %.0f us, ratio %.2f; switching away (deletes it) %.0f us\n",
                 mix.what, ours, theirs, ours / theirs, median(out_us));
   }
+}
+
+// ---- tamper detection around egressd's own large batches -----------------------
+
+namespace {
+
+// The real kernel, plus a tamperer that commits from its own socket right
+// after egressd's next batch: inside the window in which the tamper guard is
+// not subscribed to change events.
+class RacingKernel final : public Kernel {
+ public:
+  RacingKernel(std::unique_ptr<Kernel> real, std::unique_ptr<Kernel> tamperer)
+      : real_(std::move(real)), tamperer_(std::move(tamperer)) {}
+  std::optional<Change> race_after_next;
+  Status apply(const Change& ch) override {
+    Status st = real_->apply(ch);
+    if (race_after_next) {
+      const Change foreign = std::move(*race_after_next);
+      race_after_next.reset();
+      const Status t = tamperer_->apply(foreign);
+      REQUIRE_MESSAGE(t.ok(), (t.ok() ? "" : t.error().message));
+    }
+    return st;
+  }
+  Result<std::optional<TableInfo>> read_table(const std::string& name) override { return real_->read_table(name); }
+  std::uint32_t portid() const override { return real_->portid(); }
+  Result<std::uint32_t> generation() override { return real_->generation(); }
+
+ private:
+  std::unique_ptr<Kernel> real_, tamperer_;
+};
+
+// The tamper guard's monitor socket is opened in the current namespace.
+template <class F>
+auto in_netns(const TestNetns& ns, F&& f) {
+  const int self = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+  const int target = open(("/run/netns/" + ns.name()).c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(self >= 0);
+  REQUIRE(target >= 0);
+  REQUIRE(setns(target, CLONE_NEWNET) == 0);
+  auto out = f();
+  REQUIRE(setns(self, CLONE_NEWNET) == 0);
+  close(target);
+  close(self);
+  return out;
+}
+
+std::vector<std::string> many_addresses(int n, int third_octet) {
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back("198.18." + std::to_string(third_octet + i / 256) + "." + std::to_string(i % 256));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("own large batches are not heard, and a commit by others meanwhile is still caught and undone") {
+  TestNetns ns;
+  auto racing_owned = std::make_unique<RacingKernel>(ns.kernel(), ns.kernel());
+  RacingKernel& racing = *racing_owned;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("environment", Mode::public_, {}));
+  p.initial_phase = "environment";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), std::move(racing_owned), daemon::Capabilities{true, true, true, true, true});
+  auto guard = in_netns(ns, [&] { return daemon::TamperGuard::open(io, sb, {}); });
+  REQUIRE(guard.ok());
+  sb.set_large_batch_runner([g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
+  REQUIRE(sb.start("environment").ok());
+  (*guard)->start();
+  auto settle = [&] {
+    // Handlers the switch posted, and every event already queued on the socket.
+    for (int i = 0; i < 50 && io.poll() > 0; ++i) {
+    }
+  };
+
+  // 1000 addresses: a large batch, sent unheard. Nothing is reported as tampering.
+  const auto allow = many_addresses(1000, 0);
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", allow}})["ok"] == true);
+  settle();
+  CHECK((*guard)->tampers() == 0);
+
+  // Again, with a foreign element added inside the unheard window: only the
+  // generation tells, and the element is gone after the restore.
+  racing.race_after_next = Change{kTableName, {}};
+  Change& foreign = *racing.race_after_next;
+  // (The learned set: the static one is sized to its elements and full.)
+  const std::string next_set = "il" + std::to_string(sb.state().generation + 1) + "_d4";
+  foreign.ops.push_back(OpAddElems{next_set, SetType::ipv4_addr, false, {{v4(0xcb007163u), v4(0xcb007163u), 600000}}});
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", many_addresses(1000, 8)}})["ok"] == true);
+  CHECK(ns.exec("nft list set inet egressd " + next_set).out.find("203.0.113.99") != std::string::npos);
+  settle();
+  CHECK((*guard)->tampers() == 1);
+  CHECK((*guard)->restores() == 1);
+  const CmdResult after = ns.exec("nft list set inet egressd " + next_set);
+  REQUIRE(after.status == 0);
+  CHECK(after.out.find("203.0.113.99") == std::string::npos);
+  CHECK(ns.exec("nft list set inet egressd il" + std::to_string(sb.state().generation) + "_a4").out.find("198.18.8.0") !=
+        std::string::npos);
+  (*guard)->close();
 }
