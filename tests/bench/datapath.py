@@ -140,14 +140,8 @@ def main():
         policy.write_text(json.dumps({
             "initial_phase": "big", "dns": {"upstream": [SERVER]},
             "phases": {"big": {"network_mode": "allowlist", "allowed_hosts": entries(a.entries - 1) + [SERVER]}}}))
-        ready = tmp / "ready"
         t0 = time.monotonic()
-        eg = procs.spawn([dp.EGRESSD, "run", "--netns", ns.path, "--socket", tmp / "egressd.sock",
-                          "--config", policy, "--ready-file", ready], None, tmp / "egressd.log")
-        try:
-            lab.wait_for(lambda: dp.alive_or_fail(eg, "egressd") or ready.exists(), 60, "egressd's ready file")
-        except lab.LabError as e:
-            raise dp.BenchError(f"{e}\n{dp.tail(eg.log)}") from None
+        eg = dp.start_egressd(procs, ns, tmp, "egressd", policy)
         ready_s = time.monotonic() - t0
 
         # The rules are in force: the denied address is rejected from the egressd side only.

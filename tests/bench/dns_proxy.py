@@ -170,6 +170,21 @@ def alive_or_fail(p: subprocess.Popen, what: str):
         raise BenchError(f"{what} exited with {p.returncode}:\n{tail(p.log)}")
 
 
+def start_egressd(procs: Procs, ns: lab.Netns, tmp: Path, name: str, policy: Path, timeout: float = 60,
+                  extra=()) -> subprocess.Popen:
+    """`egressd run --netns ns` with policy, its socket, ready file and log at tmp/<name>.sock,
+    .ready and .log; returns once the ready file exists (BenchError with the log's tail when it
+    exits first or takes longer than timeout s). extra: more options of `egressd run`."""
+    ready = tmp / f"{name}.ready"
+    p = procs.spawn([EGRESSD, "run", "--netns", ns.path, "--socket", tmp / f"{name}.sock", "--config", policy,
+                     *extra, "--ready-file", ready], None, tmp / f"{name}.log")
+    try:
+        lab.wait_for(lambda: alive_or_fail(p, name) or ready.exists(), timeout, f"{name}'s ready file")
+    except lab.LabError as e:
+        raise BenchError(f"{e}\n{tail(p.log)}") from None
+    return p
+
+
 # --- the namespaces --------------------------------------------------------------------------
 
 
@@ -363,15 +378,8 @@ class Bench:
                 "initial_phase": "agent", "dns": {"upstream": [UPSTREAM]},
                 "phases": {"agent": {"network_mode": "allowlist", "allowed_hosts": [f"*.{DOMAIN}"]}
                            if name == "egressd" else "public"}}))
-            ready = self.tmp / f"{name}.ready"
-            ready.unlink(missing_ok=True)
-            p = self.procs.spawn([EGRESSD, "run", "--netns", ns.path, "--socket", self.tmp / f"{name}.sock",
-                                  "--config", policy, "--dns-port", "53", "--ready-file", ready],
-                                 None, self.tmp / f"{name}.log")
-            try:
-                lab.wait_for(lambda: alive_or_fail(p, name) or ready.exists(), 10, f"{name}'s ready file")
-            except lab.LabError as e:
-                raise BenchError(f"{e}\n{tail(p.log)}") from None
+            (self.tmp / f"{name}.ready").unlink(missing_ok=True)  # left by the previous round
+            p = start_egressd(self.procs, ns, self.tmp, name, policy, 10, extra=["--dns-port", "53"])
             self.wait_answer(ns, "127.0.0.1", 53, self.first, name, p)
             counter = lambda: set_count(ns, "inet", "egressd", "ph_agent_d4")  # noqa: E731
             return "127.0.0.1", 53, p, counter if name == "egressd" else None

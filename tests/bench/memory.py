@@ -111,14 +111,8 @@ def idle_run(ns: lab.Netns, tmp: Path, procs: dp.Procs, n: int) -> dict:
     policy.write_text(json.dumps({"initial_phase": "p", "dns": {"upstream": [dp.UPSTREAM]},
                                   "phases": {"p": {"network_mode": "allowlist", "allowed_hosts": entries(n)}}}))
     dp.nft(ns, "delete", "table", "inet", "egressd", check=False)
-    ready, sock = tmp / f"{name}.ready", tmp / f"{name}.sock"
-    p = procs.spawn([dp.EGRESSD, "run", "--netns", ns.path, "--socket", sock, "--config", policy,
-                     "--ready-file", ready], None, tmp / f"{name}.log")
-    try:
-        lab.wait_for(lambda: dp.alive_or_fail(p, name) or ready.exists(), 60, f"{name}'s ready file")
-    except lab.LabError as e:
-        raise dp.BenchError(f"{e}\n{dp.tail(p.log)}") from None
-    status_request(sock)
+    p = dp.start_egressd(procs, ns, tmp, name, policy)
+    status_request(tmp / f"{name}.sock")
     st = settled_status(p.pid)
     procs.stop(p)
     # The peer: nft -f of the same phase, rendered by egressd.
