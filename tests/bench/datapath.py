@@ -37,18 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import dns_proxy as dp  # noqa: E402  (Topology, Procs, sweep_stale, BenchError, ...)
+import dns_proxy as dp  # noqa: E402  (BenchRun, preflight, start_egressd, BenchError, ...)
 from dns_proxy import lab  # noqa: E402
 from switch_latency import entries  # noqa: E402
 
@@ -101,27 +97,16 @@ def main():
     a.entries = a.entries or (1000 if a.quick else 100000)
     a.seconds = a.seconds or (1 if a.quick else 2)
 
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("iperf3", "nft", "ip", "setpriv") if shutil.which(t) is None]
-    if not dp.EGRESSD.exists():
-        missing.append(f"{dp.EGRESSD} (build first: meson setup build && ninja -C build)")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = dp.preflight(("iperf3", "nft", "ip", "setpriv"))
+    if status is not None:
+        return status
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, dp._on_signal)
-    dp.sweep_stale(PREFIX)
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    topo, procs = dp.Topology(tag), dp.Procs()
+    run = dp.BenchRun(PREFIX, ("egressd.log", "iperf3.log", "socat.log"))
+    tmp, topo, procs = run.tmp, run.topo, run.procs
     rounds = []
-    failed = None
     load_before = dp.loadavg()
     t_start = time.monotonic()
-    try:
+    with run:
         topo.build(SIDES)
         topo.up.ip("addr", "add", f"{DENIED}/32", "dev", "lo")
         for k, name in enumerate(SIDES):
@@ -164,23 +149,7 @@ def main():
                     dp.alive_or_fail(eg, "egressd")
                     res[f"{side}_{proto}"] = iperf3(topo.clients[side], proto == "udp", a.seconds)
             rounds.append(res)
-    except (dp.BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except dp.Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        procs.stop_all()
-        topo.delete()
-        if failed:
-            for f in ("egressd.log", "iperf3.log", "socat.log"):
-                t = dp.tail(tmp / f)
-                if t:
-                    print(f"--- {f}\n{t}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+    if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start

@@ -195,17 +195,19 @@ class Topology:
         self.clients: dict[str, lab.Netns] = {}
         self.created: list[lab.Netns] = []
 
-    def _new(self, ns: lab.Netns):
+    def add(self, ns: lab.Netns) -> lab.Netns:
+        """Creates ns with lo up; delete() removes it with the others."""
         self.created.append(ns)  # registered first: delete() removes it even if setup fails next
         ns.create()
         ns.ip("link", "set", "lo", "up")
+        return ns
 
     def build(self, names):
-        self._new(self.up)
+        self.add(self.up)
         self.up.ip("addr", "add", f"{UPSTREAM}/32", "dev", "lo")
         for k, name in enumerate(names):
             ns = lab.Netns(f"{self.tag}-{name}")
-            self._new(ns)
+            self.add(ns)
             gw, me = f"192.0.2.{4 * k + 1}", f"192.0.2.{4 * k + 2}"
             # Both ends are created inside namespaces; none ever exists in the host's.
             ns.ip("link", "add", "eth0", "type", "veth", "peer", "name", f"c{k}", "netns", self.up.name)
@@ -220,15 +222,20 @@ class Topology:
     def delete(self):
         for ns in reversed(self.created):
             try:
-                for pid in ns.pids():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_all(ns)
                 lab.wait_for(lambda: not ns.pids(), 5.0, f"processes in {ns.name} to exit")
                 ns.delete()
             except Exception as e:
                 print(f"cleanup: {ns.name}: {e}", file=sys.stderr)
+
+
+def kill_all(ns: lab.Netns):
+    """SIGKILL to every process in ns."""
+    for pid in ns.pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def sweep_stale(prefix: str = PREFIX):
@@ -247,11 +254,7 @@ def sweep_stale(prefix: str = PREFIX):
         m = re.match(re.escape(prefix) + r"(\d+)-", name)
         if m and not lab._pid_alive(int(m.group(1))):
             ns = lab.Netns(name)
-            for pid in ns.pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(ns)
             ns.delete()
 
 
@@ -265,6 +268,73 @@ def set_count(ns: lab.Netns, family: str, table: str, name: str) -> int:
         if "set" in obj:
             return len(obj["set"].get("elem", []))
     raise BenchError(f"no set {family} {table} {name} in {ns.name}")
+
+
+# --- a benchmark's run (every script here but switch_latency.py) -----------------------------
+
+
+def preflight(tools, need_egressd: bool = True, more_tools=()) -> int | None:
+    """None when the benchmark can run; otherwise prints why not and returns the exit status:
+    77 ("SKIP: ...") when not root, 1 when one of tools, the egressd binary (when need_egressd)
+    or one of more_tools is missing (named in that order)."""
+    if os.geteuid() != 0:
+        print("SKIP: needs root (network namespaces, nftables)")
+        return 77
+    missing = [t for t in tools if shutil.which(t) is None]
+    if need_egressd and not EGRESSD.exists():
+        missing.append(f"{EGRESSD} (build first: meson setup build && ninja -C build)")
+    missing += [t for t in more_tools if shutil.which(t) is None]
+    if missing:
+        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
+        return 1
+    return None
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class BenchRun:
+    """One run of a benchmark, `with BenchRun(PREFIX, logs) as run:` around its measurements.
+
+    On creation: SIGTERM, SIGHUP and SIGINT raise Interrupted, what a killed run of the same
+    benchmark left is swept, and run.tag (<prefix><pid>), run.tmp (a fresh temporary directory),
+    run.topo (a Topology, nothing built yet) and run.procs are set. A failure to run inside the
+    block (BenchError, LabError, a subprocess error, OSError, a signal) ends it and is kept in
+    run.failed. Either way the processes are stopped and the namespaces deleted; on a failure the
+    tail of each of logs (names in run.tmp) and "error: <failure>" go to stderr; then run.tmp
+    is removed. Any other exception (a bug) propagates after the same clean-up."""
+
+    def __init__(self, prefix: str, logs=()):
+        for sig in SIGNALS:
+            signal.signal(sig, _on_signal)
+        sweep_stale(prefix)
+        self.tag = f"{prefix}{os.getpid()}"
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+        self.topo, self.procs = Topology(self.tag), Procs()
+        self.logs = logs
+        self.failed: str | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, _type, e, _tb):
+        if isinstance(e, (BenchError, lab.LabError, subprocess.SubprocessError, OSError)):
+            self.failed = str(e)
+        elif isinstance(e, Interrupted):
+            self.failed = f"interrupted by signal {e.args[0]}"
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        self.procs.stop_all()
+        self.topo.delete()
+        if self.failed:
+            for f in self.logs:
+                t = tail(self.tmp / f)
+                if t:
+                    print(f"--- {f}\n{t}", file=sys.stderr)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.failed:
+            print(f"error: {self.failed}", file=sys.stderr)
+        return self.failed is not None
 
 
 # --- dnsperf ---------------------------------------------------------------------------------
@@ -486,34 +556,23 @@ def main():
     if a.names + a.lat_names > 131072:
         ap.error("--names: at most 131072 names in total fit 198.18.0.0/15")
 
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("dnsperf", "dnsmasq", "nft", "ip", "setpriv") if shutil.which(t) is None]
-    if any(c.startswith("egressd") for c in contenders) and not EGRESSD.exists():
-        missing.append(f"{EGRESSD} (build first: meson setup build && ninja -C build)")
-    if a.perf and shutil.which("perf") is None:
-        missing.append("perf")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv"),
+                       need_egressd=any(c.startswith("egressd") for c in contenders),
+                       more_tools=["perf"] if a.perf else [])
+    if status is not None:
+        return status
     if "egressd" in contenders and a.names + a.lat_names > EGRESSD_MAX_LEARNED:
         print(f"note: {a.names + a.lat_names} names > egressd's {EGRESSD_MAX_LEARNED} learned-address cap; "
               "past it, every answer makes egressd scan its whole learned map")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, _on_signal)
-    sweep_stale()
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    topo, procs = Topology(tag), Procs()
+    run = BenchRun(PREFIX, ("egressd.log", "egressd-public.log", "nftset.log", "forward.log", "upstream.log",
+                            "perf.log"))
     rounds = {c: [] for c in contenders}
     load_before = loadavg()
     t_start = time.monotonic()
-    failed = None
-    try:
-        topo.build(contenders)
-        bench = Bench(a, tmp, topo, procs)
+    with run:
+        run.topo.build(contenders)
+        bench = Bench(a, run.tmp, run.topo, run.procs)
         bench.write_data()
         bench.start_upstream()
         for r in range(a.rounds):
@@ -521,23 +580,7 @@ def main():
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for c, res in bench.run_round(order).items():
                 rounds[c].append(res)
-    except (BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-        procs.stop_all()
-        topo.delete()
-        if failed:
-            for f in ("egressd.log", "egressd-public.log", "nftset.log", "forward.log", "upstream.log", "perf.log"):
-                t = tail(tmp / f)
-                if t:
-                    print(f"--- {f}\n{t}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+    if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start
