@@ -174,13 +174,10 @@ def main():
         print(f"{proto:<6} {summary[f'norules_{proto}_gbps']:>8.2f} Gb/s {summary[f'egressd_{proto}_gbps']:>7.2f} Gb/s"
               f" {ratios[proto]:>7.3f}   budget >= {BUDGET:g}: {ok}{spread}"
               f"   ({summary[f'conntrack_{proto}_gbps']:.2f} Gb/s, {ratios[f'{proto}_conntrack']:.3f})")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"},
-            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before},
-            "elapsed_s": elapsed, "set_elements": elements, "ready_s": ready_s,
-            "summary": summary, "ratios": ratios, "ratios_per_round": per_round,
-            "budget": {"op": ">=", "value": BUDGET}, "rounds": rounds}, indent=2) + "\n")
+    dp.write_json(a, machine={"cpus": os.cpu_count(), "loadavg_before": load_before},
+                  elapsed_s=elapsed, set_elements=elements, ready_s=ready_s,
+                  summary=summary, ratios=ratios, ratios_per_round=per_round,
+                  budget={"op": ">=", "value": BUDGET}, rounds=rounds)
     return 0
 
 

@@ -337,6 +337,13 @@ class BenchRun:
         return self.failed is not None
 
 
+def write_json(a: argparse.Namespace, **fields):
+    """With --json FILE (a.json_out): the options but that one as "config", then fields."""
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({
+            "config": {k: v for k, v in vars(a).items() if k != "json_out"}, **fields}, indent=2) + "\n")
+
+
 # --- dnsperf ---------------------------------------------------------------------------------
 
 
@@ -634,13 +641,9 @@ def main():
     if set_problems:
         print(f"warning: set element count differs from names answered by > 1% for {', '.join(set_problems)}")
 
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k not in ("json_out",)},
-            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
-            "elapsed_s": elapsed, "summary": summary, "ratios": ratios, "ratios_per_round": per_round,
-            "budgets": {k: {"op": op, "value": b} for k, (op, b) in budgets.items()},
-            "rounds": rounds}, indent=2) + "\n")
+    write_json(a, machine={"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
+               elapsed_s=elapsed, summary=summary, ratios=ratios, ratios_per_round=per_round,
+               budgets={k: {"op": op, "value": b} for k, (op, b) in budgets.items()}, rounds=rounds)
     return 0
 
 

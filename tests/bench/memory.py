@@ -178,11 +178,8 @@ def main():
           f" {'':>12}  (set {learned['set_elements']}/{learned['answered']} answered)")
     ok = idle[0]["entries"] == 1000 and idle[0]["rss_kib"] <= BUDGET_IDLE_1K_KIB
     print(f"budget (DESIGN §5): RSS <= 8 MiB idle with 1k entries: {'within' if ok else 'MISSED'}")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"},
-            "elapsed_s": elapsed, "idle": idle, "learned": learned,
-            "budget": {"idle_1k_rss_kib": {"op": "<=", "value": BUDGET_IDLE_1K_KIB}}}, indent=2) + "\n")
+    dp.write_json(a, elapsed_s=elapsed, idle=idle, learned=learned,
+                  budget={"idle_1k_rss_kib": {"op": "<=", "value": BUDGET_IDLE_1K_KIB}})
     return 0
 
 

@@ -157,10 +157,7 @@ def main():
             print(f"{label:<28} {res[k]['p50_ms']:>7.2f}ms {res[k]['p99_ms']:>7.2f}ms")
     ok = res["ready"]["p99_ms"] <= BUDGET_READY_MS
     print(f"budget (DESIGN §5): start to ready <= {BUDGET_READY_MS:g} ms: {'within' if ok else 'MISSED'} (p99)")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"}, **res,
-            "budget": {"ready_ms": {"op": "<=", "value": BUDGET_READY_MS}}}, indent=2) + "\n")
+    dp.write_json(a, **res, budget={"ready_ms": {"op": "<=", "value": BUDGET_READY_MS}})
     return 0
 
 
