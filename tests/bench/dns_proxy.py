@@ -120,6 +120,17 @@ def loadavg() -> list[float]:
 # --- processes -------------------------------------------------------------------------------
 
 
+def stop_process(p: subprocess.Popen, grace: float = 3):
+    """SIGTERM, then SIGKILL if p is still running grace s later."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
 class Procs:
     """Processes this run started, stopped by pid (SIGTERM, then SIGKILL)."""
 
@@ -140,13 +151,7 @@ class Procs:
         return p
 
     def stop(self, p: subprocess.Popen):
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_process(p)
         if p in self.procs:
             self.procs.remove(p)
 

@@ -88,12 +88,7 @@ def one_start(ns: lab.Netns, tmp: Path, policy: Path, i: int) -> tuple[float, fl
                 raise dp.BenchError("egressd: no ready file or no apply within 10 s")
             time.sleep(POLL_S)
     finally:
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        dp.stop_process(p, 5)
         log.close()
         dp.nft(ns, "delete", "table", "inet", "egressd", check=False)
         for f in (ready, sock, Path(str(sock) + ".state")):
