@@ -53,6 +53,9 @@ Diagnostics: --only egressd,egressd-public adds egressd in public mode (forwards
 observes, inserts nothing), which isolates the cost of the set insertion; --perf FILE runs
 `perf record -g` on egressd during its first throughput run.
 
+The other benchmarks here but switch_latency.py import this module for what they share with it:
+preflight, BenchRun (set-up and clean-up of a run), Topology, Procs, start_egressd, write_json.
+
 usage: dns_proxy.py [--quick] [--rounds R] [--names N] [--only LIST] [--json FILE] [--perf FILE]
 """
 from __future__ import annotations
