@@ -37,18 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import dns_proxy as dp  # noqa: E402  (Topology, Procs, sweep_stale, BenchError, ...)
+import dns_proxy as dp  # noqa: E402  (BenchRun, preflight, start_egressd, BenchError, ...)
 from dns_proxy import lab  # noqa: E402
 from switch_latency import entries  # noqa: E402
 
@@ -101,27 +97,16 @@ def main():
     a.entries = a.entries or (1000 if a.quick else 100000)
     a.seconds = a.seconds or (1 if a.quick else 2)
 
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("iperf3", "nft", "ip", "setpriv") if shutil.which(t) is None]
-    if not dp.EGRESSD.exists():
-        missing.append(f"{dp.EGRESSD} (build first: meson setup build && ninja -C build)")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = dp.preflight(("iperf3", "nft", "ip", "setpriv"))
+    if status is not None:
+        return status
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, dp._on_signal)
-    dp.sweep_stale(PREFIX)
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    topo, procs = dp.Topology(tag), dp.Procs()
+    run = dp.BenchRun(PREFIX, ("egressd.log", "iperf3.log", "socat.log"))
+    tmp, topo, procs = run.tmp, run.topo, run.procs
     rounds = []
-    failed = None
     load_before = dp.loadavg()
     t_start = time.monotonic()
-    try:
+    with run:
         topo.build(SIDES)
         topo.up.ip("addr", "add", f"{DENIED}/32", "dev", "lo")
         for k, name in enumerate(SIDES):
@@ -140,14 +125,8 @@ def main():
         policy.write_text(json.dumps({
             "initial_phase": "big", "dns": {"upstream": [SERVER]},
             "phases": {"big": {"network_mode": "allowlist", "allowed_hosts": entries(a.entries - 1) + [SERVER]}}}))
-        ready = tmp / "ready"
         t0 = time.monotonic()
-        eg = procs.spawn([dp.EGRESSD, "run", "--netns", ns.path, "--socket", tmp / "egressd.sock",
-                          "--config", policy, "--ready-file", ready], None, tmp / "egressd.log")
-        try:
-            lab.wait_for(lambda: dp.alive_or_fail(eg, "egressd") or ready.exists(), 60, "egressd's ready file")
-        except lab.LabError as e:
-            raise dp.BenchError(f"{e}\n{dp.tail(eg.log)}") from None
+        eg = dp.start_egressd(procs, ns, tmp, "egressd", policy)
         ready_s = time.monotonic() - t0
 
         # The rules are in force: the denied address is rejected from the egressd side only.
@@ -170,23 +149,7 @@ def main():
                     dp.alive_or_fail(eg, "egressd")
                     res[f"{side}_{proto}"] = iperf3(topo.clients[side], proto == "udp", a.seconds)
             rounds.append(res)
-    except (dp.BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except dp.Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        procs.stop_all()
-        topo.delete()
-        if failed:
-            for f in ("egressd.log", "iperf3.log", "socat.log"):
-                t = dp.tail(tmp / f)
-                if t:
-                    print(f"--- {f}\n{t}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+    if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start
@@ -211,13 +174,10 @@ def main():
         print(f"{proto:<6} {summary[f'norules_{proto}_gbps']:>8.2f} Gb/s {summary[f'egressd_{proto}_gbps']:>7.2f} Gb/s"
               f" {ratios[proto]:>7.3f}   budget >= {BUDGET:g}: {ok}{spread}"
               f"   ({summary[f'conntrack_{proto}_gbps']:.2f} Gb/s, {ratios[f'{proto}_conntrack']:.3f})")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"},
-            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before},
-            "elapsed_s": elapsed, "set_elements": elements, "ready_s": ready_s,
-            "summary": summary, "ratios": ratios, "ratios_per_round": per_round,
-            "budget": {"op": ">=", "value": BUDGET}, "rounds": rounds}, indent=2) + "\n")
+    dp.write_json(a, machine={"cpus": os.cpu_count(), "loadavg_before": load_before},
+                  elapsed_s=elapsed, set_elements=elements, ready_s=ready_s,
+                  summary=summary, ratios=ratios, ratios_per_round=per_round,
+                  budget={"op": ">=", "value": BUDGET}, rounds=rounds)
     return 0
 
 

@@ -53,6 +53,9 @@ Diagnostics: --only egressd,egressd-public adds egressd in public mode (forwards
 observes, inserts nothing), which isolates the cost of the set insertion; --perf FILE runs
 `perf record -g` on egressd during its first throughput run.
 
+The other benchmarks here but switch_latency.py import this module for what they share with it:
+preflight, BenchRun (set-up and clean-up of a run), Topology, Procs, start_egressd, write_json.
+
 usage: dns_proxy.py [--quick] [--rounds R] [--names N] [--only LIST] [--json FILE] [--perf FILE]
 """
 from __future__ import annotations
@@ -120,6 +123,17 @@ def loadavg() -> list[float]:
 # --- processes -------------------------------------------------------------------------------
 
 
+def stop_process(p: subprocess.Popen, grace: float = 3):
+    """SIGTERM, then SIGKILL if p is still running grace s later."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
 class Procs:
     """Processes this run started, stopped by pid (SIGTERM, then SIGKILL)."""
 
@@ -140,13 +154,7 @@ class Procs:
         return p
 
     def stop(self, p: subprocess.Popen):
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_process(p)
         if p in self.procs:
             self.procs.remove(p)
 
@@ -170,6 +178,21 @@ def alive_or_fail(p: subprocess.Popen, what: str):
         raise BenchError(f"{what} exited with {p.returncode}:\n{tail(p.log)}")
 
 
+def start_egressd(procs: Procs, ns: lab.Netns, tmp: Path, name: str, policy: Path, timeout: float = 60,
+                  extra=()) -> subprocess.Popen:
+    """`egressd run --netns ns` with policy, its socket, ready file and log at tmp/<name>.sock,
+    .ready and .log; returns once the ready file exists (BenchError with the log's tail when it
+    exits first or takes longer than timeout s). extra: more options of `egressd run`."""
+    ready = tmp / f"{name}.ready"
+    p = procs.spawn([EGRESSD, "run", "--netns", ns.path, "--socket", tmp / f"{name}.sock", "--config", policy,
+                     *extra, "--ready-file", ready], None, tmp / f"{name}.log")
+    try:
+        lab.wait_for(lambda: alive_or_fail(p, name) or ready.exists(), timeout, f"{name}'s ready file")
+    except lab.LabError as e:
+        raise BenchError(f"{e}\n{tail(p.log)}") from None
+    return p
+
+
 # --- the namespaces --------------------------------------------------------------------------
 
 
@@ -180,17 +203,19 @@ class Topology:
         self.clients: dict[str, lab.Netns] = {}
         self.created: list[lab.Netns] = []
 
-    def _new(self, ns: lab.Netns):
+    def add(self, ns: lab.Netns) -> lab.Netns:
+        """Creates ns with lo up; delete() removes it with the others."""
         self.created.append(ns)  # registered first: delete() removes it even if setup fails next
         ns.create()
         ns.ip("link", "set", "lo", "up")
+        return ns
 
     def build(self, names):
-        self._new(self.up)
+        self.add(self.up)
         self.up.ip("addr", "add", f"{UPSTREAM}/32", "dev", "lo")
         for k, name in enumerate(names):
             ns = lab.Netns(f"{self.tag}-{name}")
-            self._new(ns)
+            self.add(ns)
             gw, me = f"192.0.2.{4 * k + 1}", f"192.0.2.{4 * k + 2}"
             # Both ends are created inside namespaces; none ever exists in the host's.
             ns.ip("link", "add", "eth0", "type", "veth", "peer", "name", f"c{k}", "netns", self.up.name)
@@ -205,15 +230,20 @@ class Topology:
     def delete(self):
         for ns in reversed(self.created):
             try:
-                for pid in ns.pids():
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_all(ns)
                 lab.wait_for(lambda: not ns.pids(), 5.0, f"processes in {ns.name} to exit")
                 ns.delete()
             except Exception as e:
                 print(f"cleanup: {ns.name}: {e}", file=sys.stderr)
+
+
+def kill_all(ns: lab.Netns):
+    """SIGKILL to every process in ns."""
+    for pid in ns.pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def sweep_stale(prefix: str = PREFIX):
@@ -232,11 +262,7 @@ def sweep_stale(prefix: str = PREFIX):
         m = re.match(re.escape(prefix) + r"(\d+)-", name)
         if m and not lab._pid_alive(int(m.group(1))):
             ns = lab.Netns(name)
-            for pid in ns.pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(ns)
             ns.delete()
 
 
@@ -250,6 +276,80 @@ def set_count(ns: lab.Netns, family: str, table: str, name: str) -> int:
         if "set" in obj:
             return len(obj["set"].get("elem", []))
     raise BenchError(f"no set {family} {table} {name} in {ns.name}")
+
+
+# --- a benchmark's run (every script here but switch_latency.py) -----------------------------
+
+
+def preflight(tools, need_egressd: bool = True, more_tools=()) -> int | None:
+    """None when the benchmark can run; otherwise prints why not and returns the exit status:
+    77 ("SKIP: ...") when not root, 1 when one of tools, the egressd binary (when need_egressd)
+    or one of more_tools is missing (named in that order)."""
+    if os.geteuid() != 0:
+        print("SKIP: needs root (network namespaces, nftables)")
+        return 77
+    missing = [t for t in tools if shutil.which(t) is None]
+    if need_egressd and not EGRESSD.exists():
+        missing.append(f"{EGRESSD} (build first: meson setup build && ninja -C build)")
+    missing += [t for t in more_tools if shutil.which(t) is None]
+    if missing:
+        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
+        return 1
+    return None
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class BenchRun:
+    """One run of a benchmark, `with BenchRun(PREFIX, logs) as run:` around its measurements.
+
+    On creation: SIGTERM, SIGHUP and SIGINT raise Interrupted, what a killed run of the same
+    benchmark left is swept, and run.tag (<prefix><pid>), run.tmp (a fresh temporary directory),
+    run.topo (a Topology, nothing built yet) and run.procs are set. A failure to run inside the
+    block (BenchError, LabError, a subprocess error, OSError, a signal) ends it and is kept in
+    run.failed. Either way the processes are stopped and the namespaces deleted; on a failure the
+    tail of each of logs (names in run.tmp) and "error: <failure>" go to stderr; then run.tmp
+    is removed. Any other exception (a bug) propagates after the same clean-up."""
+
+    def __init__(self, prefix: str, logs=()):
+        for sig in SIGNALS:
+            signal.signal(sig, _on_signal)
+        sweep_stale(prefix)
+        self.tag = f"{prefix}{os.getpid()}"
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+        self.topo, self.procs = Topology(self.tag), Procs()
+        self.logs = logs
+        self.failed: str | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, _type, e, _tb):
+        if isinstance(e, (BenchError, lab.LabError, subprocess.SubprocessError, OSError)):
+            self.failed = str(e)
+        elif isinstance(e, Interrupted):
+            self.failed = f"interrupted by signal {e.args[0]}"
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        self.procs.stop_all()
+        self.topo.delete()
+        if self.failed:
+            for f in self.logs:
+                t = tail(self.tmp / f)
+                if t:
+                    print(f"--- {f}\n{t}", file=sys.stderr)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.failed:
+            print(f"error: {self.failed}", file=sys.stderr)
+        return self.failed is not None
+
+
+def write_json(a: argparse.Namespace, **fields):
+    """With --json FILE (a.json_out): the options but that one as "config", then fields."""
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({
+            "config": {k: v for k, v in vars(a).items() if k != "json_out"}, **fields}, indent=2) + "\n")
 
 
 # --- dnsperf ---------------------------------------------------------------------------------
@@ -363,15 +463,8 @@ class Bench:
                 "initial_phase": "agent", "dns": {"upstream": [UPSTREAM]},
                 "phases": {"agent": {"network_mode": "allowlist", "allowed_hosts": [f"*.{DOMAIN}"]}
                            if name == "egressd" else "public"}}))
-            ready = self.tmp / f"{name}.ready"
-            ready.unlink(missing_ok=True)
-            p = self.procs.spawn([EGRESSD, "run", "--netns", ns.path, "--socket", self.tmp / f"{name}.sock",
-                                  "--config", policy, "--dns-port", "53", "--ready-file", ready],
-                                 None, self.tmp / f"{name}.log")
-            try:
-                lab.wait_for(lambda: alive_or_fail(p, name) or ready.exists(), 10, f"{name}'s ready file")
-            except lab.LabError as e:
-                raise BenchError(f"{e}\n{tail(p.log)}") from None
+            (self.tmp / f"{name}.ready").unlink(missing_ok=True)  # left by the previous round
+            p = start_egressd(self.procs, ns, self.tmp, name, policy, 10, extra=["--dns-port", "53"])
             self.wait_answer(ns, "127.0.0.1", 53, self.first, name, p)
             counter = lambda: set_count(ns, "inet", "egressd", "ph_agent_d4")  # noqa: E731
             return "127.0.0.1", 53, p, counter if name == "egressd" else None
@@ -478,34 +571,23 @@ def main():
     if a.names + a.lat_names > 131072:
         ap.error("--names: at most 131072 names in total fit 198.18.0.0/15")
 
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("dnsperf", "dnsmasq", "nft", "ip", "setpriv") if shutil.which(t) is None]
-    if any(c.startswith("egressd") for c in contenders) and not EGRESSD.exists():
-        missing.append(f"{EGRESSD} (build first: meson setup build && ninja -C build)")
-    if a.perf and shutil.which("perf") is None:
-        missing.append("perf")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv"),
+                       need_egressd=any(c.startswith("egressd") for c in contenders),
+                       more_tools=["perf"] if a.perf else [])
+    if status is not None:
+        return status
     if "egressd" in contenders and a.names + a.lat_names > EGRESSD_MAX_LEARNED:
         print(f"note: {a.names + a.lat_names} names > egressd's {EGRESSD_MAX_LEARNED} learned-address cap; "
               "past it, every answer makes egressd scan its whole learned map")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, _on_signal)
-    sweep_stale()
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    topo, procs = Topology(tag), Procs()
+    run = BenchRun(PREFIX, ("egressd.log", "egressd-public.log", "nftset.log", "forward.log", "upstream.log",
+                            "perf.log"))
     rounds = {c: [] for c in contenders}
     load_before = loadavg()
     t_start = time.monotonic()
-    failed = None
-    try:
-        topo.build(contenders)
-        bench = Bench(a, tmp, topo, procs)
+    with run:
+        run.topo.build(contenders)
+        bench = Bench(a, run.tmp, run.topo, run.procs)
         bench.write_data()
         bench.start_upstream()
         for r in range(a.rounds):
@@ -513,23 +595,7 @@ def main():
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for c, res in bench.run_round(order).items():
                 rounds[c].append(res)
-    except (BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-        procs.stop_all()
-        topo.delete()
-        if failed:
-            for f in ("egressd.log", "egressd-public.log", "nftset.log", "forward.log", "upstream.log", "perf.log"):
-                t = tail(tmp / f)
-                if t:
-                    print(f"--- {f}\n{t}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+    if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start
@@ -583,13 +649,9 @@ def main():
     if set_problems:
         print(f"warning: set element count differs from names answered by > 1% for {', '.join(set_problems)}")
 
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k not in ("json_out",)},
-            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
-            "elapsed_s": elapsed, "summary": summary, "ratios": ratios, "ratios_per_round": per_round,
-            "budgets": {k: {"op": op, "value": b} for k, (op, b) in budgets.items()},
-            "rounds": rounds}, indent=2) + "\n")
+    write_json(a, machine={"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": load_after},
+               elapsed_s=elapsed, summary=summary, ratios=ratios, ratios_per_round=per_round,
+               budgets={k: {"op": op, "value": b} for k, (op, b) in budgets.items()}, rounds=rounds)
     return 0
 
 

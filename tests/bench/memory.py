@@ -28,20 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import dns_proxy as dp  # noqa: E402  (Topology, Procs, Bench, dnsperf, ...)
+import dns_proxy as dp  # noqa: E402  (BenchRun, preflight, start_egressd, Bench, dnsperf, ...)
 from dns_proxy import lab  # noqa: E402
 from switch_latency import entries  # noqa: E402
 
@@ -111,14 +106,8 @@ def idle_run(ns: lab.Netns, tmp: Path, procs: dp.Procs, n: int) -> dict:
     policy.write_text(json.dumps({"initial_phase": "p", "dns": {"upstream": [dp.UPSTREAM]},
                                   "phases": {"p": {"network_mode": "allowlist", "allowed_hosts": entries(n)}}}))
     dp.nft(ns, "delete", "table", "inet", "egressd", check=False)
-    ready, sock = tmp / f"{name}.ready", tmp / f"{name}.sock"
-    p = procs.spawn([dp.EGRESSD, "run", "--netns", ns.path, "--socket", sock, "--config", policy,
-                     "--ready-file", ready], None, tmp / f"{name}.log")
-    try:
-        lab.wait_for(lambda: dp.alive_or_fail(p, name) or ready.exists(), 60, f"{name}'s ready file")
-    except lab.LabError as e:
-        raise dp.BenchError(f"{e}\n{dp.tail(p.log)}") from None
-    status_request(sock)
+    p = dp.start_egressd(procs, ns, tmp, name, policy)
+    status_request(tmp / f"{name}.sock")
     st = settled_status(p.pid)
     procs.stop(p)
     # The peer: nft -f of the same phase, rendered by egressd.
@@ -162,48 +151,20 @@ def main():
     a.sizes = [int(x) for x in (a.sizes or ("1000,10000" if a.quick else "1000,100000")).split(",")]
     if a.names + 1 > 131072:
         ap.error("--names: at most 131071 names fit 198.18.0.0/15")
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("dnsperf", "dnsmasq", "nft", "ip", "setpriv", "/usr/bin/time") if shutil.which(t) is None]
-    if not dp.EGRESSD.exists():
-        missing.append(f"{dp.EGRESSD} (build first: meson setup build && ninja -C build)")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = dp.preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv", "/usr/bin/time"))
+    if status is not None:
+        return status
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, dp._on_signal)
-    dp.sweep_stale(PREFIX)
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    topo, procs = dp.Topology(tag), dp.Procs()
-    failed = None
+    run = dp.BenchRun(PREFIX, [f"idle{n}.log" for n in a.sizes] + ["egressd.log", "upstream.log"])
     idle, learned = [], None
     t_start = time.monotonic()
-    try:
-        topo.build(["egressd"])
-        ns = topo.clients["egressd"]
+    with run:
+        run.topo.build(["egressd"])
+        ns = run.topo.clients["egressd"]
         for n in a.sizes:
-            idle.append(idle_run(ns, tmp, procs, n))
-        learned = learned_run(topo, tmp, procs, a.names)
-    except (dp.BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except dp.Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        procs.stop_all()
-        topo.delete()
-        if failed:
-            for f in [f"idle{n}.log" for n in a.sizes] + ["egressd.log", "upstream.log"]:
-                t = dp.tail(tmp / f)
-                if t:
-                    print(f"--- {f}\n{t}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+            idle.append(idle_run(ns, run.tmp, run.procs, n))
+        learned = learned_run(run.topo, run.tmp, run.procs, a.names)
+    if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start
@@ -217,11 +178,8 @@ def main():
           f" {'':>12}  (set {learned['set_elements']}/{learned['answered']} answered)")
     ok = idle[0]["entries"] == 1000 and idle[0]["rss_kib"] <= BUDGET_IDLE_1K_KIB
     print(f"budget (DESIGN §5): RSS <= 8 MiB idle with 1k entries: {'within' if ok else 'MISSED'}")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"},
-            "elapsed_s": elapsed, "idle": idle, "learned": learned,
-            "budget": {"idle_1k_rss_kib": {"op": "<=", "value": BUDGET_IDLE_1K_KIB}}}, indent=2) + "\n")
+    dp.write_json(a, elapsed_s=elapsed, idle=idle, learned=learned,
+                  budget={"idle_1k_rss_kib": {"op": "<=", "value": BUDGET_IDLE_1K_KIB}})
     return 0
 
 

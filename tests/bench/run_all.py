@@ -173,10 +173,15 @@ def table(rows, markdown=False) -> str:
 # --- plots -------------------------------------------------------------------------------------
 
 TERM = "set terminal pngcairo size 900,560 font 'sans,10'\n"
+# The bar style of every histogram below (three lines of gnuplot, placed with {HISTOGRAMS}).
+HISTOGRAMS = """set style data histograms
+set style histogram clustered gap 1
+set style fill solid 0.8 border -1"""
 
 
 def gnuplot(out: Path, name: str, script: str):
-    (out / f"{name}.gp").write_text(script)
+    """Runs script in out as <name>.gp, after the terminal and `set output '<name>.png'`."""
+    (out / f"{name}.gp").write_text(TERM + f"set output '{name}.png'\n" + script)
     cp = subprocess.run(["gnuplot", f"{name}.gp"], cwd=out, capture_output=True, text=True, timeout=60)
     if cp.returncode != 0:
         raise RuntimeError(f"gnuplot {name}.gp: {cp.stderr.strip()}")
@@ -189,8 +194,7 @@ def plot_switch(out: Path, d):
             inl = lambda k: "NaN" if r[k] is None else r[k]  # noqa: E731
             f.write(f"{r['entries']} {r['named_p50_ms']} {r['named_p99_ms']} {inl('inline_p50_ms')} "
                     f"{inl('inline_p99_ms')} {r['nft_p50_ms']} {r['nft_p99_ms']}\n")
-    gnuplot(out, "switch_latency", TERM + """set output 'switch_latency.png'
-set title 'Switch latency against allowlist size (request to kernel ack)'
+    gnuplot(out, "switch_latency", """set title 'Switch latency against allowlist size (request to kernel ack)'
 set logscale xy
 set xlabel 'allowlist entries (set elements)'
 set ylabel 'milliseconds'
@@ -213,11 +217,8 @@ def plot_dns(out: Path, d):
                 label = {"direct": "upstream direct", "forward": "dnsmasq forward",
                          "nftset": "dnsmasq --nftset", "egressd": "egressd"}[c]
                 f.write(f"\"{label}\" {s[c]['qps']} {s[c]['p50_us']} {s[c]['p99_us']}\n")
-    gnuplot(out, "dns_proxy", TERM + """set output 'dns_proxy.png'
-set multiplot layout 1,2 title 'DNS proxy: a new address per answer (same upstream, same names)'
-set style data histograms
-set style histogram clustered gap 1
-set style fill solid 0.8 border -1
+    gnuplot(out, "dns_proxy", f"""set multiplot layout 1,2 title 'DNS proxy: a new address per answer (same upstream, same names)'
+{HISTOGRAMS}
 set boxwidth 0.9
 set xtics rotate by -30 nomirror
 set grid ytics
@@ -240,11 +241,8 @@ def plot_datapath(out: Path, d):
         f.write("# proto norules_gbps egressd_gbps conntrack_gbps\n")
         for p in ("tcp", "udp"):
             f.write(f"{p.upper()} {s[f'norules_{p}_gbps']} {s[f'egressd_{p}_gbps']} {s.get(f'conntrack_{p}_gbps', 'NaN')}\n")
-    gnuplot(out, "datapath", TERM + f"""set output 'datapath.png'
-set title 'iperf3 through the sandbox veth: no rules vs egressd holding {d['set_elements']} set elements'
-set style data histograms
-set style histogram clustered gap 1
-set style fill solid 0.8 border -1
+    gnuplot(out, "datapath", f"""set title 'iperf3 through the sandbox veth: no rules vs egressd holding {d['set_elements']} set elements'
+{HISTOGRAMS}
 set grid ytics
 set yrange [0:*]
 set ylabel 'Gbit/s (TCP: received; UDP: sent at -b 0)'
@@ -261,11 +259,8 @@ def plot_memory(out: Path, d):
             f.write(f"\"idle, {r['entries']} entries\" {r['rss_kib'] / 1024} {r['nft_peak_kib'] / 1024}\n")
         lr = d["learned"]
         f.write(f"\"{lr['names']} learned names\" {lr['rss_kib'] / 1024} NaN\n")
-    gnuplot(out, "memory", TERM + """set output 'memory.png'
-set title 'Resident memory: egressd (VmRSS) and nft -f loading the same phase (peak RSS)'
-set style data histograms
-set style histogram clustered gap 1
-set style fill solid 0.8 border -1
+    gnuplot(out, "memory", f"""set title 'Resident memory: egressd (VmRSS) and nft -f loading the same phase (peak RSS)'
+{HISTOGRAMS}
 set grid ytics
 set logscale y
 set yrange [1:*]
@@ -281,11 +276,8 @@ def plot_startup(out: Path, d):
         for k, label in (("ready", "egressd exec -> ready"), ("apply", "egressd exec -> first apply"),
                          ("nft", "nft -f of the same ruleset")):
             f.write(f"\"{label}\" {d[k]['p50_ms']} {d[k]['p99_ms']}\n")
-    gnuplot(out, "startup", TERM + """set output 'startup.png'
-set title 'Start-up (fresh namespace, 3 phases staged)'
-set style data histograms
-set style histogram clustered gap 1
-set style fill solid 0.8 border -1
+    gnuplot(out, "startup", f"""set title 'Start-up (fresh namespace, 3 phases staged)'
+{HISTOGRAMS}
 set grid ytics
 set yrange [0:*]
 set ylabel 'milliseconds'

@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import dns_proxy as dp  # noqa: E402  (Procs, nft, sweep_stale, ...)
+import dns_proxy as dp  # noqa: E402  (BenchRun, preflight, nft, ...)
 from dns_proxy import lab  # noqa: E402
 from switch_latency import entries, in_netns, pct  # noqa: E402
 
@@ -92,12 +88,7 @@ def one_start(ns: lab.Netns, tmp: Path, policy: Path, i: int) -> tuple[float, fl
                 raise dp.BenchError("egressd: no ready file or no apply within 10 s")
             time.sleep(POLL_S)
     finally:
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        dp.stop_process(p, 5)
         log.close()
         dp.nft(ns, "delete", "table", "inet", "egressd", check=False)
         for f in (ready, sock, Path(str(sock) + ".state")):
@@ -122,27 +113,15 @@ def main():
     ap.add_argument("--json", dest="json_out", metavar="FILE")
     a = ap.parse_args()
     a.starts = a.starts or (3 if a.quick else 30)
-    if os.geteuid() != 0:
-        print("SKIP: needs root (network namespaces, nftables)")
-        return 77
-    missing = [t for t in ("nft", "ip") if shutil.which(t) is None]
-    if not dp.EGRESSD.exists():
-        missing.append(f"{dp.EGRESSD} (build first: meson setup build && ninja -C build)")
-    if missing:
-        print(f"error: missing {', '.join(missing)} (scripts/setup installs the packages)", file=sys.stderr)
-        return 1
+    status = dp.preflight(("nft", "ip"))
+    if status is not None:
+        return status
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, dp._on_signal)
-    dp.sweep_stale(PREFIX)
-    tag = f"{PREFIX}{os.getpid()}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    ns = lab.Netns(f"{tag}-sb")
-    failed = None
+    run = dp.BenchRun(PREFIX)
+    tmp = run.tmp
     ready, apply, nft, own = [], [], [], []
-    try:
-        ns.create()
-        ns.ip("link", "set", "lo", "up")
+    with run:
+        ns = run.topo.add(lab.Netns(f"{run.tag}-sb"))
         policy = tmp / "policy.json"
         policy.write_text(json.dumps({
             "initial_phase": "environment", "dns": {"upstream": [dp.UPSTREAM]},
@@ -160,22 +139,7 @@ def main():
         # egressd's startup_us (its `ready` log line): from installing the initial policy
         # to ready, i.e. without exec, the loader, reading the policy and joining the netns.
         own = [int(x) / 1e6 for x in re.findall(r"startup_us=(\d+)", (tmp / "egressd.log").read_text())]
-    except (dp.BenchError, lab.LabError, subprocess.SubprocessError, OSError) as e:
-        failed = str(e)
-    except dp.Interrupted as e:
-        failed = f"interrupted by signal {e.args[0]}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        for pid in ns.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        ns.delete()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        print(f"error: {failed}", file=sys.stderr)
+    if run.failed:
         return 1
 
     res = {k: {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3, "samples_ms": [x * 1e3 for x in v]}
@@ -188,10 +152,7 @@ def main():
             print(f"{label:<28} {res[k]['p50_ms']:>7.2f}ms {res[k]['p99_ms']:>7.2f}ms")
     ok = res["ready"]["p99_ms"] <= BUDGET_READY_MS
     print(f"budget (DESIGN §5): start to ready <= {BUDGET_READY_MS:g} ms: {'within' if ok else 'MISSED'} (p99)")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "config": {k: v for k, v in vars(a).items() if k != "json_out"}, **res,
-            "budget": {"ready_ms": {"op": "<=", "value": BUDGET_READY_MS}}}, indent=2) + "\n")
+    dp.write_json(a, **res, budget={"ready_ms": {"op": "<=", "value": BUDGET_READY_MS}})
     return 0
 
 
