@@ -13,8 +13,8 @@
 #include <chrono>
 #include <cstdint>
 #include <list>
-#include <map>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -73,22 +73,21 @@ class NameIndex {
     WallClock::time_point first{}, last{};
   };
   using Lru = std::list<Entry>;  // front = most recently seen
-  // Reverse index value: name -> (references from entries, last tick).
-  struct NameRef {
-    std::uint32_t refs = 0;
-    std::uint64_t tick = 0;
+  // Lookups by (phase, name) without building a key string.
+  struct PhaseName {
+    std::string_view phase, name;
+    friend bool operator==(const PhaseName&, const PhaseName&) = default;
+  };
+  struct PhaseNameHash {
+    std::size_t operator()(const PhaseName& k) const;
   };
 
   Lru::iterator touch(const std::string& phase, const std::string& name, WallClock::time_point now);
-  void link(const IpPrefix& addr, const std::string& name, std::uint64_t tick);
-  void unlink(const IpPrefix& addr, const std::string& name);
-  static std::string key(const std::string& phase, const std::string& name) { return phase + '\n' + name; }
-  static std::string addr_key(const IpPrefix& a) { return std::string(reinterpret_cast<const char*>(a.bytes.data()), a.size()); }
 
   NameIndexOptions opts_;
   Lru lru_;
-  std::unordered_map<std::string, Lru::iterator> entries_;
-  std::unordered_map<std::string, std::map<std::string, NameRef>> by_addr_;
+  // Keys view the phase and name strings of their Lru entry (list nodes never move).
+  std::unordered_map<PhaseName, Lru::iterator, PhaseNameHash> entries_;
   std::vector<std::string> phase_order_;
   std::uint64_t tick_ = 0;
   std::uint64_t evicted_ = 0;
