@@ -112,18 +112,26 @@ class TestNetns {
 
   CmdResult exec(const std::string& cmd) const { return run("ip netns exec " + name_ + " " + cmd); }
 
-  // A Kernel bound to this namespace (the socket keeps it after we leave).
-  std::unique_ptr<Kernel> kernel() const {
+  // Runs `f` with this thread in the namespace, then back in its own: what
+  // `f` opens (netlink sockets) stays bound to this namespace.
+  template <class F>
+  auto in_netns(F&& f) const {
     const int self = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
     const int target = open(("/run/netns/" + name_).c_str(), O_RDONLY | O_CLOEXEC);
     REQUIRE(self >= 0);
     REQUIRE(target >= 0);
     REQUIRE(setns(target, CLONE_NEWNET) == 0);
-    auto k = open_kernel();
+    auto out = f();
     const int back = setns(self, CLONE_NEWNET);
     close(target);
     close(self);
     REQUIRE(back == 0);
+    return out;
+  }
+
+  // A Kernel bound to this namespace (the socket keeps it after we leave).
+  std::unique_ptr<Kernel> kernel() const {
+    auto k = in_netns([] { return open_kernel(); });
     REQUIRE_MESSAGE(k.ok(), (k.ok() ? "" : k.error().message));
     return std::move(k).value();
   }
@@ -819,21 +827,6 @@ class RacingKernel final : public Kernel {
   std::unique_ptr<Kernel> real_, tamperer_;
 };
 
-// The tamper guard's monitor socket is opened in the current namespace.
-template <class F>
-auto in_netns(const TestNetns& ns, F&& f) {
-  const int self = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
-  const int target = open(("/run/netns/" + ns.name()).c_str(), O_RDONLY | O_CLOEXEC);
-  REQUIRE(self >= 0);
-  REQUIRE(target >= 0);
-  REQUIRE(setns(target, CLONE_NEWNET) == 0);
-  auto out = f();
-  REQUIRE(setns(self, CLONE_NEWNET) == 0);
-  close(target);
-  close(self);
-  return out;
-}
-
 std::vector<std::string> many_addresses(int n, int third_octet) {
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) out.push_back("198.18." + std::to_string(third_octet + i / 256) + "." + std::to_string(i % 256));
@@ -854,7 +847,7 @@ TEST_CASE("own large batches are not heard, and a commit by others meanwhile is 
   o.policy = p;
   o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
   daemon::Sandbox sb(std::move(o), std::move(racing_owned), daemon::Capabilities{true, true, true, true, true});
-  auto guard = in_netns(ns, [&] { return daemon::TamperGuard::open(io, sb, {}); });
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, {}); });  // its socket: in ns
   REQUIRE(guard.ok());
   sb.set_large_batch_runner([g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
   REQUIRE(sb.start("environment").ok());
