@@ -290,7 +290,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   // earlier) go into its sets in the same transaction: no window where a
   // client's cached address is refused.
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
-  for (auto& op : carried_learned(target, chain)) ch.ops.push_back(std::move(op));
+  const std::shared_ptr<const PhaseFacts> target_facts = facts(target);  // once: inline phases are not cached
+  for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
@@ -298,7 +299,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
   state_ = next;
-  active_facts_ = facts(target);
+  active_facts_ = target_facts;
   if (is_inline) {
     inline_ = target;
     // After the reply: the kernel already holds the policy, and the file only
@@ -453,11 +454,11 @@ void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint6
   ++learned_count_;
 }
 
-std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const std::string& chain) const {
+std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFacts& facts,
+                                              const std::string& chain) const {
   std::vector<nft::Op> ops;
   if (target.mode != Mode::allowlist) return ops;
-  const std::shared_ptr<const PhaseFacts> f = facts(target);
-  const dns::NameMatcher& m = *f->matcher;
+  const dns::NameMatcher& m = *facts.matcher;
   if (m.size() == 0) return ops;
   const auto now = Clock::now();
   const auto [s4, s6] = nft::learned_sets(chain);

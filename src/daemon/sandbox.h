@@ -193,7 +193,7 @@ class Sandbox : public dns::PolicyHooks {
   void flush_learned();
   // Elements for `target`'s learned sets: every remembered address whose name
   // `target` allows, with its remaining lifetime.
-  std::vector<nft::Op> carried_learned(const Phase& target, const std::string& chain) const;
+  std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain) const;
   std::uint64_t learn_timeout_ms(std::uint32_t ttl) const;
   void remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms);
   std::string active_chain() const;

@@ -19,7 +19,7 @@ Status Sandbox::restore_table() {
   ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
   ch.ops.push_back(
       nft::OpAddTable{nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile)});
-  for (auto& op : carried_learned(phase, active_chain())) ch.ops.push_back(std::move(op));
+  for (auto& op : carried_learned(phase, *active_facts_, active_chain())) ch.ops.push_back(std::move(op));
   return kernel_->apply(ch);
 }
 
