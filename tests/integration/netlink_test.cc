@@ -883,3 +883,51 @@ TEST_CASE("own large batches are not heard, and a commit by others meanwhile is 
         std::string::npos);
   (*guard)->close();
 }
+
+TEST_CASE("the verification timer undoes a change the change events did not show") {
+  // The safety net of DESIGN's tamper detection: a change whose notification
+  // the event path cannot use (here: committed from a socket registered as
+  // egressd's own, as a lost or misattributed notification would be) is found
+  // by the periodic re-dump and undone.
+  TestNetns ns;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("environment", Mode::public_, {}));
+  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
+  p.initial_phase = "agent";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), ns.kernel(), daemon::Capabilities{true, true, true, true, true});
+  daemon::TamperGuardOptions go;
+  go.verify_interval = std::chrono::milliseconds(50);
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
+  REQUIRE(guard.ok());
+  REQUIRE(sb.start("agent").ok());
+  (*guard)->start();
+  const std::string installed = ns.listing();
+
+  // Runs the loop (events, timers) until `done` or the deadline.
+  auto run_until = [&](auto done, std::chrono::milliseconds deadline) {
+    const auto end = std::chrono::steady_clock::now() + deadline;
+    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+    return done();
+  };
+  // Three verification rounds of egressd's own table find nothing.
+  const auto t0 = std::chrono::steady_clock::now();
+  (void)run_until([&] { return (*guard)->tampers() > 0 || std::chrono::steady_clock::now() - t0 > 3 * go.verify_interval; },
+                  std::chrono::milliseconds(1000));
+  CHECK((*guard)->tampers() == 0);
+
+  auto blind = ns.kernel();
+  (*guard)->add_own_portid(blind->portid());
+  Change ch{kTableName, {}};
+  ch.ops.push_back(OpAddRule{"output", Rule{{StmtVerdict{VerdictKind::accept, ""}}, ""}});
+  REQUIRE(blind->apply(ch).ok());
+  CHECK(ns.exec("nft list chain inet egressd output").out.find("\t\taccept\n") != std::string::npos);
+
+  REQUIRE(run_until([&] { return (*guard)->restores() >= 1; }, std::chrono::milliseconds(2000)));
+  CHECK((*guard)->tampers() == 1);
+  CHECK(ns.listing() == installed);
+  (*guard)->close();
+}
