@@ -1,4 +1,5 @@
 #include "control/server.h"
+#include "egressd/module_logger.h"
 #include "egressd/unique_fd.h"
 
 #include <fcntl.h>
@@ -47,18 +48,7 @@ constexpr std::size_t kReadChunk = 16 * 1024;
 // Pause after a failed accept (EMFILE, ENOBUFS) so a persistent failure does not spin the loop.
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 
-std::shared_ptr<spdlog::logger> control_logger() {
-  if (auto lg = spdlog::get("control")) return lg;
-  // Share the default logger's sinks so the daemon's --log-format applies here too.
-  auto lg = spdlog::default_logger()->clone("control");
-  try {
-    spdlog::register_logger(lg);
-  } catch (const spdlog::spdlog_ex&) {
-    // Registered concurrently by someone else: use theirs.
-    if (auto other = spdlog::get("control")) return other;
-  }
-  return lg;
-}
+std::shared_ptr<spdlog::logger> control_logger() { return module_logger("control"); }
 
 // One reply line. "ok" goes first so a person reading socat output sees the
 // verdict before the details (nlohmann objects otherwise sort their keys).

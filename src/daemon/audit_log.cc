@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 
+#include "egressd/module_logger.h"
+
 namespace egressd::daemon {
 
 namespace {
@@ -72,10 +74,7 @@ bool plain(std::string_view s) {
   return true;
 }
 
-std::shared_ptr<spdlog::logger> audit_logger() {
-  if (auto l = spdlog::get(kAuditLogger)) return l;
-  return spdlog::default_logger();
-}
+std::shared_ptr<spdlog::logger> audit_logger() { return module_logger(kAuditLogger); }
 
 }  // namespace
 

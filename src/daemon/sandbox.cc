@@ -11,6 +11,7 @@
 
 #include "control/protocol.h"
 #include "daemon/audit_log.h"
+#include "egressd/module_logger.h"
 #include "dns/message.h"
 
 namespace egressd::daemon {
@@ -20,10 +21,7 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<spdlog::logger> log() {
-  auto l = spdlog::get("sandbox");
-  return l ? l : spdlog::default_logger();
-}
+std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
 constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
                                    EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};

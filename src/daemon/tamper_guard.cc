@@ -11,6 +11,7 @@
 #include <boost/asio/post.hpp>
 
 #include "daemon/audit_log.h"
+#include "egressd/module_logger.h"
 
 namespace egressd::daemon {
 
@@ -19,10 +20,7 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<spdlog::logger> log() {
-  auto l = spdlog::get("tamper");
-  return l ? l : spdlog::default_logger();
-}
+std::shared_ptr<spdlog::logger> log() { return module_logger("tamper"); }
 
 // Datagrams read per wakeup before the loop lets other work run; events of one
 // transaction may span several, the tracker carries them over.
