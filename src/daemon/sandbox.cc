@@ -276,7 +276,8 @@ Status Sandbox::start(const std::string& initial_phase) {
   return {};
 }
 
-Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, bool is_inline,
+Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
+                                std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
                                 std::vector<std::string> unresolved) {
   const Phase& target = *target_ptr;
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
@@ -288,7 +289,6 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   // earlier) go into its sets in the same transaction: no window where a
   // client's cached address is refused.
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
-  const std::shared_ptr<const PhaseFacts> target_facts = facts(target);  // once: inline phases are not cached
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
@@ -297,7 +297,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr, 
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
   state_ = next;
-  active_facts_ = target_facts;
+  active_facts_ = std::move(target_facts);
   if (is_inline) {
     inline_ = target;
     // After the reply: the kernel already holds the policy, and the file only
@@ -353,8 +353,9 @@ void Sandbox::run_next_apply() {
   applying_ = true;
   auto job = std::make_shared<ApplyJob>(std::move(applies_.front()));
   applies_.pop_front();
+  job->facts = facts(*job->target);
   std::vector<std::string> names;
-  if (proxy_ != nullptr && job->target->mode == Mode::allowlist) names = facts(*job->target)->hostnames;
+  if (proxy_ != nullptr && job->target->mode == Mode::allowlist) names = job->facts->hostnames;
   if (names.empty()) {
     finish_apply(std::move(*job), {});
     return;
@@ -390,7 +391,7 @@ void Sandbox::run_next_apply() {
 }
 
 void Sandbox::finish_apply(ApplyJob job, std::vector<std::string> unresolved) {
-  auto r = switch_to(job.target, job.is_inline, std::move(unresolved));
+  auto r = switch_to(job.target, std::move(job.facts), job.is_inline, std::move(unresolved));
   job.reply(r ? control::ok_reply(*r) : control::error_reply(r.error(), "invalid_policy"));
   run_next_apply();
 }
@@ -742,7 +743,7 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
     }
     if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
     // Aliasing pointer with no owner: the policy outlives every job.
-    return enqueue_apply({std::shared_ptr<const Phase>(std::shared_ptr<const Phase>{}, ph), false, std::move(reply)});
+    return enqueue_apply({std::shared_ptr<const Phase>(std::shared_ptr<const Phase>{}, ph), false, std::move(reply), nullptr});
   }
   if (!req["mode"].is_string()) return reply(error_reply("invalid_request", "\"mode\" must be a string"));
   auto mode = parse_mode(req["mode"].get<std::string>());
@@ -762,7 +763,7 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
   auto ph = make_inline_phase("inline", *mode, allow);
   if (!ph) return reply(error_reply(ph.error(), "invalid_policy"));
   if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
-  enqueue_apply({std::make_shared<const Phase>(std::move(*ph)), true, std::move(reply)});
+  enqueue_apply({std::make_shared<const Phase>(std::move(*ph)), true, std::move(reply), nullptr});
 }
 
 }  // namespace egressd::daemon

@@ -176,6 +176,9 @@ class Sandbox : public dns::PolicyHooks {
     std::shared_ptr<const Phase> target;
     bool is_inline;
     std::function<void(nlohmann::json)> reply;
+    // The target's facts, computed once when the job starts (an inline
+    // phase's are not cached): its hostnames to pre-resolve, then the switch.
+    std::shared_ptr<const PhaseFacts> facts;
   };
   struct PendingLearn {
     std::vector<nft::Op> ops;
@@ -183,7 +186,8 @@ class Sandbox : public dns::PolicyHooks {
     std::vector<std::function<void(Status)>> done;
   };
 
-  Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target, bool is_inline,
+  Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target,
+                                   std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
                                    std::vector<std::string> unresolved);
   // The reply to an `explain` request (src/daemon/sandbox_explain.cc).
   nlohmann::json explain_reply(const nlohmann::json& request) const;
