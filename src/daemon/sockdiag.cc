@@ -26,11 +26,23 @@ namespace egressd::daemon {
 
 namespace {
 
-
 struct Request {
   nlmsghdr nlh;
   inet_diag_req_v2 req;
 };
+
+Request make_request(std::uint16_t type, std::uint16_t flags, std::uint32_t seq, int family, int proto,
+                     std::uint32_t states) {
+  Request r{};
+  r.nlh.nlmsg_len = sizeof r;
+  r.nlh.nlmsg_type = type;
+  r.nlh.nlmsg_flags = flags;
+  r.nlh.nlmsg_seq = seq;
+  r.req.sdiag_family = static_cast<std::uint8_t>(family);
+  r.req.sdiag_protocol = static_cast<std::uint8_t>(proto);
+  r.req.idiag_states = states;
+  return r;
+}
 
 IpPrefix to_prefix(int family, const __be32* addr) {
   IpPrefix p;
@@ -56,14 +68,7 @@ IpPrefix to_prefix(int family, const __be32* addr) {
 
 // Dumps sockets of one family/protocol in `states`; calls `fn` per message.
 Status dump(int fd, int family, int proto, std::uint32_t states, const std::function<void(const inet_diag_msg&)>& fn) {
-  Request r{};
-  r.nlh.nlmsg_len = sizeof r;
-  r.nlh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
-  r.nlh.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-  r.nlh.nlmsg_seq = 1;
-  r.req.sdiag_family = static_cast<std::uint8_t>(family);
-  r.req.sdiag_protocol = static_cast<std::uint8_t>(proto);
-  r.req.idiag_states = states;
+  const Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, family, proto, states);
   if (::send(fd, &r, sizeof r, 0) < 0) return errno_error("sock_diag dump request", errno);
   std::vector<char> buf(1 << 16);
   for (;;) {
@@ -88,14 +93,7 @@ Status dump(int fd, int family, int proto, std::uint32_t states, const std::func
 }
 
 Status destroy(int fd, int family, int proto, const inet_diag_msg& m) {
-  Request r{};
-  r.nlh.nlmsg_len = sizeof r;
-  r.nlh.nlmsg_type = SOCK_DESTROY;
-  r.nlh.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK;
-  r.nlh.nlmsg_seq = 2;
-  r.req.sdiag_family = static_cast<std::uint8_t>(family);
-  r.req.sdiag_protocol = static_cast<std::uint8_t>(proto);
-  r.req.idiag_states = ~0u;
+  Request r = make_request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, family, proto, ~0u);
   r.req.id = m.id;
   if (::send(fd, &r, sizeof r, 0) < 0) return errno_error("SOCK_DESTROY", errno);
   char buf[512];
