@@ -16,6 +16,13 @@ constexpr std::uint8_t kUdp = 17;
 constexpr std::uint8_t kNdRouterSolicit = 133;
 constexpr std::uint8_t kNdNeighborSolicit = 135;
 constexpr std::uint8_t kNdNeighborAdvert = 136;
+// MLD listener reports and dones: the kernel sends them by itself whenever an
+// interface joins a multicast group (the solicited-node group of every IPv6
+// address, so on every interface that comes up). They carry nothing a process
+// chose and cannot leave the link (hop limit 1).
+constexpr std::uint8_t kMldListenerReport = 131;
+constexpr std::uint8_t kMldListenerDone = 132;
+constexpr std::uint8_t kMld2ListenerReport = 143;
 
 StmtVerdict accept() { return {VerdictKind::accept, ""}; }
 
@@ -116,7 +123,7 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     c.rules.push_back({{MatchCtDirectionReply{}, accept()}, ""});
   }
   for (std::uint8_t t : {kNdRouterSolicit, kNdNeighborSolicit, kNdNeighborAdvert}) {
-    c.rules.push_back({{MatchNdIcmpv6{t}, accept()}, ""});
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, accept()}, ""});
   }
   // Every packet the policy decides passes here once and is then either
   // accepted or sent to `deny`: allowed = this counter - deny's counters.
@@ -128,6 +135,12 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
 
 Chain deny_chain(const Policy& policy) {
   Chain c{"deny", std::nullopt, {}};
+  // The kernel's own MLD reports are denied like everything else, but not
+  // logged: a record nobody caused and nobody can act on would only bury the
+  // ones that matter (every interface coming up sends a few).
+  for (std::uint8_t t : {kMldListenerReport, kMldListenerDone, kMld2ListenerReport}) {
+    c.rules.push_back({{MatchLinkIcmpv6{t, 1}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  }
   // Rate-limited in the kernel: a flood of denied packets costs egressd at
   // most kLogRate messages a second (the rest are still denied, unlogged).
   if (policy.enforce.log_group != 0) {

@@ -68,8 +68,10 @@ struct MatchCtMark { std::uint32_t value; };
 struct MatchL4Proto { std::uint8_t proto; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
 struct MatchDport { std::uint8_t proto; std::uint16_t port; };
-// icmpv6 type <type> ip6 hoplimit 255 (neighbour discovery; never leaves the link)
-struct MatchNdIcmpv6 { std::uint8_t type; };
+// icmpv6 type <type> ip6 hoplimit <hoplimit>: link-local ICMPv6, which the
+// kernel sends for IPv6 to work at all and which is never routed off the link
+// (neighbour discovery with hop limit 255, MLD reports with hop limit 1).
+struct MatchLinkIcmpv6 { std::uint8_t type; std::uint8_t hoplimit; };
 // ip daddr @set / ip6 daddr @set (family from the set type)
 struct MatchDaddrSet { std::string set; SetType type; };
 // ip daddr <addr> / ip6 daddr <addr>: a single address or a byte-aligned
@@ -95,7 +97,7 @@ enum class VerdictKind { accept, drop, jump, goto_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchMetaMark, MatchCtDirectionReply, MatchCtMark,
-                          MatchL4Proto, MatchDport, MatchNdIcmpv6, MatchDaddrSet, MatchDaddr,
+                          MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr,
                           StmtCounter, StmtLimit, StmtLog, StmtCtMarkSet, StmtRedirect, StmtRejectTcpReset,
                           StmtRejectAdminProhibited, StmtVerdict>;
 

@@ -399,7 +399,7 @@ class RuleBuilder {
     const std::uint16_t port = htons(m.port);
     cmp(NFT_CMP_EQ, &port, sizeof port);
   }
-  void operator()(const MatchNdIcmpv6& m) {
+  void operator()(const MatchLinkIcmpv6& m) {
     meta(NFT_META_NFPROTO);
     cmp_u8(NFPROTO_IPV6);
     meta(NFT_META_L4PROTO);
@@ -407,7 +407,7 @@ class RuleBuilder {
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1);  // icmpv6 type
     cmp_u8(m.type);
     payload(NFT_PAYLOAD_NETWORK_HEADER, 7, 1);  // ip6 hoplimit
-    cmp_u8(255);
+    cmp_u8(m.hoplimit);
   }
   void operator()(const MatchDaddrSet& m) {
     daddr(key_family(m.type));

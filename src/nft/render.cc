@@ -26,10 +26,13 @@ std::string proto_name(std::uint8_t proto) {
 
 std::string icmpv6_type_name(std::uint8_t type) {
   switch (type) {
+    case 131: return "mld-listener-report";
+    case 132: return "mld-listener-done";
     case 133: return "nd-router-solicit";
     case 134: return "nd-router-advert";
     case 135: return "nd-neighbor-solicit";
     case 136: return "nd-neighbor-advert";
+    case 143: return "mld2-listener-report";
     default: return std::to_string(type);
   }
 }
@@ -90,8 +93,8 @@ struct StmtText {
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);
   }
-  std::string operator()(const MatchNdIcmpv6& m) const {
-    return "icmpv6 type " + icmpv6_type_name(m.type) + " ip6 hoplimit 255";
+  std::string operator()(const MatchLinkIcmpv6& m) const {
+    return "icmpv6 type " + icmpv6_type_name(m.type) + " ip6 hoplimit " + std::to_string(m.hoplimit);
   }
   std::string operator()(const MatchDaddrSet& m) const { return family_kw(m.type) + " daddr @" + m.set; }
   std::string operator()(const MatchDaddr& m) const {

@@ -206,6 +206,33 @@ def test_denied_follow_prints_a_record_that_appears_after_it_started(lab, egress
         labmod._stop_process(p, grace=3.0)
 
 
+def mld_drops(lab) -> int:
+    """Packets the deny chain dropped as the kernel's own MLD reports (unlogged)."""
+    out = lab.sandbox.exec("nft", "-j", "list", "chain", "inet", "egressd", "deny").stdout
+    n = 0
+    for item in json.loads(out)["nftables"]:
+        rule = item.get("rule")
+        if rule and any("icmpv6" in json.dumps(m) for m in rule["expr"] if "match" in m):
+            n += sum(e["counter"]["packets"] for e in rule["expr"] if "counter" in e)
+    return n
+
+
+def test_the_kernels_own_mld_reports_are_denied_without_a_record(lab, egressd):
+    # Every interface that comes up, and every IPv6 address added, makes the kernel join a
+    # multicast group and send an MLD report to ff02::16. Nothing in the sandbox asked for
+    # it and nobody can act on it: denied, counted, never a denied record.
+    d = egressd(policy(), phase="verifier")
+    before = mld_drops(lab)
+    lab.sandbox.ip("addr", "add", "2001:db8:1::99/64", "dev", labmod.SANDBOX_IF, "nodad")
+    labmod.wait_for(lambda: mld_drops(lab) > before, 5.0, "the kernel's MLD report for the new address")
+    name = f"{tok()}.example.org"
+    assert lab.dns_query(name).rcode == "REFUSED"
+    wait_record(d, lambda r: r["kind"] == "dns" and r["names"] == [name], f"a dns record for {name}")
+    records = denied(d)
+    assert not [r for r in records if r["proto"] == "ipv6-icmp"], records
+    assert d.status()["counters"]["denied_packets"] >= mld_drops(lab)
+
+
 def test_hosts_suggest_lists_exactly_the_names_resolved_in_public(lab, egressd):
     d = egressd(policy())
     t = tok()

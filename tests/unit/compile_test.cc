@@ -90,20 +90,25 @@ TEST_CASE("inbound replies can be turned off; drop replaces reject; log group is
   const Table t = build_table(p, nullptr, named(p, "verifier", 1), CompileOptions{});
   for (const auto& r : find_chain(t, "output")->rules) CHECK(render_rule(r) != "ct direction reply accept");
   const Chain* deny = find_chain(t, "deny");
-  REQUIRE(deny->rules.size() == 2);
-  CHECK(render_rule(deny->rules[0]) == "limit rate 100/second burst 50 packets log group 9");
-  CHECK(render_rule(deny->rules[1]) == "counter drop");
+  REQUIRE(deny->rules.size() == 5);
+  CHECK(render_rule(deny->rules[3]) == "limit rate 100/second burst 50 packets log group 9");
+  CHECK(render_rule(deny->rules[4]) == "counter drop");
 }
 
 TEST_CASE("reject: TCP gets a reset, everything else admin-prohibited") {
   const Policy p = three_phases();
   const Table t = build_table(p, nullptr, named(p, "verifier", 1), CompileOptions{});
   const Chain* deny = find_chain(t, "deny");
-  REQUIRE(deny->rules.size() == 3);
+  REQUIRE(deny->rules.size() == 6);
+  // The kernel's own MLD reports (link-local, hop limit 1) first: dropped and
+  // counted, never logged, never answered.
+  CHECK(render_rule(deny->rules[0]) == "icmpv6 type mld-listener-report ip6 hoplimit 1 counter drop");
+  CHECK(render_rule(deny->rules[1]) == "icmpv6 type mld-listener-done ip6 hoplimit 1 counter drop");
+  CHECK(render_rule(deny->rules[2]) == "icmpv6 type mld2-listener-report ip6 hoplimit 1 counter drop");
   // Logging is on by default, rate-limited in the kernel.
-  CHECK(render_rule(deny->rules[0]) == "limit rate 100/second burst 50 packets log group 1985");
-  CHECK(render_rule(deny->rules[1]) == "meta l4proto tcp counter reject with tcp reset");
-  CHECK(render_rule(deny->rules[2]) == "counter reject with icmpx admin-prohibited");
+  CHECK(render_rule(deny->rules[3]) == "limit rate 100/second burst 50 packets log group 1985");
+  CHECK(render_rule(deny->rules[4]) == "meta l4proto tcp counter reject with tcp reset");
+  CHECK(render_rule(deny->rules[5]) == "counter reject with icmpx admin-prohibited");
 }
 
 TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd's own mark") {

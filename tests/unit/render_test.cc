@@ -40,10 +40,10 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchL4Proto{17}) == "meta l4proto udp");
   CHECK(one(MatchDport{17, 53}) == "udp dport 53");
   CHECK(one(MatchDport{6, 853}) == "tcp dport 853");
-  CHECK(one(MatchNdIcmpv6{133}) == "icmpv6 type nd-router-solicit ip6 hoplimit 255");
-  CHECK(one(MatchNdIcmpv6{134}) == "icmpv6 type nd-router-advert ip6 hoplimit 255");
-  CHECK(one(MatchNdIcmpv6{135}) == "icmpv6 type nd-neighbor-solicit ip6 hoplimit 255");
-  CHECK(one(MatchNdIcmpv6{136}) == "icmpv6 type nd-neighbor-advert ip6 hoplimit 255");
+  CHECK(one(MatchLinkIcmpv6{133, 255}) == "icmpv6 type nd-router-solicit ip6 hoplimit 255");
+  CHECK(one(MatchLinkIcmpv6{134, 255}) == "icmpv6 type nd-router-advert ip6 hoplimit 255");
+  CHECK(one(MatchLinkIcmpv6{135, 255}) == "icmpv6 type nd-neighbor-solicit ip6 hoplimit 255");
+  CHECK(one(MatchLinkIcmpv6{136, 255}) == "icmpv6 type nd-neighbor-advert ip6 hoplimit 255");
   CHECK(one(MatchDaddrSet{"ph_agent_a4", SetType::ipv4_addr}) == "ip daddr @ph_agent_a4");
   CHECK(one(MatchDaddrSet{"ph_agent_a6", SetType::ipv6_addr}) == "ip6 daddr @ph_agent_a6");
   CHECK(one(MatchDaddr{ip("192.0.2.9")}) == "ip daddr 192.0.2.9");
