@@ -145,7 +145,7 @@ int cmd_run(const RunArgs& a) {
   opts.socket = a.socket;
   boost::asio::io_context io;
   // Created after join_netns: its thread must live in the sandbox namespace.
-  FlowReaper reaper(policy->enforce.inbound_replies, [log](Result<int> n, std::uint64_t gen) {
+  FlowReaper reaper(policy->enforce.inbound_replies, a.dns_port != 0, [log](Result<int> n, std::uint64_t gen) {
     if (!n) {
       log->warn("flows not aborted gen={} (the rules still cut them): {}", gen, n.error().message);
     } else if (*n > 0) {

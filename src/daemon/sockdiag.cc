@@ -151,6 +151,7 @@ Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
 
 struct FlowReaper::Impl {
   bool inbound_replies;
+  bool dns_redirect;
   Report report;
   std::mutex mu;
   std::condition_variable cv;
@@ -181,15 +182,16 @@ struct FlowReaper::Impl {
       }
       const std::uint64_t gen = j.second;
       auto n = destroy_flows([&](const FlowInfo& f) {
-        return superseded(gen) || flow_may_survive(*j.first, f, inbound_replies);
+        return superseded(gen) || flow_may_survive(*j.first, f, inbound_replies, dns_redirect);
       });
       if (report) report(std::move(n), gen);
     }
   }
 };
 
-FlowReaper::FlowReaper(bool inbound_replies, Report report) : impl_(std::make_unique<Impl>()) {
+FlowReaper::FlowReaper(bool inbound_replies, bool dns_redirect, Report report) : impl_(std::make_unique<Impl>()) {
   impl_->inbound_replies = inbound_replies;
+  impl_->dns_redirect = dns_redirect;
   impl_->report = std::move(report);
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
 }
@@ -217,11 +219,14 @@ void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generati
   impl_->cv.notify_one();
 }
 
-bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replies) {
+bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replies, bool dns_redirect) {
   const bool loopback = (f.dst.family == 4 && f.dst.bytes[0] == 127) ||
                         (f.dst.family == 6 && f.dst == *parse_ip("::1"));
   if (loopback) return true;
   if (f.inbound && inbound_replies) return true;
+  // A query in flight at a switch is answered by the proxy under the new
+  // phase; aborting its socket would only fail a lookup the sandbox may make.
+  if (dns_redirect && f.dport == 53 && !f.inbound) return true;
   switch (phase.mode) {
     case Mode::public_: return true;
     case Mode::no_network: return false;

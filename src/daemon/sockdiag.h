@@ -46,7 +46,9 @@ inline constexpr std::chrono::milliseconds kReapSettle{10};
 class FlowReaper {
  public:
   using Report = std::function<void(Result<int> destroyed, std::uint64_t generation)>;
-  explicit FlowReaper(bool inbound_replies, Report report);
+  // `dns_redirect`: the DNS proxy runs, so every udp/tcp flow to port 53 goes
+  // to it (nat redirect) or is egressd's own upstream traffic.
+  FlowReaper(bool inbound_replies, bool dns_redirect, Report report);
   ~FlowReaper();
   FlowReaper(const FlowReaper&) = delete;
   FlowReaper& operator=(const FlowReaper&) = delete;
@@ -60,9 +62,12 @@ class FlowReaper {
 };
 
 // True when a flow to `f` may still be allowed by `phase` and must be kept:
-// loopback peers, inbound flows (when `inbound_replies`), public mode,
-// allowlisted addresses and CIDRs, and — conservatively — every peer while
-// the phase has hostname entries (a learned address may allow it).
-bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replies);
+// loopback peers, inbound flows (when `inbound_replies`), DNS to port 53 of
+// any address (when `dns_redirect`: the rules send it to egressd's proxy, which
+// answers it under the new phase, and egressd's own upstream sockets are
+// exempt in every phase), public mode, allowlisted addresses and CIDRs, and —
+// conservatively — every peer while the phase has hostname entries (a learned
+// address may allow it).
+bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replies, bool dns_redirect);
 
 }  // namespace egressd::daemon

@@ -20,6 +20,7 @@ query log shows (or must not show) is exact.
 """
 import json
 import random
+import re
 import socket
 import struct
 import sys
@@ -188,6 +189,52 @@ def test_no_network_answers_refused_and_forwards_nothing(lab, egressd):
     assert d.ctl("apply", "environment")[0] == 0
     assert resolve(lab, f"{t}.denied.example.net") == [WILDCARDS["denied.example.net"][0]]
     assert [q.name for q in asked(lab, t)] == [f"{t}.denied.example.net"]
+
+
+def test_a_lookup_in_flight_at_a_switch_is_answered_not_aborted(lab, egressd):
+    """A switch aborts the sockets of flows the new phase cuts (sock_diag), but every port-53
+    flow goes to egressd's proxy: a client that holds a UDP socket and a TCP connection to the
+    DNS server across a switch to no-network gets REFUSED on them, never ECONNABORTED."""
+    serve(lab)
+    d = egressd(policy(), phase="environment")
+    t = tok()
+
+    def ask(sock, name, tcp):
+        qid = random.randrange(0x10000)
+        q = labmod.dns_build_query(name, "A", qid)
+        deadline = time.monotonic() + 2.0
+        try:
+            if tcp:
+                sock.sendall(struct.pack("!H", len(q)) + q)
+                msg = labmod._recv_n(sock, struct.unpack("!H", labmod._recv_n(sock, 2, deadline))[0], deadline)
+            else:
+                sock.send(q)
+                msg = sock.recv(65536)
+        except (OSError, EOFError) as e:
+            return f"{type(e).__name__}: {e}"
+        rid, rcode, _ = labmod.dns_parse_reply(msg)
+        return rcode if rid == qid else f"reply id {rid} for query id {qid}"
+
+    held = []
+    for tcp in (False, True):
+        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM)
+        s.settimeout(2.0)
+        s.connect((DNS_V4, 53))
+        assert ask(s, f"{t}.wild.example.org", tcp) == "NOERROR", "public forwards"
+        held.append((s, tcp))
+    # A flow no-network cuts: its abort is what shows the reaper has run.
+    canary = lab.tcp_flow(labmod.SERVERS_V4[0])
+    assert canary.exchange() == "ok"
+    assert d.ctl("apply", "verifier")[0] == 0
+    gen = d.status()["generation"]
+    reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+    labmod.wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary flow")
+    assert canary.exchange() == "reset"
+    got = {("tcp" if tcp else "udp"): ask(s, f"{t}.wild.example.org", tcp) for s, tcp in held}
+    assert got == {"udp": "REFUSED", "tcp": "REFUSED"}, f"sockets held across the switch: {got}"
+    assert reaped.search(d.log()).group(1) == "1", "the reaper aborted more than the canary"
+    for s, _ in held:
+        s.close()
 
 
 # --- matching -------------------------------------------------------------------------------
