@@ -632,35 +632,47 @@ class Netns:
 
     def dns_query(self, name: str, qtype: str = "A", server: str = DNS_V4, port: int = 53, tcp: bool = False,
                   timeout: float = 2.0) -> DnsReply:
-        """One DNS query from inside the namespace (RD set); see DnsReply."""
-        qid = random.randrange(0, 0x10000)
-        query = dns_build_query(name, qtype, qid)
+        """One DNS query from inside the namespace (RD set), on a socket of its own; see DnsReply."""
         t0 = time.monotonic()
-        deadline = t0 + timeout
         s = self.socket(family_of(server), socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM)
         with s:
             try:
                 s.settimeout(timeout)
                 s.connect((server, port))
-                if tcp:
-                    s.sendall(struct.pack("!H", len(query)) + query)
-                    n = struct.unpack("!H", _recv_n(s, 2, deadline))[0]
-                    msg = _recv_n(s, n, deadline)
-                else:
-                    s.send(query)
-                    while True:
-                        s.settimeout(max(deadline - time.monotonic(), 0.001))
-                        msg = s.recv(65536)
-                        if len(msg) >= 2 and struct.unpack_from("!H", msg)[0] == qid:
-                            break
             except OSError as e:
                 return DnsReply(_classify(e, t0))
-            except EOFError:
-                return DnsReply(Outcome("reset", "EOF", time.monotonic() - t0))
-        rid, rcode, records = dns_parse_reply(msg)
-        if rid != qid:
-            raise LabError(f"DNS reply id {rid} for query id {qid}")
-        return DnsReply(Outcome("ok", "", time.monotonic() - t0), rcode, records)
+            return dns_exchange(s, name, qtype, tcp=tcp, timeout=timeout - (time.monotonic() - t0))
+
+
+def dns_exchange(s: socket.socket, name: str, qtype: str = "A", *, tcp: bool = False,
+                 timeout: float = 2.0) -> DnsReply:
+    """One DNS query (RD set) on `s`, a socket already connected to a DNS server (TCP: with
+    the length prefix), and its reply; see DnsReply. A socket may carry many queries."""
+    qid = random.randrange(0, 0x10000)
+    query = dns_build_query(name, qtype, qid)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    try:
+        if tcp:
+            s.settimeout(max(timeout, 0.001))
+            s.sendall(struct.pack("!H", len(query)) + query)
+            n = struct.unpack("!H", _recv_n(s, 2, deadline))[0]
+            msg = _recv_n(s, n, deadline)
+        else:
+            s.send(query)
+            while True:
+                s.settimeout(max(deadline - time.monotonic(), 0.001))
+                msg = s.recv(65536)
+                if len(msg) >= 2 and struct.unpack_from("!H", msg)[0] == qid:
+                    break
+    except OSError as e:
+        return DnsReply(_classify(e, t0))
+    except EOFError:
+        return DnsReply(Outcome("reset", "EOF", time.monotonic() - t0))
+    rid, rcode, records = dns_parse_reply(msg)
+    if rid != qid:
+        raise LabError(f"DNS reply id {rid} for query id {qid}")
+    return DnsReply(Outcome("ok", "", time.monotonic() - t0), rcode, records)
 
 
 def _recv_n(s: socket.socket, n: int, deadline: float) -> bytes:

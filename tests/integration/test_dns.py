@@ -199,28 +199,13 @@ def test_a_lookup_in_flight_at_a_switch_is_answered_not_aborted(lab, egressd):
     d = egressd(policy(), phase="environment")
     t = tok()
 
-    def ask(sock, name, tcp):
-        qid = random.randrange(0x10000)
-        q = labmod.dns_build_query(name, "A", qid)
-        deadline = time.monotonic() + 2.0
-        try:
-            if tcp:
-                sock.sendall(struct.pack("!H", len(q)) + q)
-                msg = labmod._recv_n(sock, struct.unpack("!H", labmod._recv_n(sock, 2, deadline))[0], deadline)
-            else:
-                sock.send(q)
-                msg = sock.recv(65536)
-        except (OSError, EOFError) as e:
-            return f"{type(e).__name__}: {e}"
-        rid, rcode, _ = labmod.dns_parse_reply(msg)
-        return rcode if rid == qid else f"reply id {rid} for query id {qid}"
-
     held = []
     for tcp in (False, True):
         s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM)
         s.settimeout(2.0)
         s.connect((DNS_V4, 53))
-        assert ask(s, f"{t}.wild.example.org", tcp) == "NOERROR", "public forwards"
+        r = labmod.dns_exchange(s, f"{t}.wild.example.org", tcp=tcp)
+        assert (r.outcome, r.rcode) == ("ok", "NOERROR"), f"public forwards: {r.outcome!r} {r.rcode}"
         held.append((s, tcp))
     # A flow no-network cuts: its abort is what shows the reaper has run.
     canary = lab.tcp_flow(labmod.SERVERS_V4[0])
@@ -230,7 +215,10 @@ def test_a_lookup_in_flight_at_a_switch_is_answered_not_aborted(lab, egressd):
     reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
     labmod.wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary flow")
     assert canary.exchange() == "reset"
-    got = {("tcp" if tcp else "udp"): ask(s, f"{t}.wild.example.org", tcp) for s, tcp in held}
+    got = {}
+    for s, tcp in held:
+        r = labmod.dns_exchange(s, f"{t}.wild.example.org", tcp=tcp)
+        got["tcp" if tcp else "udp"] = f"{r.outcome!r} {r.rcode}" if r.outcome != "ok" else r.rcode
     assert got == {"udp": "REFUSED", "tcp": "REFUSED"}, f"sockets held across the switch: {got}"
     assert reaped.search(d.log()).group(1) == "1", "the reaper aborted more than the canary"
     for s, _ in held:
