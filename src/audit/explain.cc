@@ -123,7 +123,8 @@ const Entry* best_ip_entry(const Phase& phase, const IpPrefix& addr) {
   return best;
 }
 
-void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, const LearnedView& learned) {
+void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, const LearnedView& learned,
+                     PrivateAnswers private_answers) {
   const std::string a = addr.to_string();
   if (phase.entries.empty()) {
     x.reason = "phase " + phase.name + " is an allowlist with no entries: all egress is denied";
@@ -139,16 +140,16 @@ void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, c
     return;
   }
   const dns::NameMatcher matcher(phase.entries);
-  const bool guarded = dns::is_rebinding_target(addr);
-  std::vector<std::string> guarded_names;
+  // The learn guard that keeps `addr` out for `name` under this phase, if any.
+  auto guard_for_name = [&](const std::string& name) -> std::optional<dns::LearnGuard> {
+    const Entry* e = matcher.match(name);
+    if (e == nullptr) return std::nullopt;
+    return dns::guard_for(addr, e->kind == EntryKind::hostname, private_answers);
+  };
   for (const auto& [name, addrs] : learned) {
     if (std::find(addrs.begin(), addrs.end(), addr) == addrs.end()) continue;
     const Entry* e = matcher.match(name);
-    if (e == nullptr) continue;
-    if (guarded) {
-      guarded_names.push_back(name);
-      continue;
-    }
+    if (e == nullptr || guard_for_name(name)) continue;
     // std::map order: the first allowed name alphabetically, so the answer is stable.
     x.allowed = true;
     x.entry = e->text;
@@ -158,11 +159,28 @@ void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, c
     return;
   }
   const std::string none = a + " is in no IP or CIDR entry of phase " + phase.name;
-  if (!guarded_names.empty()) {
-    x.reason = none + "; " + join(guarded_names, ", ") +
-               " resolved to it, but DNS answers in loopback, link-local or metadata ranges are never learned "
-               "(rebinding guard)";
-    x.hint = "add " + a + " as an IP entry if the sandbox really needs it";
+  // Names the phase allows that resolved to it, but whose answer a learn
+  // guard kept out (never learned, whatever the answer's age).
+  std::vector<std::string> guarded_names;
+  std::optional<dns::LearnGuard> guard;
+  for (const auto& n : x.names) {
+    if (auto g = guard_for_name(n)) {
+      guarded_names.push_back(n);
+      guard = g;
+    }
+  }
+  if (guard) {
+    x.guard = guard->to_string();
+    if (guard->private_range) {
+      x.reason = none + "; " + join(guarded_names, ", ") + " resolved to it, but " + guard->to_string() +
+                 " is a private range, and addresses there are learned only for names an exact hostname entry "
+                 "allows, not a wildcard (rebinding guard; dns.private_answers: allow learns them)";
+      x.hint = "add " + guarded_names.front() + " as an exact hostname entry, or " + a + " as an IP entry";
+    } else {
+      x.reason = none + "; " + join(guarded_names, ", ") + " resolved to it, but DNS answers in " +
+                 guard->to_string() + " are never learned (rebinding guard)";
+      x.hint = "add " + a + " as an IP entry if the sandbox really needs it";
+    }
     return;
   }
   // Names that resolved to it earlier and are allowed now: the answer expired
@@ -290,7 +308,8 @@ std::string suggest_entries(const std::vector<std::string>& names_in) {
   return out;
 }
 
-Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for) {
+Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for,
+                    PrivateAnswers private_answers) {
   Explanation x;
   x.target = target.text();
   x.phase = phase.name;
@@ -319,7 +338,7 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
     if (!target.is_address) x.reason += " and every DNS query is refused";
     x.hint = "switch to a phase that allows it (egressctl apply PHASE; check one first with explain --phase PHASE)";
   } else if (target.is_address) {
-    explain_address(x, phase, target.addr, learned);
+    explain_address(x, phase, target.addr, learned, private_answers);
   } else {
     explain_hostname(x, phase, target.hostname, learned);
   }
@@ -337,7 +356,8 @@ nlohmann::json Explanation::to_json() const {
           {"entry", opt(entry)},
           {"learned_name", opt(learned_name)},
           {"names", names},
-          {"hint", opt(hint)}};
+          {"hint", opt(hint)},
+          {"guard", opt(guard)}};
 }
 
 }  // namespace egressd::audit

@@ -133,14 +133,36 @@ int cmd_run(const RunArgs& a) {
               policy->enforce.log_group);
     policy->enforce.log_group = 0;
   }
-  const std::vector<std::string> upstream = dns::expand_upstreams(policy->dns, read_resolv_conf());
+  const std::string resolv_conf = read_resolv_conf();
+  const std::vector<std::string> upstream = dns::expand_upstreams(policy->dns, resolv_conf);
 
   SandboxOptions opts;
-  opts.compile = compile_options(upstream, a.dns_port);
+  opts.state_file = a.state_file.empty() ? a.socket + ".state" : a.state_file;
+  // Docker's forwarder targets (the relay targets of the DNS proxy): from
+  // resolv.conf's "# ExtServers:" comment (Docker >= 25), else as pinned by
+  // an earlier start in this namespace, else the proxy's probe pins them.
+  // Kept next to the state file: a place the sandbox cannot write.
+  opts.forwarder_file = opts.state_file.size() > 6 && opts.state_file.ends_with(".state")
+                            ? opts.state_file.substr(0, opts.state_file.size() - 6) + ".forwarder"
+                            : opts.state_file + ".forwarder";
+  opts.netns_id = netns_identity();
+  opts.upstreams = upstream;
+  dns::ForwarderOptions forwarder;
+  forwarder.probe = true;
+  if (const dns::ExtServers ext = dns::ext_servers_from_resolv_conf(resolv_conf); ext.present) {
+    forwarder.targets = ext.targets;
+    forwarder.source = "resolv.conf";
+    forwarder.probe = false;  // Docker said where it forwards: nothing to guess
+  } else if (auto kept = load_forwarder_targets(opts.forwarder_file, opts.netns_id, upstream); !kept.empty()) {
+    forwarder.targets = std::move(kept);
+    forwarder.source = "state";
+  }
+  std::vector<std::string> exempt = upstream;
+  exempt.insert(exempt.end(), forwarder.targets.begin(), forwarder.targets.end());
+  opts.compile = compile_options(exempt, a.dns_port);
   // A fresh table gets a mark nobody can predict (see kOwnTrafficMark).
   opts.new_own_mark = random_mark;
   opts.policy = *policy;
-  opts.state_file = a.state_file.empty() ? a.socket + ".state" : a.state_file;
   opts.netns = a.netns_pid != 0 ? "/proc/" + std::to_string(a.netns_pid) + "/ns/net" : a.netns_path;
   opts.socket = a.socket;
   boost::asio::io_context io;
@@ -193,21 +215,38 @@ int cmd_run(const RunArgs& a) {
   sandbox.set_large_batch_runner(
       [g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
 
-  if (auto s = sandbox.start(initial); !s) return report(s.error());
-  (*guard)->start();
-  // The proxy needs the own-traffic mark, fixed by start (drawn, or adopted
-  // from the table). Until it listens, redirected queries fail fast (port
-  // unreachable): nothing leaves.
+  // The proxy binds before the table is built (issue 14, class 10): if its
+  // port was taken while egressd was down, it listens elsewhere and the
+  // redirect is built (or restaged: the port is part of the staged digest)
+  // to point there. It also binds the upstreams local to the namespace
+  // before anything is served. It serves once the own-traffic mark is fixed
+  // by start (drawn, or adopted from the table); until then queries queue.
   std::unique_ptr<dns::Proxy> proxy;
   if (a.dns_port != 0) {
     if (upstream.empty()) log->warn("no upstream DNS server (dns.upstream); allowed names will get SERVFAIL");
     dns::ProxyOptions popts;
     popts.port = static_cast<std::uint16_t>(a.dns_port);
+    popts.fallback_port = true;
     popts.upstream = upstream;
-    popts.own_mark = sandbox.own_mark();
-    auto p = dns::Proxy::start(io, popts, sandbox);
+    popts.max_ttl = policy->dns.max_ttl_s;
+    popts.forwarder = forwarder;
+    auto p = dns::Proxy::bind(io, popts, sandbox);
     if (!p) return report(p.error());
     proxy = std::move(*p);
+    if (proxy->port_fell_back()) {
+      log->warn("port {} in the sandbox was taken by another process while egressd was down; the DNS proxy "
+                "listens on port {} and the redirect points there. Under Docker any process may bind port 53 "
+                "(net.ipv4.ip_unprivileged_port_start=0): start the task container with "
+                "--sysctl net.ipv4.ip_unprivileged_port_start=1024",
+                a.dns_port, proxy->port());
+      sandbox.set_dns_port(proxy->port());
+    }
+  }
+
+  if (auto s = sandbox.start(initial); !s) return report(s.error());
+  (*guard)->start();
+  if (proxy) {
+    proxy->serve(sandbox.own_mark());
     sandbox.attach_proxy(proxy.get());
     sandbox.preresolve_active();
   }
@@ -248,7 +287,7 @@ int cmd_run(const RunArgs& a) {
                {"mode", to_string(sandbox.state().mode)},
                {"generation", sandbox.state().generation},
                {"socket", a.socket},
-               {"dns_port", a.dns_port},
+               {"dns_port", proxy ? proxy->port() : a.dns_port},
                {"upstream", upstream},
                {"capabilities", caps.to_json()},
                {"verify_interval_s", a.verify_interval_s},
@@ -256,7 +295,7 @@ int cmd_run(const RunArgs& a) {
               spdlog::level::info,
               fmt::format("ready phase={} mode={} gen={} socket={} dns_port={} upstream={} startup_us={}",
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
-                          a.socket, a.dns_port, ups.empty() ? "-" : ups, startup_us));
+                          a.socket, proxy ? proxy->port() : a.dns_port, ups.empty() ? "-" : ups, startup_us));
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);

@@ -1,6 +1,7 @@
 #include "daemon/sandbox.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -43,6 +44,33 @@ Status write_atomically(const std::string& path, const std::string& text) {
 }
 
 }  // namespace
+
+std::string netns_identity() {
+  struct stat st {};
+  if (::stat("/proc/thread-self/ns/net", &st) != 0) return "";
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+}
+
+std::vector<std::string> load_forwarder_targets(const std::string& path, const std::string& netns_id,
+                                                const std::vector<std::string>& upstreams) {
+  if (path.empty() || netns_id.empty()) return {};
+  std::ifstream in(path);
+  if (!in) return {};
+  try {
+    const json j = json::parse(in);
+    if (j.at("netns").get<std::string>() != netns_id) return {};
+    if (j.at("upstreams").get<std::vector<std::string>>() != upstreams) return {};
+    std::vector<std::string> out;
+    for (const auto& t : j.at("targets")) {
+      const auto ip = parse_ip(t.get<std::string>());
+      if (ip) out.push_back(ip->to_string());
+    }
+    return out;
+  } catch (const std::exception& e) {
+    log()->warn("forwarder file {} unreadable: {}", path, e.what());
+    return {};
+  }
+}
 
 std::string read_resolv_conf() {
   std::ifstream in("/etc/resolv.conf");
@@ -374,9 +402,9 @@ void Sandbox::run_next_apply() {
         log()->warn("pre-resolution name={} failed: {}", name, r ? "no addresses" : r.error().message);
       } else {
         for (const auto& l : *r) {
-          if (dns::is_rebinding_target(l.addr)) {
-            audit_event("rebinding_guard", {{"name", name}, {"address", l.addr.to_string()}, {"learned", false}},
-                        spdlog::level::warn);
+          // Pre-resolution asks for exact hostnames only.
+          if (auto g = dns::guard_for(l.addr, true, opts_.policy.dns.private_answers)) {
+            guarded(name, l.addr, *g, true);
             continue;
           }
           remember(name, l.addr, learn_timeout_ms(l.ttl));
@@ -417,9 +445,23 @@ std::string Sandbox::active_chain() const {
 }
 
 std::uint64_t Sandbox::learn_timeout_ms(std::uint32_t ttl) const {
-  const std::uint64_t s = std::max<std::uint64_t>(ttl, opts_.policy.dns.min_ttl_s) +
+  // dns.max_ttl caps what an answer asks for (up to 2^31-1 s, and whoever
+  // runs an allowed wildcard's zone chooses it); min_ttl <= max_ttl.
+  const std::uint64_t capped = std::min<std::uint64_t>(ttl, opts_.policy.dns.max_ttl_s);
+  const std::uint64_t s = std::max<std::uint64_t>(capped, opts_.policy.dns.min_ttl_s) +
                           static_cast<std::uint64_t>(opts_.learn_grace.count());
   return s * 1000;
+}
+
+void Sandbox::guarded(const std::string& name, const IpPrefix& addr, const dns::LearnGuard& g, bool exact) {
+  audit_event("rebinding_guard",
+              {{"name", name},
+               {"address", addr.to_string()},
+               {"learned", false},
+               {"guard", g.to_string()},
+               {"match", exact ? "exact" : "wildcard"},
+               {"private", g.private_range}},
+              spdlog::level::warn);
 }
 
 void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms) {
@@ -464,12 +506,14 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
   nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
   for (const auto& [name, addrs] : learned_) {
-    if (!m.matches(name)) continue;
+    const Entry* e = m.match(name);
+    if (e == nullptr) continue;
+    const bool exact = e->kind == EntryKind::hostname;
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;
       // public remembers every answer (attribution, hosts --suggest), the
       // rebinding guard's addresses included; they never enter a learned set.
-      if (dns::is_rebinding_target(a.addr)) continue;
+      if (dns::guard_for(a.addr, exact, opts_.policy.dns.private_answers)) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(a.expires - now).count();
       nft::SetElem e{a.addr, a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000))};
       (a.addr.family == 4 ? v4 : v6).elems.push_back(e);
@@ -489,6 +533,38 @@ dns::Action Sandbox::decide(const std::string& qname) {
   if (!state_.is_inline && opts_.policy.find(state_.phase) == nullptr && !inline_) return dns::Action::refuse;
   if (active_facts_->matcher->matches(qname)) return dns::Action::forward;
   return opts_.policy.dns.deny_answer == DenyAnswer::nxdomain ? dns::Action::nxdomain : dns::Action::refuse;
+}
+
+void Sandbox::relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                            std::function<void(Status)> done) {
+  std::vector<IpPrefix> added;
+  for (const auto& t : targets) {
+    if (std::find(opts_.compile.upstreams.begin(), opts_.compile.upstreams.end(), t) == opts_.compile.upstreams.end()) {
+      added.push_back(t);
+    }
+  }
+  Status st;
+  if (!added.empty()) {
+    // egressd's own marked traffic may go to the configured upstreams'
+    // port 53 and to these targets, nowhere else. The table is put back
+    // whole with the longer list, like a tamper repair: one batch, same
+    // phase, generation and mark, learned addresses carried.
+    const auto before = opts_.compile.upstreams;
+    opts_.compile.upstreams.insert(opts_.compile.upstreams.end(), added.begin(), added.end());
+    st = restore_table();
+    if (!st) opts_.compile.upstreams = before;
+  }
+  std::vector<std::string> text;
+  for (const auto& t : targets) text.push_back(t.to_string());
+  if (st && source != "state" && !opts_.forwarder_file.empty()) {
+    const json j{{"netns", opts_.netns_id}, {"upstreams", opts_.upstreams}, {"targets", text}, {"source", source}};
+    if (auto w = write_atomically(opts_.forwarder_file, j.dump() + "\n"); !w) {
+      log()->warn("forwarder target not kept for the next start: {}", w.error().message);
+    }
+  }
+  audit_event("forwarder_pinned", {{"targets", text}, {"source", source}, {"ok", st.ok()}},
+              st ? spdlog::level::info : spdlog::level::err);
+  done(st);
 }
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
@@ -529,10 +605,11 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
   const auto [s4, s6] = nft::learned_sets(active_chain());
   for (const auto& l : addrs) {
     // The phase may have changed since the query was decided.
-    if (!active_facts_->matcher->matches(l.qname)) continue;
-    if (dns::is_rebinding_target(l.addr)) {
-      audit_event("rebinding_guard", {{"name", l.qname}, {"address", l.addr.to_string()}, {"learned", false}},
-                  spdlog::level::warn);
+    const Entry* e = active_facts_->matcher->match(l.qname);
+    if (e == nullptr) continue;
+    const bool exact = e->kind == EntryKind::hostname;
+    if (auto g = dns::guard_for(l.addr, exact, opts_.policy.dns.private_answers)) {
+      guarded(l.qname, l.addr, *g, exact);
       continue;
     }
     const std::uint64_t ms = learn_timeout_ms(l.ttl);
@@ -644,7 +721,8 @@ json Sandbox::status() {
          {"socket", opts_.socket}};
   if (proxy_ != nullptr) {
     const auto c = proxy_->counters();
-    j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed}, {"malformed", c.malformed}};
+    j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed},
+                {"malformed", c.malformed}, {"relayed", c.relayed}};
     j["dns"]["inflight"] = c.inflight;
   } else {
     j["dns"] = nullptr;

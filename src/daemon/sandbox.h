@@ -67,6 +67,11 @@ struct PhaseFacts {
 struct SandboxOptions {
   Policy policy;
   std::string state_file;  // inline policy kept here for adoption ("" = none)
+  // The relay targets of Docker's forwarder are kept here across restarts
+  // ("" = not kept): JSON {"netns", "upstreams", "targets", "source"}.
+  std::string forwarder_file;
+  std::string netns_id;                 // this namespace, as netns_identity() gives it
+  std::vector<std::string> upstreams;   // dns.upstream expanded (kept with the targets)
   std::string netns;       // for status only
   std::string socket;      // for status only
   nft::CompileOptions compile;
@@ -95,9 +100,22 @@ struct SandboxOptions {
   std::function<void(std::chrono::milliseconds delay, std::function<void()> fn)> run_after;
 };
 
+// "<device>:<inode>" of the current network namespace, "" if unknown: a
+// kept forwarder target is only used in the namespace it was pinned in.
+std::string netns_identity();
+
+// The relay targets kept in `path` for this namespace and these upstreams;
+// empty when the file is missing, unreadable or for another namespace.
+std::vector<std::string> load_forwarder_targets(const std::string& path, const std::string& netns_id,
+                                                const std::vector<std::string>& upstreams);
+
 class Sandbox : public dns::PolicyHooks {
  public:
   Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps);
+
+  // The port the DNS redirect points at. Before start() only: the proxy
+  // binds first and may have had to take another port than configured.
+  void set_dns_port(std::uint16_t port) { opts_.compile.dns_port = port; }
 
   // The DNS proxy this sandbox pre-resolves through and reports counters of.
   // Not owned; nullptr = none (hostnames are then only learned from queries).
@@ -164,6 +182,10 @@ class Sandbox : public dns::PolicyHooks {
   dns::Action decide(const std::string& qname) override;
   void learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) override;
   void refused(const std::string& qname, std::uint16_t qtype) override;
+  // Exempts egressd's own traffic to `targets` (port 53) and keeps them in
+  // the forwarder file unless they came from it.
+  void relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                     std::function<void(Status)> done) override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -199,6 +221,9 @@ class Sandbox : public dns::PolicyHooks {
   // `target` allows, with its remaining lifetime.
   std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain) const;
   std::uint64_t learn_timeout_ms(std::uint32_t ttl) const;
+  // Logs the rebinding_guard audit event: `addr` for `name` not learned
+  // because of `g` (the name matched an exact entry, or only a wildcard).
+  void guarded(const std::string& name, const IpPrefix& addr, const dns::LearnGuard& g, bool exact);
   void remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms);
   std::string active_chain() const;
   Status install(const Phase& phase, std::uint64_t generation, bool replace_existing);

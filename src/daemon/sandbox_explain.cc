@@ -64,7 +64,7 @@ nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
     }
     return names;
   };
-  return control::ok_reply(audit::explain(*phase, *target, live, names_for).to_json());
+  return control::ok_reply(audit::explain(*phase, *target, live, names_for, opts_.policy.dns.private_answers).to_json());
 }
 
 }  // namespace egressd::daemon

@@ -209,7 +209,7 @@ def udp():
             labels, q, qtype = question(msg)
         except Exception:
             continue
-        mode = labels[0].split("-")[0]
+        mode = labels[0].split("-")[0].lower()  # egressd sends names in random case (0x20)
         qid = struct.unpack_from("!H", msg)[0]
         if mode == "ok":
             s.sendto(answer(msg, addr="198.51.100.10"), peer)

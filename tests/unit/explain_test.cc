@@ -288,7 +288,8 @@ TEST_CASE("the JSON shape") {
   CHECK(j["names"] == nlohmann::json::array({"foo.cdn.example"}));
   CHECK(j["hint"].is_null());
   CHECK(j["reason"].is_string());
-  CHECK(j.size() == 9);
+  CHECK(j["guard"].is_null());
+  CHECK(j.size() == 10);
 
   j = ask(ph, "files.pythonhosted.org").to_json();
   CHECK(j["allowed"] == false);

@@ -273,7 +273,9 @@ class FakeProxy : public dns::Proxy {
  public:
   std::map<std::string, std::vector<std::string>> answers;  // name -> addresses (ttl 5)
   std::vector<std::string> asked;
+  void serve(std::uint32_t) override {}
   std::uint16_t port() const override { return 53; }
+  bool port_fell_back() const override { return false; }
   dns::ProxyCounters counters() const override { return {7, 3, 1, 0}; }
   void resolve(const std::string& name, std::function<void(Result<std::vector<dns::Learned>>)> done) override {
     asked.push_back(name);
