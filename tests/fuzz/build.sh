@@ -22,14 +22,14 @@ daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/co
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"
   [policy_fuzz]="$policy_srcs src/policy/policy_file.cc $nft_srcs"
-  [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc"
+  [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc src/dns/upstream.cc src/dns/proxy.cc"
   [control_request_fuzz]="$daemon_srcs"
   [control_server_fuzz]="$daemon_srcs src/control/server.cc"
 )
 declare -A libs=(
   [entry_fuzz]=""
   [policy_fuzz]="yaml-cpp"
-  [dns_message_fuzz]=""
+  [dns_message_fuzz]="spdlog fmt"
   [control_request_fuzz]="spdlog fmt"
   [control_server_fuzz]="spdlog fmt"
 )
