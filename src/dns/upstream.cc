@@ -2,6 +2,7 @@
 
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -131,6 +132,11 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   bool timer_armed = false;
   Clock::time_point timer_at{};
 
+  // Every UDP answer is read here, then handled before the next read: one
+  // buffer for all queries (a 64 KiB buffer per query cost more than the
+  // rest of the exchange, zeroing included).
+  std::vector<std::uint8_t> rbuf = std::vector<std::uint8_t>(kUdpReceive);
+
   // 4 KiB of kernel randomness at a time: 128 queries' IDs and case bits
   // per getrandom call.
   std::array<std::uint8_t, 4096> rnd{};
@@ -184,15 +190,14 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
 
 // One query from send() to done(): its tries, one at a time.
 struct Exchange : std::enable_shared_from_this<Exchange> {
-  Exchange(std::shared_ptr<Upstream::Impl> i, AnswerCallback d)
-      : impl(std::move(i)), done(std::move(d)), skip(impl->servers.size(), false) {}
+  Exchange(std::shared_ptr<Upstream::Impl> i, AnswerCallback d) : impl(std::move(i)), done(std::move(d)) {}
 
   std::shared_ptr<Upstream::Impl> impl;
   AnswerCallback done;
   std::vector<std::uint8_t> out;  // 2-byte TCP length prefix, then the query
   std::uint16_t id = 0;
   std::size_t question_len = 0;  // bytes [12, 12 + question_len) must come back
-  std::vector<bool> skip;        // servers that answered SERVFAIL/REFUSED/NOTIMP
+  std::uint64_t skip = 0;        // bit i: servers[i] answered SERVFAIL/REFUSED/NOTIMP (at most 64 servers)
   unsigned next = 0;             // next position in the schedule: round * n + server
   std::size_t server = 0;        // the server of the current try
   bool force_tcp = false;
@@ -254,7 +259,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     while (next < n * kTries) {
       const unsigned pos = next++;
       const std::size_t s = pos % n;
-      if (!impl->usable[s] || skip[s]) continue;
+      if (!impl->usable[s] || (skip >> s & 1) != 0) continue;
       server = s;
       start(static_cast<int>(pos / n), force_tcp);
       return;
@@ -290,37 +295,60 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
                            [self = shared_from_this(), s = serial](const error_code& e) { self->on_tcp_connect(s, e); });
       return;
     }
-    usock.emplace(impl->io);
-    usock->open(addr.is_v4() ? udp::v4() : udp::v6(), ec);
-    if (ec) return fail_now(UpstreamFailure::unreachable, ec, "socket");
-    impl->apply_mark(usock->native_handle());
+    // The socket is made by hand (non-blocking from the start, close-on-exec)
+    // and handed to asio only to wait on it: every syscall saved counts, as
+    // there is one socket per query.
+    const bool v4 = addr.is_v4();
+    const int fd = ::socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return fail_now(UpstreamFailure::unreachable, error_code(errno, boost::system::system_category()), "socket");
+    impl->apply_mark(fd);
     // connect() binds a port the kernel picks at random from the ephemeral
     // range, and makes the kernel deliver datagrams from this server only.
-    usock->connect(udp::endpoint(addr, srv.port), ec);
-    if (ec) return fail_now(UpstreamFailure::unreachable, ec, "connect");
-    usock->send(asio::buffer(query().data(), query().size()), 0, ec);
-    if (ec) return fail_now(UpstreamFailure::unreachable, ec, "send");
+    const udp::endpoint to(addr, srv.port);
+    if (::connect(fd, to.data(), static_cast<socklen_t>(to.size())) != 0 ||
+        ::send(fd, query().data(), query().size(), 0) < 0) {
+      const error_code e(errno, boost::system::system_category());
+      ::close(fd);
+      return fail_now(UpstreamFailure::unreachable, e, "send");
+    }
+    usock.emplace(impl->io);
+    usock->assign(v4 ? udp::v4() : udp::v6(), fd, ec);
+    if (ec) {
+      ::close(fd);
+      usock.reset();
+      return fail_now(UpstreamFailure::unreachable, ec, "watch");
+    }
     impl->link(this, round_no);
-    buf.resize(kUdpReceive);
     receive_udp();
   }
 
+  // Waits for readability, then reads into the shared buffer: no read is
+  // tried before the answer can be there, and no buffer per query.
   void receive_udp() {
-    usock->async_receive(asio::buffer(buf), [self = shared_from_this(), s = serial](const error_code& ec,
-                                                                                    std::size_t n) {
-      self->on_udp(s, ec, n);
+    usock->async_wait(udp::socket::wait_read, [self = shared_from_this(), s = serial](const error_code& ec) {
+      self->on_udp(s, ec);
     });
   }
 
-  void on_udp(unsigned s, const error_code& ec, std::size_t n) {
+  void on_udp(unsigned s, error_code ec) {
     if (s != serial || finished || impl->closed || ec == asio::error::operation_aborted) return;
     const Server& srv = impl->servers[server];
+    std::size_t n = 0;
+    if (!ec) {
+      const ssize_t r = ::recv(usock->native_handle(), impl->rbuf.data(), impl->rbuf.size(), MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return receive_udp();
+        ec = error_code(errno, boost::system::system_category());
+      } else {
+        n = static_cast<std::size_t>(r);
+      }
+    }
     if (ec) {
       // ECONNREFUSED: an ICMP port unreachable for an earlier datagram.
       note(UpstreamFailure::unreachable, "upstream " + srv.to_string() + ": " + ec.message());
       return next_try();
     }
-    const Bytes msg(buf.data(), n);
+    const Bytes msg(impl->rbuf.data(), n);
     auto h = read_header(msg);
     if (!h || !h->qr() || h->id != id) {
       // Not an answer to this query: ignored, as c-ares did. Only the
@@ -400,7 +428,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     const Rcode rc = h.rcode();
     if (rc == Rcode::servfail || rc == Rcode::refused || rc == Rcode::notimp) {
       // This server will not answer this query: the next one may.
-      skip[server] = true;
+      skip |= std::uint64_t{1} << server;
       note(UpstreamFailure::rcode, "upstream " + srv.to_string() + " answered " + to_string(rc));
       return next_try();
     }
@@ -494,6 +522,7 @@ void Upstream::Impl::close() {
 
 Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const UpstreamOptions& opts) {
   if (opts.servers.empty()) return Error::invalid("upstream: no name servers configured");
+  if (opts.servers.size() > 64) return Error::invalid("upstream: more than 64 name servers");
   auto impl = std::make_shared<Impl>(io);
   for (const std::string& s : opts.servers) {
     auto server = parse_server(s);
