@@ -531,7 +531,7 @@ def settle_dns(d, timeout: float = 15.0):
 
 def test_dns_flood_keeps_control_responsive_and_memory_bounded(lab, egressd):
     # AAAA for the wildcard names too: without it dnsmasq (no upstream) answers REFUSED,
-    # which c-ares turns into SERVFAIL, and real failures would hide among those.
+    # which egressd turns into SERVFAIL, and real failures would hide among those.
     lab.dns.restart(wildcards={"wild.example.org": ["203.0.113.10", "2001:db8:2::10"]})
     d = egressd(POLICY)
     # Warm up with the same mix, so allocator pools and the learned set exist at baseline.
