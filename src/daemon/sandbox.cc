@@ -193,7 +193,7 @@ Status Sandbox::start(const std::string& initial_phase) {
   const Phase* initial = opts_.policy.find(initial_phase);
   if (initial == nullptr) return Error::invalid("unknown phase \"" + initial_phase + "\"");
 
-  auto existing = kernel_->read_table(nft::kTableName);
+  auto existing = kernel_->read_table(nft::kTableName, nft::Family::inet);
   if (!existing) return existing.error().wrap("cannot read table inet egressd");
   const std::uint32_t kept_mark = existing->has_value() ? nft::mark_from_table_comment((*existing)->comment) : 0;
   if (kept_mark != 0) {
@@ -618,7 +618,7 @@ json Sandbox::status() {
   // every packet the policy decides; what `deny` did not take was allowed
   // (the chains are dumped one after the other, hence the clamp).
   std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
-  if (auto info = kernel_->read_table(nft::kTableName); info && info->has_value()) {
+  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
         dp += r.packets;

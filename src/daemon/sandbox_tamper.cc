@@ -24,7 +24,7 @@ Status Sandbox::restore_table() {
 }
 
 Result<std::vector<std::string>> Sandbox::verify_table() {
-  auto read = kernel_->read_table(nft::kTableName);
+  auto read = kernel_->read_table(nft::kTableName, nft::Family::inet);
   if (!read) return read.error();
   std::vector<std::string> diffs;
   if (!read->has_value()) {

@@ -67,7 +67,9 @@ class FakeKernel : public nft::Kernel {
     return {};
   }
 
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&) override { return table; }
+  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override {
+    return f == nft::Family::inet ? table : std::nullopt;
+  }
 };
 
 }  // namespace egressd::fuzz

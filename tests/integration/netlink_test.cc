@@ -254,22 +254,34 @@ Status apply_table(Kernel& k, const Table& t) {
   return k.apply(ch);
 }
 
-// Applies `table` over netlink in one namespace and `nft -f` of its render in
-// another; both listings must be identical, and so must the kernel objects
-// behind them (expressions, rule handles, every set element).
-void check_equivalent(const Table& table) {
+// Applies `tables` over netlink in one namespace, in one batch, and `nft -f`
+// of their render in another; both listings must be identical, and so must
+// the kernel objects behind them (expressions, rule handles, every set
+// element).
+void check_equivalent(const std::vector<Table>& tables) {
   TestNetns via_netlink, via_nft;
   auto k = via_netlink.kernel();
-  const Status st = apply_table(*k, table);
+  Change ch;
+  ch.table = tables.front().name;
+  std::string text;
+  for (const Table& t : tables) {
+    ch.ops.push_back(OpAddTable{t});
+    text += render_table(t);
+  }
+  const Status st = k->apply(ch);
   REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
-  via_nft.nft_load(render_table(table));
+  via_nft.nft_load(text);
   const std::string got = via_netlink.listing();
   CHECK(got == via_nft.listing());
-  CHECK(got.find("table inet " + table.name) != std::string::npos);
+  for (const Table& t : tables) {
+    CHECK(got.find("table " + std::string(to_string(t.family)) + " " + t.name) != std::string::npos);
+  }
   const std::string got_debug = via_netlink.debug_listing();
   CHECK(got_debug == via_nft.debug_listing());
   CHECK(got_debug.find("[ lookup reg 1 set ") != std::string::npos);
 }
+
+void check_equivalent(const Table& table) { check_equivalent(std::vector<Table>{table}); }
 
 std::string ipv4(std::uint32_t v) {
   return std::to_string(v >> 24) + "." + std::to_string((v >> 16) & 255) + "." + std::to_string((v >> 8) & 255) + "." +
@@ -348,6 +360,63 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
     t.chains.push_back({"nat", BaseChain{HookType::nat, -100, false},
                         {{{MatchDport{6, 53}, StmtRedirect{5353}}, ""}, {{MatchDport{17, 53}, StmtRedirect{53}}, ""}}});
     check_equivalent(t);
+  }
+  SUBCASE("every statement of issue 14's ruleset, hand-built, with a netdev table in the same batch") {
+    auto pfx = [](const char* a, int len) {
+      IpPrefix p = *parse_ip(a);
+      p.prefix_len = static_cast<std::uint8_t>(len);
+      return p;
+    };
+    Table t;
+    t.name = "egressd";
+    t.sets.push_back({"s4", SetType::ipv4_addr, false, false, {}});
+    t.sets.push_back({"s6", SetType::ipv6_addr, true, false, {}});
+    const StmtVerdict accept{VerdictKind::accept, ""};
+    Chain out{"output", BaseChain{HookType::filter, 0, true}, {}};
+    out.rules = {
+        {{MatchMetaMark{0x11223344}, MatchCtDirectionOriginal{}, MatchDaddrSet{"s4", SetType::ipv4_addr},
+          MatchDport{17, 53}, StmtVerdict{VerdictKind::goto_, "sub"}},
+         ""},
+        {{MatchDaddrSet{"s4", SetType::ipv4_addr}, StmtCtMarkSet{0x7ffffffe}, StmtMetaMarkSet{0}, accept}, ""},
+        {{MatchOifLoopback{}, MatchFibAddrType{false, AddrType::local}, accept}, ""},
+        {{MatchDaddr{pfx("127.0.0.0", 8)}, MatchCtStatus{CtStatusBit::dnat}, MatchFibAddrType{false, AddrType::local},
+          accept},
+         ""},
+        {{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true}, accept}, ""},
+        {{MatchSaddr{*parse_ip("::")}, MatchLinkIcmpv6{135, 255}, MatchDaddr{pfx("ff02::", 16)}, accept}, ""},
+        {{MatchFibAddrType{false, AddrType::local, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchLinkIcmpv6{136, 255}, MatchDaddr{pfx("fe80::", 10)}, accept}, ""},
+        {{MatchLinkIcmpv6{135, 255}, MatchDaddrSet{"s6", SetType::ipv6_addr}, accept}, ""},
+        {{MatchDaddr{pfx("100.64.0.0", 10)}, accept}, ""},
+        {{MatchSaddr{pfx("192.0.2.0", 25)}, accept}, ""},
+        {{MatchIpv6RoutingHeader{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchIpv4SourceRoute{false}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchIpv4SourceRoute{true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchFibAddrType{true, AddrType::broadcast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchFibAddrType{true, AddrType::multicast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{StmtMetaMarkSet{0xdeadbeef}, StmtMetaPrioritySet{0x12345678}, accept}, ""},
+    };
+    t.chains.push_back(out);
+    t.chains.push_back({"sub", std::nullopt, {{{StmtCounter{}}, ""}}});
+    t.chains.push_back(
+        {"input", BaseChain{HookType::filter, 0, false, Hook::input},
+         {{{MatchMetaMark{0xdeadbeef}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""},
+          {{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+          {{MatchSocketMark{0x11223344}, MatchCtDirectionOriginal{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+          {{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""}}});
+    Table nd;
+    nd.name = "egressd";
+    nd.family = Family::netdev;
+    nd.comment = "egressd v1";
+    nd.chains.push_back({"egress_check", std::nullopt,
+                         {{{MatchMetaProtocolArp{}, accept}, ""},
+                          {{MatchMetaMark{0xdeadbeef}, MatchMetaPriority{0x12345678}, StmtMetaMarkSet{0},
+                            StmtMetaPrioritySet{0}, accept},
+                           ""},
+                          {{StmtCounter{}}, ""}}});
+    nd.chains.push_back({"eg_lo", BaseChain{HookType::filter, 0, true, Hook::egress, "lo"},
+                         {{{StmtVerdict{VerdictKind::jump, "egress_check"}}, ""}}});
+    check_equivalent({t, nd});
   }
   SUBCASE("whole address spaces and ranges at both ends") {
     const Policy p = make_policy({"0.0.0.0/0", "::/0", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "0.0.0.0"});
@@ -580,12 +649,12 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   TestNetns ns;
   auto k = ns.kernel();
 
-  auto missing = k->read_table("egressd");
+  auto missing = k->read_table("egressd", Family::inet);
   REQUIRE(missing.ok());
   CHECK_FALSE(missing->has_value());
 
   REQUIRE(apply_table(*k, t).ok());
-  auto got = k->read_table("egressd");
+  auto got = k->read_table("egressd", Family::inet);
   REQUIRE_MESSAGE(got.ok(), (got.ok() ? "" : got.error().message));
   REQUIRE(got->has_value());
   const TableInfo& info = **got;
@@ -612,6 +681,26 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   const auto active = std::find_if(info.rules.begin(), info.rules.end(), [](const RuleInfo& r) { return r.chain == "active"; });
   REQUIRE(active != info.rules.end());
   CHECK(active->comment == st.to_comment());
+  // A netdev table reads back the same way.
+  Table nd;
+  nd.family = Family::netdev;
+  nd.comment = "egressd v1";
+  nd.chains.push_back({"egress_check", std::nullopt, {{{MatchMetaProtocolArp{}, StmtCounter{}}, ""}}});
+  nd.chains.push_back({"eg_lo", BaseChain{HookType::filter, 0, true, Hook::egress, "lo"},
+                       {{{StmtVerdict{VerdictKind::jump, "egress_check"}}, ""}}});
+  REQUIRE(apply_table(*k, nd).ok());
+  auto ndr = k->read_table("egressd", Family::netdev);
+  REQUIRE_MESSAGE(ndr.ok(), (ndr.ok() ? "" : ndr.error().message));
+  REQUIRE(ndr->has_value());
+  CHECK((*ndr)->comment == "egressd v1");
+  CHECK((*ndr)->chains == std::vector<std::string>{"egress_check", "eg_lo"});
+  CHECK((*ndr)->rules.size() == 2);
+  // And the elements of a set.
+  auto elems = k->read_set_elems("egressd", "ph_agent_a4", SetType::ipv4_addr);
+  REQUIRE_MESSAGE(elems.ok(), (elems.ok() ? "" : elems.error().message));
+  REQUIRE(elems->size() == 1);
+  CHECK(elems->front().from.to_string() == "192.0.2.1");
+  CHECK_FALSE(k->read_set_elems("egressd", "no_such_set", SetType::ipv4_addr).ok());
 
   // Counters: a datagram to an address the phase does not allow, routed via
   // a veth pair whose both ends stay in this namespace, hits the deny chain
@@ -620,7 +709,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   REQUIRE(ns.exec("ip link set egnl0 up").status == 0);
   REQUIRE(ns.exec("ip addr add 192.0.2.100/24 dev egnl0").status == 0);
   (void)ns.exec("bash -c 'echo x > /dev/udp/192.0.2.50/9'");
-  auto after = k->read_table("egressd");
+  auto after = k->read_table("egressd", Family::inet);
   REQUIRE(after.ok());
   std::uint64_t deny_packets = 0;
   for (const auto& r : (*after)->rules) {
@@ -628,7 +717,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   }
   CHECK(deny_packets >= 1);
 
-  CHECK_FALSE(k->read_table("no_such_table")->has_value());
+  CHECK_FALSE(k->read_table("no_such_table", Family::inet)->has_value());
 
   // Reads stay whole while another socket commits element changes without
   // pause (the DNS proxy does this): each read retries until it saw one
@@ -647,7 +736,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   });
   int reads_ok = 0;
   for (int i = 0; i < 100; ++i) {
-    auto r = k->read_table("egressd");
+    auto r = k->read_table("egressd", Family::inet);
     if (r.ok() && r->has_value() && (*r)->rules.size() == nrules && (*r)->chains == chains) {
       ++reads_ok;
     } else {
@@ -681,7 +770,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   });
   int consistent = 0;
   for (int i = 0; i < 100; ++i) {
-    auto r = k->read_table("egressd");
+    auto r = k->read_table("egressd", Family::inet);
     if (!r.ok() || !r->has_value()) {
       CHECK_MESSAGE(false, (r.ok() ? "no table" : r.error().message));
       continue;
@@ -819,7 +908,12 @@ class RacingKernel final : public Kernel {
     }
     return st;
   }
-  Result<std::optional<TableInfo>> read_table(const std::string& name) override { return real_->read_table(name); }
+  Result<std::optional<TableInfo>> read_table(const std::string& name, Family f) override {
+    return real_->read_table(name, f);
+  }
+  Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType t) override {
+    return real_->read_set_elems(table, set, t);
+  }
   std::uint32_t portid() const override { return real_->portid(); }
   Result<std::uint32_t> generation() override { return real_->generation(); }
 
