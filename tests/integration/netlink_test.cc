@@ -49,6 +49,13 @@ egressd::nft::CompileOptions dns_opts(std::uint16_t port) {
 }
 
 
+// For tests of table inet egressd alone: switches leave the netdev table be.
+const egressd::nft::CompileOptions kInetOnly = [] {
+  egressd::nft::CompileOptions o;
+  o.netdev = false;
+  return o;
+}();
+
 struct CmdResult {
   int status = -1;
   std::string out;  // stdout and stderr
@@ -283,6 +290,14 @@ void check_equivalent(const std::vector<Table>& tables) {
 
 void check_equivalent(const Table& table) { check_equivalent(std::vector<Table>{table}); }
 
+// Both of egressd's tables for `state`, the netdev one with an egress chain
+// on `lo` (the one interface every namespace has).
+std::vector<Table> both_tables(const Policy& p, const Phase* inline_phase, const ActiveState& state,
+                               CompileOptions opts) {
+  opts.interfaces = {"lo"};
+  return {build_table(p, inline_phase, state, opts), *build_netdev_table(state, opts)};
+}
+
 std::string ipv4(std::uint32_t v) {
   return std::to_string(v >> 24) + "." + std::to_string((v >> 16) & 255) + "." + std::to_string((v >> 8) & 255) + "." +
          std::to_string(v & 255);
@@ -317,12 +332,27 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
     const Policy p = make_policy(kAgentEntries);
     check_equivalent(build_table(p, nullptr, named_state(p, "agent", 1), {}));
   }
-  SUBCASE("log group, deny=drop, dns_port=5353, no inbound replies") {
+  SUBCASE("log group, deny=drop, dns_port=5353, no inbound replies, both tables in one batch") {
     Policy p = make_policy(kAgentEntries);
     p.enforce.log_group = 100;
     p.enforce.deny = DenyAction::drop;
     p.enforce.inbound_replies = false;
-    check_equivalent(build_table(p, nullptr, named_state(p, "environment", 7), dns_opts(5353)));
+    check_equivalent(both_tables(p, nullptr, named_state(p, "environment", 7), dns_opts(5353)));
+  }
+  SUBCASE("both tables, allowlist in force, secrets drawn, relay targets and on-link prefixes") {
+    const Policy p = make_policy(kAgentEntries);
+    CompileOptions o = dns_opts(53);
+    o.own_mark = 0x0badf00d;
+    o.pass_mark = 0x5ec2e7ed;
+    o.pass_priority = 0xfeed0001;
+    o.mark_salt = 0x1234567;
+    o.upstreams.push_back(*parse_ip("127.0.0.11"));
+    o.extra_upstreams = {*parse_ip("198.51.100.53"), *parse_ip("::1")};
+    IpPrefix onlink = *parse_ip("2001:db8:1::");
+    onlink.prefix_len = 64;
+    o.onlink6 = {onlink};
+    const ActiveState st = make_state(p, find_phase(p, "agent"), 5, false, o.mark_salt);
+    check_equivalent(both_tables(p, nullptr, st, o));
   }
   SUBCASE("empty allowlist active, no-network and public phases") {
     const Policy p = make_policy({});
@@ -414,8 +444,7 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
                             StmtMetaPrioritySet{0}, accept},
                            ""},
                           {{StmtCounter{}}, ""}}});
-    nd.chains.push_back({"eg_lo", BaseChain{HookType::filter, 0, true, Hook::egress, "lo"},
-                         {{{StmtVerdict{VerdictKind::jump, "egress_check"}}, ""}}});
+    nd.chains.push_back(egress_chain("lo"));
     check_equivalent({t, nd});
   }
   SUBCASE("whole address spaces and ranges at both ends") {
@@ -483,10 +512,17 @@ TEST_CASE("switch batches leave the ruleset a fresh build_table load would") {
       {nullptr, "strict"}, {&inline_a, ""}, {nullptr, "environment"},
   };
 
+  // Both tables: every switch rewrites `active` and the netdev egress_check in
+  // one batch.
   TestNetns ns;
   auto k = ns.kernel();
   ActiveState prev = named_state(p, "environment", 1);
-  REQUIRE(apply_table(*k, build_table(p, nullptr, prev, opts)).ok());
+  {
+    Change install;
+    for (const Table& t : both_tables(p, nullptr, prev, opts)) install.ops.push_back(OpAddTable{t});
+    const Status st = k->apply(install);
+    REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
+  }
 
   std::uint64_t gen = 1;
   for (const Step& s : steps) {
@@ -494,14 +530,35 @@ TEST_CASE("switch batches leave the ruleset a fresh build_table load would") {
     const Phase& target = s.inline_phase != nullptr ? *s.inline_phase : find_phase(p, s.named);
     const ActiveState next = s.inline_phase != nullptr ? inline_state(target, gen) : named_state(p, s.named, gen);
     CAPTURE(next.to_comment());
-    const Status st = k->apply(build_switch(p, target, next, prev));
+    const Change ch = build_switch(p, target, next, prev, opts);
+    const Status st = k->apply(ch);
     REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
 
     TestNetns fresh;
-    fresh.nft_load(render_table(build_table(p, s.inline_phase, next, opts)));
+    std::string text;
+    for (const Table& t : both_tables(p, s.inline_phase, next, opts)) text += render_table(t);
+    fresh.nft_load(text);
     CHECK(ns.listing() == fresh.listing());
     prev = next;
   }
+}
+
+TEST_CASE("a failing operation on the netdev table aborts the whole two-table batch and is named") {
+  const Policy p = make_policy(kAgentEntries);
+  TestNetns ns;
+  auto k = ns.kernel();
+  const ActiveState st = named_state(p, "environment", 1);
+  Change install;
+  for (const Table& t : both_tables(p, nullptr, st, dns_opts(53))) install.ops.push_back(OpAddTable{t});
+  REQUIRE(k->apply(install).ok());
+  const std::string before = ns.listing();
+  // A switch whose netdev part names a chain that is not there: nothing of it may stay.
+  Change sw = build_switch(p, find_phase(p, "verifier"), named_state(p, "verifier", 2), st, dns_opts(53));
+  sw.ops.push_back(OpFlushChain{"eg_missing", Family::netdev});
+  const Status r = k->apply(sw);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message.find("flush chain netdev eg_missing") != std::string::npos);
+  CHECK(ns.listing() == before);
 }
 
 TEST_CASE("delete table + add table in one batch replaces it atomically") {
@@ -677,29 +734,29 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
       ++i;
     }
   }
-  // The state comment on the first rule of `active` is what a restart adopts.
-  const auto active = std::find_if(info.rules.begin(), info.rules.end(), [](const RuleInfo& r) { return r.chain == "active"; });
+  // The state comment on the first commented rule of `active` is what a restart adopts.
+  const auto active = std::find_if(info.rules.begin(), info.rules.end(),
+                                   [](const RuleInfo& r) { return r.chain == "active" && !r.comment.empty(); });
   REQUIRE(active != info.rules.end());
   CHECK(active->comment == st.to_comment());
-  // A netdev table reads back the same way.
-  Table nd;
-  nd.family = Family::netdev;
-  nd.comment = "egressd v1";
-  nd.chains.push_back({"egress_check", std::nullopt, {{{MatchMetaProtocolArp{}, StmtCounter{}}, ""}}});
-  nd.chains.push_back({"eg_lo", BaseChain{HookType::filter, 0, true, Hook::egress, "lo"},
-                       {{{StmtVerdict{VerdictKind::jump, "egress_check"}}, ""}}});
-  REQUIRE(apply_table(*k, nd).ok());
-  auto ndr = k->read_table("egressd", Family::netdev);
-  REQUIRE_MESSAGE(ndr.ok(), (ndr.ok() ? "" : ndr.error().message));
-  REQUIRE(ndr->has_value());
-  CHECK((*ndr)->comment == "egressd v1");
-  CHECK((*ndr)->chains == std::vector<std::string>{"egress_check", "eg_lo"});
-  CHECK((*ndr)->rules.size() == 2);
-  // And the elements of a set.
-  auto elems = k->read_set_elems("egressd", "ph_agent_a4", SetType::ipv4_addr);
+  // Table netdev egressd reads back the same way.
+  CompileOptions lo_only;
+  lo_only.interfaces = {"lo"};
+  REQUIRE(apply_table(*k, *build_netdev_table(st, lo_only)).ok());
+  auto nd = k->read_table("egressd", Family::netdev);
+  REQUIRE_MESSAGE(nd.ok(), (nd.ok() ? "" : nd.error().message));
+  REQUIRE(nd->has_value());
+  CHECK((*nd)->comment == "egressd v1");
+  CHECK((*nd)->chains == std::vector<std::string>{"egress_check", "eg_lo"});
+  CHECK((*nd)->rules.size() == 4);
+  // And the elements of a set (relay targets adopted at a restart).
+  Change relay;
+  relay.ops.push_back(OpAddElems{kUpstreamSet4, SetType::ipv4_addr, false, make_addr_elems({*parse_ip("198.51.100.53")})});
+  REQUIRE(k->apply(relay).ok());
+  auto elems = k->read_set_elems("egressd", kUpstreamSet4, SetType::ipv4_addr);
   REQUIRE_MESSAGE(elems.ok(), (elems.ok() ? "" : elems.error().message));
   REQUIRE(elems->size() == 1);
-  CHECK(elems->front().from.to_string() == "192.0.2.1");
+  CHECK(elems->front().from.to_string() == "198.51.100.53");
   CHECK_FALSE(k->read_set_elems("egressd", "no_such_set", SetType::ipv4_addr).ok());
 
   // Counters: a datagram to an address the phase does not allow, routed via
@@ -761,8 +818,8 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
     while (!stop) {
       const ActiveState to_inline = inline_state(il, ++gen);
       const ActiveState back = named_state(p, "agent", ++gen);
-      if (writer->apply(build_switch(p, il, to_inline, prev)).ok() &&
-          writer->apply(build_switch(p, find_phase(p, "agent"), back, to_inline)).ok()) {
+      if (writer->apply(build_switch(p, il, to_inline, prev, kInetOnly)).ok() &&
+          writer->apply(build_switch(p, find_phase(p, "agent"), back, to_inline, kInetOnly)).ok()) {
         commits += 2;
       }
       prev = back;
@@ -818,7 +875,7 @@ TEST_CASE("timing: named switch and 10k-entry inline switch") {
     for (int i = 0; i < 200; ++i) {
       const char* name = i % 2 == 0 ? "agent" : "verifier";
       const ActiveState next = named_state(p, name, ++gen);
-      const Change ch = build_switch(p, find_phase(p, name), next, prev);
+      const Change ch = build_switch(p, find_phase(p, name), next, prev, kInetOnly);
       const auto t0 = std::chrono::steady_clock::now();
       const Status st = k->apply(ch);
       us.push_back(micros_since(t0));
@@ -851,13 +908,13 @@ TEST_CASE("timing: named switch and 10k-entry inline switch") {
     std::uint64_t gen = 1;
     for (int round = 0; round < 5; ++round) {
       const ActiveState next = inline_state(il, ++gen);
-      const Change to_inline = build_switch(p, il, next, prev);
+      const Change to_inline = build_switch(p, il, next, prev, kInetOnly);
       auto t0 = std::chrono::steady_clock::now();
       Status st = k->apply(to_inline);
       in_us.push_back(micros_since(t0));
       REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
       const ActiveState back = named_state(p, "agent", ++gen);
-      const Change to_named = build_switch(p, find_phase(p, "agent"), back, next);
+      const Change to_named = build_switch(p, find_phase(p, "agent"), back, next, kInetOnly);
       t0 = std::chrono::steady_clock::now();
       st = k->apply(to_named);
       out_us.push_back(micros_since(t0));
