@@ -140,8 +140,14 @@ std::string TableChanges::describe(const std::string& table) const {
   if (table_added) add(name + " changed");
   if (netdev_table_deleted) add("table netdev " + table + " deleted");
   if (netdev_table_added) add("table netdev " + table + " changed");
+  const std::string in_netdev = " of table netdev " + table;
   for (const auto& [key, n] : objects) {
     const auto& [kind, added, obj] = key;
+    // The deleted netdev table's chains and rules went with it: said once, above.
+    if (netdev_table_deleted && obj.size() > in_netdev.size() &&
+        obj.compare(obj.size() - in_netdev.size(), in_netdev.size(), in_netdev) == 0) {
+      continue;
+    }
     const char* verb = added ? "added" : "deleted";
     switch (kind) {
       case ObjKind::rule:

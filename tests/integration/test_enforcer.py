@@ -373,6 +373,10 @@ def test_capabilities(lab, egressd):
     assert isinstance(caps, dict) and caps
     reply = d.request({"cmd": "capabilities"})
     assert reply.get("ok") is True, reply
+    # This kernel (>= 5.16) has the netdev egress hook, fib and socket matching: egressd
+    # claims raw-frame blocking here, and only where the probe found the hook.
+    got = reply["capabilities"]
+    assert got["block_raw_frames"] is True and got["fib_match"] is True and got["socket_match"] is True, got
 
 
 def test_egressctl_exit_code_without_daemon(tmp_path, egressd_binaries):

@@ -237,3 +237,17 @@ TEST_CASE("table netdev egressd (the egress chains) is egressd's too; a vanished
     CHECK(!t.feed(gen_msg(kOwn, 6, 1, "egressd").nlh));
   }
 }
+
+TEST_CASE("a deleted netdev table is named once, without the chains and rules that went with it") {
+  ChangeTracker t("egressd", {kOwn});
+  Msg rule(NFT_MSG_DELRULE, kNft, NFPROTO_NETDEV);
+  rule.str(NFTA_RULE_TABLE, "egressd").str(NFTA_RULE_CHAIN, "egress_check");
+  t.feed(rule.nlh);
+  Msg chain(NFT_MSG_DELCHAIN, kNft, NFPROTO_NETDEV);
+  chain.str(NFTA_CHAIN_TABLE, "egressd").str(NFTA_CHAIN_NAME, "eg_eth0");
+  t.feed(chain.nlh);
+  t.feed(table_msg(NFT_MSG_DELTABLE, kNft, "egressd", NFPROTO_NETDEV).nlh);
+  auto tamper = t.feed(gen_msg(kNft, 3, 50, "nft").nlh);
+  REQUIRE(tamper);
+  CHECK(tamper->changes.describe("egressd") == "table netdev egressd deleted");
+}
