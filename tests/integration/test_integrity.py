@@ -322,7 +322,7 @@ def docker_resolver(lab):
 @pytest.mark.parametrize("who", ["nobody", "docker"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_nobody_but_egressd_reaches_a_loopback_upstream(lab, egressd, docker_resolver, mode, who, proto):
-    egressd(LO_POLICY, phase=MODES[mode])
+    d = egressd(LO_POLICY, phase=MODES[mode])
     if mode == "allowlist":
         # egressd's own query goes to 127.0.0.11:53, Docker's DNAT takes it to the resolver.
         r = lab.dns_query("a.example.com", "A")
@@ -332,6 +332,9 @@ def test_nobody_but_egressd_reaches_a_loopback_upstream(lab, egressd, docker_res
     print(f"\n{mode} {who} {proto}: {res}")
     assert res["result"] != "answered", f"a sandbox process reached {LO_UPSTREAM}:{docker_resolver}"
     assert res["result"] in ("ConnectionRefusedError", "PermissionError"), res  # rejected, not lost
+    # `explain` says so too.
+    x = d.request({"cmd": "explain", "target": f"{LO_UPSTREAM}:{docker_resolver}"})
+    assert x["ok"] is True and x["allowed"] is False and "only egressd reaches it" in x["reason"], x
 
 
 # --- class 5: raw frames ---------------------------------------------------------------------
