@@ -114,6 +114,13 @@ bool is_loopback(const IpPrefix& a) {
   return a == lo6;
 }
 
+// Multicast (224.0.0.0/4, ff00::/8) or the limited broadcast 255.255.255.255.
+bool is_group_address(const IpPrefix& a) {
+  if (a.family == 6) return a.bytes[0] == 0xff;
+  if ((a.bytes[0] & 0xf0) == 0xe0) return true;
+  return a.bytes[0] == 255 && a.bytes[1] == 255 && a.bytes[2] == 255 && a.bytes[3] == 255;
+}
+
 const Entry* best_ip_entry(const Phase& phase, const IpPrefix& addr) {
   const Entry* best = nullptr;
   for (const auto& e : phase.entries) {
@@ -309,7 +316,7 @@ std::string suggest_entries(const std::vector<std::string>& names_in) {
 }
 
 Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for,
-                    PrivateAnswers private_answers) {
+                    const std::vector<IpPrefix>& loopback_upstreams, PrivateAnswers private_answers) {
   Explanation x;
   x.target = target.text();
   x.phase = phase.name;
@@ -326,7 +333,11 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
   }
   const std::string what = target.is_address ? target.addr.to_string() : target.hostname;
 
-  if (target.is_address && is_loopback(target.addr)) {
+  if (target.is_address && std::find(loopback_upstreams.begin(), loopback_upstreams.end(), target.addr) !=
+                               loopback_upstreams.end()) {
+    x.reason = what + " is one of egressd's loopback DNS upstreams (such as Docker's embedded resolver): only egressd "
+               "reaches it, on any port, in every phase; ask egressd's DNS proxy instead";
+  } else if (target.is_address && is_loopback(target.addr)) {
     x.allowed = true;
     x.reason = what + " is a loopback address: loopback is always allowed";
   } else if (phase.mode == Mode::public_) {
@@ -337,6 +348,12 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
     x.reason = "phase " + phase.name + " is no-network: all egress is denied (loopback excepted)";
     if (!target.is_address) x.reason += " and every DNS query is refused";
     x.hint = "switch to a phase that allows it (egressctl apply PHASE; check one first with explain --phase PHASE)";
+  } else if (target.is_address && is_group_address(target.addr)) {
+    x.reason = what + " is a " + (target.addr.family == 4 && target.addr.bytes[0] == 255 ? "broadcast" : "multicast") +
+               " address: outside public, broadcast and multicast destinations are denied whatever entry covers them "
+               "(one datagram would reach every host of the segment)";
+    // DNS answers never teach them either: the learn guard says which range.
+    if (auto g = dns::learn_guard(target.addr)) x.guard = g->to_string();
   } else if (target.is_address) {
     explain_address(x, phase, target.addr, learned, private_answers);
   } else {

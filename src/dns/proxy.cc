@@ -276,6 +276,9 @@ class Core : public std::enable_shared_from_this<Core> {
 
   // Binds every socket (proxy and owned upstreams); serve() starts the loops.
   Status bind();
+  void set_forwarder(ForwarderOptions f) {
+    if (!serving_) opts_.forwarder = std::move(f);
+  }
   void serve(std::uint32_t own_mark);
   void close();
   bool closed() const { return closed_; }
@@ -1314,6 +1317,7 @@ class ProxyImpl final : public Proxy {
  public:
   explicit ProxyImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ProxyImpl() override { core_->close(); }
+  void set_forwarder(ForwarderOptions forwarder) override { core_->set_forwarder(std::move(forwarder)); }
   void serve(std::uint32_t own_mark) override { core_->serve(own_mark); }
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }

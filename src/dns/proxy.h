@@ -62,8 +62,8 @@ class PolicyHooks {
 // straight back; the proxy recognises it by its exact question bytes
 // (0x20 case included) and sends it to T itself.
 struct ForwarderOptions {
-  // Known targets (resolv.conf's "# ExtServers:" comment, or kept from an
-  // earlier start): no probe.
+  // Known targets (resolv.conf's "# ExtServers:" comment, or pinned by an
+  // earlier egressd and kept in the kernel): no probe.
   std::vector<std::string> targets;
   std::string source;  // where `targets` came from (for relay_targets and logs)
   // Without known targets, when an upstream is local to the namespace: ask
@@ -129,6 +129,9 @@ class Proxy {
   // bind(), then serve(opts.own_mark).
   static Result<std::unique_ptr<Proxy>> start(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
   virtual ~Proxy() = default;
+  // Replaces ProxyOptions::forwarder (before serve() only): targets an
+  // earlier egressd pinned, adopted from the kernel.
+  virtual void set_forwarder(ForwarderOptions forwarder) = 0;
   // Starts answering, with `own_mark` on every upstream socket; runs the
   // forwarder probe when it is needed. Once.
   virtual void serve(std::uint32_t own_mark) = 0;

@@ -173,7 +173,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   daemon::SandboxOptions opts;
   opts.policy = policy();
   opts.after_switch = [&](std::shared_ptr<const Phase>, std::uint64_t gen) { switched.push_back(gen); };
-  daemon::Sandbox sb(std::move(opts), std::move(kernel_owned), {true, true, true, true, true});
+  daemon::Sandbox sb(std::move(opts), std::move(kernel_owned), {true, true, true, true, true, true, true, true});
   sb.attach_proxy(&proxy);
   FUZZ_CHECK(sb.start("environment").ok());
 

@@ -67,13 +67,15 @@ def table_json(lab) -> dict:
 
 def active_policy(t: dict) -> tuple[int, str]:
     """(generation from the state comment, chain `active` jumps to); asserts chain `active` is
-    one state rule and one goto, as the compiler writes it, and that the ct mark of the state
-    rule, of the comment and of every accept in the target chain are the same, and the target
-    chain uses only its own sets."""
+    one state rule and one goto to a policy chain, as the compiler writes it (the guards
+    outside public go to `deny`, the state rule's fast path to `pass`), and that the ct mark of
+    the state rule, of the comment and of every accept in the target chain are the same, and
+    the target chain uses only its own sets."""
     rules = [r for r in t["rules"] if r["chain"] == "active"]
     comments = [r["comment"] for r in rules if r.get("comment", "").startswith("egressd gen=")]
     gotos = [stmt["goto"]["target"] for r in rules for stmt in r["expr"] if "goto" in stmt]
     gotos += [stmt["jump"]["target"] for r in rules for stmt in r["expr"] if "jump" in stmt]
+    gotos = [g for g in gotos if g not in ("deny", "pass")]
     assert len(comments) == 1 and len(gotos) == 1, f"chain active is not one state rule + one goto: {rules}"
     fields = dict(kv.split("=", 1) for kv in comments[0].split()[1:] if "=" in kv)
     mark = int(fields["mark"], 16)
