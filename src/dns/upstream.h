@@ -2,11 +2,13 @@
 // and hands back the one answer that provably belongs to it, driven by the
 // asio io_context.
 //
-// Every try goes out on a socket of its own (a fresh random source port,
-// chosen by the kernel at connect), carries egressd's own SO_MARK, and is
-// closed when the try ends: no socket outlives its query, so a sandbox
-// process cannot learn a port ahead of time, nor reuse a flow egressd made
-// earlier (issue 14, classes 2 and 3). An answer is taken only when its ID
+// Every try goes out from a fresh random source port, chosen by the kernel
+// when egressd connects the socket to the server, with egressd's own SO_MARK;
+// when the try ends the socket is closed, or, after a clean answer,
+// disconnected (the kernel releases an autobound port then) and kept for a
+// later query, which connects it again from a new random port. No port
+// outlives its query, so a sandbox process cannot learn one ahead of time,
+// nor reuse a flow egressd made earlier (issue 14, classes 2 and 3). An answer is taken only when its ID
 // and its question bytes are exactly those sent (the question carries
 // 0x20-randomised case, build_forward_query); datagrams with another ID are
 // ignored, an answer with the right ID and the wrong question fails the query.
@@ -118,8 +120,7 @@ class Upstream {
   std::size_t pending() const;
   const std::vector<Server>& servers() const;
 
-  // The local port of every socket an unfinished query holds right now
-  // (tests: each query must have its own).
+  // The local port of every socket an unfinished query holds right now.
   std::vector<std::uint16_t> open_ports() const;
 
  private:

@@ -1041,6 +1041,22 @@ TEST_CASE("each query goes out on a socket of its own") {
   CHECK(ports.size() == 20);
 }
 
+TEST_CASE("one query after the other: a new source port each time") {
+  // The proxy reuses a socket once its query is answered, but disconnected:
+  // the kernel then binds a new random port at the next connect.
+  Fixture f;
+  for (int i = 0; i < 20; ++i) f.hooks.allowed.insert("s" + std::to_string(i) + ".test");
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (int i = 0; i < 20; ++i) {
+    c.send(query(static_cast<std::uint16_t>(i), "s" + std::to_string(i) + ".test"));
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == static_cast<std::size_t>(i + 1); }));
+  }
+  std::set<std::uint16_t> ports;
+  for (const auto& s : f.upstream.seen) ports.insert(s.port);
+  CHECK(ports.size() >= 18);  // 20 draws from ~28k ports: a repeat or two at most, by chance
+}
+
 TEST_CASE("TTLs are capped at max_ttl, in the answer relayed and in what is learned") {
   Fixture f;
   f.hooks.allowed = {"long.test"};
