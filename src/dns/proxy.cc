@@ -781,6 +781,8 @@ void Core::close() {
   upstream_.reset();
   relay_.reset();
   probe_.reset();
+  // Their clients hold TCP connections that hold this Core: let go.
+  waiting_relays_.clear();
   owned_.clear();
   if (port_ == 0) return;  // never started
   log_->info("event=proxy_closed forwarded={} refused={} failed={} malformed={} relayed={}", counters_.forwarded,
