@@ -24,6 +24,7 @@
 #include "control/server.h"
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
+#include "daemon/ctforget.h"
 #include "daemon/netwatch.h"
 #include "daemon/sandbox.h"
 #include "daemon/sockdiag.h"
@@ -277,6 +278,7 @@ int cmd_run(const RunArgs& a) {
   // to point there. It also binds the upstreams local to the namespace
   // before anything is served. It serves once the own-traffic mark is fixed
   // by start (drawn, or adopted from the table); until then queries queue.
+  std::unique_ptr<ConntrackForgetter> forgetter;  // outlives the proxy that tells it
   std::unique_ptr<dns::Proxy> proxy;
   if (a.dns_port != 0) {
     if (upstream.empty()) log->warn("no upstream DNS server (dns.upstream); allowed names will get SERVFAIL");
@@ -286,6 +288,13 @@ int cmd_run(const RunArgs& a) {
     popts.upstream = upstream;
     popts.max_ttl = policy->dns.max_ttl_s;
     popts.forwarder = forwarder;
+    if (auto ct = ConntrackForgetter::open(io)) {
+      forgetter = std::move(*ct);
+      popts.forget_flow = [f = forgetter.get()](const dns::FlowTuple& t) { f->forget(t); };
+    } else {
+      log->warn("finished upstream DNS flows stay in conntrack (a sandbox query that reuses their port will "
+                "fail): {}", ct.error().message);
+    }
     auto p = dns::Proxy::bind(io, popts, sandbox);
     if (!p) return report(p.error());
     proxy = std::move(*p);

@@ -552,6 +552,7 @@ Status Core::bind() {
   uo.servers = opts_.upstream;
   uo.mark = opts_.own_mark;
   uo.timeout = opts_.upstream_timeout;
+  uo.forget = opts_.forget_flow;
   auto up = Upstream::create(io_, uo);
   if (!up) return up.error().wrap("dns proxy");
   upstream_ = std::move(up.value());
@@ -1112,6 +1113,7 @@ void Core::start_probe() {
   uo.servers = {local->to_string()};
   uo.mark = own_mark_;
   uo.timeout = opts_.upstream_timeout;
+  uo.forget = opts_.forget_flow;
   auto up = Upstream::create(io_, uo);
   if (!up) return;
   Probe pr;
@@ -1232,6 +1234,7 @@ void Core::pin(std::vector<Server> targets, const std::string& source) {
     for (const Server& t : targets) uo.servers.push_back(t.to_string());
     uo.mark = self->own_mark_;
     uo.timeout = self->opts_.upstream_timeout;
+    uo.forget = self->opts_.forget_flow;
     auto up = Upstream::create(self->io_, uo);
     if (!up) return;
     self->relay_ = std::move(up.value());

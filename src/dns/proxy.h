@@ -103,6 +103,8 @@ struct ProxyOptions {
   // Where a redirected TCP connection was going (the socket's fd, IPv6 or
   // not): SO_ORIGINAL_DST when empty. Tests without nat substitute it.
   std::function<std::optional<Server>(int fd, bool v6)> original_dst;
+  // Told of each upstream flow that has ended (see ForgetFlow). May be empty.
+  ForgetFlow forget_flow;
 };
 
 // forwarded: sent upstream; refused: answered REFUSED/NXDOMAIN by policy;

@@ -114,6 +114,7 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   std::chrono::milliseconds first{500};
   std::uint32_t mark = 0;
   bool mark_warned = false;
+  ForgetFlow forget;
   std::size_t pending = 0;
   bool closed = false;
   UpstreamFailure last_failure = UpstreamFailure::none;
@@ -233,6 +234,29 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
 
   void close_sockets() {
     error_code ec;
+    if (usock && reusable && impl->forget) {
+      // Its answer was read: nothing more is due on this flow.
+      const auto local = usock->local_endpoint(ec);
+      if (!ec) {
+        FlowTuple t;
+        t.src = IpPrefix{};
+        const auto la = local.address();
+        t.src.family = la.is_v4() ? 4 : 6;
+        t.src.prefix_len = la.is_v4() ? 32 : 128;
+        if (la.is_v4()) {
+          const auto b = la.to_v4().to_bytes();
+          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+        } else {
+          const auto b = la.to_v6().to_bytes();
+          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+        }
+        t.sport = local.port();
+        t.dst = impl->servers[server].ip;
+        t.dport = impl->servers[server].port;
+        impl->forget(t);
+      }
+      ec = {};
+    }
     if (usock && reusable && !impl->closed) {
       impl->recycle(std::move(*usock), impl->addrs[server].is_v4());
     } else if (usock) {
@@ -598,6 +622,7 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
   impl->usable.assign(impl->servers.size(), true);
   impl->unusable_why.assign(impl->servers.size(), "");
   impl->mark = opts.mark;
+  impl->forget = opts.forget;
   impl->first = first_try(opts.timeout, impl->servers.size());
   return std::unique_ptr<Upstream>(new Upstream(std::move(impl)));
 }

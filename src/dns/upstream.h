@@ -56,9 +56,23 @@ struct Server {
 // "[2001:db8::1]:5353". Error (invalid) naming the text otherwise.
 Result<Server> parse_server(std::string_view text);
 
+// A UDP flow of egressd's to an upstream that has ended (its answer read).
+struct FlowTuple {
+  IpPrefix src, dst;  // single addresses, same family
+  std::uint16_t sport = 0, dport = 0;
+};
+// Told of every such flow, so its conntrack entry can be dropped at once:
+// the port goes back to the namespace's ephemeral range, and a sandbox
+// process that draws it for its own DNS query (to the same server: the
+// sandbox's queries go where egressd's do) must get a new flow, redirected
+// to the proxy, not the reply-less tail of egressd's (which the output chain
+// denies: EPERM). May be empty.
+using ForgetFlow = std::function<void(const FlowTuple&)>;
+
 struct UpstreamOptions {
   std::vector<std::string> servers;  // as parse_server reads them, in order of preference
   std::uint32_t mark = 0;            // SO_MARK on every upstream socket (0 = none)
+  ForgetFlow forget;                 // see ForgetFlow
   // Budget for one query across every server and retry: a dead upstream
   // fails the query after about this long.
   std::chrono::milliseconds timeout{1500};

@@ -449,9 +449,11 @@ struct Fixture {
   FakeUpstream upstream{io};
   FakeHooks hooks;
   std::unique_ptr<Proxy> proxy;
+  std::vector<FlowTuple> forgotten;  // flows the proxy said it was done with
 
   void start(ProxyOptions opts = {}) {
     if (opts.upstream.empty()) opts.upstream = {upstream.address()};
+    opts.forget_flow = [this](const FlowTuple& t) { forgotten.push_back(t); };
     // Root here: exercises SO_MARK for real (EPERM elsewhere is logged, not fatal).
     opts.own_mark = 0x2a;
     // Nothing of this test may bind addresses on port 53.
@@ -1039,6 +1041,33 @@ TEST_CASE("each query goes out on a socket of its own") {
   std::set<std::uint16_t> ports;
   for (const auto& s : f.upstream.seen) ports.insert(s.port);
   CHECK(ports.size() == 20);
+}
+
+TEST_CASE("every answered query's flow is handed over to be forgotten, from the port it used") {
+  Fixture f;
+  f.hooks.allowed = {"a.test", "b.test", "c.test"};
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (const char* n : {"a.test", "b.test", "c.test"}) c.send(query(1, n));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 3 && f.forgotten.size() == 3; }));
+  std::set<std::uint16_t> seen_ports, forgotten_ports;
+  for (const auto& s : f.upstream.seen) seen_ports.insert(s.port);
+  for (const FlowTuple& t : f.forgotten) {
+    forgotten_ports.insert(t.sport);
+    CHECK(t.src.to_string() == "127.0.0.1");
+    CHECK(t.dst.to_string() == "127.0.0.1");
+    CHECK(t.dport == f.upstream.port());
+  }
+  CHECK(forgotten_ports == seen_ports);
+
+  SUBCASE("a query that got no answer is not forgotten (a late answer must still match it)") {
+    f.upstream.silent = true;
+    f.hooks.allowed.insert("late.test");
+    c.send(query(2, "late.test"));
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == 4; }));
+    CHECK(rcode_of(c.got[3]) == Rcode::servfail);
+    CHECK(f.forgotten.size() == 3);
+  }
 }
 
 TEST_CASE("one query after the other: a new source port each time") {
