@@ -250,7 +250,9 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   if (opts.dns_port != 0) {
     // egressd's upstream sockets take replies only: a datagram that starts a
     // flow to one (a forged "answer" from a sandbox process) never arrives.
-    c.rules.push_back({{MatchSocketMark{opts.own_mark}, MatchCtDirectionOriginal{}, StmtVerdict{VerdictKind::drop, ""}},
+    // The direction first: most packets that come in are replies, and the
+    // socket lookup is the expensive part.
+    c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark}, StmtVerdict{VerdictKind::drop, ""}},
                        ""});
   }
   if (policy.enforce.inbound_replies) {

@@ -137,7 +137,7 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
                     "iif \"lo\" ct direction reply ct status ! confirmed accept",
                     "iif \"lo\" ct direction reply ct status dnat accept",
                     "iif \"lo\" fib saddr type != local drop",
-                    "socket mark 0x11111111 ct direction original drop",
+                    "ct direction original socket mark 0x11111111 drop",
                     "iif != \"lo\" ct state new ct mark set 0x7fffffff",
                 });
 
