@@ -568,18 +568,48 @@ bool echoes_query(Bytes answer, std::uint16_t id, Bytes question) {
 }
 
 Status cap_ttls(std::span<std::uint8_t> msg, std::uint32_t max_ttl) {
-  return walk_records(msg, [&](std::size_t, const RecordHead& rr, int) {
+  struct Write {
+    std::size_t at;  // offset of the TTL field
+    std::uint32_t ttl;
+  };
+  std::vector<Write> writes;
+  Status st = walk_records(msg, [&](std::size_t, const RecordHead& rr, int) {
     if (rr.type == qtype::OPT) return;
     std::uint32_t ttl = rr.ttl;
     if ((ttl & 0x80000000u) != 0) ttl = 0;
     ttl = std::min(ttl, max_ttl);
-    if (ttl == rr.ttl) return;
-    std::uint8_t* p = msg.data() + rr.rdata - 6;
-    p[0] = static_cast<std::uint8_t>(ttl >> 24);
-    p[1] = static_cast<std::uint8_t>(ttl >> 16);
-    p[2] = static_cast<std::uint8_t>(ttl >> 8);
-    p[3] = static_cast<std::uint8_t>(ttl);
+    if (ttl != rr.ttl) writes.push_back({rr.rdata - 6, ttl});
   });
+  if (!st.ok() || writes.empty()) return st;
+  // A compression pointer may point into a TTL field (found by
+  // dns_message_fuzz): rewriting the TTL would then rewrite a name. The
+  // names that carry meaning (owners, CNAME targets) must read the same
+  // after as before, or the message is not relayed at all.
+  auto names = [&]() -> Result<std::string> {
+    std::string all;
+    Status walked = walk_records(msg, [&](std::size_t owner, const RecordHead& rr, int) {
+      if (auto n = read_name(msg, owner)) all += n->text;
+      all += '|';
+      if (rr.type == qtype::CNAME) {
+        if (auto n = read_name(msg, rr.rdata)) all += n->text;
+      }
+      all += '\n';
+    });
+    if (!walked.ok()) return walked.error();
+    return all;
+  };
+  auto before = names();
+  if (!before) return before.error();
+  for (const Write& w : writes) {
+    std::uint8_t* p = msg.data() + w.at;
+    p[0] = static_cast<std::uint8_t>(w.ttl >> 24);
+    p[1] = static_cast<std::uint8_t>(w.ttl >> 16);
+    p[2] = static_cast<std::uint8_t>(w.ttl >> 8);
+    p[3] = static_cast<std::uint8_t>(w.ttl);
+  }
+  auto after = names();
+  if (!after || *after != *before) return at(writes.front().at, "a name points into a TTL field");
+  return {};
 }
 
 bool strip_trailing_opt(std::vector<std::uint8_t>& msg) {

@@ -218,8 +218,10 @@ bool echoes_query(Bytes answer, std::uint16_t id, Bytes question);
 // Caps every TTL of the answer, authority and additional sections at
 // `max_ttl` in place; a TTL with the top bit set becomes 0 (RFC 2181 §8). OPT
 // records (whose TTL field holds EDNS flags) are left alone. Error (invalid)
-// when the message cannot be walked; then nothing is guaranteed about it and
-// it must not be relayed.
+// when the message cannot be walked, or when a compression pointer points
+// into a TTL that had to change (a record's owner or a CNAME target would
+// read differently); then nothing is guaranteed about it and it must not be
+// relayed.
 Status cap_ttls(std::span<std::uint8_t> msg, std::uint32_t max_ttl);
 
 // Removes an OPT record that is the last record of `msg` (where name servers

@@ -881,3 +881,24 @@ TEST_CASE("learn guards: ranges, embedded IPv4 forms, and private ranges only fo
   }
   CHECK(learn_guard(ip("64:ff9b::7f00:1"))->to_string() == "127.0.0.0/8 (loopback) in NAT64 64:ff9b::/96");
 }
+
+TEST_CASE("a TTL that a compression pointer points into is not rewritten into a different name") {
+  // Found by dns_message_fuzz: record 2's owner points at record 1's TTL,
+  // whose bytes 01 61 00 00 read as the name "a". Capping that TTL would
+  // rename record 2; the message is refused instead.
+  Wire w;
+  w.header(1, 0x8180, 1, 2).question("x.example");
+  const std::size_t ttl_at = w.size() + 2 + 4;  // pointer (2) + type/class (4)
+  // TTL bytes: label of length 1 "a", then the root: reads as the name "a".
+  w.ptr(12).rr(qtype::A, (1u << 24) | ('a' << 16), 4).u8(192).u8(0).u8(2).u8(1);
+  w.ptr(static_cast<std::uint16_t>(ttl_at)).a(192, 0, 2, 2);
+  std::vector<std::uint8_t> m = w.b;
+  REQUIRE(read_name(m, ttl_at).ok());
+  CHECK(read_name(m, ttl_at)->text == "a");
+  // The TTL (0x01610000, about 6 months) must be capped, which would rename record 2.
+  CHECK_FALSE(cap_ttls(m, 3600).ok());
+  // Below the cap nothing changes and all is well.
+  std::vector<std::uint8_t> m2 = w.b;
+  CHECK(cap_ttls(m2, 0x7FFFFFFF).ok());
+  CHECK(m2 == w.b);
+}
