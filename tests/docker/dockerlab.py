@@ -199,7 +199,10 @@ class Daemon:
             return self
         self.log = open(self.log_path, "ab")
         # Its own session: a Ctrl-C of pytest must not reach it before cleanup has used it.
-        self.proc = subprocess.Popen(["dockerd"], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+        # $DOCKERD_ARGS: extra arguments for a daemon the session starts (e.g. a second,
+        # isolated one: -H, --data-root, --exec-root, --pidfile), a word list.
+        argv = ["dockerd", *os.environ.get("DOCKERD_ARGS", "").split()]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
                                      start_new_session=True)
 
         def up():
@@ -419,16 +422,14 @@ class Held:
         return json.loads(labmod._read_line(self.p, timeout, self.what))
 
     def close(self) -> str:
-        try:
-            self.p.stdin.close()
-        except OSError:
-            pass
+        """Closes its stdin (it stops) and returns the rest of what it printed."""
         try:
             out, err = self.p.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             self.p.kill()
             out, err = self.p.communicate(timeout=5)
-        return (out or b"").decode(errors="replace") + (err or b"").decode(errors="replace")
+        out = getattr(self.p, "_lab_pending", b"") + (out or b"")
+        return out.decode(errors="replace") + (err or b"").decode(errors="replace")
 
 
 # --- Compose -------------------------------------------------------------------------------
@@ -624,12 +625,21 @@ class Session:
     def network(self, key: str = "v4") -> Network:
         return self.networks[key]
 
-    def dns_log(self) -> str:
-        """The names dnsmasq was asked, as its log lines ("query[A] NAME from ADDR")."""
+    def dns_log(self, since: int = 0) -> str:
+        """The names dnsmasq was asked, as its log lines ("query[A] NAME from ADDR"), from
+        line `since` (a dns_mark()) on."""
         try:
-            return "\n".join(l for l in self.dns_log_path.read_text().splitlines() if "query[" in l)
+            lines = self.dns_log_path.read_text().splitlines()[since:]
         except OSError:
             return ""
+        return "\n".join(l for l in lines if "query[" in l)
+
+    def dns_mark(self) -> int:
+        """Where dnsmasq's log ends now, for dns_log(since=...)."""
+        try:
+            return len(self.dns_log_path.read_text().splitlines())
+        except OSError:
+            return 0
 
     # containers
     def run(self, image: str, *cmd, name: str, network: str | None = None, caps: tuple | None = None,
@@ -691,12 +701,12 @@ def remove_session_objects(pid: int) -> list[str]:
         left = [i for i in ids if docker("inspect", "--format", "{{.Id}}", i, check=False).returncode == 0]
         if left:
             problems.append(f"containers left: {' '.join(left)}")
-    nets = docker("network", "ls", "--quiet", "--filter", f"label={label}", check=False).stdout.split()
+    nets = docker("network", "ls", "--format", "{{.Name}}", "--filter", f"label={label}", check=False).stdout.split()
     nets += [n for n in docker("network", "ls", "--format", "{{.Name}}", check=False).stdout.split()
              if n.startswith(tag)]
     for n in sorted(set(nets)):
         cp = docker("network", "rm", n, check=False, timeout=60)
-        if cp.returncode != 0 and "not found" not in cp.stderr:
+        if cp.returncode != 0 and not re.search(r"not found|No such network", cp.stderr):
             problems.append(f"network rm {n}: {cp.stderr.strip()}")
     return problems
 

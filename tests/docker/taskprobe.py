@@ -39,6 +39,7 @@ DOCKER_DNS = "127.0.0.11"
 IPV6_FREEBIND = 78
 IP_TRANSPARENT = 19
 PACKET_QDISC_BYPASS = 20
+SOL_PACKET = 263
 ETH_P_ALL = 0x0003
 
 
@@ -362,11 +363,13 @@ def cmd_forged_flow(args):
     mine.settimeout(2.0)
     my_port = mine.getsockname()[1]
     # One datagram "from" TARGET:PORT to us, over loopback: conntrack now has TARGET -> us.
-    forger.sendto(b"hello", (own, my_port))
     try:
+        forger.sendto(b"hello", (own, my_port))
+        res["forged_send"] = "ok"
         data, peer = mine.recvfrom(100)
         res["forged_arrived_from"] = peer[0]
     except OSError as e:
+        res.setdefault("forged_send", err_name(e))
         res["forged_arrived_from"] = err_name(e)
     token = f"forged-flow-{random.getrandbits(64):016x}".encode()
     try:
@@ -420,7 +423,7 @@ def cmd_raw_frame(args):
         frame = bytes.fromhex(dst_mac.replace(":", "")) + bytes.fromhex(src_mac.replace(":", "")) + b"\x08\x00"
         try:
             if variant == "qdisc_bypass":
-                s.setsockopt(socket.SOL_PACKET, PACKET_QDISC_BYPASS, 1)
+                s.setsockopt(SOL_PACKET, PACKET_QDISC_BYPASS, 1)
             s.send(frame + ip + udp)
             res[variant] = "sent"
         except OSError as e:
