@@ -757,10 +757,27 @@ class Guard:
         script = (f"table inet {self.table} {{\n  chain pre {{\n    type filter hook prerouting priority -500;\n"
                   f"{body}\n  }}\n}}\n")
         labmod.run(["nft", "-f", "-"], input=script)
-        self.namespaces: list[str] = []   # /proc/<pid>/net/nf_conntrack of task namespaces
+        self.namespaces: list[tuple[int, str]] = []   # (pid, netns link) of task namespaces
+        self.counted, self.reported = 0, set()        # so each finding fails one test only
 
     def watch(self, container: Container):
-        self.namespaces.append(f"/proc/{container.pid}/net/nf_conntrack")
+        pid = container.pid
+        self.namespaces.append((pid, os.readlink(f"/proc/{pid}/ns/net")))
+
+    def _conntrack_files(self) -> list[str]:
+        """The host's conntrack, and that of every watched task namespace still alive (a pid
+        that now belongs to another namespace is not read: it could be the host's)."""
+        files, alive = ["/proc/net/nf_conntrack"], []
+        for pid, link in self.namespaces:
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") != link:
+                    continue
+            except OSError:
+                continue
+            alive.append((pid, link))
+            files.append(f"/proc/{pid}/net/nf_conntrack")
+        self.namespaces = alive
+        return files
 
     def packets(self) -> int:
         cp = labmod.run(["nft", "-j", "list", "table", "inet", self.table], check=False)
@@ -774,13 +791,15 @@ class Guard:
         return n
 
     def check(self) -> list[str]:
+        """What reached for the host's nameservers since the last check."""
         found = []
         n = self.packets()
-        if n:
-            found.append(f"{n} packet(s) from a test network towards the host's nameservers "
+        if n > self.counted:
+            found.append(f"{n - self.counted} packet(s) from a test network towards the host's nameservers "
                          f"{self.resolvers + self.resolvers6} (nft counter in table inet {self.table})")
+            self.counted = n
         targets = self.resolvers + self.resolvers6
-        for path in ["/proc/net/nf_conntrack", *self.namespaces]:
+        for path in self._conntrack_files():
             try:
                 text = Path(path).read_text()
             except OSError:
@@ -788,7 +807,11 @@ class Guard:
             for line in text.splitlines():
                 if any(f"dst={a} " in line for a in targets) and (
                         path != "/proc/net/nf_conntrack" or any(f"src={p}" in line for p in _SUBNET_PREFIXES)):
-                    found.append(f"conntrack ({path}): {line.strip()}")
+                    # A flow is one finding, whatever its countdown says at each look.
+                    key = (path, tuple(re.findall(r"(?:src|dst|sport|dport)=(\S+)", line)[:4]))
+                    if key not in self.reported:
+                        self.reported.add(key)
+                        found.append(f"conntrack ({path}): {line.strip()}")
         return found
 
     def remove(self) -> list[str]:

@@ -100,6 +100,7 @@ def test_harbor_topology(sandboxes, session):
     assert main.inspect("{{.HostConfig.NetworkMode}}") == f"container:{sidecar.inspect('{{.Id}}')}"
     assert os.readlink(f"/proc/{main.pid}/ns/net") == os.readlink(f"/proc/{sidecar.pid}/ns/net")
     assert sidecar.health == "healthy"
+    assert sidecar.exec("test", "-f", dockerlab.HARBOR_READY).returncode == 0   # what the healthcheck runs
     assert sidecar.inspect("{{.HostConfig.Init}}") == "true"
     # main started only after the sidecar's healthcheck passed (depends_on: service_healthy).
     assert main.inspect("{{.State.StartedAt}}") > sidecar.inspect("{{(index .State.Health.Log 0).End}}")

@@ -17,14 +17,12 @@ A sandbox starts in `public`, `allowlist` (with `allow` entries) or `no-network`
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-from pathlib import Path
 
 import dockerlab
 import lab as labmod
-from dockerlab import HARBOR_READY, HARBOR_SIDECAR, HERE, REPO_ROOT, LabError, wait_for
+from dockerlab import HARBOR_SIDECAR, HERE, REPO_ROOT, LabError, wait_for
 
 TOPOLOGIES = ("harbor", "netns-pid", "compose-example")
 HARBOR_FILES = [HERE / "harbor" / f for f in ("prebuilt.yaml", "egress-control.yaml",
