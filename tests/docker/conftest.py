@@ -53,6 +53,7 @@ def docker_host(tmp_path_factory):
         dockerlab.docker("tag", image, tag)
         dockerlab.build_task_image()
     except BaseException:
+        dockerlab.docker("image", "rm", f"localhost/{dockerlab.PREFIX}{os.getpid()}-egressd:test", check=False)
         daemon.stop()
         raise
     yield daemon, tag
@@ -64,7 +65,6 @@ def session(docker_host):
     s = dockerlab.Session(daemon, tag).start()
     yield s
     problems = s.cleanup()
-    dockerlab.docker("image", "rm", tag, check=False)
     if problems:
         pytest.fail("cleanup: " + "; ".join(problems), pytrace=False)
 

@@ -609,6 +609,9 @@ class Session:
             problems += self.guard.remove()
             self.guard = None
         shutil.rmtree(self.tmp, ignore_errors=True)
+        cp = docker("image", "rm", self.egressd_image, check=False)   # the session's tag only
+        if cp.returncode != 0 and not re.search(r"No such image|not found", cp.stderr):
+            problems.append(f"docker image rm {self.egressd_image}: {cp.stderr.strip()}")
         problems += self.daemon.stop()
         return problems
 
@@ -713,7 +716,8 @@ def remove_session_objects(pid: int) -> list[str]:
 
 def sweep_stale() -> list[int]:
     """Removes what sessions whose process is gone left behind: containers, Compose
-    projects, networks (by label or egt-dk-<pid> name) and nft tables egt-dk-<pid>."""
+    projects, networks (by label or egt-dk-<pid> name), nft tables egt-dk-<pid>, the
+    session image tags and the session directories in the temporary directory."""
     seen = set()
     cp = docker("ps", "--all", "--format", "{{.Label \"egressd-test\"}} {{.Label \"com.docker.compose.project\"}}",
                 check=False)
@@ -724,12 +728,19 @@ def sweep_stale() -> list[int]:
     seen.update(re.findall(rf"{PREFIX}(\d+)-", cp.stdout))
     cp = labmod.run(["nft", "list", "tables"], check=False)
     seen.update(re.findall(rf"table inet {PREFIX}(\d+)\b", cp.stdout))
+    cp = docker("image", "ls", "--format", "{{.Repository}}", check=False)
+    seen.update(re.findall(rf"localhost/{PREFIX}(\d+)-egressd", cp.stdout))
+    tmp = Path(tempfile.gettempdir())
+    seen.update(m.group(1) for d in tmp.glob(f"{PREFIX}*") if (m := re.match(rf"{PREFIX}(\d+)-", d.name)))
     removed = []
     for pid in sorted(int(p) for p in seen):
         if pid == os.getpid() or labmod._pid_alive(pid):
             continue
         remove_session_objects(pid)
         labmod.run(["nft", "delete", "table", "inet", f"{PREFIX}{pid}"], check=False)
+        docker("image", "rm", f"localhost/{PREFIX}{pid}-egressd:test", check=False)
+        for d in tmp.glob(f"{PREFIX}{pid}-*"):
+            shutil.rmtree(d, ignore_errors=True)
         removed.append(pid)
     return removed
 
