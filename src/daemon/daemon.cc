@@ -15,6 +15,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fstream>
 #include <sstream>
@@ -254,6 +255,11 @@ int cmd_run(const RunArgs& a) {
       if (!ec) fn();
     });
   };
+  // The inline state file is written here, off the loop; one thread, so
+  // writes land in order. Joined after the loop ends (nothing written is lost).
+  boost::asio::thread_pool file_writer(1);
+  opts.write_off_loop = [&file_writer](std::function<void()> fn) { boost::asio::post(file_writer, std::move(fn)); };
+  opts.executor = io.get_executor();
   opts.denied.capacity = a.denied_records;
   opts.names.max_entries = a.names;
   Sandbox sandbox(std::move(opts), std::move(*kernel), caps);
@@ -411,6 +417,7 @@ int cmd_run(const RunArgs& a) {
   }
   trim_when_idle();
   io.run();
+  file_writer.join();
   if (!a.ready_file.empty()) ::unlink(a.ready_file.c_str());
   return exit_code;
 }

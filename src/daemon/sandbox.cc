@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <cassert>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +17,7 @@
 #include "daemon/audit_log.h"
 #include "egressd/module_logger.h"
 #include "dns/message.h"
+#include "nft/read_async.h"
 
 namespace egressd::daemon {
 
@@ -841,6 +845,29 @@ void Sandbox::flush_learned() {
 }
 
 json Sandbox::status() {
+  auto output = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "output");
+  auto deny = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+  return status_from(output, deny);
+}
+
+void Sandbox::status(std::function<void(json)> done) {
+  if (!opts_.executor) return done(status());
+  // Only the two counted chains are read (each one dump), and their retries
+  // pause on the loop's timers. The sandbox outlives the loop's work
+  // (daemon.cc destroys the loop's pending handlers, this one among them,
+  // before anything they point at).
+  boost::asio::co_spawn(
+      opts_.executor,
+      [this, done = std::move(done)]() -> boost::asio::awaitable<void> {
+        auto output = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "output");
+        auto deny = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+        done(status_from(output, deny));
+      },
+      boost::asio::detached);
+}
+
+json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
+                          const Result<std::vector<nft::RuleInfo>>& deny) {
   const Phase& ph = active_phase();
   json entries = json::array();
   const auto now = Clock::now();
@@ -877,15 +904,14 @@ json Sandbox::status() {
   // every packet the policy decides; what `deny` did not take was allowed
   // (the chains are dumped one after the other, hence the clamp).
   std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
-  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
-    for (const auto& r : (*info)->rules) {
-      if (r.chain == "deny") {
-        dp += r.packets;
-        db += r.bytes;
-      } else if (r.chain == "output") {
-        pp += r.packets;
-        pb += r.bytes;
-      }
+  if (output && deny) {
+    for (const auto& r : *output) {
+      pp += r.packets;
+      pb += r.bytes;
+    }
+    for (const auto& r : *deny) {
+      dp += r.packets;
+      db += r.bytes;
     }
   }
   const std::uint64_t ap = pp > dp ? pp - dp : 0, ab = pb > db ? pb - db : 0;
@@ -932,8 +958,13 @@ void Sandbox::save_inline_state() {
   json entries = json::array();
   for (const auto& e : inline_->entries) entries.push_back(e.text);
   const json j{{"generation", state_.generation}, {"mode", to_string(inline_->mode)}, {"allow", entries}};
-  if (auto s = write_atomically(opts_.state_file, j.dump() + "\n"); !s) {
-    log()->warn("inline policy not saved for adoption: {}", s.error().message);
+  auto write = [path = opts_.state_file, text = j.dump() + "\n", lg = log()] {
+    if (auto s = write_atomically(path, text); !s) lg->warn("inline policy not saved for adoption: {}", s.error().message);
+  };
+  if (opts_.write_off_loop) {
+    opts_.write_off_loop(std::move(write));
+  } else {
+    write();
   }
 }
 
@@ -977,7 +1008,7 @@ void Sandbox::handle(const json& req, std::function<void(json)> reply) {
   if (cmd == "ping" || cmd == "status" || cmd == "capabilities") {
     if (auto e = check_fields({})) return reply(*e);
     if (cmd == "ping") return reply(ok_reply());
-    if (cmd == "status") return reply(ok_reply(status()));
+    if (cmd == "status") return status([reply](json j) { reply(ok_reply(std::move(j))); });
     return reply(ok_reply({{"capabilities", caps_.to_json()}}));
   }
   if (cmd == "explain") {

@@ -6,6 +6,9 @@
 #pragma once
 
 #include <array>
+#include <boost/asio/any_io_executor.hpp>
+#include <utility>  // before awaitable.hpp: Boost 1.74 uses std::exchange without it
+#include <boost/asio/awaitable.hpp>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -102,6 +105,13 @@ struct SandboxOptions {
   // Runs `fn` after `delay` on the event loop (`denied` long-poll). Empty:
   // a `denied` request never waits (tests).
   std::function<void(std::chrono::milliseconds delay, std::function<void()> fn)> run_after;
+  // Runs `fn` off the event loop, in order (the inline state file: a slow
+  // disk must not hold up DNS answers). Empty: at once (tests).
+  std::function<void(std::function<void()> fn)> write_off_loop;
+  // The event loop's executor: table reads that have to be retried (a
+  // commit by anyone spoils one) pause on its timers instead of sleeping
+  // (status, verification). Empty: they sleep (tests, one-shot tools).
+  boost::asio::any_io_executor executor;
 };
 
 class Sandbox : public dns::PolicyHooks {
@@ -129,7 +139,11 @@ class Sandbox : public dns::PolicyHooks {
   // Synchronous form for requests that complete at once (tests, no proxy).
   nlohmann::json handle(const nlohmann::json& request);
 
+  // The status reply's fields. The counters are the kernel's: read
+  // synchronously here, or without holding up the loop by the callback form
+  // (with SandboxOptions::executor; `done` is called once, maybe later).
   nlohmann::json status();
+  void status(std::function<void(nlohmann::json)> done);
   // Resolves the exact hostnames of the phase in force and learns their
   // addresses (start-up; `apply` does this itself before switching).
   void preresolve_active();
@@ -179,6 +193,8 @@ class Sandbox : public dns::PolicyHooks {
   // comment in each chain. Empty when it matches. Set elements are not
   // compared (learned ones come and go).
   Result<std::vector<std::string>> verify_table();
+  // The same, the reads' retries pausing on the coroutine's executor's timers.
+  boost::asio::awaitable<Result<std::vector<std::string>>> verify_table_async();
   // The netlink portid egressd's own nftables changes carry.
   std::uint32_t kernel_portid() const { return kernel_->portid(); }
   // The namespace's ruleset generation (moved by every commit, anyone's).
@@ -264,6 +280,13 @@ class Sandbox : public dns::PolicyHooks {
   bool started_ = false;  // start() ran: changes go to the kernel at once
   void save_inline_state();
   std::optional<Phase> load_inline_state(std::uint64_t generation);
+  // status() around the reads of chains output and deny (an error: counters 0).
+  nlohmann::json status_from(const Result<std::vector<nft::RuleInfo>>& output,
+                             const Result<std::vector<nft::RuleInfo>>& deny);
+  // verify_table's comparisons, one table read each.
+  std::vector<std::string> compare_inet(const std::optional<nft::TableInfo>& read);
+  void compare_netdev(const std::optional<nft::TableInfo>& read, const nft::Table& want,
+                      std::vector<std::string>& diffs);
 
   // src/daemon/sandbox_audit.cc: `denied` and `hosts` requests.
   void handle_audit(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);

@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include "daemon/audit_log.h"
 #include "egressd/module_logger.h"
@@ -75,7 +78,7 @@ void TamperGuard::start() {
   if (opts_.verify_interval.count() > 0) {
     verify_timer_.expires_after(opts_.verify_interval);
     verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-      if (!ec && *alive) on_verify_timer();
+      if (!ec && *alive) spawn(on_verify_timer());
     });
   }
 }
@@ -122,30 +125,9 @@ void TamperGuard::on_readable() {
   }
   if (overrun) {
     // Some notifications are gone: the table may have been changed by
-    // anyone, also after a tamper just restored. Re-dump it and compare;
-    // restore only when it differs (egressd's own big switch can overrun the
-    // buffer and must not cause a rebuild, which would cause the next overrun).
-    auto diffs = sandbox_.verify_table();
-    json f{{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_.rcvbuf()}};
-    if (!diffs) {
-      f["error"] = diffs.error().message;
-      audit_event("monitor_overrun", f, spdlog::level::err);
-      schedule_retry();
-    } else if (diffs->empty()) {
-      // Nothing to repair: rate-limited like tamper lines (a flood of changes
-      // to other tables can overrun the socket on every wakeup).
-      f["differences"] = json::array();
-      f["restored"] = false;
-      if (take_log_token()) audit_event("monitor_overrun", f, spdlog::level::warn);
-    } else {
-      ++tampers_;
-      auto restored = restore();
-      f["differences"] = *diffs;
-      f["restored"] = restored.ok();
-      if (restored) f["restore_us"] = us_since(t_event);
-      if (!restored) f["error"] = restored.error().message;
-      audit_event("monitor_overrun", f, spdlog::level::warn);
-    }
+    // anyone, also after a tamper just restored. Re-dump it and compare
+    // (off this handler: the read may have to wait out commits by others).
+    spawn(check_after_overrun(t_event, {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_.rcvbuf()}}));
     if (opts_.grow_rcvbuf) {
       const int now = sock_.rcvbuf() / 2;  // the kernel reports twice what was set
       if (now > 0 && now < kMaxRcvbuf) {
@@ -167,8 +149,41 @@ void TamperGuard::on_readable() {
   }
 }
 
-void TamperGuard::on_verify_timer() {
-  auto diffs = sandbox_.verify_table();
+boost::asio::awaitable<void> TamperGuard::check_after_overrun(Clock::time_point t_event, json f) {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
+  // Restore only when it differs (egressd's own big switch can overrun the
+  // buffer and must not cause a rebuild, which would cause the next overrun).
+  if (!diffs) {
+    f["error"] = diffs.error().message;
+    audit_event("monitor_overrun", f, spdlog::level::err);
+    schedule_retry();
+  } else if (diffs->empty()) {
+    // Nothing to repair: rate-limited like tamper lines (a flood of changes
+    // to other tables can overrun the socket on every wakeup).
+    f["differences"] = json::array();
+    f["restored"] = false;
+    if (take_log_token()) audit_event("monitor_overrun", f, spdlog::level::warn);
+  } else {
+    ++tampers_;
+    auto restored = restore();
+    f["differences"] = *diffs;
+    f["restored"] = restored.ok();
+    if (restored) f["restore_us"] = us_since(t_event);
+    if (!restored) f["error"] = restored.error().message;
+    audit_event("monitor_overrun", f, spdlog::level::warn);
+  }
+}
+
+void TamperGuard::spawn(boost::asio::awaitable<void> work) {
+  boost::asio::co_spawn(io_, std::move(work), boost::asio::detached);
+}
+
+boost::asio::awaitable<void> TamperGuard::on_verify_timer() {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
   if (!diffs) {
     log()->warn("verification of table inet {} failed: {}", nft::kTableName, diffs.error().message);
   } else if (!diffs->empty()) {
@@ -193,7 +208,7 @@ void TamperGuard::on_verify_timer() {
   }
   verify_timer_.expires_after(opts_.verify_interval);
   verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (!ec && *alive) on_verify_timer();
+    if (!ec && *alive) spawn(on_verify_timer());
   });
 }
 
@@ -261,19 +276,24 @@ void TamperGuard::schedule_retry() {
   retry_delay_ = retry_delay_.count() == 0 ? kFirstRetry : std::min(retry_delay_ * 2, kMaxRetry);
   retry_timer_.expires_after(retry_delay_);
   retry_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (ec || !*alive) return;
-    auto diffs = sandbox_.verify_table();
-    if (diffs && diffs->empty()) {
-      retry_delay_ = std::chrono::milliseconds{0};
-      return;
-    }
-    if (auto r = restore(); r) {
-      audit_event("tamper", {{"what", "restore retried"}, {"found_by", "retry"}, {"restored", true},
-                             {"restore_us", *r}, {"phase", sandbox_.state().phase},
-                             {"generation", sandbox_.state().generation}},
-                  spdlog::level::warn);
-    }
+    if (!ec && *alive) spawn(retry_restore());
   });
+}
+
+boost::asio::awaitable<void> TamperGuard::retry_restore() {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
+  if (diffs && diffs->empty()) {
+    retry_delay_ = std::chrono::milliseconds{0};
+    co_return;
+  }
+  if (auto r = restore(); r) {
+    audit_event("tamper", {{"what", "restore retried"}, {"found_by", "retry"}, {"restored", true},
+                           {"restore_us", *r}, {"phase", sandbox_.state().phase},
+                           {"generation", sandbox_.state().generation}},
+                spdlog::level::warn);
+  }
 }
 
 bool TamperGuard::take_log_token() {

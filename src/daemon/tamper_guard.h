@@ -27,6 +27,8 @@
 // Not thread-safe: runs on the daemon's event loop.
 #pragma once
 
+#include <utility>  // before awaitable.hpp: Boost 1.74 uses std::exchange without it
+#include <boost/asio/awaitable.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -79,7 +81,13 @@ class TamperGuard {
   TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, nft::MonitorSocket sock, TamperGuardOptions opts);
   void wait_readable();
   void on_readable();
-  void on_verify_timer();
+  // Coroutines, started by spawn() on the loop; each checks alive_ after
+  // every wait (the guard may be gone by then).
+  boost::asio::awaitable<void> on_verify_timer();
+  // `f`: the monitor_overrun event's fields known when the overrun was read.
+  boost::asio::awaitable<void> check_after_overrun(std::chrono::steady_clock::time_point t_event, nlohmann::json f);
+  boost::asio::awaitable<void> retry_restore();
+  void spawn(boost::asio::awaitable<void> work);
   // Restores the table; returns the time it took (us) or the error.
   Result<std::int64_t> restore();
   void schedule_retry();
