@@ -194,6 +194,31 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
   }
 }
 
+std::uint32_t Transport::next_seq() { return impl_->seq++; }
+
+int Transport::send(const void* data, std::size_t len) {
+  const sockaddr_nl kernel{AF_NETLINK, 0, 0, 0};
+  ssize_t sent;
+  do {
+    sent = ::sendto(impl_->fd.get(), data, len, 0, reinterpret_cast<const sockaddr*>(&kernel), sizeof kernel);
+  } while (sent < 0 && errno == EINTR);
+  return sent < 0 ? errno : 0;
+}
+
+void Transport::read_queued(const OnMessage& on_msg) {
+  Impl& s = *impl_;
+  for (;;) {
+    const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == ENOBUFS)) continue;
+    if (n <= 0) return;
+    int rest = static_cast<int>(n);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
+         nlh = mnl_nlmsg_next(nlh, &rest)) {
+      on_msg(nlh);
+    }
+  }
+}
+
 void Transport::start(Handlers h, std::size_t datagrams_per_turn) {
   if (impl_->started || impl_->stopped) return;
   impl_->started = true;

@@ -6,8 +6,8 @@
 // its owner, who knows what to re-read.
 //
 // Users: the nftables change monitor (daemon/tamper_guard), the NFLOG reader
-// (audit/nflog). Not yet ported: nft/netlink.cc (batches), daemon/netwatch,
-// daemon/sockdiag, daemon/ctforget.
+// (audit/nflog), the conntrack forgetter (daemon/ctforget). Not yet ported:
+// nft/netlink.cc (batches), daemon/netwatch, daemon/sockdiag.
 //
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
@@ -79,6 +79,15 @@ class Transport {
   // Not while the receive loop runs (the loop would take the replies).
   int request(nlmsghdr* req, const OnMessage& on_reply,
               std::chrono::milliseconds timeout = std::chrono::milliseconds(1000));
+
+  // ---- batches without acks (ctnetlink deletes) ----
+  // The next sequence number, for messages the caller builds itself.
+  std::uint32_t next_seq();
+  // Sends `len` bytes (one or more whole messages) as one datagram: 0 or
+  // errno. The kernel handles it inside the call.
+  int send(const void* data, std::size_t len);
+  // Hands every message already queued to `on_msg`, without waiting.
+  void read_queued(const OnMessage& on_msg);
 
   // ---- receive loop ----
   // Starts reading on the event loop: every message goes to h.message, at
