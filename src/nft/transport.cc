@@ -5,12 +5,14 @@
 #include <sys/socket.h>
 
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <cerrno>
+#include <optional>
 
 #include "egressd/unique_fd.h"
 
@@ -28,11 +30,13 @@ constexpr std::size_t kRxSize = 65536 + 4096;
 }  // namespace
 
 struct Transport::Impl {
-  Impl(asio::io_context& io, UniqueFd fd, std::uint32_t portid, std::string what)
-      : fd(std::move(fd)), sd(io), portid(portid), what(std::move(what)), rx(kRxSize) {}
+  Impl(UniqueFd fd, std::uint32_t portid, std::string what)
+      : fd(std::move(fd)), portid(portid), what(std::move(what)), rx(kRxSize) {}
 
   UniqueFd fd;
-  asio::posix::stream_descriptor sd;  // waits on fd (not owning: released before fd closes)
+  // Waits on fd for the receive loop (not owning: released before fd
+  // closes); none for a transport opened without an event loop.
+  std::optional<asio::posix::stream_descriptor> sd;
   std::uint32_t portid;
   std::uint32_t seq = 1;
   std::string what;
@@ -52,7 +56,7 @@ struct Transport::Impl {
   static asio::awaitable<void> receive(std::shared_ptr<Impl> self, std::size_t per_turn) {
     for (;;) {
       boost::system::error_code ec;
-      co_await self->sd.async_wait(asio::posix::stream_descriptor::wait_read, asio::redirect_error(asio::use_awaitable, ec));
+      co_await self->sd->async_wait(asio::posix::stream_descriptor::wait_read, asio::redirect_error(asio::use_awaitable, ec));
       if (self->stopped) co_return;
       if (ec) {
         if (self->handlers.error) self->handlers.error(Error::runtime(self->what + ": wait: " + ec.message()));
@@ -85,7 +89,7 @@ struct Transport::Impl {
       if (self->stopped) co_return;
       if (more) {
         // More may be queued: read on after other handlers had their turn.
-        co_await asio::post(self->sd.get_executor(), asio::use_awaitable);
+        co_await asio::post(self->sd->get_executor(), asio::use_awaitable);
         if (self->stopped) co_return;
       }
     }
@@ -93,6 +97,17 @@ struct Transport::Impl {
 };
 
 Result<std::unique_ptr<Transport>> Transport::open(asio::io_context& io, TransportOptions opts) {
+  auto t = open(std::move(opts));
+  if (!t) return t;
+  Impl& impl = *(*t)->impl_;
+  boost::system::error_code ec;
+  impl.sd.emplace(io);
+  impl.sd->assign(impl.fd.get(), ec);
+  if (ec) return Error::runtime(impl.what + ": " + ec.message());
+  return t;
+}
+
+Result<std::unique_ptr<Transport>> Transport::open(TransportOptions opts) {
   UniqueFd fd(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, opts.protocol));
   if (!fd.ok()) return errno_error("open " + opts.what + " socket", errno);
   if (opts.rcvbuf > 0) {
@@ -114,24 +129,20 @@ Result<std::unique_ptr<Transport>> Transport::open(asio::io_context& io, Transpo
       return errno_error(opts.what + ": join multicast group " + std::to_string(g), errno);
     }
   }
-  auto impl = std::make_shared<Impl>(io, std::move(fd), addr.nl_pid, std::move(opts.what));
-  boost::system::error_code ec;
-  impl->sd.assign(impl->fd.get(), ec);
-  if (ec) return Error::runtime(impl->what + ": " + ec.message());
+  auto impl = std::make_shared<Impl>(std::move(fd), addr.nl_pid, std::move(opts.what));
   return std::unique_ptr<Transport>(new Transport(std::move(impl)));
 }
 
 Transport::~Transport() {
   stop();
-  boost::system::error_code ec;
-  (void)impl_->sd.release();  // impl_->fd closes the socket, once the loop let go of impl_
+  if (impl_->sd) (void)impl_->sd->release();  // impl_->fd closes the socket, once the loop let go of impl_
 }
 
 void Transport::stop() {
   if (impl_->stopped) return;
   impl_->stopped = true;
   boost::system::error_code ec;
-  impl_->sd.cancel(ec);
+  if (impl_->sd) impl_->sd->cancel(ec);
 }
 
 int Transport::fd() const { return impl_->fd.get(); }
@@ -205,12 +216,21 @@ int Transport::send(const void* data, std::size_t len) {
   return sent < 0 ? errno : 0;
 }
 
-void Transport::read_queued(const OnMessage& on_msg) {
+Transport::Queued Transport::read_queued(const OnMessage& on_msg) {
   Impl& s = *impl_;
+  Queued q;
   for (;;) {
     const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
-    if (n < 0 && (errno == EINTR || errno == ENOBUFS)) continue;
-    if (n <= 0) return;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ENOBUFS) {
+        q.overrun = true;
+        continue;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) q.error = errno;
+      return q;
+    }
+    if (n == 0) return q;
     int rest = static_cast<int>(n);
     for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
          nlh = mnl_nlmsg_next(nlh, &rest)) {
@@ -220,10 +240,10 @@ void Transport::read_queued(const OnMessage& on_msg) {
 }
 
 void Transport::start(Handlers h, std::size_t datagrams_per_turn) {
-  if (impl_->started || impl_->stopped) return;
+  if (impl_->started || impl_->stopped || !impl_->sd) return;
   impl_->started = true;
   impl_->handlers = std::move(h);
-  asio::co_spawn(impl_->sd.get_executor(), Impl::receive(impl_, datagrams_per_turn), asio::detached);
+  asio::co_spawn(impl_->sd->get_executor(), Impl::receive(impl_, datagrams_per_turn), asio::detached);
 }
 
 }  // namespace egressd::nft

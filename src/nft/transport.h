@@ -6,8 +6,9 @@
 // its owner, who knows what to re-read.
 //
 // Users: the nftables change monitor (daemon/tamper_guard), the NFLOG reader
-// (audit/nflog), the conntrack forgetter (daemon/ctforget). Not yet ported:
-// nft/netlink.cc (batches), daemon/netwatch, daemon/sockdiag.
+// (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
+// watch (daemon/netwatch). Not yet ported: nft/netlink.cc (batches, and the
+// table reads), daemon/sockdiag (runs on a thread of its own).
 //
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
@@ -15,8 +16,6 @@
 
 #include <linux/netlink.h>
 
-#include <utility>  // before awaitable.hpp: Boost 1.74 uses std::exchange without it
-#include <boost/asio/io_context.hpp>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -25,6 +24,12 @@
 #include <vector>
 
 #include "egressd/result.h"
+
+// Declared only: users that include this header (netwatch.h, included next
+// to <linux/if.h>) must not get asio's <net/if.h>.
+namespace boost::asio {
+class io_context;
+}
 
 namespace egressd::nft {
 
@@ -54,6 +59,9 @@ class Transport {
   // Opens a netlink socket of opts.protocol in the current network namespace,
   // bound to a kernel-chosen portid, joined to opts.groups. Error names the step.
   static Result<std::unique_ptr<Transport>> open(boost::asio::io_context& io, TransportOptions opts);
+  // The same without an event loop: requests, send and read_queued only
+  // (start does nothing).
+  static Result<std::unique_ptr<Transport>> open(TransportOptions opts);
   // Stops the receive loop: no handler runs once the destructor (or stop) returns.
   ~Transport();
   Transport(const Transport&) = delete;
@@ -87,7 +95,11 @@ class Transport {
   // errno. The kernel handles it inside the call.
   int send(const void* data, std::size_t len);
   // Hands every message already queued to `on_msg`, without waiting.
-  void read_queued(const OnMessage& on_msg);
+  struct Queued {
+    bool overrun = false;  // ENOBUFS: messages were lost
+    int error = 0;         // a receive error other than EAGAIN/ENOBUFS
+  };
+  Queued read_queued(const OnMessage& on_msg);
 
   // ---- receive loop ----
   // Starts reading on the event loop: every message goes to h.message, at
