@@ -21,6 +21,7 @@ from lab import DNS_V4
 FLOOR = 0.001        # s, see the module docstring
 QUERIES = 600        # per kind (idle, loaded), in ROUNDS blocks each
 ROUNDS = 6
+PACE = 0.005        # s between status polls
 SLOWEST = 0.050      # s: no single answer may take this long (the old retry loop slept up to 2 s)
 NAMES = ("a.example.com", "b.example.com")
 
@@ -104,8 +105,9 @@ class Committer:
 
 
 class StatusPoller:
-    """Polls `status` over the control socket without pause while `on` is set; every reply
-    must be ok."""
+    """Polls `status` over the control socket every PACE s while `on` is set (far more often
+    than any orchestrator does; polled without pause, status replies themselves would be the
+    loop's load, which is not what is measured); every reply must be ok."""
 
     def __init__(self, d):
         self.d = d
@@ -123,6 +125,7 @@ class StatusPoller:
             try:
                 self.d.status()
                 self.count += 1
+                time.sleep(PACE)  # pacing, not synchronisation
             except Exception as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(repr(e))
                 return
@@ -148,7 +151,8 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
             committer.on.set()
             poller.on.set()
             # Only measure once both are in full swing.
-            labmod.wait_for(lambda: committer.sent - sent0 >= 400 and poller.count - polls0 >= 2, 10,
+            # (At nice 19 the committer may wait for a busy machine's other work.)
+            labmod.wait_for(lambda: committer.sent - sent0 >= 200 and poller.count - polls0 >= 2, 60,
                             "commits and status polls under way")
             polls0 = poller.count
             loaded += measure(lab, QUERIES // ROUNDS)
