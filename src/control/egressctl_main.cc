@@ -48,6 +48,22 @@ struct Options {
   std::string hosts_phase;
 };
 
+// The documented comma form of --allow ("a.org,b.org"): each piece exactly as typed, empty
+// ones included, for the daemon's entry validator to judge (an empty entry is an error there).
+std::vector<std::string> split_commas(const std::vector<std::string>& values) {
+  std::vector<std::string> out;
+  for (const std::string& v : values) {
+    std::size_t start = 0;
+    while (true) {
+      const std::size_t comma = v.find(',', start);
+      out.push_back(v.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
+  return out;
+}
+
 std::string dump(const Json& j, int indent = -1) {
   return j.dump(indent, ' ', false, Json::error_handler_t::replace);
 }
@@ -356,9 +372,11 @@ int main(int argc, char** argv) {
   CLI::App* apply = commands[0].sub;
   auto* phase = apply->add_option("PHASE", o.phase, "phase name from the policy file");
   auto* mode = apply->add_option("--mode", o.mode, "inline policy mode: public, allowlist or no-network");
+  // One value per --allow, kept as typed (allow_extra_args(false): no CLI11 "[a,b]" list
+  // expansion); split on commas after parsing by split_commas, which keeps empty pieces so
+  // the daemon's entry validator sees "a,,b" as it is. CLI11's delimiter would drop them.
   auto* allow = apply->add_option("--allow", o.allow, "allowlist entry (repeatable, or comma-separated)")
-                    ->allow_extra_args(false)
-                    ->delimiter(',');
+                    ->allow_extra_args(false);
   phase->excludes(mode);
   allow->needs(mode);
   apply->add_flag("--json", o.json, "print the reply as JSON");
@@ -391,6 +409,7 @@ int main(int argc, char** argv) {
     const int rc = app.exit(e);  // prints help (stdout) or the error (stderr)
     return rc == 0 ? kExitOk : kExitInvalid;
   }
+  o.allow = split_commas(o.allow);
   for (const auto& c : commands)
     if (c.sub->parsed()) return c.run(o);
   return kExitInvalid;  // unreachable: require_subcommand(1)

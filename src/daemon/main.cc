@@ -15,7 +15,10 @@ int main(int argc, char** argv) {
   CheckArgs check;
   auto* c = app.add_subcommand("check", "validate a policy file and/or entries; print normalized entries");
   c->add_option("--config", check.config, "policy file (YAML or JSON)");
-  c->add_option("--allow", check.allow, "an allowlist entry (repeatable)");
+  // allow_extra_args(false): one value per --allow, kept as typed. With it on (CLI11's
+  // default for a vector) a value "[a,b]" is expanded into a and b before egressd sees it,
+  // so "[2001:db8::1]" passed as 2001:db8::1 and the entry validator never saw the brackets.
+  c->add_option("--allow", check.allow, "an allowlist entry (repeatable)")->allow_extra_args(false);
 
   RenderArgs render;
   auto* r = app.add_subcommand("render", "print the nft script a phase compiles to");
@@ -35,7 +38,8 @@ int main(int argc, char** argv) {
   d->add_option("--ready-file", run.ready_file, "created once the initial policy is in the kernel");
   d->add_option("--state-file", run.state_file, "where inline policies are kept for adoption (default <socket>.state)");
   d->add_option("--allow-uid", run.allow_uids, "uid allowed on the control socket besides root (repeatable)");
-  d->add_option("--allow", run.allow, "entries of the built-in allowlist phase (without --config)");
+  d->add_option("--allow", run.allow, "entries of the built-in allowlist phase (without --config; repeatable)")
+      ->allow_extra_args(false);  // verbatim, as for check
   d->add_option("--dns-port", run.dns_port,
                 "port of the DNS proxy on 127.0.0.1/::1 in the sandbox (default 53); 0 = no DNS interception")
       ->check(CLI::Range(0, 65535));
