@@ -1,13 +1,15 @@
-"""What users type reaches egressd's validators as typed (issue 18, item 5), through the real
-binaries.
+"""What users type reaches egressd's validators as typed, and the harnesses' policy files are
+read as the harnesses read them (issue 18, items 1, 2 and 5), through the real binaries.
 
 - Every --allow (egressd check and run, egressctl apply, network-policy allow) arrives at the
   entry validator exactly as typed: no argument-parser list expansion ("[a,b]"), no dropped
   pieces. egressctl's documented comma form still splits, keeping empty pieces.
+- egressd check prints the plan of a Harbor task.toml or AgentCompass env-params file
+  (format, then per phase: mode, where it came from, every entry); render and run take them.
 
 egressctl and network-policy send their entries to the daemon, whose validator is the one
 that judges them; here a stand-in socket records the request they send, so what is checked
-is the text that leaves the client.
+is the text that leaves the client. The run test uses the lab (a real egressd in a namespace).
 """
 import json
 import os
@@ -19,6 +21,9 @@ from pathlib import Path
 import pytest
 
 import lab as labmod
+
+DATA = labmod.REPO_ROOT / "tests/unit/data"
+
 
 def egressd(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([str(labmod.egressd_binary()), *args], capture_output=True, text=True, timeout=30,
@@ -145,3 +150,65 @@ def test_network_policy_allow_sends_targets_as_typed(recorder):
     assert cp.returncode == 0, cp.stderr
     assert recorder.requests[-1] == {"cmd": "apply", "mode": "allowlist",
                                      "allow": ["[2001:db8::1]", "[a.com,b.com]", "-x.org"]}
+
+
+# --- items 1 and 2: the harnesses' files ------------------------------------------------------
+
+def test_check_prints_the_plan_of_a_harbor_task():
+    cp = egressd("check", "--config", str(DATA / "harbor/network-policy-docs.toml"))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == (
+        "format: Harbor task.toml\n"
+        "phase environment: public  <- [environment]\n"
+        "phase agent: allowlist, 2 entries (2 hostname)  <- [agent]\n"
+        "    pypi.org\n"
+        "    api.openai.com\n"
+        "phase verifier: no-network  <- [verifier]\n"
+        "initial phase: environment\n")
+
+
+def test_check_prints_the_plan_of_env_params():
+    cp = egressd("check", "--config", str(DATA / "env-params/setup-only.json"))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == (
+        "format: AgentCompass env-params\n"
+        "phase setup: allowlist, 1 entry (1 hostname)  <- network_policy\n"
+        "    pypi.org\n"
+        "phase run: allowlist, 1 entry (1 hostname)  <- inherits setup (network_policy)\n"
+        "    pypi.org\n"
+        "phase verifier: allowlist, 1 entry (1 hostname)  <- inherits setup (network_policy)\n"
+        "    pypi.org\n"
+        "initial phase: setup\n")
+
+
+def test_check_reports_a_harbor_error_with_its_position(tmp_path):
+    task = tmp_path / "task.toml"
+    task.write_text('[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org:443"]\n')
+    cp = egressd("check", "--config", str(task))
+    assert cp.returncode == 2
+    assert cp.stderr == f'error: {task}:3:18: entry "pypi.org:443": ports are not allowed: use the host alone\n'
+
+
+def test_render_takes_a_harbor_step_phase():
+    cp = egressd("render", "--config", str(DATA / "harbor/multi-step-docs.toml"), "--phase", "step-implement-agent")
+    assert cp.returncode == 0, cp.stderr
+    assert "table inet egressd" in cp.stdout
+
+
+def test_run_enforces_a_harbor_task(lab, egressd_binaries):
+    """`egressd run --config task.toml`: the phases of the task, switched by name, enforced."""
+    allowed, other = labmod.SERVERS_V4[0], labmod.SERVERS_V4[1]
+    task = lab.write_config('[environment]\nnetwork_mode = "public"\n'
+                            '[agent]\nnetwork_mode = "allowlist"\n'
+                            f'allowed_hosts = ["{allowed}"]\n'
+                            '[verifier]\nnetwork_mode = "no-network"\n', "task.toml")
+    d = lab.egressd(task)
+    assert d.status()["phase"] == "environment"
+    assert lab.tcp_connect(other, 7) == "ok"
+    assert d.ctl("apply", "agent")[0] == 0
+    assert (d.status()["phase"], d.status()["mode"]) == ("agent", "allowlist")
+    assert lab.tcp_connect(allowed, 7) == "ok"
+    assert lab.tcp_connect(other, 7) != "ok"
+    assert d.ctl("apply", "verifier")[0] == 0
+    assert d.status()["mode"] == "no-network"
+    assert lab.tcp_connect(allowed, 7) != "ok"
