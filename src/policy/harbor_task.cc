@@ -77,24 +77,37 @@ std::string_view type_name(const toml::node& n) {
 std::optional<std::pair<std::size_t, std::size_t>> non_ascii_outside_strings(std::string_view t) {
   enum class In { code, comment, basic, literal, ml_basic, ml_literal } in = In::code;
   std::size_t line = 1, col = 0;
+  // The last character of the line outside strings and blanks ('\n' at a line's start). A
+  // quote opens a string only where a key or value starts (line start, after = [ , { .):
+  // elsewhere (a quote inside a bare value token) toml++ reads it as part of the token, and
+  // so must this scan, or it would skip the very bytes toml++ then trips on.
+  char prev = '\n';
   for (std::size_t i = 0; i < t.size(); ++i) {
     const auto c = static_cast<unsigned char>(t[i]);
     if (c == '\n') {
       ++line;
       col = 0;
       if (in == In::comment || in == In::basic || in == In::literal) in = In::code;
+      if (in == In::code) prev = '\n';
       continue;
     }
     if ((c & 0xC0) != 0x80) ++col;  // a UTF-8 continuation byte is no new column
     const bool triple = i + 2 < t.size() && t[i + 1] == t[i] && t[i + 2] == t[i];
     switch (in) {
-      case In::code:
+      case In::code: {
         if (c >= 0x80) return std::make_pair(line, col);
-        if (c == '#') in = In::comment;
-        if (c == '"') in = triple ? In::ml_basic : In::basic;
-        if (c == '\'') in = triple ? In::ml_literal : In::literal;
-        if (triple && (c == '"' || c == '\'')) i += 2, col += 2;
+        const bool opens = prev == '\n' || prev == '=' || prev == '[' || prev == ',' || prev == '{' || prev == '.';
+        if (c == '#') {
+          in = In::comment;
+        } else if ((c == '"' || c == '\'') && opens) {
+          in = c == '"' ? (triple ? In::ml_basic : In::basic) : (triple ? In::ml_literal : In::literal);
+          if (triple) i += 2, col += 2;
+          prev = '"';  // what follows a string is no key or value start
+        } else if (c != ' ' && c != '\t' && c != '\r') {
+          prev = static_cast<char>(c);
+        }
         break;
+      }
       case In::comment: break;
       case In::basic:
         if (c == '\\') ++i, ++col;  // an escaped character, '"' included
@@ -104,7 +117,7 @@ std::optional<std::pair<std::size_t, std::size_t>> non_ascii_outside_strings(std
         if (c == '\'') in = In::code;
         break;
       case In::ml_basic:
-        if (c == '\\') ++i, ++col;
+        if (c == '\\' && i + 1 < t.size() && t[i + 1] != '\n') ++i, ++col;  // a line-ending "\" is no escape here
         else if (c == '"' && triple) in = In::code, i += 2, col += 2;
         break;
       case In::ml_literal:
