@@ -66,7 +66,8 @@ std::string_view type_name(const toml::node& n) {
 }
 
 // The position (1-based line and column, columns in code points as toml++ counts them)
-// of the first byte >= 0x80 outside a string or comment, if any.
+// of the first byte >= 0x80 outside a string or comment, or right after a backslash (and
+// its blanks) in a multi-line basic string, if any.
 //
 // Why: toml++ 3.3.0 (Debian 12's libtomlplusplus) reaches __builtin_unreachable(), that
 // is undefined behaviour, when a code point such as U+00E9 stands where it reads a key
@@ -117,8 +118,25 @@ std::optional<std::pair<std::size_t, std::size_t>> non_ascii_outside_strings(std
         if (c == '\'') in = In::code;
         break;
       case In::ml_basic:
-        if (c == '\\' && i + 1 < t.size() && t[i + 1] != '\n') ++i, ++col;  // a line-ending "\" is no escape here
-        else if (c == '"' && triple) in = In::code, i += 2, col += 2;
+        if (c == '\\') {
+          // toml++ 3.3.0 tests the character after a backslash, and after a line-ending
+          // backslash every blank up to the next character, with the same faulty whitespace
+          // table: a non-ASCII character there is refused too (valid TOML, but not safe to
+          // hand to that parser).
+          std::size_t j = i + 1;
+          if (j < t.size() && (t[j] == ' ' || t[j] == '\t' || t[j] == '\r' || t[j] == '\n')) {
+            while (j < t.size() && (t[j] == ' ' || t[j] == '\t' || t[j] == '\r' || t[j] == '\n')) {
+              if (t[j] == '\n') ++line, col = 0;
+              else ++col;
+              ++j;
+            }
+            if (j < t.size() && static_cast<unsigned char>(t[j]) >= 0x80) return std::make_pair(line, col + 1);
+            i = j - 1;
+          } else if (j < t.size()) {
+            if (static_cast<unsigned char>(t[j]) >= 0x80) return std::make_pair(line, col + 1);
+            i = j, ++col;
+          }
+        } else if (c == '"' && triple) in = In::code, i += 2, col += 2;
         break;
       case In::ml_literal:
         if (c == '\'' && triple) in = In::code, i += 2, col += 2;
@@ -157,7 +175,7 @@ class TaskReader {
     if (const auto at = non_ascii_outside_strings(text)) {
       return Error::invalid(file_ + ":" + std::to_string(at->first) + ":" + std::to_string(at->second) +
                             ": TOML syntax error: a non-ASCII character outside a string or comment (TOML allows "
-                            "them only there)");
+                            "them only there), or right after a backslash in a multi-line string");
     }
     toml::table root;
     try {
