@@ -72,13 +72,23 @@ std::optional<Mode> parse_mode(std::string_view text);
 
 enum class DenyAction { reject, drop };
 enum class DenyAnswer { refused, nxdomain };
+// Whether DNS answers in private ranges (10/8, 172.16/12, 192.168/16,
+// 100.64/10, fc00::/7) are learned for names that only a wildcard entry
+// allows: `exact` (the default) learns them for exact hostname entries only,
+// `allow` for wildcard matches too.
+enum class PrivateAnswers { exact, allow };
 
 struct DnsOptions {
   // Upstream servers: IP addresses, or the word "resolv.conf" (default) for the
   // namespace's own nameservers.
   std::vector<std::string> upstream{"resolv.conf"};
   std::uint32_t min_ttl_s = 30;
+  // Upper bound on a learned address's TTL, and on every TTL relayed to the
+  // sandbox: an answer's TTL (up to 2^31-1 s) must not keep an address
+  // allowed for years, nor carry it into later phases.
+  std::uint32_t max_ttl_s = 3600;
   DenyAnswer deny_answer = DenyAnswer::refused;
+  PrivateAnswers private_answers = PrivateAnswers::exact;
   bool observe_public = true;
 };
 

@@ -114,6 +114,13 @@ bool is_loopback(const IpPrefix& a) {
   return a == lo6;
 }
 
+// Multicast (224.0.0.0/4, ff00::/8) or the limited broadcast 255.255.255.255.
+bool is_group_address(const IpPrefix& a) {
+  if (a.family == 6) return a.bytes[0] == 0xff;
+  if ((a.bytes[0] & 0xf0) == 0xe0) return true;
+  return a.bytes[0] == 255 && a.bytes[1] == 255 && a.bytes[2] == 255 && a.bytes[3] == 255;
+}
+
 const Entry* best_ip_entry(const Phase& phase, const IpPrefix& addr) {
   const Entry* best = nullptr;
   for (const auto& e : phase.entries) {
@@ -123,7 +130,8 @@ const Entry* best_ip_entry(const Phase& phase, const IpPrefix& addr) {
   return best;
 }
 
-void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, const LearnedView& learned) {
+void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, const LearnedView& learned,
+                     PrivateAnswers private_answers) {
   const std::string a = addr.to_string();
   if (phase.entries.empty()) {
     x.reason = "phase " + phase.name + " is an allowlist with no entries: all egress is denied";
@@ -139,16 +147,16 @@ void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, c
     return;
   }
   const dns::NameMatcher matcher(phase.entries);
-  const bool guarded = dns::is_rebinding_target(addr);
-  std::vector<std::string> guarded_names;
+  // The learn guard that keeps `addr` out for `name` under this phase, if any.
+  auto guard_for_name = [&](const std::string& name) -> std::optional<dns::LearnGuard> {
+    const Entry* e = matcher.match(name);
+    if (e == nullptr) return std::nullopt;
+    return dns::guard_for(addr, e->kind == EntryKind::hostname, private_answers);
+  };
   for (const auto& [name, addrs] : learned) {
     if (std::find(addrs.begin(), addrs.end(), addr) == addrs.end()) continue;
     const Entry* e = matcher.match(name);
-    if (e == nullptr) continue;
-    if (guarded) {
-      guarded_names.push_back(name);
-      continue;
-    }
+    if (e == nullptr || guard_for_name(name)) continue;
     // std::map order: the first allowed name alphabetically, so the answer is stable.
     x.allowed = true;
     x.entry = e->text;
@@ -158,11 +166,28 @@ void explain_address(Explanation& x, const Phase& phase, const IpPrefix& addr, c
     return;
   }
   const std::string none = a + " is in no IP or CIDR entry of phase " + phase.name;
-  if (!guarded_names.empty()) {
-    x.reason = none + "; " + join(guarded_names, ", ") +
-               " resolved to it, but DNS answers in loopback, link-local or metadata ranges are never learned "
-               "(rebinding guard)";
-    x.hint = "add " + a + " as an IP entry if the sandbox really needs it";
+  // Names the phase allows that resolved to it, but whose answer a learn
+  // guard kept out (never learned, whatever the answer's age).
+  std::vector<std::string> guarded_names;
+  std::optional<dns::LearnGuard> guard;
+  for (const auto& n : x.names) {
+    if (auto g = guard_for_name(n)) {
+      guarded_names.push_back(n);
+      guard = g;
+    }
+  }
+  if (guard) {
+    x.guard = guard->to_string();
+    if (guard->private_range) {
+      x.reason = none + "; " + join(guarded_names, ", ") + " resolved to it, but " + guard->to_string() +
+                 " is a private range, and addresses there are learned only for names an exact hostname entry "
+                 "allows, not a wildcard (rebinding guard; dns.private_answers: allow learns them)";
+      x.hint = "add " + guarded_names.front() + " as an exact hostname entry, or " + a + " as an IP entry";
+    } else {
+      x.reason = none + "; " + join(guarded_names, ", ") + " resolved to it, but DNS answers in " +
+                 guard->to_string() + " are never learned (rebinding guard)";
+      x.hint = "add " + a + " as an IP entry if the sandbox really needs it";
+    }
     return;
   }
   // Names that resolved to it earlier and are allowed now: the answer expired
@@ -290,7 +315,8 @@ std::string suggest_entries(const std::vector<std::string>& names_in) {
   return out;
 }
 
-Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for) {
+Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for,
+                    const std::vector<IpPrefix>& loopback_upstreams, PrivateAnswers private_answers) {
   Explanation x;
   x.target = target.text();
   x.phase = phase.name;
@@ -307,7 +333,11 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
   }
   const std::string what = target.is_address ? target.addr.to_string() : target.hostname;
 
-  if (target.is_address && is_loopback(target.addr)) {
+  if (target.is_address && std::find(loopback_upstreams.begin(), loopback_upstreams.end(), target.addr) !=
+                               loopback_upstreams.end()) {
+    x.reason = what + " is one of egressd's loopback DNS upstreams (such as Docker's embedded resolver): only egressd "
+               "reaches it, on any port, in every phase; ask egressd's DNS proxy instead";
+  } else if (target.is_address && is_loopback(target.addr)) {
     x.allowed = true;
     x.reason = what + " is a loopback address: loopback is always allowed";
   } else if (phase.mode == Mode::public_) {
@@ -318,8 +348,14 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
     x.reason = "phase " + phase.name + " is no-network: all egress is denied (loopback excepted)";
     if (!target.is_address) x.reason += " and every DNS query is refused";
     x.hint = "switch to a phase that allows it (egressctl apply PHASE; check one first with explain --phase PHASE)";
+  } else if (target.is_address && is_group_address(target.addr)) {
+    x.reason = what + " is a " + (target.addr.family == 4 && target.addr.bytes[0] == 255 ? "broadcast" : "multicast") +
+               " address: outside public, broadcast and multicast destinations are denied whatever entry covers them "
+               "(one datagram would reach every host of the segment)";
+    // DNS answers never teach them either: the learn guard says which range.
+    if (auto g = dns::learn_guard(target.addr)) x.guard = g->to_string();
   } else if (target.is_address) {
-    explain_address(x, phase, target.addr, learned);
+    explain_address(x, phase, target.addr, learned, private_answers);
   } else {
     explain_hostname(x, phase, target.hostname, learned);
   }
@@ -337,7 +373,8 @@ nlohmann::json Explanation::to_json() const {
           {"entry", opt(entry)},
           {"learned_name", opt(learned_name)},
           {"names", names},
-          {"hint", opt(hint)}};
+          {"hint", opt(hint)},
+          {"guard", opt(guard)}};
 }
 
 }  // namespace egressd::audit

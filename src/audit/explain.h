@@ -53,21 +53,30 @@ struct Explanation {
   std::optional<std::string> entry;         // the entry that allows it
   std::optional<std::string> learned_name;  // the DNS name through which `entry` allows an address
   std::vector<std::string> names;           // sorted, unique: names that resolved to the address
+  // The learn guard (dns/message.h) that keeps the address from being
+  // learned for the names the phase allows: "10.0.0.0/8 (private)".
+  std::optional<std::string> guard;
   std::optional<std::string> hint;          // what to change when denied
 
   // The protocol fields (docs/protocol.md "explain"), without "ok":
-  // target, phase, mode, allowed, reason, entry, learned_name, names, hint
-  // (absent optionals are null).
+  // target, phase, mode, allowed, reason, entry, learned_name, names, hint,
+  // guard (absent optionals are null).
   nlohmann::json to_json() const;
 };
 
 // Explains `target` under `phase` as egressd enforces it: loopback always
-// allowed; public allows all; no-network denies all; allowlist allows an
+// allowed, except `loopback_upstreams` (egressd's own loopback DNS upstreams,
+// Docker's 127.0.0.11: nobody else reaches them, in any phase); public allows
+// all; no-network denies all; outside public multicast and 255.255.255.255
+// are denied whatever entry covers them (so are the namespace's subnet
+// broadcasts, which this pure function cannot know); allowlist allows an
 // address inside an IP/CIDR entry (the most specific one wins) or learned
 // from DNS for a name an entry allows (never a rebinding-guard address), and
 // a hostname the DNS proxy would answer. `names_for` may be empty.
+// `private_answers` is the policy's dns.private_answers (learn guards).
 Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned,
-                    const NamesFor& names_for);
+                    const NamesFor& names_for, const std::vector<IpPrefix>& loopback_upstreams = {},
+                    PrivateAnswers private_answers = PrivateAnswers::exact);
 
 // The allowlist advice for a denied name: "add files.pythonhosted.org, or
 // *.pythonhosted.org" (no wildcard over a single-label parent such as *.org).

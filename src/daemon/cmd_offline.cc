@@ -82,11 +82,13 @@ int cmd_render(const RenderArgs& args) {
     return report(Error::invalid("unknown phase \"" + args.phase + "\" in " + args.config + " (phases: " + names + ")"));
   }
   const nft::ActiveState st = nft::make_state(*policy, *ph, 1, false);
-  // The same upstream exemptions as `run` (the mark is the default one: the
-  // daemon draws its own per table).
-  const nft::CompileOptions opts =
-      compile_options(dns::expand_upstreams(policy->dns, read_resolv_conf()), args.dns_port);
+  // The same upstream exemptions as `run` (the secrets are the defaults: the
+  // daemon draws its own per table), and an egress chain for each
+  // --interface (`run` makes one per interface of its namespace).
+  nft::CompileOptions opts = compile_options(dns::expand_upstreams(policy->dns, read_resolv_conf()), args.dns_port);
+  opts.interfaces = args.interfaces;
   std::cout << nft::render_table(nft::build_table(*policy, nullptr, st, opts));
+  if (auto nd = nft::build_netdev_table(st, opts)) std::cout << nft::render_table(*nd);
   return 0;
 }
 

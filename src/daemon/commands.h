@@ -21,6 +21,7 @@ struct RenderArgs {
   std::string config;
   std::string phase;
   int dns_port = 53;
+  std::vector<std::string> interfaces;  // one egress chain each in table netdev egressd
 };
 int cmd_render(const RenderArgs& args);
 

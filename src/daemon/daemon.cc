@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -23,6 +24,8 @@
 #include "control/server.h"
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
+#include "daemon/ctforget.h"
+#include "daemon/netwatch.h"
 #include "daemon/sandbox.h"
 #include "daemon/sockdiag.h"
 #include "daemon/tamper_guard.h"
@@ -71,13 +74,63 @@ Status write_ready_file(const std::string& path, const nft::ActiveState& st) {
   return {};
 }
 
-std::uint32_t random_mark() {
+// 32 bits for the table's secrets (Sandbox::draw_secrets rejects the values
+// that must not be used and draws again).
+std::uint32_t random32() {
   std::uint32_t m = 0;
-  while (m == 0 || m == nft::kOwnTrafficMark) {
-    if (::getrandom(&m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) m = 0;
+  while (::getrandom(&m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) {
   }
   return m;
 }
+
+// Watches the namespace's interfaces: every link or IPv6 route change is
+// answered with a fresh dump handed to the sandbox (new interfaces get their
+// egress chain, vanished ones lose it). A wait on the socket, then a drain and
+// a dump; errors are logged and the watch goes on.
+class NetWatchLoop {
+ public:
+  NetWatchLoop(boost::asio::io_context& io, NetWatch watch, Sandbox& sandbox)
+      : watch_(std::move(watch)), sd_(io, watch_.fd()), sandbox_(sandbox) {}
+  ~NetWatchLoop() { close(); }
+  void start() { wait(); }
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    boost::system::error_code ec;
+    sd_.cancel(ec);
+    (void)sd_.release();  // the fd belongs to watch_
+  }
+
+ private:
+  void wait() {
+    sd_.async_wait(boost::asio::posix::stream_descriptor::wait_read, [this](const boost::system::error_code& ec) {
+      if (ec || closed_) return;
+      on_readable();
+      wait();
+    });
+  }
+  void on_readable() {
+    auto changed = watch_.drain();
+    if (!changed) {
+      spdlog::get("egressd")->error("interface watch: {}", changed.error().message);
+    } else if (!*changed) {
+      return;
+    }
+    auto view = watch_.dump();
+    if (!view) {
+      spdlog::get("egressd")->error("interface watch: {}", view.error().message);
+      return;
+    }
+    if (auto st = sandbox_.update_network(*view); !st) {
+      spdlog::get("egressd")->error("interface watch: {}", st.error().message);
+    }
+  }
+
+  NetWatch watch_;
+  boost::asio::posix::stream_descriptor sd_;
+  Sandbox& sandbox_;
+  bool closed_ = false;
+};
 
 // True when this kernel takes the deny chain's rate-limited log rule (nft_log
 // and nft_limit; nft_log needs the nfnetlink_log backend, which a container
@@ -120,6 +173,20 @@ int cmd_run(const RunArgs& a) {
         "cannot program nftables in this network namespace: egressd needs CAP_NET_ADMIN there "
         "(Operation not permitted), or the kernel lacks nf_tables"));
   }
+  if (!caps.fib || (a.dns_port != 0 && !caps.socket)) {
+    // Integral to the ruleset (forged sources, broadcast guards; egressd's
+    // upstream sockets taking replies only): without them there is no policy
+    // to offer, only a weaker one, and egressd never weakens silently.
+    return report(Error::runtime(std::string("this kernel lacks nftables ") + (!caps.fib ? "fib" : "socket") +
+                                 " matching (" + (!caps.fib ? "nft_fib_inet" : "nft_socket") +
+                                 "), which egressd's ruleset needs; load the module on the host"));
+  }
+  if (!caps.egress_hook) {
+    // Run, but never claim it: `capabilities` says block_raw_frames=false.
+    log->warn("this kernel has no netdev egress hook (Linux >= 5.16, CONFIG_NETFILTER_EGRESS): frames a sandbox "
+              "process writes with AF_PACKET (CAP_NET_RAW, in Docker's default set) are NOT held to the policy; drop "
+              "NET_RAW from the sandbox (docs/security.md)");
+  }
   if (a.dns_port != 0 && !caps.nat) {
     return report(Error::runtime(
         "this kernel cannot redirect DNS to egressd (no nat in nf_tables); hostnames cannot be enforced. "
@@ -133,14 +200,26 @@ int cmd_run(const RunArgs& a) {
               policy->enforce.log_group);
     policy->enforce.log_group = 0;
   }
-  const std::vector<std::string> upstream = dns::expand_upstreams(policy->dns, read_resolv_conf());
+  const std::string resolv_conf = read_resolv_conf();
+  const std::vector<std::string> upstream = dns::expand_upstreams(policy->dns, resolv_conf);
 
   SandboxOptions opts;
-  opts.compile = compile_options(upstream, a.dns_port);
-  // A fresh table gets a mark nobody can predict (see kOwnTrafficMark).
-  opts.new_own_mark = random_mark;
-  opts.policy = *policy;
   opts.state_file = a.state_file.empty() ? a.socket + ".state" : a.state_file;
+  // Where Docker's embedded resolver forwards (the DNS proxy's relay
+  // targets): from resolv.conf's "# ExtServers:" comment (Docker >= 25);
+  // else those an earlier egressd pinned, which start() adopts from the
+  // kernel's upstream sets; else the proxy's probe pins them.
+  dns::ForwarderOptions forwarder;
+  forwarder.probe = true;
+  if (const dns::ExtServers ext = dns::ext_servers_from_resolv_conf(resolv_conf); ext.present) {
+    forwarder.targets = ext.targets;
+    forwarder.source = "resolv.conf";
+    forwarder.probe = false;  // Docker said where it forwards: nothing to guess
+  }
+  opts.compile = compile_options(upstream, a.dns_port);
+  // A fresh table gets secrets nobody can predict (see nft/compile.h).
+  opts.random = random32;
+  opts.policy = *policy;
   opts.netns = a.netns_pid != 0 ? "/proc/" + std::to_string(a.netns_pid) + "/ns/net" : a.netns_path;
   opts.socket = a.socket;
   boost::asio::io_context io;
@@ -193,21 +272,62 @@ int cmd_run(const RunArgs& a) {
   sandbox.set_large_batch_runner(
       [g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
 
-  if (auto s = sandbox.start(initial); !s) return report(s.error());
-  (*guard)->start();
-  // The proxy needs the own-traffic mark, fixed by start (drawn, or adopted
-  // from the table). Until it listens, redirected queries fail fast (port
-  // unreachable): nothing leaves.
+  // The proxy binds before the table is built (issue 14, class 10): if its
+  // port was taken while egressd was down, it listens elsewhere and the
+  // redirect is built (or restaged: the port is part of the staged digest)
+  // to point there. It also binds the upstreams local to the namespace
+  // before anything is served. It serves once the own-traffic mark is fixed
+  // by start (drawn, or adopted from the table); until then queries queue.
+  std::unique_ptr<ConntrackForgetter> forgetter;  // outlives the proxy that tells it
   std::unique_ptr<dns::Proxy> proxy;
   if (a.dns_port != 0) {
     if (upstream.empty()) log->warn("no upstream DNS server (dns.upstream); allowed names will get SERVFAIL");
     dns::ProxyOptions popts;
     popts.port = static_cast<std::uint16_t>(a.dns_port);
+    popts.fallback_port = true;
     popts.upstream = upstream;
-    popts.own_mark = sandbox.own_mark();
-    auto p = dns::Proxy::start(io, popts, sandbox);
+    popts.max_ttl = policy->dns.max_ttl_s;
+    popts.forwarder = forwarder;
+    if (auto ct = ConntrackForgetter::open(io)) {
+      forgetter = std::move(*ct);
+      popts.forget_flow = [f = forgetter.get()](const dns::FlowTuple& t) { f->forget(t); };
+    } else {
+      log->warn("finished upstream DNS flows stay in conntrack (a sandbox query that reuses their port will "
+                "fail): {}", ct.error().message);
+    }
+    auto p = dns::Proxy::bind(io, popts, sandbox);
     if (!p) return report(p.error());
     proxy = std::move(*p);
+    if (proxy->port_fell_back()) {
+      log->warn("port {} in the sandbox was taken by another process while egressd was down; the DNS proxy "
+                "listens on port {} and the redirect points there. Under Docker any process may bind port 53 "
+                "(net.ipv4.ip_unprivileged_port_start=0): start the task container with "
+                "--sysctl net.ipv4.ip_unprivileged_port_start=1024",
+                a.dns_port, proxy->port());
+      sandbox.set_dns_port(proxy->port());
+    }
+  }
+
+  // The interfaces before start (its table gets an egress chain for each),
+  // and the watch subscribed before the dump so no change is missed.
+  auto watch = NetWatch::open();
+  if (!watch) return report(watch.error().wrap("interface watch"));
+  auto view = watch->dump();
+  if (!view) return report(view.error().wrap("interface watch"));
+  (void)sandbox.update_network(*view);
+  if (auto s = sandbox.start(initial); !s) return report(s.error());
+  (*guard)->start();
+  NetWatchLoop netwatch(io, std::move(*watch), sandbox);
+  netwatch.start();
+  if (proxy) {
+    if (forwarder.targets.empty() && !sandbox.relay_upstreams().empty()) {
+      // Pinned by an earlier egressd: adopted from the kernel, no probe.
+      dns::ForwarderOptions kept;
+      for (const auto& t : sandbox.relay_upstreams()) kept.targets.push_back(t.to_string());
+      kept.source = "kernel";
+      proxy->set_forwarder(std::move(kept));
+    }
+    proxy->serve(sandbox.own_mark());
     sandbox.attach_proxy(proxy.get());
     sandbox.preresolve_active();
   }
@@ -248,7 +368,7 @@ int cmd_run(const RunArgs& a) {
                {"mode", to_string(sandbox.state().mode)},
                {"generation", sandbox.state().generation},
                {"socket", a.socket},
-               {"dns_port", a.dns_port},
+               {"dns_port", proxy ? proxy->port() : a.dns_port},
                {"upstream", upstream},
                {"capabilities", caps.to_json()},
                {"verify_interval_s", a.verify_interval_s},
@@ -256,13 +376,14 @@ int cmd_run(const RunArgs& a) {
               spdlog::level::info,
               fmt::format("ready phase={} mode={} gen={} socket={} dns_port={} upstream={} startup_us={}",
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
-                          a.socket, a.dns_port, ups.empty() ? "-" : ups, startup_us));
+                          a.socket, proxy ? proxy->port() : a.dns_port, ups.empty() ? "-" : ups, startup_us));
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](const boost::system::error_code& ec, int sig) {
     if (ec) return;
     (*guard)->close();  // --cleanup-on-exit deletes the table: not tampering
+    netwatch.close();
     audit_event("shutdown",
                 {{"signal", sig},
                  {"phase", sandbox.state().phase},

@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
   r->add_option("--phase", render.phase, "phase name")->required();
   r->add_option("--dns-port", render.dns_port, "DNS proxy port the redirect points at (as for run); 0 = none")
       ->check(CLI::Range(0, 65535));
+  r->add_option("--interface", render.interfaces,
+                "an interface to give an egress chain in table netdev egressd (repeatable; run makes one per "
+                "non-loopback interface of its namespace)");
 
   RunArgs run;
   run.socket = egressd::control::default_socket_path();

@@ -1,6 +1,7 @@
 #include "daemon/sandbox.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -73,6 +74,12 @@ json Capabilities::to_json() const {
       {"network_allowlist_ipv4_cidrs", allow},
       {"network_allowlist_ipv6_cidrs", allow && ipv6},
       {"dynamic_network_policy", filter},
+      // egressd's own: AF_PACKET frames (CAP_NET_RAW) are held to the policy
+      // only where the kernel has the netdev egress hook; egressd never
+      // claims it otherwise (docs/security.md).
+      {"block_raw_frames", filter && egress_hook},
+      {"fib_match", fib},
+      {"socket_match", socket},
   };
 }
 
@@ -103,6 +110,28 @@ Capabilities probe_capabilities(nft::Kernel& kernel) {
   nat.chains.push_back({"nat", nft::BaseChain{nft::HookType::nat, -100, false},
                         {{{nft::MatchDport{17, 53}, nft::StmtRedirect{53}}, ""}}});
   caps.nat = probe(nat);
+  nft::Table fib;
+  fib.chains.push_back({"output", nft::BaseChain{nft::HookType::filter, 0, false},
+                        {{{nft::MatchFibAddrType{false, nft::AddrType::local, true}, nft::StmtCounter{}}, ""}}});
+  caps.fib = probe(fib);
+  nft::Table sock;
+  sock.chains.push_back({"input", nft::BaseChain{nft::HookType::filter, 0, false, nft::Hook::input},
+                         {{{nft::MatchSocketMark{1}, nft::StmtCounter{}}, ""}}});
+  caps.socket = probe(sock);
+  // An egress chain on `lo` (every namespace has it) tells whether the hook
+  // exists; nothing stays.
+  nft::Table egress;
+  egress.family = nft::Family::netdev;
+  egress.chains.push_back({"eg", nft::BaseChain{nft::HookType::filter, 0, false, nft::Hook::egress, "lo"},
+                           {{{nft::MatchMetaProtocolArp{}, nft::StmtCounter{}}, ""}}});
+  {
+    egress.name = "egressd_probe";
+    nft::Change ch;
+    ch.table = egress.name;
+    ch.ops.push_back(nft::OpAddTable{egress});
+    ch.ops.push_back(nft::OpDeleteTable{egress.name, nft::Family::netdev});
+    caps.egress_hook = kernel.apply(ch).ok();
+  }
   return caps;
 }
 
@@ -174,16 +203,174 @@ const Phase& Sandbox::active_phase() const {
 }
 
 Status Sandbox::install(const Phase& phase, std::uint64_t generation, bool replace_existing) {
-  const nft::ActiveState st = nft::make_state(opts_.policy, phase, generation, opts_.policy.find(phase.name) != &phase);
+  const nft::ActiveState st = nft::make_state(opts_.policy, phase, generation, opts_.policy.find(phase.name) != &phase,
+                                              opts_.compile.mark_salt);
   nft::Change ch;
   ch.table = nft::kTableName;
   if (replace_existing) ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
   ch.ops.push_back(nft::OpAddTable{
       nft::build_table(opts_.policy, st.is_inline ? &phase : nullptr, st, opts_.compile)});
-  if (auto s = apply_batch(ch); !s) return s;
-  state_ = st;
+  const nft::ActiveState prev = std::exchange(state_, st);
+  rebuild_netdev(ch);
+  if (auto s = apply_batch(ch); !s) {
+    state_ = prev;
+    return s;
+  }
   active_facts_ = facts(phase);
   return {};
+}
+
+void Sandbox::rebuild_netdev(nft::Change& ch) const {
+  auto t = nft::build_netdev_table(state_, opts_.compile);
+  if (!t) return;
+  // Stateless (the mode in force, the interfaces, the secrets), so always
+  // rebuilt whole: ensure + delete + add is one transaction whether or not
+  // the table was there.
+  ch.ops.push_back(nft::OpEnsureTable{nft::kTableName, nft::Family::netdev});
+  ch.ops.push_back(nft::OpDeleteTable{nft::kTableName, nft::Family::netdev});
+  ch.ops.push_back(nft::OpAddTable{std::move(*t)});
+}
+
+namespace {
+
+// Secrets must differ from the defaults `render` prints and from each other;
+// a priority of 0 ("none") or 0xffffffff ("root") would be one anybody sets.
+std::uint32_t draw(const std::function<std::uint32_t()>& random, std::initializer_list<std::uint32_t> not_these) {
+  for (;;) {
+    const std::uint32_t v = random();
+    if (std::find(not_these.begin(), not_these.end(), v) == not_these.end()) return v;
+  }
+}
+
+}  // namespace
+
+void Sandbox::draw_secrets() {
+  if (!opts_.random) return;
+  auto& c = opts_.compile;
+  c.own_mark = draw(opts_.random, {0, nft::kOwnTrafficMark});
+  c.pass_mark = draw(opts_.random, {0, nft::kPassMark, c.own_mark});
+  c.pass_priority = draw(opts_.random, {0, 0xffffffffu, nft::kPassPriority});
+  draw_salt();
+}
+
+void Sandbox::draw_salt() {
+  if (!opts_.random) return;
+  opts_.compile.mark_salt = draw(opts_.random, {opts_.compile.mark_salt});
+}
+
+Status Sandbox::update_network(const NetworkView& view) {
+  const NetworkView before{opts_.compile.interfaces, opts_.compile.onlink6};
+  if (view == before && started_) return {};
+  opts_.compile.interfaces = view.interfaces;
+  opts_.compile.onlink6 = view.onlink6;
+  if (!started_) return {};
+  nft::Change ch;
+  ch.table = nft::kTableName;
+  if (opts_.compile.netdev) {
+    for (const auto& name : before.interfaces) {
+      if (std::binary_search(view.interfaces.begin(), view.interfaces.end(), name)) continue;
+      // The interface went (deleted, or moved to another namespace): its
+      // chain goes too. Flushed first: a chain must be empty to be deleted.
+      ch.ops.push_back(nft::OpFlushChain{nft::egress_chain_name(name), nft::Family::netdev});
+      ch.ops.push_back(nft::OpDeleteChain{nft::egress_chain_name(name), nft::Family::netdev});
+    }
+    for (const auto& name : view.interfaces) {
+      if (std::binary_search(before.interfaces.begin(), before.interfaces.end(), name)) continue;
+      ch.ops.push_back(nft::OpAddChain{nft::egress_chain(name), nft::Family::netdev});
+    }
+  }
+  if (view.onlink6 != before.onlink6) {
+    // Whole set: a handful of prefixes, and merged ranges do not diff well.
+    const auto old_elems = nft::make_interval_elems(before.onlink6);
+    const auto new_elems = nft::make_interval_elems(view.onlink6);
+    if (!old_elems.empty()) {
+      ch.ops.push_back(nft::OpDeleteElems{nft::kOnlinkSet6, nft::SetType::ipv6_addr, true, old_elems});
+    }
+    if (!new_elems.empty()) {
+      ch.ops.push_back(nft::OpAddElems{nft::kOnlinkSet6, nft::SetType::ipv6_addr, true, new_elems});
+    }
+  }
+  if (ch.ops.empty()) return {};
+  if (auto st = kernel_->apply(ch); !st) {
+    log()->error("interfaces changed; table update failed (restoring): {}", st.error().message);
+    // The table may hold chains for interfaces that no longer exist or lack
+    // some: rebuild it from the view (the view is kept either way).
+    return restore_table();
+  }
+  log()->info("interfaces={} onlink6={}", fmt::join(view.interfaces, ","), view.onlink6.size());
+  return {};
+}
+
+Status Sandbox::add_relay_upstream(const IpPrefix& addr) {
+  if ((addr.family != 4 && addr.family != 6) || addr.prefix_len != addr.size() * 8) {
+    return Error::invalid("relay upstream " + addr.to_string() + ": not a single address");
+  }
+  auto& extra = opts_.compile.extra_upstreams;
+  const auto& conf = opts_.compile.upstreams;
+  if (std::find(extra.begin(), extra.end(), addr) != extra.end() ||
+      std::find(conf.begin(), conf.end(), addr) != conf.end()) {
+    return {};
+  }
+  if (started_) {
+    nft::Change ch;
+    ch.table = nft::kTableName;
+    ch.ops.push_back(nft::OpAddElems{upstream_set(addr), addr.family == 4 ? nft::SetType::ipv4_addr : nft::SetType::ipv6_addr,
+                                     false, {{addr, addr, 0}}});
+    if (auto st = kernel_->apply(ch); !st) return st;
+  }
+  extra.push_back(addr);
+  log()->info("relay upstream added address={}", addr.to_string());
+  return {};
+}
+
+Status Sandbox::remove_relay_upstream(const IpPrefix& addr) {
+  const auto& conf = opts_.compile.upstreams;
+  if (std::find(conf.begin(), conf.end(), addr) != conf.end()) {
+    return Error::invalid("relay upstream " + addr.to_string() + ": a configured upstream (dns.upstream) stays");
+  }
+  auto& extra = opts_.compile.extra_upstreams;
+  const auto it = std::find(extra.begin(), extra.end(), addr);
+  if (it == extra.end()) return {};
+  if (started_) {
+    nft::Change ch;
+    ch.table = nft::kTableName;
+    ch.ops.push_back(nft::OpDeleteElems{upstream_set(addr),
+                                        addr.family == 4 ? nft::SetType::ipv4_addr : nft::SetType::ipv6_addr, false,
+                                        {{addr, addr, 0}}});
+    if (auto st = kernel_->apply(ch); !st) return st;
+  }
+  extra.erase(it);
+  log()->info("relay upstream removed address={}", addr.to_string());
+  return {};
+}
+
+std::string Sandbox::upstream_set(const IpPrefix& addr) {
+  const bool lo = (addr.family == 4 && addr.bytes[0] == 127) || (addr.family == 6 && addr == *parse_ip("::1"));
+  if (addr.family == 4) return lo ? nft::kLoUpstreamSet4 : nft::kUpstreamSet4;
+  return lo ? nft::kLoUpstreamSet6 : nft::kUpstreamSet6;
+}
+
+void Sandbox::adopt_relay_upstreams() {
+  // Elements of the kernel's upstream sets that the config does not name
+  // were added at run time (add_relay_upstream) by the egressd before us.
+  for (const auto& [set, type] : {std::pair{nft::kUpstreamSet4, nft::SetType::ipv4_addr},
+                                  {nft::kUpstreamSet6, nft::SetType::ipv6_addr},
+                                  {nft::kLoUpstreamSet4, nft::SetType::ipv4_addr},
+                                  {nft::kLoUpstreamSet6, nft::SetType::ipv6_addr}}) {
+    auto elems = kernel_->read_set_elems(nft::kTableName, set, type);
+    if (!elems) {
+      log()->debug("relay upstreams not adopted from set {}: {}", set, elems.error().message);
+      continue;
+    }
+    for (const auto& e : *elems) {
+      const auto& conf = opts_.compile.upstreams;
+      auto& extra = opts_.compile.extra_upstreams;
+      if (std::find(conf.begin(), conf.end(), e.from) != conf.end()) continue;
+      if (std::find(extra.begin(), extra.end(), e.from) != extra.end()) continue;
+      extra.push_back(e.from);
+      log()->info("relay upstream adopted address={}", e.from.to_string());
+    }
+  }
 }
 
 Status Sandbox::start(const std::string& initial_phase) {
@@ -192,22 +379,52 @@ Status Sandbox::start(const std::string& initial_phase) {
   }
   const Phase* initial = opts_.policy.find(initial_phase);
   if (initial == nullptr) return Error::invalid("unknown phase \"" + initial_phase + "\"");
+  opts_.compile.netdev = caps_.egress_hook;
 
-  auto existing = kernel_->read_table(nft::kTableName);
+  auto existing = kernel_->read_table(nft::kTableName, nft::Family::inet);
   if (!existing) return existing.error().wrap("cannot read table inet egressd");
-  const std::uint32_t kept_mark = existing->has_value() ? nft::mark_from_table_comment((*existing)->comment) : 0;
-  if (kept_mark != 0) {
-    opts_.compile.own_mark = kept_mark;  // the kernel's rules already use it
-  } else if (opts_.new_own_mark) {
-    opts_.compile.own_mark = opts_.new_own_mark();
+  const std::string comment = existing->has_value() ? (*existing)->comment : "";
+  const auto secrets = nft::secrets_from_table_comment(comment);
+  const std::uint32_t kept_mark = nft::mark_from_table_comment(comment);
+  // The secrets of a table we find are adopted (its rules use them, and the
+  // own mark is what the DNS proxy's sockets must carry); a fresh table, or
+  // one an older egressd made (only a mark), gets new ones.
+  draw_secrets();
+  if (secrets) {
+    opts_.compile.own_mark = secrets->own_mark;
+    opts_.compile.pass_mark = secrets->pass_mark;
+    opts_.compile.pass_priority = secrets->pass_priority;
+  } else if (kept_mark != 0) {
+    opts_.compile.own_mark = kept_mark;
   }
-  if (!existing->has_value()) {
-    if (auto s = install(*initial, 1, false); !s) return s;
-    log()->info("installed phase={} mode={} gen={}", initial->name, to_string(initial->mode), 1);
+  const bool same_config =
+      existing->has_value() && nft::digest_from_table_comment(comment) == nft::staged_digest(opts_.policy, opts_.compile);
+  // Class 9: the phase marks derive from the salt. The same config keeps it
+  // (flows allowed before the restart keep their mark); a changed config
+  // (phases reordered, renamed, entries changed) gets a new one, so a flow a
+  // switch cut cannot come back under another phase's old mark.
+  if (same_config && secrets) {
+    opts_.compile.mark_salt = secrets->mark_salt;
+  } else if (secrets) {
+    opts_.compile.mark_salt = secrets->mark_salt;
+    draw_salt();
+  }
+  if (existing->has_value()) adopt_relay_upstreams();
+  started_ = true;
+  if (auto s = start_inet(*initial, existing->has_value() ? &**existing : nullptr, same_config && secrets); !s) {
+    started_ = false;
+    return s;
+  }
+  return {};
+}
+
+Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing, bool same_config) {
+  if (existing == nullptr) {
+    if (auto s = install(initial, 1, false); !s) return s;
+    log()->info("installed phase={} mode={} gen={}", initial.name, to_string(initial.mode), 1);
     return {};
   }
-
-  const nft::TableInfo& info = **existing;
+  const nft::TableInfo& info = *existing;
   std::optional<nft::ActiveState> adopted;
   for (const auto& r : info.rules) {
     if (r.chain != "active" || r.comment.empty()) continue;
@@ -217,12 +434,11 @@ Status Sandbox::start(const std::string& initial_phase) {
   if (!adopted) {
     // A table of our name without our state: someone else's or a torn one.
     // Replace it in one batch (no window) with the initial phase.
-    if (auto s = install(*initial, 1, true); !s) return s;
-    log()->warn("replaced table inet egressd that carried no egressd state; phase={} gen=1", initial->name);
+    if (auto s = install(initial, 1, true); !s) return s;
+    log()->warn("replaced table inet egressd that carried no egressd state; phase={} gen=1", initial.name);
     return {};
   }
 
-  const bool same_config = nft::digest_from_table_comment(info.comment) == nft::staged_digest(opts_.policy, opts_.compile);
   std::optional<Phase> adopted_inline;
   if (adopted->is_inline) {
     adopted_inline = load_inline_state(adopted->generation);
@@ -234,6 +450,14 @@ Status Sandbox::start(const std::string& initial_phase) {
     state_ = *adopted;
     inline_ = adopted_inline;
     active_facts_ = facts(active_phase());
+    // The inet table stays as it is; the netdev table is rebuilt for this
+    // namespace's interfaces now (one batch: no moment without it).
+    nft::Change ch;
+    ch.table = nft::kTableName;
+    rebuild_netdev(ch);
+    if (!ch.ops.empty()) {
+      if (auto s = kernel_->apply(ch); !s) return s.error().wrap("table netdev egressd");
+    }
     audit_event("adoption",
                 {{"phase", state_.phase}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
                  {"restaged", false}},
@@ -264,15 +488,15 @@ Status Sandbox::start(const std::string& initial_phase) {
                 fmt::format("adopted inline policy gen={} and restaged the changed config", state_.generation));
     return {};
   }
-  if (auto s = install(*initial, adopted->generation + 1, true); !s) return s;
+  if (auto s = install(initial, adopted->generation + 1, true); !s) return s;
   inline_unknown_ = false;
   audit_event("adoption",
-              {{"phase", initial->name}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+              {{"phase", initial.name}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
                {"restaged", true}, {"dropped_phase", adopted->phase}},
               spdlog::level::warn,
               fmt::format("adopted phase={} cannot be carried into the new config (unknown there, or an inline "
                           "policy without its state file); switched to phase={} gen={}",
-                          adopted->phase, initial->name, state_.generation));
+                          adopted->phase, initial.name, state_.generation));
   return {};
 }
 
@@ -283,8 +507,9 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
   flush_learned();  // addresses answered under the old phase go in before it changes
   const auto t0 = Clock::now();
-  const nft::ActiveState next = nft::make_state(opts_.policy, target, state_.generation + 1, is_inline);
-  nft::Change ch = nft::build_switch(opts_.policy, target, next, state_);
+  const nft::ActiveState next =
+      nft::make_state(opts_.policy, target, state_.generation + 1, is_inline, opts_.compile.mark_salt);
+  nft::Change ch = nft::build_switch(opts_.policy, target, next, state_, opts_.compile);
   // Addresses the new phase allows by name (pre-resolved just now, or learned
   // earlier) go into its sets in the same transaction: no window where a
   // client's cached address is refused.
@@ -374,9 +599,9 @@ void Sandbox::run_next_apply() {
         log()->warn("pre-resolution name={} failed: {}", name, r ? "no addresses" : r.error().message);
       } else {
         for (const auto& l : *r) {
-          if (dns::is_rebinding_target(l.addr)) {
-            audit_event("rebinding_guard", {{"name", name}, {"address", l.addr.to_string()}, {"learned", false}},
-                        spdlog::level::warn);
+          // Pre-resolution asks for exact hostnames only.
+          if (auto g = dns::guard_for(l.addr, true, opts_.policy.dns.private_answers)) {
+            guarded(name, l.addr, *g, true);
             continue;
           }
           remember(name, l.addr, learn_timeout_ms(l.ttl));
@@ -417,9 +642,23 @@ std::string Sandbox::active_chain() const {
 }
 
 std::uint64_t Sandbox::learn_timeout_ms(std::uint32_t ttl) const {
-  const std::uint64_t s = std::max<std::uint64_t>(ttl, opts_.policy.dns.min_ttl_s) +
+  // dns.max_ttl caps what an answer asks for (up to 2^31-1 s, and whoever
+  // runs an allowed wildcard's zone chooses it); min_ttl <= max_ttl.
+  const std::uint64_t capped = std::min<std::uint64_t>(ttl, opts_.policy.dns.max_ttl_s);
+  const std::uint64_t s = std::max<std::uint64_t>(capped, opts_.policy.dns.min_ttl_s) +
                           static_cast<std::uint64_t>(opts_.learn_grace.count());
   return s * 1000;
+}
+
+void Sandbox::guarded(const std::string& name, const IpPrefix& addr, const dns::LearnGuard& g, bool exact) {
+  audit_event("rebinding_guard",
+              {{"name", name},
+               {"address", addr.to_string()},
+               {"learned", false},
+               {"guard", g.to_string()},
+               {"match", exact ? "exact" : "wildcard"},
+               {"private", g.private_range}},
+              spdlog::level::warn);
 }
 
 void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms) {
@@ -464,12 +703,14 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
   nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
   for (const auto& [name, addrs] : learned_) {
-    if (!m.matches(name)) continue;
+    const Entry* e = m.match(name);
+    if (e == nullptr) continue;
+    const bool exact = e->kind == EntryKind::hostname;
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;
       // public remembers every answer (attribution, hosts --suggest), the
       // rebinding guard's addresses included; they never enter a learned set.
-      if (dns::is_rebinding_target(a.addr)) continue;
+      if (dns::guard_for(a.addr, exact, opts_.policy.dns.private_answers)) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(a.expires - now).count();
       nft::SetElem e{a.addr, a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000))};
       (a.addr.family == 4 ? v4 : v6).elems.push_back(e);
@@ -489,6 +730,23 @@ dns::Action Sandbox::decide(const std::string& qname) {
   if (!state_.is_inline && opts_.policy.find(state_.phase) == nullptr && !inline_) return dns::Action::refuse;
   if (active_facts_->matcher->matches(qname)) return dns::Action::forward;
   return opts_.policy.dns.deny_answer == DenyAnswer::nxdomain ? dns::Action::nxdomain : dns::Action::refuse;
+}
+
+void Sandbox::relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                            std::function<void(Status)> done) {
+  // egressd's own marked traffic may go to the configured upstreams' port 53
+  // and to these targets, nowhere else. They stay in the kernel's upstream
+  // sets: a restarted egressd adopts them (relay_upstreams()) and does not
+  // probe again.
+  Status st;
+  std::vector<std::string> text;
+  for (const auto& t : targets) {
+    text.push_back(t.to_string());
+    if (st) st = add_relay_upstream(t);
+  }
+  audit_event("forwarder_pinned", {{"targets", text}, {"source", source}, {"ok", st.ok()}},
+              st ? spdlog::level::info : spdlog::level::err);
+  done(st);
 }
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
@@ -529,10 +787,11 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
   const auto [s4, s6] = nft::learned_sets(active_chain());
   for (const auto& l : addrs) {
     // The phase may have changed since the query was decided.
-    if (!active_facts_->matcher->matches(l.qname)) continue;
-    if (dns::is_rebinding_target(l.addr)) {
-      audit_event("rebinding_guard", {{"name", l.qname}, {"address", l.addr.to_string()}, {"learned", false}},
-                  spdlog::level::warn);
+    const Entry* e = active_facts_->matcher->match(l.qname);
+    if (e == nullptr) continue;
+    const bool exact = e->kind == EntryKind::hostname;
+    if (auto g = dns::guard_for(l.addr, exact, opts_.policy.dns.private_answers)) {
+      guarded(l.qname, l.addr, *g, exact);
       continue;
     }
     const std::uint64_t ms = learn_timeout_ms(l.ttl);
@@ -618,7 +877,7 @@ json Sandbox::status() {
   // every packet the policy decides; what `deny` did not take was allowed
   // (the chains are dumped one after the other, hence the clamp).
   std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
-  if (auto info = kernel_->read_table(nft::kTableName); info && info->has_value()) {
+  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
         dp += r.packets;
@@ -644,7 +903,8 @@ json Sandbox::status() {
          {"socket", opts_.socket}};
   if (proxy_ != nullptr) {
     const auto c = proxy_->counters();
-    j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed}, {"malformed", c.malformed}};
+    j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed},
+                {"malformed", c.malformed}, {"relayed", c.relayed}};
     j["dns"]["inflight"] = c.inflight;
   } else {
     j["dns"] = nullptr;
@@ -658,6 +918,12 @@ Status Sandbox::remove_table() {
   nft::Change ch;
   ch.table = nft::kTableName;
   ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
+  if (opts_.compile.netdev) {
+    // The egress chains' policy is drop: left alone they would cut the
+    // namespace off once the inet table that signs packets is gone.
+    ch.ops.push_back(nft::OpEnsureTable{nft::kTableName, nft::Family::netdev});
+    ch.ops.push_back(nft::OpDeleteTable{nft::kTableName, nft::Family::netdev});
+  }
   return kernel_->apply(ch);
 }
 

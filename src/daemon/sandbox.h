@@ -19,6 +19,7 @@
 #include "audit/denied.h"
 #include "audit/names.h"
 #include "audit/nflog.h"
+#include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
 #include "egressd/policy.h"
@@ -35,8 +36,14 @@ struct Capabilities {
   bool timeout_sets = false;
   bool nat = false;     // nat output chain with redirect (DNS interception)
   bool ipv6 = false;    // IPv6 enabled in the namespace
+  bool fib = false;     // fib saddr/daddr type (forged sources, broadcast guards)
+  bool socket = false;  // socket mark in input (egressd's upstream sockets take replies only)
+  // The netdev egress hook (>= 5.16, CONFIG_NETFILTER_EGRESS): raw AF_PACKET
+  // frames and everything else a device sends meet table netdev egressd.
+  bool egress_hook = false;
 
-  // Harbor's capability names -> detected.
+  // Harbor's capability names -> detected, plus egressd's own
+  // (block_raw_frames, fib_match, socket_match).
   nlohmann::json to_json() const;
 };
 
@@ -75,9 +82,11 @@ struct SandboxOptions {
   // The phase is shared, not copied: a 10k-entry phase copy costs more than
   // the switch itself.
   std::function<void(std::shared_ptr<const Phase>, std::uint64_t generation)> after_switch;
-  // Draws the own-traffic mark for a table this sandbox creates (adopted
-  // tables keep theirs). Empty: compile.own_mark as given.
-  std::function<std::uint32_t()> new_own_mark;
+  // Draws 32 random bits for the secrets of a table this sandbox creates (own
+  // mark, pass signature, mark salt; adopted tables keep theirs) and for a new
+  // mark salt when the config changed. Empty: the secrets in `compile` as
+  // given, and the salt is never redrawn (tests).
+  std::function<std::uint32_t()> random;
   // Runs `fn` later on the event loop (learned-address batching). Empty:
   // run it at once (tests).
   std::function<void(std::function<void()> fn)> post;
@@ -98,6 +107,10 @@ struct SandboxOptions {
 class Sandbox : public dns::PolicyHooks {
  public:
   Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps);
+
+  // The port the DNS redirect points at. Before start() only: the proxy
+  // binds first and may have had to take another port than configured.
+  void set_dns_port(std::uint16_t port) { opts_.compile.dns_port = port; }
 
   // The DNS proxy this sandbox pre-resolves through and reports counters of.
   // Not owned; nullptr = none (hostnames are then only learned from queries).
@@ -127,6 +140,32 @@ class Sandbox : public dns::PolicyHooks {
   const nft::ActiveState& state() const { return state_; }
   // The SO_MARK egressd's own upstream sockets must carry (valid after start).
   std::uint32_t own_mark() const { return opts_.compile.own_mark; }
+  // The secrets and salt in force (valid after start).
+  const nft::CompileOptions& compile_options() const { return opts_.compile; }
+
+  // ---- relay targets (the DNS proxy's own upstream traffic) ----
+  // Lets egressd's own marked traffic (the SO_MARK own_mark()) reach `addr`
+  // as it reaches a configured upstream: udp/tcp port 53, or any port for a
+  // loopback address (127.0.0.0/8, ::1: Docker's DNAT moves the port). A
+  // single address (full prefix length). Kept in the kernel's upstream sets,
+  // so restore_table keeps it and a restarted egressd adopts it (see
+  // relay_upstreams()). Adding one that is there already is a no-op. On
+  // failure the kernel's error (or invalid for a bad address); nothing changed.
+  Status add_relay_upstream(const IpPrefix& addr);
+  // Takes back add_relay_upstream. A configured upstream is not removed
+  // (invalid); one that is not there is a no-op.
+  Status remove_relay_upstream(const IpPrefix& addr);
+  // The relay targets in force: added since start, or found in the kernel's
+  // upstream sets at start (elements the config does not name).
+  const std::vector<IpPrefix>& relay_upstreams() const { return opts_.compile.extra_upstreams; }
+
+  // ---- the namespace's interfaces (the rtnetlink watcher drives this) ----
+  // Gives the interfaces and on-link IPv6 prefixes. Before start: what start()
+  // builds with. After: adds an egress chain for each new interface and
+  // deletes those of interfaces that went (one batch), and refreshes the
+  // on-link set; a vanished interface is never tampering. Kernel error on
+  // failure (the view is kept: restore_table uses it).
+  Status update_network(const NetworkView& view);
   const Phase& active_phase() const;
 
   // ---- tamper repair (sandbox_tamper.cc; the tamper guard drives it) ----
@@ -164,6 +203,10 @@ class Sandbox : public dns::PolicyHooks {
   dns::Action decide(const std::string& qname) override;
   void learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) override;
   void refused(const std::string& qname, std::uint16_t qtype) override;
+  // Exempts egressd's own traffic to `targets` (port 53; add_relay_upstream),
+  // which keeps them in the kernel for the next start.
+  void relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                     std::function<void(Status)> done) override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -199,9 +242,26 @@ class Sandbox : public dns::PolicyHooks {
   // `target` allows, with its remaining lifetime.
   std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain) const;
   std::uint64_t learn_timeout_ms(std::uint32_t ttl) const;
+  // Logs the rebinding_guard audit event: `addr` for `name` not learned
+  // because of `g` (the name matched an exact entry, or only a wildcard).
+  void guarded(const std::string& name, const IpPrefix& addr, const dns::LearnGuard& g, bool exact);
   void remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms);
   std::string active_chain() const;
   Status install(const Phase& phase, std::uint64_t generation, bool replace_existing);
+  // Ensure + delete + add of table netdev egressd for the state in force
+  // (nothing without the egress hook), appended to `ch`.
+  void rebuild_netdev(nft::Change& ch) const;
+  // Draws the secrets of a new table / a new salt (SandboxOptions::random).
+  void draw_secrets();
+  void draw_salt();
+  // start() once the secrets are settled: install, adopt or restage table
+  // inet egressd (`existing`: the table found, or nullptr).
+  Status start_inet(const Phase& initial, const nft::TableInfo* existing, bool same_config);
+  // Relay targets an earlier egressd added (see relay_upstreams()).
+  void adopt_relay_upstreams();
+  // The upstream set `addr` belongs in (loopback ones apart).
+  static std::string upstream_set(const IpPrefix& addr);
+  bool started_ = false;  // start() ran: changes go to the kernel at once
   void save_inline_state();
   std::optional<Phase> load_inline_state(std::uint64_t generation);
 

@@ -64,7 +64,19 @@ nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
     }
     return names;
   };
-  return control::ok_reply(audit::explain(*phase, *target, live, names_for).to_json());
+  // egressd's loopback upstreams (Docker's 127.0.0.11), which chain output
+  // keeps from everybody else when the DNS proxy runs.
+  std::vector<IpPrefix> lo_upstreams;
+  if (opts_.compile.dns_port != 0) {
+    for (const auto* list : {&opts_.compile.upstreams, &opts_.compile.extra_upstreams}) {
+      for (const auto& u : *list) {
+        const std::string set = upstream_set(u);
+        if (set == nft::kLoUpstreamSet4 || set == nft::kLoUpstreamSet6) lo_upstreams.push_back(u);
+      }
+    }
+  }
+  return control::ok_reply(
+      audit::explain(*phase, *target, live, names_for, lo_upstreams, opts_.policy.dns.private_answers).to_json());
 }
 
 }  // namespace egressd::daemon

@@ -15,36 +15,35 @@ Status Sandbox::restore_table() {
   ch.table = nft::kTableName;
   // Ensure + delete + add: one transaction whether or not the table (or
   // any of its contents) is still there, so there is no moment without it.
+  // Both tables, in the same batch: the netdev one for the interfaces the
+  // namespace has now (one that vanished is not put back). The relay targets
+  // and on-link prefixes are part of the build (opts_.compile).
   ch.ops.push_back(nft::OpEnsureTable{nft::kTableName});
   ch.ops.push_back(nft::OpDeleteTable{nft::kTableName});
   ch.ops.push_back(
       nft::OpAddTable{nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile)});
+  rebuild_netdev(ch);
   for (auto& op : carried_learned(phase, *active_facts_, active_chain())) ch.ops.push_back(std::move(op));
   return kernel_->apply(ch);
 }
 
-Result<std::vector<std::string>> Sandbox::verify_table() {
-  auto read = kernel_->read_table(nft::kTableName);
-  if (!read) return read.error();
-  std::vector<std::string> diffs;
-  if (!read->has_value()) {
-    diffs.push_back("table inet egressd missing");
-    return diffs;
-  }
-  const nft::TableInfo& info = **read;
-  const Phase& phase = active_phase();
-  const nft::Table want = nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile);
-  if (info.flags & NFT_TABLE_F_DORMANT) diffs.push_back("table inet egressd dormant");
-  if (info.comment != want.comment) diffs.push_back("table comment changed");
+namespace {
 
-  auto compare_names = [&](const char* what, std::vector<std::string> have, std::vector<std::string> expect) {
+// Differences between the kernel's table `info` and `want`, by chain and set
+// names and by rule comments per chain, as "<what> ..." lines.
+void compare_table(const std::string& what, const nft::TableInfo& info, const nft::Table& want,
+                   std::vector<std::string>& diffs) {
+  if (info.flags & NFT_TABLE_F_DORMANT) diffs.push_back(what + " dormant");
+  if (info.comment != want.comment) diffs.push_back(what + ": comment changed");
+  auto compare_names = [&](const char* kind, std::vector<std::string> have, std::vector<std::string> expect) {
     std::sort(have.begin(), have.end());
     std::sort(expect.begin(), expect.end());
     std::vector<std::string> extra, missing;
     std::set_difference(have.begin(), have.end(), expect.begin(), expect.end(), std::back_inserter(extra));
     std::set_difference(expect.begin(), expect.end(), have.begin(), have.end(), std::back_inserter(missing));
-    for (const auto& n : extra) diffs.push_back(std::string(what) + " " + n + " added");
-    for (const auto& n : missing) diffs.push_back(std::string(what) + " " + n + " missing");
+    const std::string in = want.family == nft::Family::netdev ? " (" + what + ")" : "";
+    for (const auto& n : extra) diffs.push_back(std::string(kind) + " " + n + in + " added");
+    for (const auto& n : missing) diffs.push_back(std::string(kind) + " " + n + in + " missing");
   };
   std::vector<std::string> want_chains, want_sets;
   for (const auto& c : want.chains) want_chains.push_back(c.name);
@@ -64,9 +63,37 @@ Result<std::vector<std::string>> Sandbox::verify_table() {
     if (it == have_rules.end() && std::find(info.chains.begin(), info.chains.end(), c.name) == info.chains.end()) {
       continue;  // reported as a missing chain
     }
-    diffs.push_back("chain " + c.name + ": " + std::to_string(have.size()) + " rules, " +
-                    std::to_string(expect.size()) + " expected" +
+    diffs.push_back("chain " + c.name + (want.family == nft::Family::netdev ? " (" + what + ")" : "") + ": " +
+                    std::to_string(have.size()) + " rules, " + std::to_string(expect.size()) + " expected" +
                     (have.size() == expect.size() ? " (changed)" : ""));
+  }
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> Sandbox::verify_table() {
+  auto read = kernel_->read_table(nft::kTableName, nft::Family::inet);
+  if (!read) return read.error();
+  std::vector<std::string> diffs;
+  if (!read->has_value()) {
+    diffs.push_back("table inet egressd missing");
+  } else {
+    const Phase& phase = active_phase();
+    const nft::Table want = nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile);
+    compare_table("table inet egressd", **read, want, diffs);
+  }
+  // The netdev table is compared with the interfaces the watcher last
+  // reported: one that vanished since is dropped from the table by the
+  // watcher's update (never a difference here), one that appeared is added
+  // by it.
+  if (const auto want = nft::build_netdev_table(state_, opts_.compile)) {
+    auto nd = kernel_->read_table(nft::kTableName, nft::Family::netdev);
+    if (!nd) return nd.error();
+    if (!nd->has_value()) {
+      diffs.push_back("table netdev egressd missing");
+    } else {
+      compare_table("table netdev egressd", **nd, *want, diffs);
+    }
   }
   return diffs;
 }

@@ -81,8 +81,67 @@ Result<QuestionAt> read_question(Bytes msg, std::size_t off) {
   return q;
 }
 
-bool is_v4_rebinding(const std::uint8_t* b) {
-  return b[0] == 0 || b[0] == 127 || (b[0] == 169 && b[1] == 254);
+// Walks the records after the question of a message with qdcount 1 and
+// calls fn(owner offset, head, section index 0..2) for each. Error (invalid)
+// when a record cannot be read.
+template <class Fn>
+Status walk_records(Bytes msg, Fn&& fn) {
+  auto h = read_header(msg);
+  if (!h) return at(0, "shorter than a header");
+  if (h->qdcount != 1) return at(4, "qdcount " + std::to_string(h->qdcount));
+  auto q = read_question(msg, kHeaderSize);
+  if (!q) return q.error();
+  std::size_t pos = q->end;
+  const unsigned counts[3] = {h->ancount, h->nscount, h->arcount};
+  for (int section = 0; section < 3; ++section) {
+    for (unsigned i = 0; i < counts[section]; ++i) {
+      auto owner = read_name(msg, pos);
+      if (!owner) return owner.error();
+      auto rr = read_record_head(msg, owner->end);
+      if (!rr) return rr.error();
+      fn(pos, *rr, section);
+      pos = rr->end;
+    }
+  }
+  return {};
+}
+
+struct V4Guard {
+  std::uint8_t net[4];
+  int len;
+  std::string_view range;
+  bool private_range;
+};
+
+// Every IPv4 range no answer may teach (DESIGN §1, issue 14 class 7), most
+// specific first where they nest.
+constexpr V4Guard kV4Guards[] = {
+    {{0, 0, 0, 0}, 8, "0.0.0.0/8 (this network)", false},
+    {{127, 0, 0, 0}, 8, "127.0.0.0/8 (loopback)", false},
+    {{169, 254, 169, 254}, 32, "169.254.169.254 (cloud metadata)", false},
+    {{169, 254, 0, 0}, 16, "169.254.0.0/16 (link-local)", false},
+    {{224, 0, 0, 0}, 4, "224.0.0.0/4 (multicast)", false},
+    {{255, 255, 255, 255}, 32, "255.255.255.255 (broadcast)", false},
+    {{240, 0, 0, 0}, 4, "240.0.0.0/4 (reserved)", false},
+    {{10, 0, 0, 0}, 8, "10.0.0.0/8 (private)", true},
+    {{172, 16, 0, 0}, 12, "172.16.0.0/12 (private)", true},
+    {{192, 168, 0, 0}, 16, "192.168.0.0/16 (private)", true},
+    {{100, 64, 0, 0}, 10, "100.64.0.0/10 (shared, CGNAT)", true},
+};
+
+bool in_prefix(const std::uint8_t* addr, const std::uint8_t* net, int len) {
+  for (int bit = 0; bit < len; ++bit) {
+    const int byte = bit / 8, shift = 7 - bit % 8;
+    if (((addr[byte] >> shift) & 1) != ((net[byte] >> shift) & 1)) return false;
+  }
+  return true;
+}
+
+std::optional<LearnGuard> v4_guard(const std::uint8_t* b, std::string_view embedded) {
+  for (const V4Guard& g : kV4Guards) {
+    if (in_prefix(b, g.net, g.len)) return LearnGuard{g.range, g.private_range, embedded};
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -235,6 +294,9 @@ ParsedQuery parse_query(Bytes msg) {
         return q;
       }
       seen_opt = true;
+      q.edns = true;
+      // The TTL field of an OPT: extended rcode, version, then the DO bit.
+      q.dnssec_ok = (rr->ttl & 0x8000u) != 0;
       q.udp_size = std::clamp<std::size_t>(rr->klass, kClassicUdpSize, kMaxUdpSize);
     }
     pos = rr->end;
@@ -445,20 +507,180 @@ Result<std::vector<std::uint8_t>> build_query(std::uint16_t id, std::string_view
   return out;
 }
 
-bool is_rebinding_target(const IpPrefix& addr) {
+ForwardQuery build_forward_query(const ParsedQuery& q, Bytes client, std::uint16_t id,
+                                 std::span<const std::uint8_t, kCaseBits> case_bits) {
+  ForwardQuery out = build_forward_query(q, client, id);
+  apply_0x20(std::span(out.wire).subspan(kHeaderSize, out.question_end - kHeaderSize), case_bits);
+  return out;
+}
+
+ForwardQuery build_forward_query(const ParsedQuery& q, Bytes client, std::uint16_t id) {
+  ForwardQuery out;
+  auto& w = out.wire;
+  const std::size_t qlen = q.question_end > kHeaderSize && q.question_end <= client.size()
+                               ? q.question_end - kHeaderSize
+                               : 0;
+  w.reserve(kHeaderSize + qlen + 11);
+  put16(w, id);
+  // RD: the client asks for recursion (or not); CD: it validates DNSSEC
+  // itself. Every other bit is egressd's: QR, opcode (QUERY), AA, TC, AD, Z.
+  put16(w, static_cast<std::uint16_t>(q.header.flags & 0x0110));
+  put16(w, 1);
+  put16(w, 0);
+  put16(w, 0);
+  put16(w, 1);
+  // parse_query accepted the question only uncompressed: the client's bytes
+  // are labels, the root label, type and class.
+  w.insert(w.end(), client.begin() + kHeaderSize, client.begin() + static_cast<std::ptrdiff_t>(kHeaderSize + qlen));
+  out.question_end = w.size();
+  // OPT (RFC 6891): root owner, our payload size, extended rcode 0, version
+  // 0, the client's DO bit, no options.
+  w.push_back(0);
+  put16(w, qtype::OPT);
+  put16(w, kUpstreamPayload);
+  put16(w, 0);
+  put16(w, q.dnssec_ok ? 0x8000 : 0);
+  put16(w, 0);
+  return out;
+}
+
+void apply_0x20(std::span<std::uint8_t> name, std::span<const std::uint8_t, kCaseBits> case_bits) {
+  std::size_t pos = 0, bit = 0;
+  while (pos < name.size()) {
+    const std::uint8_t len = name[pos];
+    if (len == 0 || (len & 0xC0) != 0) return;
+    for (std::size_t i = pos + 1; i <= pos + len && i < name.size(); ++i, ++bit) {
+      std::uint8_t c = name[i];
+      const bool upper = ((case_bits[(bit / 8) % kCaseBits] >> (bit % 8)) & 1) != 0;
+      if (c >= 'a' && c <= 'z' && upper) c = static_cast<std::uint8_t>(c - 32);
+      if (c >= 'A' && c <= 'Z' && !upper) c = static_cast<std::uint8_t>(c + 32);
+      name[i] = c;
+    }
+    pos += std::size_t{len} + 1;
+  }
+}
+
+bool echoes_query(Bytes answer, std::uint16_t id, Bytes question) {
+  auto h = read_header(answer);
+  if (!h || !h->qr() || h->id != id || h->qdcount != 1) return false;
+  if (question.empty() || answer.size() - kHeaderSize < question.size()) return false;
+  return std::memcmp(answer.data() + kHeaderSize, question.data(), question.size()) == 0;
+}
+
+Status cap_ttls(std::span<std::uint8_t> msg, std::uint32_t max_ttl) {
+  struct Write {
+    std::size_t at;  // offset of the TTL field
+    std::uint32_t ttl;
+  };
+  std::vector<Write> writes;
+  Status st = walk_records(msg, [&](std::size_t, const RecordHead& rr, int) {
+    if (rr.type == qtype::OPT) return;
+    std::uint32_t ttl = rr.ttl;
+    if ((ttl & 0x80000000u) != 0) ttl = 0;
+    ttl = std::min(ttl, max_ttl);
+    if (ttl != rr.ttl) writes.push_back({rr.rdata - 6, ttl});
+  });
+  if (!st.ok() || writes.empty()) return st;
+  // A compression pointer may point into a TTL field (found by
+  // dns_message_fuzz): rewriting the TTL would then rewrite a name. The
+  // names that carry meaning (owners, CNAME targets) must read the same
+  // after as before, or the message is not relayed at all.
+  auto names = [&]() -> Result<std::string> {
+    std::string all;
+    Status walked = walk_records(msg, [&](std::size_t owner, const RecordHead& rr, int) {
+      if (auto n = read_name(msg, owner)) all += n->text;
+      all += '|';
+      if (rr.type == qtype::CNAME) {
+        if (auto n = read_name(msg, rr.rdata)) all += n->text;
+      }
+      all += '\n';
+    });
+    if (!walked.ok()) return walked.error();
+    return all;
+  };
+  auto before = names();
+  if (!before) return before.error();
+  for (const Write& w : writes) {
+    std::uint8_t* p = msg.data() + w.at;
+    p[0] = static_cast<std::uint8_t>(w.ttl >> 24);
+    p[1] = static_cast<std::uint8_t>(w.ttl >> 16);
+    p[2] = static_cast<std::uint8_t>(w.ttl >> 8);
+    p[3] = static_cast<std::uint8_t>(w.ttl);
+  }
+  auto after = names();
+  if (!after || *after != *before) return at(writes.front().at, "a name points into a TTL field");
+  return {};
+}
+
+bool strip_trailing_opt(std::vector<std::uint8_t>& msg) {
+  std::size_t opt_at = 0, last_end = 0;
+  bool last_is_opt = false;
+  const Status st = walk_records(msg, [&](std::size_t owner, const RecordHead& rr, int section) {
+    last_is_opt = section == 2 && rr.type == qtype::OPT;
+    if (last_is_opt) opt_at = owner;
+    last_end = rr.end;
+  });
+  if (!st.ok() || !last_is_opt || last_end != msg.size()) return false;
+  msg.resize(opt_at);
+  const std::uint16_t ar = static_cast<std::uint16_t>(get16(msg, 10) - 1);
+  msg[10] = static_cast<std::uint8_t>(ar >> 8);
+  msg[11] = static_cast<std::uint8_t>(ar & 0xFF);
+  return true;
+}
+
+std::string LearnGuard::to_string() const {
+  std::string s(range);
+  if (!embedded.empty()) s += " in " + std::string(embedded);
+  return s;
+}
+
+std::optional<LearnGuard> learn_guard(const IpPrefix& addr) {
   const auto& b = addr.bytes;
-  if (addr.family == 4) return is_v4_rebinding(b.data());
-  if (addr.family != 6) return false;
+  if (addr.family == 4) return v4_guard(b.data(), "");
+  if (addr.family != 6) return std::nullopt;
   static constexpr std::uint8_t kZero[16] = {};
-  // ::ffff:a.b.c.d maps an IPv4 address: judge the IPv4 address.
-  if (std::memcmp(b.data(), kZero, 10) == 0 && b[10] == 0xFF && b[11] == 0xFF) return is_v4_rebinding(b.data() + 12);
-  // :: and ::1.
-  if (std::memcmp(b.data(), kZero, 15) == 0 && b[15] <= 1) return true;
-  // fe80::/10 link-local.
-  if (b[0] == 0xFE && (b[1] & 0xC0) == 0x80) return true;
-  // fd00:ec2::254, the AWS IMDS IPv6 endpoint.
+  auto prefix = [&](std::initializer_list<std::uint8_t> p) {
+    return std::equal(p.begin(), p.end(), b.begin());
+  };
+  // :: and ::1 before the IPv4-compatible form they also look like.
+  if (std::memcmp(b.data(), kZero, 15) == 0 && b[15] == 0) return LearnGuard{":: (unspecified)", false, ""};
+  if (std::memcmp(b.data(), kZero, 15) == 0 && b[15] == 1) return LearnGuard{"::1 (loopback)", false, ""};
+  // Forms that carry an IPv4 address a translator, relay or dual stack
+  // delivers to: judged by that IPv4 address.
+  if (std::memcmp(b.data(), kZero, 10) == 0 && b[10] == 0xFF && b[11] == 0xFF) {
+    return v4_guard(b.data() + 12, "IPv4-mapped ::ffff:0:0/96");
+  }
+  if (std::memcmp(b.data(), kZero, 8) == 0 && b[8] == 0xFF && b[9] == 0xFF && b[10] == 0 && b[11] == 0) {
+    return v4_guard(b.data() + 12, "IPv4-translated ::ffff:0:0:0/96");
+  }
+  if (std::memcmp(b.data(), kZero, 12) == 0) return v4_guard(b.data() + 12, "IPv4-compatible ::/96");
+  if (prefix({0x00, 0x64, 0xFF, 0x9B, 0, 0, 0, 0, 0, 0, 0, 0})) return v4_guard(b.data() + 12, "NAT64 64:ff9b::/96");
+  if (prefix({0x20, 0x02})) return v4_guard(b.data() + 2, "6to4 2002::/16");
+  if (prefix({0x20, 0x01, 0x00, 0x00})) {
+    // Teredo (RFC 4380): the client's IPv4 address, inverted, in the last 32 bits.
+    const std::uint8_t client[4] = {static_cast<std::uint8_t>(~b[12]), static_cast<std::uint8_t>(~b[13]),
+                                    static_cast<std::uint8_t>(~b[14]), static_cast<std::uint8_t>(~b[15])};
+    return v4_guard(client, "Teredo 2001::/32");
+  }
+  if (b[0] == 0xFE && (b[1] & 0xC0) == 0x80) return LearnGuard{"fe80::/10 (link-local)", false, ""};
+  if (b[0] == 0xFF) return LearnGuard{"ff00::/8 (multicast)", false, ""};
+  // fd00:ec2::254, the AWS IMDS IPv6 endpoint, inside fc00::/7 but guarded for every name.
   static constexpr std::uint8_t kImds6[16] = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x54};
-  return std::memcmp(b.data(), kImds6, 16) == 0;
+  if (std::memcmp(b.data(), kImds6, 16) == 0) return LearnGuard{"fd00:ec2::254 (cloud metadata)", false, ""};
+  if ((b[0] & 0xFE) == 0xFC) return LearnGuard{"fc00::/7 (private, unique local)", true, ""};
+  return std::nullopt;
+}
+
+std::optional<LearnGuard> guard_for(const IpPrefix& addr, bool exact_match, PrivateAnswers private_answers) {
+  auto g = learn_guard(addr);
+  if (!g) return std::nullopt;
+  if (g->private_range && (exact_match || private_answers == PrivateAnswers::allow)) return std::nullopt;
+  return g;
+}
+
+bool is_rebinding_target(const IpPrefix& addr) {
+  auto g = learn_guard(addr);
+  return g && !g->private_range;
 }
 
 }  // namespace egressd::dns

@@ -107,6 +107,8 @@ struct ParsedQuery {
   // The requester's UDP payload size from its OPT record, clamped to
   // [512, kMaxUdpSize]; 512 without EDNS.
   std::size_t udp_size = kClassicUdpSize;
+  bool edns = false;       // the query carried an OPT record
+  bool dnssec_ok = false;  // ... with the DO bit set
 };
 
 // Parses a query from the sandbox. Only QUERY with exactly one question, no
@@ -173,10 +175,98 @@ std::size_t question_end(Bytes msg);
 // (empty label, label > 63, > 255 wire bytes, bad escape).
 Result<std::vector<std::uint8_t>> build_query(std::uint16_t id, std::string_view name, std::uint16_t type);
 
-// True for addresses a DNS answer must not add to the sets (rebinding guard,
-// DESIGN §1): 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16 (cloud metadata
-// 169.254.169.254 included), ::, ::1, fe80::/10, fd00:ec2::254, and the
-// IPv4-mapped (::ffff:0:0/96) forms of the IPv4 ranges.
+// ---- the query egressd forwards (issue 14, class 8) ----------------------
+
+// The UDP payload size egressd advertises upstream in its OPT record.
+inline constexpr std::uint16_t kUpstreamPayload = kMaxUdpSize;
+// Random bytes build_forward_query consumes for 0x20: one bit per byte of a
+// name of up to 255 bytes.
+inline constexpr std::size_t kCaseBits = 32;
+
+// The query egressd sends upstream for a client's query `q` (status ok, read
+// from `client`): a new message built from the parsed question only. ID `id`;
+// RD and CD copied from the client, every other flag clear; the question name
+// with each letter's case taken from one bit of `case_bits` (0x20, so an
+// answer must echo bytes the sandbox never saw); type and class as asked; one
+// OPT record with kUpstreamPayload and the client's DO bit, no options. Nothing
+// else of the client's message (its ID, other flags, additional records, EDNS
+// options) reaches the upstream. `question_end` is the offset just past the
+// question in the result.
+struct ForwardQuery {
+  std::vector<std::uint8_t> wire;
+  std::size_t question_end = 0;
+};
+ForwardQuery build_forward_query(const ParsedQuery& q, Bytes client, std::uint16_t id,
+                                 std::span<const std::uint8_t, kCaseBits> case_bits);
+// The same with the question's case kept as the client wrote it (a relayed
+// copy of egressd's own query, whose case egressd chose).
+ForwardQuery build_forward_query(const ParsedQuery& q, Bytes client, std::uint16_t id);
+
+// Rewrites the letters of the uncompressed name at the start of `name_wire`
+// (length-prefixed labels up to the root label) to the case given by
+// successive bits of `case_bits`: 1 upper, 0 lower. Non-letters are untouched.
+void apply_0x20(std::span<std::uint8_t> name_wire, std::span<const std::uint8_t, kCaseBits> case_bits);
+
+// True when `answer` is an answer (QR set) with `id`, qdcount 1, and question
+// bytes exactly `question` (the bytes [12, question_end) of the query sent):
+// same name byte for byte, case included, same type and class. This is the
+// 0x20 check: a forger who did not see the query cannot echo its case.
+bool echoes_query(Bytes answer, std::uint16_t id, Bytes question);
+
+// ---- answers relayed to the sandbox --------------------------------------
+
+// Caps every TTL of the answer, authority and additional sections at
+// `max_ttl` in place; a TTL with the top bit set becomes 0 (RFC 2181 §8). OPT
+// records (whose TTL field holds EDNS flags) are left alone. Error (invalid)
+// when the message cannot be walked, or when a compression pointer points
+// into a TTL that had to change (a record's owner or a CNAME target would
+// read differently); then nothing is guaranteed about it and it must not be
+// relayed.
+Status cap_ttls(std::span<std::uint8_t> msg, std::uint32_t max_ttl);
+
+// Removes an OPT record that is the last record of `msg` (where name servers
+// put it), adjusting arcount: for a client that sent no OPT (RFC 6891 §7: no
+// OPT in answers to queries without one). Returns whether one was removed.
+// An OPT elsewhere is left (nothing after it could be moved safely).
+bool strip_trailing_opt(std::vector<std::uint8_t>& msg);
+
+// ---- learn guards (DESIGN §1 rebinding guard; issue 14, class 7) ----------
+
+// Why an address from a DNS answer is not learned.
+struct LearnGuard {
+  // The guarded range the address (or the IPv4 address embedded in it) is
+  // in: "127.0.0.0/8 (loopback)", "10.0.0.0/8 (private)", ...
+  std::string_view range;
+  // 10/8, 172.16/12, 192.168/16, 100.64/10 (CGNAT), fc00::/7 and their
+  // embedded forms: addresses a wildcard's zone must not point into (they
+  // reach the host's network), which exact names may (Compose service names
+  // resolve to private addresses). Every other guard applies to every name.
+  bool private_range = false;
+  // How an IPv4 address was embedded in an IPv6 one, or "": "IPv4-mapped
+  // ::ffff:0:0/96", "NAT64 64:ff9b::/96", "6to4 2002::/16", ...
+  std::string_view embedded;
+  // "127.0.0.0/8 (loopback)", or "127.0.0.0/8 (loopback) in NAT64 64:ff9b::/96".
+  std::string to_string() const;
+};
+
+// The guard `addr` falls under, if any: 0.0.0.0/8, 127.0.0.0/8,
+// 169.254.0.0/16 (cloud metadata 169.254.169.254 included), 224.0.0.0/4
+// (multicast), 240.0.0.0/4 (reserved, 255.255.255.255 included), and the
+// private ranges 10/8, 172.16/12, 192.168/16, 100.64/10; ::, ::1, fe80::/10,
+// ff00::/8, fd00:ec2::254 (AWS IMDS), fc00::/7 (private); and every guarded
+// IPv4 range embedded in IPv6 as IPv4-mapped (::ffff:0:0/96),
+// IPv4-translated (::ffff:0:0:0/96), IPv4-compatible (::/96), NAT64
+// (64:ff9b::/96), 6to4 (2002::/16) or a Teredo client (2001::/32).
+std::optional<LearnGuard> learn_guard(const IpPrefix& addr);
+
+// The guard that stops `addr` from being learned for a name matched by an
+// exact entry (`exact_match`) or only by a wildcard; nullopt when it may be
+// learned. Private ranges stop only wildcard matches, unless `private_answers`
+// is allow.
+std::optional<LearnGuard> guard_for(const IpPrefix& addr, bool exact_match, PrivateAnswers private_answers);
+
+// True for addresses no answer may add for any name: learn_guard() but not
+// a private range.
 bool is_rebinding_target(const IpPrefix& addr);
 
 }  // namespace egressd::dns

@@ -11,14 +11,25 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ip/udp.hpp>
+#include <boost/asio/ip/v6_only.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
+#include <dirent.h>
+#include <linux/netfilter_ipv4.h>
+#include <linux/netfilter_ipv6/ip6_tables.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <deque>
+#include <fstream>
+#include <optional>
 #include <spdlog/spdlog.h>
+#include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "dns/log.h"
@@ -44,6 +55,126 @@ constexpr std::size_t kMaxPipeline = 16;
 // Lines per second per kind of per-query event at info/warn level; the
 // sandbox controls the query rate and must not control the log volume.
 constexpr unsigned kLogBurst = 50;
+// How many times Docker's forwarder (or a copy of its query) may be relayed
+// for one of egressd's in-flight queries: Docker tries each of its (at most
+// 3) servers, over UDP and again over TCP when an answer is truncated. A
+// sandbox process that copies egressd's query cannot multiply it further.
+constexpr int kMaxRelaysPerQuery = 8;
+
+bool is_loopback(const IpPrefix& ip) {
+  if (ip.family == 4) return ip.bytes[0] == 127;
+  static constexpr std::uint8_t kLo6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  return ip.family == 6 && std::equal(std::begin(kLo6), std::end(kLo6), ip.bytes.begin());
+}
+
+asio::ip::address to_address(const IpPrefix& ip) {
+  if (ip.family == 4) {
+    asio::ip::address_v4::bytes_type b;
+    std::copy_n(ip.bytes.begin(), 4, b.begin());
+    return asio::ip::address_v4(b);
+  }
+  asio::ip::address_v6::bytes_type b;
+  std::copy_n(ip.bytes.begin(), 16, b.begin());
+  return asio::ip::address_v6(b);
+}
+
+// The original destination of a connection the nat table redirected to us
+// (SO_ORIGINAL_DST): where the peer meant to send its query.
+std::optional<Server> socket_original_dst(int fd, bool v6) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  const int rc = v6 ? ::getsockopt(fd, SOL_IPV6, IP6T_SO_ORIGINAL_DST, &ss, &len)
+                    : ::getsockopt(fd, SOL_IP, SO_ORIGINAL_DST, &ss, &len);
+  if (rc != 0) return std::nullopt;
+  Server s;
+  if (ss.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    s.ip.family = 4;
+    s.ip.prefix_len = 32;
+    std::memcpy(s.ip.bytes.data(), &in->sin_addr, 4);
+    s.port = ntohs(in->sin_port);
+  } else if (ss.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    s.ip.family = 6;
+    s.ip.prefix_len = 128;
+    std::memcpy(s.ip.bytes.data(), &in6->sin6_addr, 16);
+    s.port = ntohs(in6->sin6_port);
+  } else {
+    return std::nullopt;
+  }
+  return s;
+}
+
+// "uid 65534, inode 4711, pid 42 (python3)": who holds `addr` (bound, UDP
+// or TCP), read from /proc/net/* of the current namespace and, for the
+// process, from /proc/<pid>/fd. "" when nothing is found (the socket may be
+// gone already).
+std::string describe_holder(const Server& addr, bool tcp) {
+  // /proc/net/{udp,tcp}[6] print the local address as the kernel's bytes in
+  // host order per 32-bit word, in hex, then the port.
+  char want[64];
+  const auto& b = addr.ip.bytes;
+  if (addr.ip.family == 4) {
+    std::snprintf(want, sizeof want, "%02X%02X%02X%02X:%04X", b[3], b[2], b[1], b[0], addr.port);
+  } else {
+    int n = 0;
+    for (int w = 0; w < 4; ++w) {
+      n += std::snprintf(want + n, sizeof want - static_cast<std::size_t>(n), "%02X%02X%02X%02X", b[w * 4 + 3],
+                         b[w * 4 + 2], b[w * 4 + 1], b[w * 4]);
+    }
+    std::snprintf(want + n, sizeof want - static_cast<std::size_t>(n), ":%04X", addr.port);
+  }
+  const std::string table =
+      std::string("/proc/thread-self/net/") + (tcp ? "tcp" : "udp") + (addr.ip.family == 6 ? "6" : "");
+  std::ifstream in(table);
+  std::string line;
+  std::string uid, inode;
+  std::getline(in, line);  // header
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string sl, local, remote, st, queues, tr, retr;
+    ls >> sl >> local >> remote >> st >> queues >> tr >> retr >> uid;
+    std::string timeout;
+    ls >> timeout >> inode;
+    if (local == want) break;
+    uid.clear();
+    inode.clear();
+  }
+  if (inode.empty()) return "";
+  std::string out = "uid " + uid + ", inode " + inode;
+  // Which process: bounded by the processes and descriptors there are.
+  const std::string needle = "socket:[" + inode + "]";
+  if (DIR* proc = ::opendir("/proc")) {
+    while (dirent* e = ::readdir(proc)) {
+      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+      const std::string fds = std::string("/proc/") + e->d_name + "/fd";
+      DIR* d = ::opendir(fds.c_str());
+      if (d == nullptr) continue;
+      bool found = false;
+      while (dirent* f = ::readdir(d)) {
+        char target[64];
+        const std::string path = fds + "/" + f->d_name;
+        const ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
+        if (n <= 0) continue;
+        target[n] = 0;
+        if (needle == target) {
+          found = true;
+          break;
+        }
+      }
+      ::closedir(d);
+      if (found) {
+        std::ifstream comm(std::string("/proc/") + e->d_name + "/comm");
+        std::string name;
+        std::getline(comm, name);
+        out += std::string(", pid ") + e->d_name + " (" + name + ")";
+        break;
+      }
+    }
+    ::closedir(proc);
+  }
+  return out;
+}
 
 class Core;
 class TcpConn;
@@ -95,6 +226,9 @@ struct Pending {
   std::vector<std::uint8_t> prefix; // the client's header + question bytes, unmodified
   std::string qname;
   std::uint16_t qtype = 0;
+  bool client_edns = false;   // the client sent an OPT: it may get one back
+  bool relay = false;         // Docker's forwarder relayed to the target, not a sandbox query
+  std::string key;            // the question bytes sent upstream, while registered as in flight
   Clock::time_point start;
   bool done = false;
 };
@@ -108,6 +242,12 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   void close();
   void query_started() { ++pending_; }
   void query_finished();
+  int native_handle() { return sock_.native_handle(); }
+  bool v6() const {
+    error_code ec;
+    auto ep = sock_.local_endpoint(ec);
+    return !ec && ep.address().is_v6();
+  }
 
  private:
   awaitable<void> read_loop();
@@ -132,12 +272,18 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
 class Core : public std::enable_shared_from_this<Core> {
  public:
   Core(asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks)
-      : io_(io), opts_(std::move(opts)), hooks_(hooks), log_(dns_logger()) {}
+      : io_(io), opts_(std::move(opts)), hooks_(hooks), log_(dns_logger()), own_timer_(io), probe_timer_(io) {}
 
-  Status start();
+  // Binds every socket (proxy and owned upstreams); serve() starts the loops.
+  Status bind();
+  void set_forwarder(ForwarderOptions f) {
+    if (!serving_) opts_.forwarder = std::move(f);
+  }
+  void serve(std::uint32_t own_mark);
   void close();
   bool closed() const { return closed_; }
   std::uint16_t port() const { return port_; }
+  bool port_fell_back() const { return port_fell_back_; }
   ProxyCounters counters() const {
     ProxyCounters c = counters_;
     c.inflight = inflight_;
@@ -145,8 +291,7 @@ class Core : public std::enable_shared_from_this<Core> {
   }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done);
 
-  // One query from a client. `msg` is modified (the upstream ID is written
-  // into it before it is forwarded).
+  // One query from a client (not modified).
   void handle(std::span<std::uint8_t> msg, const Client& client);
   void reply(const Client& client, std::vector<std::uint8_t> answer);
 
@@ -158,17 +303,65 @@ class Core : public std::enable_shared_from_this<Core> {
   void tcp_opened(TcpConn* c) { tcp_.insert(c); }
   void tcp_closed(TcpConn* c) { tcp_.erase(c); }
   void inflight_done() { --inflight_; }
+  // A query registered in flight (Pending::key) has ended.
+  void unregister(const std::string& key);
 
  private:
-  Status bind_all(std::uint16_t port);
+  // One upstream server that is local to the namespace, on port 53: the
+  // proxy holds its address (UDP and TCP) so that nobody else can.
+  struct Owned {
+    std::size_t index = 0;  // in upstream_->servers()
+    Server server;
+    std::unique_ptr<udp::socket> usock;
+    std::unique_ptr<tcp::socket> tsock;
+    bool held = false;      // someone else had it at the last try
+    std::string holder;     // who, as describe_holder() said
+  };
+  // Docker's forwarder copies of egressd's queries in flight to a local
+  // upstream: how many of egressd's queries carry these question bytes, and
+  // how many copies were relayed for them.
+  struct InFlight {
+    int queries = 0;
+    int relays = 0;
+  };
+  // The forwarder probe (ForwarderOptions::probe).
+  struct Probe {
+    std::string key;        // its question bytes
+    int arrivals = 0;       // copies seen at the proxy
+    std::optional<Server> dst;  // where the (last) TCP copy was going
+    bool answered = false;  // egressd's probe has its answer (or failed)
+    std::unique_ptr<Upstream> upstream;
+  };
+
+  Status bind_all(std::uint16_t port, error_code& in_use);
+  // Binds servers()[i]'s address on port 53; classifies the result.
+  void try_own(Owned& o, bool first);
+  void own_local_upstreams();
+  void retry_owned();
   // `self` keeps the Core alive for as long as the loop runs.
   awaitable<void> udp_loop(std::shared_ptr<Core> self, udp::socket& sock);
   awaitable<void> accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc);
   void answer_local(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, Rcode rcode);
-  void forward(std::span<std::uint8_t> msg, const ParsedQuery& q, const Client& client);
+  void forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client);
+  // Sends `query` upstream, registered as in flight (when a local upstream
+  // could relay it back) under `key` for as long as `p` lives.
+  void send_upstream(Upstream& up, const std::vector<std::uint8_t>& query, std::size_t question_end,
+                     const std::shared_ptr<Pending>& p, AnswerCallback done);
+  void relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, InFlight& entry);
   void on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r);
+  // The client's view of an upstream answer: its ID and question bytes, TTLs
+  // capped, no OPT unless it sent one. Error when the answer cannot be walked.
+  Result<std::vector<std::uint8_t>> client_view(const Pending& p, Bytes answer, std::size_t answer_question_end);
   void release(const std::shared_ptr<Pending>& p, std::vector<std::uint8_t> answer, std::size_t learned);
   void fail(const std::shared_ptr<Pending>& p, std::string_view why);
+  void servfail_now(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, std::string_view why);
+
+  // Docker's forwarder.
+  void start_probe();
+  void probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client);
+  void finish_probe();
+  void pin(std::vector<Server> targets, const std::string& source);
+  void schedule_probe();
 
   asio::io_context& io_;
   ProxyOptions opts_;
@@ -181,8 +374,34 @@ class Core : public std::enable_shared_from_this<Core> {
   ProxyCounters counters_;
   std::size_t inflight_ = 0;
   std::uint16_t port_ = 0;
+  bool port_fell_back_ = false;
+  bool serving_ = false;
   bool closed_ = false;
-  LogLimit refuse_log_, fail_log_, bad_log_;
+  std::uint32_t own_mark_ = 0;
+  LogLimit refuse_log_, fail_log_, bad_log_, relay_log_;
+
+  std::vector<Owned> owned_;
+  asio::steady_timer own_timer_;
+  // True when an upstream is local to the namespace (owned, or loopback):
+  // only then can a forwarder there relay egressd's queries back to it, and
+  // only then are in-flight questions registered.
+  bool loop_watch_ = false;
+  struct KeyHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, InFlight, KeyHash, std::equal_to<>> inflight_q_;
+  // Relay targets, once the kernel exempts egressd's traffic to them.
+  std::unique_ptr<Upstream> relay_;
+  std::vector<Server> relay_targets_;
+  std::optional<Probe> probe_;
+  // Copies that arrived while the probe runs: relayed once it pins a
+  // target, SERVFAIL if it does not (bounded).
+  std::vector<std::pair<std::vector<std::uint8_t>, Client>> waiting_relays_;
+  void flush_waiting(bool pinned);
+  asio::steady_timer probe_timer_;
+  bool probe_scheduled_ = false;
+  Clock::time_point last_probe_{};
 };
 
 void log_exception(std::exception_ptr e) {
@@ -198,8 +417,19 @@ Pending::~Pending() {
   // Whatever path ends a forwarded query (answered, failed, or abandoned by
   // close()), its slots are given back exactly once.
   core->inflight_done();
+  if (!key.empty()) core->unregister(key);
   if (client.tcp) client.tcp->query_finished();
 }
+
+// A query registered in flight (Core::inflight_q_) for as long as it lives.
+struct Registration {
+  Registration(std::shared_ptr<Core> c, std::string k) : core(std::move(c)), key(std::move(k)) {}
+  ~Registration() { core->unregister(key); }
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+  std::shared_ptr<Core> core;
+  std::string key;
+};
 
 // ---------------------------------------------------------------- TCP
 
@@ -317,11 +547,12 @@ void TcpConn::close() {
 
 // ---------------------------------------------------------------- Core
 
-Status Core::start() {
+Status Core::bind() {
   UpstreamOptions uo;
   uo.servers = opts_.upstream;
   uo.mark = opts_.own_mark;
   uo.timeout = opts_.upstream_timeout;
+  uo.forget = opts_.forget_flow;
   auto up = Upstream::create(io_, uo);
   if (!up) return up.error().wrap("dns proxy");
   upstream_ = std::move(up.value());
@@ -329,11 +560,37 @@ Status Core::start() {
   // Port 0: the kernel picks the UDP port on 127.0.0.1 and the other three
   // sockets must get the same one; retry if another socket holds it.
   Status st;
+  error_code in_use;
   for (int attempt = 0; attempt < (opts_.port == 0 ? 16 : 1); ++attempt) {
-    st = bind_all(opts_.port);
+    st = bind_all(opts_.port, in_use);
     if (st.ok()) break;
     udp_.clear();
     acceptors_.clear();
+  }
+  if (!st.ok() && in_use && opts_.fallback_port && opts_.port != 0) {
+    // Someone took the port while egressd was down (issue 14, class 10):
+    // under Docker any uid may bind port 53. Serving elsewhere, with the
+    // redirect pointed there, keeps DNS under egressd; failing would leave
+    // the sandbox with no DNS and the orchestrator with no control socket.
+    const Server lo4{*parse_ip("127.0.0.1"), opts_.port};
+    std::string holder = describe_holder(lo4, false);
+    if (holder.empty()) holder = describe_holder(lo4, true);
+    const std::string first_error = st.error().message;
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      udp_.clear();
+      acceptors_.clear();
+      st = bind_all(0, in_use);
+      if (st.ok()) break;
+    }
+    if (st.ok()) {
+      port_fell_back_ = true;
+      log_->warn(
+          "event=proxy_port_fallback port={} listen_port={} holder=\"{}\" error=\"{}\" fix=\"port {} is held by "
+          "another socket, so the DNS proxy listens on port {} and the redirect points there; under Docker any "
+          "process may bind port 53 (ip_unprivileged_port_start=0): start the task container with --sysctl "
+          "net.ipv4.ip_unprivileged_port_start=1024\"",
+          opts_.port, port_, holder.empty() ? "unknown" : holder, first_error, opts_.port, port_);
+    }
   }
   if (!st.ok()) return st;
   // Forwarding to ourselves would bounce every query until max_inflight.
@@ -341,18 +598,39 @@ Status Core::start() {
     const bool loopback_self = (s.ip.to_string() == "127.0.0.1" || s.ip.to_string() == "::1") && s.port == port_;
     if (loopback_self) return Error::invalid("dns proxy: upstream " + s.to_string() + " is the proxy itself");
   }
+  if (opts_.own_local_upstreams) own_local_upstreams();
+  for (const Server& s : upstream_->servers()) loop_watch_ = loop_watch_ || is_loopback(s.ip);
+  loop_watch_ = loop_watch_ || !owned_.empty();
+  return {};
+}
 
+void Core::serve(std::uint32_t own_mark) {
+  if (serving_ || closed_) return;
+  serving_ = true;
+  own_mark_ = own_mark;
+  upstream_->set_mark(own_mark);
   auto self = shared_from_this();
   for (auto& s : udp_) asio::co_spawn(io_, udp_loop(self, *s), log_exception);
   for (auto& a : acceptors_) asio::co_spawn(io_, accept_loop(self, *a), log_exception);
   std::string servers;
   for (const Server& s : upstream_->servers()) servers += (servers.empty() ? "" : ",") + s.to_string();
-  log_->info("event=proxy_started port={} ipv6={} upstream={} mark={:#x} inflight_max={}", port_,
-             udp_.size() > 1, servers, opts_.own_mark, opts_.max_inflight);
-  return {};
+  log_->info("event=proxy_started port={} ipv6={} upstream={} mark={:#x} inflight_max={} owned={}", port_,
+             udp_.size() > 1, servers, own_mark, opts_.max_inflight, owned_.size());
+
+  const ForwarderOptions& f = opts_.forwarder;
+  if (!f.targets.empty()) {
+    std::vector<Server> targets;
+    for (const auto& t : f.targets) {
+      if (auto s = parse_server(t)) targets.push_back(*s);
+    }
+    if (!targets.empty()) pin(std::move(targets), f.source.empty() ? "configured" : f.source);
+  } else if (f.probe && loop_watch_) {
+    start_probe();
+  }
 }
 
-Status Core::bind_all(std::uint16_t port) {
+Status Core::bind_all(std::uint16_t port, error_code& in_use) {
+  in_use = {};
   struct Addr {
     asio::ip::address addr;
     bool optional;
@@ -373,6 +651,7 @@ Status Core::bind_all(std::uint16_t port) {
         log_->warn("event=ipv6_unavailable addr={} error=\"{}\"", where, ec.message());
         continue;
       }
+      if (ec == asio::error::address_in_use) in_use = ec;
       return Error::runtime("dns proxy: bind udp " + where + ": " + ec.message());
     }
     if (port == 0) port = us->local_endpoint().port();
@@ -385,12 +664,107 @@ Status Core::bind_all(std::uint16_t port) {
     if (!ec) acc->set_option(tcp::acceptor::reuse_address(true), ec);
     if (!ec) acc->bind(tep, ec);
     if (!ec) acc->listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return Error::runtime("dns proxy: bind tcp " + twhere + ": " + ec.message());
+    if (ec) {
+      if (ec == asio::error::address_in_use) in_use = ec;
+      return Error::runtime("dns proxy: bind tcp " + twhere + ": " + ec.message());
+    }
     udp_.push_back(std::move(us));
     acceptors_.push_back(std::move(acc));
   }
   port_ = port;
   return {};
+}
+
+void Core::own_local_upstreams() {
+  const auto& servers = upstream_->servers();
+  for (std::size_t i = 0; i < servers.size(); ++i) {
+    if (servers[i].port != 53) continue;
+    Owned o;
+    o.index = i;
+    o.server = servers[i];
+    try_own(o, true);
+    if (o.usock || o.held) owned_.push_back(std::move(o));
+  }
+  retry_owned();
+}
+
+// No SO_REUSEADDR or SO_REUSEPORT: with them another socket could share the
+// address. The TCP socket is bound, not listening: nothing connects to it
+// (queries to port 53 are redirected to the proxy; egressd's own go through
+// Docker's DNAT to its resolver's port).
+void Core::try_own(Owned& o, bool first) {
+  const auto addr = to_address(o.server.ip);
+  const std::string where = o.server.to_string();
+  std::string held_by;
+  bool in_use = false;
+  if (!o.usock) {
+    error_code ec;
+    auto u = std::make_unique<udp::socket>(io_);
+    u->open(addr.is_v4() ? udp::v4() : udp::v6(), ec);
+    if (!ec && addr.is_v6()) u->set_option(asio::ip::v6_only(true), ec);
+    if (!ec) u->bind(udp::endpoint(addr, o.server.port), ec);
+    if (ec == boost::system::errc::address_not_available || ec == asio::error::address_family_not_supported) {
+      return;  // not an address of this namespace: nothing to own
+    }
+    if (ec == asio::error::address_in_use) {
+      in_use = true;
+      held_by = "udp";
+      if (const auto h = describe_holder(o.server, false); !h.empty()) held_by += ", " + h;
+    } else if (ec) {
+      if (first) {
+        log_->warn("event=upstream_not_owned upstream={} error=\"{}\" (the address stays usable; a sandbox process "
+                   "that can bind it could answer in its name)",
+                   where, ec.message());
+      }
+      return;
+    } else {
+      o.usock = std::move(u);
+    }
+  }
+  if (o.usock && !o.tsock) {
+    error_code ec;
+    auto t = std::make_unique<tcp::socket>(io_);
+    t->open(addr.is_v4() ? tcp::v4() : tcp::v6(), ec);
+    if (!ec && addr.is_v6()) t->set_option(asio::ip::v6_only(true), ec);
+    if (!ec) t->bind(tcp::endpoint(addr, o.server.port), ec);
+    if (ec == asio::error::address_in_use) {
+      in_use = true;
+      held_by = "tcp";
+      if (const auto h = describe_holder(o.server, true); !h.empty()) held_by += ", " + h;
+    } else if (!ec) {
+      o.tsock = std::move(t);
+    } else if (first) {
+      log_->warn("event=upstream_not_owned upstream={} transport=tcp error=\"{}\"", where, ec.message());
+    }
+  }
+  const bool was_held = o.held;
+  o.held = in_use;
+  if (in_use) {
+    const std::string why = "upstream " + where + " is held by another socket (" + held_by +
+                            "), so egressd does not use it: whoever holds it could answer in its name";
+    upstream_->set_usable(o.index, false, why);
+    if (!was_held || held_by != o.holder) {
+      log_->error("event=upstream_held upstream={} holder=\"{}\" action=\"not used; retried every {} ms\"", where,
+                  held_by, opts_.own_retry.count());
+    }
+    o.holder = held_by;
+  } else {
+    upstream_->set_usable(o.index, true);
+    if (was_held) log_->warn("event=upstream_owned upstream={} previously_held_by=\"{}\"", where, o.holder);
+  }
+}
+
+void Core::retry_owned() {
+  if (closed_) return;
+  if (std::none_of(owned_.begin(), owned_.end(), [](const Owned& o) { return o.held; })) return;
+  own_timer_.expires_after(opts_.own_retry);
+  own_timer_.async_wait([self = shared_from_this()](const error_code& ec) {
+    if (ec || self->closed_) return;
+    for (Owned& o : self->owned_) {
+      if (o.held) self->try_own(o, false);
+    }
+    self->retry_owned();
+  });
 }
 
 void Core::close() {
@@ -399,14 +773,21 @@ void Core::close() {
   error_code ec;
   for (auto& s : udp_) s->close(ec);
   for (auto& a : acceptors_) a->close(ec);
+  own_timer_.cancel();
+  probe_timer_.cancel();
   // TcpConn::close erases itself from tcp_.
   std::vector<TcpConn*> conns(tcp_.begin(), tcp_.end());
   for (TcpConn* c : conns) c->close();
   // Pending queries are abandoned: no hook and no callback runs after close.
   upstream_.reset();
+  relay_.reset();
+  probe_.reset();
+  // Their clients hold TCP connections that hold this Core: let go.
+  waiting_relays_.clear();
+  owned_.clear();
   if (port_ == 0) return;  // never started
-  log_->info("event=proxy_closed forwarded={} refused={} failed={} malformed={}", counters_.forwarded,
-             counters_.refused, counters_.failed, counters_.malformed);
+  log_->info("event=proxy_closed forwarded={} refused={} failed={} malformed={} relayed={}", counters_.forwarded,
+             counters_.refused, counters_.failed, counters_.malformed, counters_.relayed);
 }
 
 awaitable<void> Core::udp_loop([[maybe_unused]] std::shared_ptr<Core> self, udp::socket& sock) {
@@ -482,6 +863,19 @@ void Core::handle(std::span<std::uint8_t> msg, const Client& client_in) {
   Client client = client_in;
   if (client.udp_sock != nullptr) client.limit = q.udp_size;
 
+  if (loop_watch_) {
+    // A forwarder on a local upstream (Docker's embedded resolver) sends
+    // egressd's own query on from inside the namespace, and the redirect
+    // brings it back here. Its question bytes, 0x20 case included, are
+    // egressd's: nothing else in the namespace saw them unless it sniffs
+    // loopback, and even a copy goes nowhere but to the relay target.
+    const std::string_view key(reinterpret_cast<const char*>(msg.data()) + kHeaderSize, q.question_end - kHeaderSize);
+    if (probe_ && key == probe_->key) return probe_arrival(msg, q, client);
+    if (!inflight_q_.empty()) {
+      if (auto it = inflight_q_.find(key); it != inflight_q_.end()) return relay(msg, q, client, it->second);
+    }
+  }
+
   const Action action = hooks_.decide(q.question.name);
   if (closed_) return;
   if (action != Action::forward) {
@@ -505,6 +899,17 @@ void Core::answer_local(std::span<const std::uint8_t> msg, const ParsedQuery& q,
   reply(client, make_local_answer(msg, q.header, q.question_end, rcode));
 }
 
+void Core::servfail_now(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client,
+                        std::string_view why) {
+  ++counters_.failed;
+  unsigned suppressed = 0;
+  if (fail_log_.allow(Clock::now(), suppressed)) {
+    log_->warn("event=query qname={} qtype={} action=servfail reason={} suppressed={}", q.question.name,
+               q.question.qtype, why, suppressed);
+  }
+  answer_local(msg, q, client, Rcode::servfail);
+}
+
 void Core::reply(const Client& client, std::vector<std::uint8_t> answer) {
   if (closed_) return;
   if (client.tcp) {
@@ -523,7 +928,7 @@ void Core::reply(const Client& client, std::vector<std::uint8_t> answer) {
   if (ec) log_->debug("event=udp_send_failed error=\"{}\"", ec.message());
 }
 
-void Core::forward(std::span<std::uint8_t> msg, const ParsedQuery& q, const Client& client) {
+void Core::forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client) {
   if (inflight_ >= opts_.max_inflight) {
     // A flood must not grow memory or the upstream's queue: fail fast.
     ++counters_.failed;
@@ -542,11 +947,69 @@ void Core::forward(std::span<std::uint8_t> msg, const ParsedQuery& q, const Clie
   p->prefix.assign(msg.begin(), msg.begin() + static_cast<std::ptrdiff_t>(q.question_end));
   p->qname = q.question.name;
   p->qtype = q.question.qtype;
+  p->client_edns = q.edns;
   p->start = Clock::now();
   ++counters_.forwarded;
-  // The upstream sees our random ID, not the sandbox's.
-  set_id(msg, upstream_->random_id());
-  upstream_->send(msg, [p](Result<Bytes> r) { p->core->on_upstream(p, std::move(r)); });
+  // Rebuilt from the parsed question (issue 14, class 8): the upstream sees
+  // our random ID and case, and nothing else the sandbox wrote.
+  std::array<std::uint8_t, kCaseBits> bits;
+  upstream_->random_case(bits);
+  const ForwardQuery fq = build_forward_query(q, msg, upstream_->random_id(), bits);
+  send_upstream(*upstream_, fq.wire, fq.question_end, p,
+                [p](Result<Bytes> r) { p->core->on_upstream(p, std::move(r)); });
+}
+
+void Core::send_upstream(Upstream& up, const std::vector<std::uint8_t>& query, std::size_t question_end,
+                         const std::shared_ptr<Pending>& p, AnswerCallback done) {
+  if (loop_watch_ && p) {
+    p->key.assign(reinterpret_cast<const char*>(query.data()) + kHeaderSize, question_end - kHeaderSize);
+    ++inflight_q_[p->key].queries;
+  }
+  up.send(query, std::move(done));
+}
+
+void Core::unregister(const std::string& key) {
+  auto it = inflight_q_.find(key);
+  if (it == inflight_q_.end()) return;
+  if (--it->second.queries <= 0) inflight_q_.erase(it);
+}
+
+void Core::relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, InFlight& entry) {
+  if (!relay_ && probe_ && waiting_relays_.size() < 64) {
+    // The probe is about to say where the forwarder's copies may go (at
+    // start-up, pre-resolution's queries come back before it has).
+    waiting_relays_.emplace_back(std::vector<std::uint8_t>(msg.begin(), msg.end()), client);
+    return;
+  }
+  if (!relay_) {
+    servfail_now(msg, q, client, "relay_target_unknown");
+    unsigned suppressed = 0;
+    if (relay_log_.allow(Clock::now(), suppressed)) {
+      log_->warn("event=relay_unpinned qname={} suppressed={} action=\"SERVFAIL; the upstream forwards egressd's "
+                 "queries back into the namespace, but no forwarder target is pinned yet (probe pending)\"",
+                 q.question.name, suppressed);
+    }
+    schedule_probe();
+    return;
+  }
+  if (inflight_ >= opts_.max_inflight) return servfail_now(msg, q, client, "inflight_limit");
+  if (entry.relays >= kMaxRelaysPerQuery) return servfail_now(msg, q, client, "relay_limit");
+  ++entry.relays;
+  auto p = std::make_shared<Pending>(shared_from_this(), client);
+  ++inflight_;
+  if (client.tcp) client.tcp->query_started();
+  p->header = q.header;
+  p->prefix.assign(msg.begin(), msg.begin() + static_cast<std::ptrdiff_t>(q.question_end));
+  p->qname = q.question.name;
+  p->qtype = q.question.qtype;
+  p->client_edns = q.edns;
+  p->relay = true;
+  p->start = Clock::now();
+  ++counters_.relayed;
+  // The copy's question bytes are egressd's own, 0x20 case included: kept,
+  // so the target must echo them and the forwarder gets them back as sent.
+  const ForwardQuery fq = build_forward_query(q, msg, relay_->random_id());
+  relay_->send(fq.wire, [p](Result<Bytes> r) { p->core->on_upstream(p, std::move(r)); });
 }
 
 void Core::fail(const std::shared_ptr<Pending>& p, std::string_view why) {
@@ -555,36 +1018,50 @@ void Core::fail(const std::shared_ptr<Pending>& p, std::string_view why) {
   ++counters_.failed;
   unsigned suppressed = 0;
   if (fail_log_.allow(Clock::now(), suppressed)) {
-    log_->warn("event=query qname={} qtype={} action=servfail reason=\"{}\" ms={} suppressed={}", p->qname, p->qtype,
-               why,
+    log_->warn("event=query qname={} qtype={} action=servfail{} reason=\"{}\" ms={} suppressed={}", p->qname,
+               p->qtype, p->relay ? " relay=true" : "", why,
                std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - p->start).count(), suppressed);
   }
   reply(p->client, make_local_answer(p->prefix, p->header, p->prefix.size(), Rcode::servfail));
+}
+
+Result<std::vector<std::uint8_t>> Core::client_view(const Pending& p, Bytes answer, std::size_t answer_question_end) {
+  std::vector<std::uint8_t> out(answer.begin(), answer.end());
+  restore_client_view(out, answer_question_end, p.header.id, Bytes(p.prefix).subspan(kHeaderSize));
+  if (Status st = cap_ttls(out, opts_.max_ttl); !st.ok()) return st.error();
+  if (!p.client_edns) strip_trailing_opt(out);
+  return out;
 }
 
 void Core::on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r) {
   if (closed_) return;
   if (!r) return fail(p, r.error().message);
   const Bytes answer = *r;
+  if (p->relay) {
+    // Docker's forwarder gets the target's answer; egressd learns from it
+    // only when it comes back as the answer to its own query.
+    auto out = client_view(*p, answer, question_end(answer));
+    if (!out) return fail(p, "bad relayed answer: " + out.error().message);
+    return release(p, std::move(*out), 0);
+  }
   auto parsed = parse_answer(answer, p->qname);
   if (!parsed) return fail(p, "bad upstream answer: " + parsed.error().message);
   if (parsed->question.name != p->qname || parsed->question.qtype != p->qtype) {
     return fail(p, "upstream answered another question");
   }
-  std::vector<std::uint8_t> out(answer.begin(), answer.end());
-  restore_client_view(out, parsed->question_end, p->header.id,
-                      Bytes(p->prefix).subspan(kHeaderSize));
+  auto out = client_view(*p, answer, parsed->question_end);
+  if (!out) return fail(p, "bad upstream answer: " + out.error().message);
   if (parsed->header.rcode() != Rcode::noerror || parsed->addresses.empty()) {
-    release(p, std::move(out), 0);
+    release(p, std::move(*out), 0);
     return;
   }
   std::vector<Learned> learned;
   learned.reserve(parsed->addresses.size());
-  for (const ChainAddress& a : parsed->addresses) learned.push_back({p->qname, a.addr, a.ttl});
+  for (const ChainAddress& a : parsed->addresses) learned.push_back({p->qname, a.addr, std::min(a.ttl, opts_.max_ttl)});
   const std::size_t n = learned.size();
   // The answer waits for the kernel: the client's first packet to these
   // addresses must not race the set update.
-  hooks_.learn(std::move(learned), [p, out = std::move(out), n](Status st) mutable {
+  hooks_.learn(std::move(learned), [p, out = std::move(*out), n](Status st) mutable {
     Core& core = *p->core;
     if (core.closed()) return;
     if (!st.ok()) return core.fail(p, "learn: " + st.error().message);
@@ -597,11 +1074,174 @@ void Core::release(const std::shared_ptr<Pending>& p, std::vector<std::uint8_t> 
   p->done = true;
   if (log_->should_log(spdlog::level::debug)) {
     const auto h = read_header(answer);
-    log_->debug("event=query qname={} qtype={} action=forward rcode={} learned={} us={}", p->qname, p->qtype,
-                h ? to_string(h->rcode()) : "?", learned,
+    log_->debug("event=query qname={} qtype={} action={} rcode={} learned={} us={}", p->qname, p->qtype,
+                p->relay ? "relay" : "forward", h ? to_string(h->rcode()) : "?", learned,
                 std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - p->start).count());
   }
   reply(p->client, std::move(answer));
+}
+
+// ---------------------------------------------------------------- Docker's forwarder
+
+void Core::start_probe() {
+  if (closed_ || probe_ || relay_ || !serving_) return;
+  // The first upstream that is local to the namespace and ours to use.
+  std::optional<Server> local;
+  for (std::size_t i = 0; i < upstream_->servers().size() && !local; ++i) {
+    const Server& s = upstream_->servers()[i];
+    if (!upstream_->usable(i)) continue;
+    const bool owned = std::any_of(owned_.begin(), owned_.end(), [&](const Owned& o) { return o.index == i; });
+    if (owned || is_loopback(s.ip)) local = s;
+  }
+  if (!local) return;
+  last_probe_ = Clock::now();
+  std::array<std::uint8_t, kCaseBits> rnd;
+  upstream_->random_case(rnd);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string name = "egressd-probe-";
+  for (int i = 0; i < 8; ++i) {
+    name += kHex[rnd[static_cast<std::size_t>(i)] >> 4];
+    name += kHex[rnd[static_cast<std::size_t>(i)] & 0xF];
+  }
+  name += ".invalid";
+  auto q = build_query(upstream_->random_id(), name, qtype::A);
+  if (!q) return;
+  upstream_->random_case(rnd);
+  apply_0x20(std::span(q.value()).subspan(kHeaderSize), rnd);
+  const std::size_t qend = question_end(q.value());
+  UpstreamOptions uo;
+  uo.servers = {local->to_string()};
+  uo.mark = own_mark_;
+  uo.timeout = opts_.upstream_timeout;
+  uo.forget = opts_.forget_flow;
+  auto up = Upstream::create(io_, uo);
+  if (!up) return;
+  Probe pr;
+  pr.key.assign(reinterpret_cast<const char*>(q.value().data()) + kHeaderSize, qend - kHeaderSize);
+  pr.upstream = std::move(up.value());
+  probe_ = std::move(pr);
+  log_->info("event=forwarder_probe upstream={} qname={}", local->to_string(), name);
+  // Over TCP: a forwarder relays a TCP query over TCP, and the redirected
+  // connection tells (SO_ORIGINAL_DST) where it was going.
+  probe_->upstream->send(
+      q.value(),
+      [self = shared_from_this()](Result<Bytes>) {
+        if (self->closed_ || !self->probe_ || self->probe_->answered) return;
+        self->probe_->answered = true;
+        // A copy that races egressd's probe has until the grace ends to show.
+        self->probe_timer_.expires_after(self->opts_.forwarder.probe_grace);
+        self->probe_timer_.async_wait([self](const error_code& ec) {
+          if (!ec && !self->closed_) self->finish_probe();
+        });
+      },
+      true);
+}
+
+void Core::probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client) {
+  ++probe_->arrivals;
+  std::string dst = "-";
+  if (client.tcp) {
+    const int fd = client.tcp->native_handle();
+    auto d = opts_.original_dst ? opts_.original_dst(fd, client.tcp->v6()) : socket_original_dst(fd, client.tcp->v6());
+    if (d) {
+      probe_->dst = *d;
+      dst = d->to_string();
+    }
+  }
+  log_->info("event=forwarder_probe_arrival transport={} original_dst={} arrivals={}", client.tcp ? "tcp" : "udp", dst,
+             probe_->arrivals);
+  // The probe's name is under .invalid: its answer is ours to give.
+  answer_local(msg, q, client, Rcode::nxdomain);
+}
+
+void Core::flush_waiting(bool pinned) {
+  auto waiting = std::move(waiting_relays_);
+  waiting_relays_.clear();
+  for (auto& [msg, client] : waiting) {
+    if (closed_) return;
+    if (pinned) {
+      handle(msg, client);
+      continue;
+    }
+    const ParsedQuery q = parse_query(msg);
+    servfail_now(msg, q, client, "relay_target_unknown");
+  }
+}
+
+void Core::finish_probe() {
+  if (!probe_) return;
+  const int arrivals = probe_->arrivals;
+  const std::optional<Server> dst = probe_->dst;
+  probe_.reset();
+  if (arrivals == 0) {
+    flush_waiting(false);
+    // The upstream answered without sending the name on through this
+    // namespace (Docker forwarding from the host's namespace, or not a
+    // forwarder at all): nothing will loop, nothing to relay.
+    log_->info("event=forwarder_probe result=none detail=\"the local upstream does not forward through this "
+               "namespace; nothing to relay\"");
+    return;
+  }
+  auto local_addr = [this](const IpPrefix& ip) {
+    error_code ec;
+    udp::socket s(io_);
+    s.open(ip.family == 4 ? udp::v4() : udp::v6(), ec);
+    if (!ec) s.bind(udp::endpoint(to_address(ip), 0), ec);
+    return !ec;
+  };
+  if (arrivals == 1 && dst && dst->port == 53 && !is_loopback(dst->ip) && !local_addr(dst->ip)) {
+    pin({*dst}, "probe");
+    return;
+  }
+  flush_waiting(false);
+  // Two copies: someone in the namespace copied egressd's probe (it had to
+  // sniff loopback for it) and may have sent its copy to a resolver of its
+  // own. No copy over TCP, or one to an address of this namespace: not
+  // what a forwarder does. Pin nothing; a relay finds no target and fails.
+  log_->error("event=forwarder_probe_race arrivals={} original_dst={} action=\"no forwarder target pinned; retry in "
+              "{} ms\" detail=\"more than one copy of egressd's probe reached the proxy, or none went to a remote "
+              "port 53: a process in the namespace may be copying egressd's queries\"",
+              arrivals, dst ? dst->to_string() : "-", opts_.forwarder.probe_retry.count());
+  schedule_probe();
+}
+
+void Core::schedule_probe() {
+  if (closed_ || probe_ || relay_ || probe_scheduled_ || !opts_.forwarder.probe || !serving_) return;
+  probe_scheduled_ = true;
+  probe_timer_.expires_at(std::max(Clock::now(), last_probe_ + opts_.forwarder.probe_retry));
+  probe_timer_.async_wait([self = shared_from_this()](const error_code& ec) {
+    self->probe_scheduled_ = false;
+    if (!ec && !self->closed_) self->start_probe();
+  });
+}
+
+void Core::pin(std::vector<Server> targets, const std::string& source) {
+  std::vector<IpPrefix> ips;
+  std::string text;
+  for (const Server& t : targets) {
+    ips.push_back(t.ip);
+    text += (text.empty() ? "" : ",") + t.to_string();
+  }
+  hooks_.relay_targets(ips, source, [self = shared_from_this(), targets, source, text](Status st) {
+    if (self->closed_) return;
+    if (!st.ok()) {
+      self->log_->error("event=forwarder_not_pinned targets={} source={} error=\"{}\"", text, source,
+                        st.error().message);
+      self->flush_waiting(false);
+      return;
+    }
+    UpstreamOptions uo;
+    for (const Server& t : targets) uo.servers.push_back(t.to_string());
+    uo.mark = self->own_mark_;
+    uo.timeout = self->opts_.upstream_timeout;
+    uo.forget = self->opts_.forget_flow;
+    auto up = Upstream::create(self->io_, uo);
+    if (!up) return;
+    self->relay_ = std::move(up.value());
+    self->relay_targets_ = targets;
+    self->log_->info("event=forwarder_pinned targets={} source={}", text, source);
+    self->flush_waiting(true);
+  });
 }
 
 void Core::resolve(const std::string& raw, std::function<void(Result<std::vector<Learned>>)> done) {
@@ -633,6 +1273,9 @@ void Core::resolve(const std::string& raw, std::function<void(Result<std::vector
       st->done(q.error().wrap("resolve " + raw));
       return;
     }
+    std::array<std::uint8_t, kCaseBits> bits;
+    upstream_->random_case(bits);
+    apply_0x20(std::span(q.value()).subspan(kHeaderSize), bits);
     queries.push_back(std::move(q.value()));
   }
   auto finish = [](State& s) {
@@ -645,7 +1288,17 @@ void Core::resolve(const std::string& raw, std::function<void(Result<std::vector
   };
   for (std::size_t i = 0; i < queries.size(); ++i) {
     const char* type = i == 0 ? "A" : "AAAA";
-    upstream_->send(queries[i], [st, type, finish](Result<Bytes> r) {
+    // Registered in flight like a forwarded query: a local upstream's
+    // forwarder relays pre-resolution queries back to us too.
+    std::shared_ptr<Registration> reg;
+    if (loop_watch_) {
+      const std::size_t qend = question_end(queries[i]);
+      reg = std::make_shared<Registration>(
+          shared_from_this(),
+          std::string(reinterpret_cast<const char*>(queries[i].data()) + kHeaderSize, qend - kHeaderSize));
+      ++inflight_q_[reg->key].queries;
+    }
+    upstream_->send(queries[i], [st, type, finish, reg, max_ttl = opts_.max_ttl](Result<Bytes> r) {
       State& s = *st;
       if (!r) {
         s.errors += std::string(" ") + type + ": " + r.error().message;
@@ -655,12 +1308,13 @@ void Core::resolve(const std::string& raw, std::function<void(Result<std::vector
         s.errors += std::string(" ") + type + ": " + to_string(a->header.rcode());
       } else {
         s.answered = true;
-        for (const ChainAddress& c : a->addresses) s.out.push_back({s.name, c.addr, c.ttl});
+        for (const ChainAddress& c : a->addresses) s.out.push_back({s.name, c.addr, std::min(c.ttl, max_ttl)});
       }
       finish(s);
     });
   }
 }
+
 
 // ---------------------------------------------------------------- Proxy
 
@@ -668,7 +1322,10 @@ class ProxyImpl final : public Proxy {
  public:
   explicit ProxyImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ProxyImpl() override { core_->close(); }
+  void set_forwarder(ForwarderOptions forwarder) override { core_->set_forwarder(std::move(forwarder)); }
+  void serve(std::uint32_t own_mark) override { core_->serve(own_mark); }
   std::uint16_t port() const override { return core_->port(); }
+  bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done) override {
     core_->resolve(name, std::move(done));
@@ -681,13 +1338,21 @@ class ProxyImpl final : public Proxy {
 
 }  // namespace
 
-Result<std::unique_ptr<Proxy>> Proxy::start(asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks) {
+Result<std::unique_ptr<Proxy>> Proxy::bind(asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks) {
   auto core = std::make_shared<Core>(io, std::move(opts), hooks);
-  if (Status st = core->start(); !st.ok()) {
+  if (Status st = core->bind(); !st.ok()) {
     core->close();
     return st.error();
   }
   return std::unique_ptr<Proxy>(new ProxyImpl(std::move(core)));
+}
+
+Result<std::unique_ptr<Proxy>> Proxy::start(asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks) {
+  const std::uint32_t mark = opts.own_mark;
+  auto p = bind(io, std::move(opts), hooks);
+  if (!p) return p.error();
+  (*p)->serve(mark);
+  return p;
 }
 
 std::vector<std::string> expand_upstreams(const DnsOptions& dns, const std::string& resolv_conf_text) {
@@ -736,6 +1401,60 @@ std::vector<std::string> nameservers_from_resolv_conf(const std::string& text) {
     if (!ip) continue;
     std::string text_addr = ip->to_string();
     if (std::find(out.begin(), out.end(), text_addr) == out.end()) out.push_back(std::move(text_addr));
+  }
+  return out;
+}
+
+ExtServers ext_servers_from_resolv_conf(const std::string& text) {
+  // Docker >= 25 writes, after the settings:
+  //   # ExtServers: [192.0.2.53 host(127.0.0.53) [2001:db8::53]:53]
+  // One comment line; entries separated by spaces.
+  ExtServers out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t eol = text.find('\n', pos);
+    if (eol == std::string::npos) eol = text.size();
+    std::string_view line(text.data() + pos, eol - pos);
+    pos = eol + 1;
+    const auto b = line.find_first_not_of(" \t");
+    if (b == std::string_view::npos || line[b] != '#') continue;
+    line.remove_prefix(b + 1);
+    const auto k = line.find_first_not_of(" \t");
+    if (k == std::string_view::npos) continue;
+    line.remove_prefix(k);
+    constexpr std::string_view kKey = "ExtServers:";
+    if (line.substr(0, kKey.size()) != kKey) continue;
+    line.remove_prefix(kKey.size());
+    const auto open = line.find('[');
+    const auto close = line.rfind(']');
+    if (open == std::string_view::npos || close == std::string_view::npos || close < open) continue;
+    out.present = true;
+    std::string_view list = line.substr(open + 1, close - open - 1);
+    while (!list.empty()) {
+      const auto s = list.find_first_not_of(" \t");
+      if (s == std::string_view::npos) break;
+      list.remove_prefix(s);
+      auto e = list.find_first_of(" \t");
+      std::string_view word = list.substr(0, e);
+      list.remove_prefix(e == std::string_view::npos ? list.size() : e);
+      bool host = false;
+      constexpr std::string_view kHost = "host(";
+      if (word.substr(0, kHost.size()) == kHost && word.back() == ')') {
+        host = true;
+        word = word.substr(kHost.size(), word.size() - kHost.size() - 1);
+      }
+      auto server = parse_server(word);
+      if (!server) continue;  // "invalid IP" and the like
+      std::string addr = server->ip.to_string();
+      if (host) {
+        out.host_side.push_back(std::move(addr));
+      } else if (server->port == 53 &&
+                 std::find(out.targets.begin(), out.targets.end(), addr) == out.targets.end()) {
+        // Only port 53 is redirected back to egressd; another port never loops.
+        out.targets.push_back(std::move(addr));
+      }
+    }
+    break;
   }
   return out;
 }

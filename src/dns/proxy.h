@@ -5,12 +5,14 @@
 
 #include <boost/asio/io_context.hpp>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "dns/upstream.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 
@@ -40,10 +42,47 @@ class PolicyHooks {
   virtual void learn(std::vector<Learned> addrs, std::function<void(Status)> done) = 0;
   // A query was refused locally (for denied records and counters).
   virtual void refused(const std::string& qname, std::uint16_t qtype) = 0;
+  // The proxy is about to relay Docker's forwarder to `targets` (issue 14,
+  // "names do not resolve under Docker's user-defined networks"): exempt
+  // egressd's own marked traffic to their port 53 and keep them for the
+  // next start (`source` says where they came from: "resolv.conf", "state",
+  // "probe"); call `done` once the kernel has the exemption. Nothing is
+  // relayed before. Default: nothing to do.
+  virtual void relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                             std::function<void(Status)> done) {
+    (void)targets;
+    (void)source;
+    done({});
+  }
+};
+
+// Where Docker's embedded resolver forwards names it does not know: the
+// relay targets ("T"). Docker's resolver forwards egressd's own query as it
+// received it, from inside the namespace, where egressd's redirect brings it
+// straight back; the proxy recognises it by its exact question bytes
+// (0x20 case included) and sends it to T itself.
+struct ForwarderOptions {
+  // Known targets (resolv.conf's "# ExtServers:" comment, or pinned by an
+  // earlier egressd and kept in the kernel): no probe.
+  std::vector<std::string> targets;
+  std::string source;  // where `targets` came from (for relay_targets and logs)
+  // Without known targets, when an upstream is local to the namespace: ask
+  // it once over TCP for a random name under .invalid and pin T from the
+  // original destination of the one forwarded copy that arrives.
+  bool probe = false;
+  // How long after the probe's answer a second arrival still counts as a
+  // race (someone copying egressd's probe): then nothing is pinned.
+  std::chrono::milliseconds probe_grace{200};
+  // A probe that raced, failed, or a relay that found no target: the next
+  // probe waits this long.
+  std::chrono::milliseconds probe_retry{10000};
 };
 
 struct ProxyOptions {
   std::uint16_t port = 0;                 // listen port on 127.0.0.1 and ::1 (0 = pick one)
+  // When `port` is held by another socket: listen on another port (the same
+  // for UDP and TCP, IPv4 and IPv6) instead of failing; port() says which.
+  bool fallback_port = false;
   std::vector<std::string> upstream;      // IP addresses ("192.0.2.1", "2001:db8::1", "192.0.2.1:5353", "[::1]:5353");
                                           // the word "resolv.conf" must be expanded first (nameservers_from_resolv_conf)
   std::uint32_t own_mark = 0;             // SO_MARK on every upstream socket
@@ -51,6 +90,21 @@ struct ProxyOptions {
   std::size_t max_inflight = 1024;        // beyond this, new queries get SERVFAIL at once
   std::chrono::seconds tcp_idle{10};
   std::size_t max_tcp_connections = 64;   // beyond this, new TCP connections are closed at once
+  // Every TTL relayed to the sandbox, and every learned TTL, is capped here (dns.max_ttl).
+  std::uint32_t max_ttl = 3600;
+  // Upstreams local to the namespace (Docker's 127.0.0.11) on port 53: the
+  // proxy binds each of them, UDP and TCP, before it serves, so no sandbox
+  // process can take the address and answer in the upstream's name. One held
+  // by someone else is not used (its queries fail) and is tried again every
+  // `own_retry`.
+  bool own_local_upstreams = true;
+  std::chrono::milliseconds own_retry{1000};
+  ForwarderOptions forwarder;
+  // Where a redirected TCP connection was going (the socket's fd, IPv6 or
+  // not): SO_ORIGINAL_DST when empty. Tests without nat substitute it.
+  std::function<std::optional<Server>(int fd, bool v6)> original_dst;
+  // Told of each upstream flow that has ended (see ForgetFlow). May be empty.
+  ForgetFlow forget_flow;
 };
 
 // forwarded: sent upstream; refused: answered REFUSED/NXDOMAIN by policy;
@@ -58,8 +112,9 @@ struct ProxyOptions {
 // malformed: dropped or answered FORMERR/NOTIMP.
 // inflight: forwarded queries not answered yet (a gauge, not a counter; at
 // most max_inflight).
+// relayed: queries of Docker's forwarder sent on to the relay target.
 struct ProxyCounters {
-  std::uint64_t forwarded = 0, refused = 0, failed = 0, malformed = 0;
+  std::uint64_t forwarded = 0, refused = 0, failed = 0, malformed = 0, relayed = 0;
   std::uint64_t inflight = 0;
 };
 
@@ -68,11 +123,23 @@ struct ProxyCounters {
 // resolve callback is called; pending queries are abandoned.
 class Proxy {
  public:
-  // Binds UDP and TCP on loopback in the current network namespace. Fails
-  // (runtime) naming the address when a socket cannot be bound.
+  // Binds UDP and TCP on loopback in the current network namespace, and the
+  // local upstreams (own_local_upstreams), without serving yet: queries
+  // queue in the kernel until serve(). Fails (runtime) naming the address
+  // when a socket cannot be bound.
+  static Result<std::unique_ptr<Proxy>> bind(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
+  // bind(), then serve(opts.own_mark).
   static Result<std::unique_ptr<Proxy>> start(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
   virtual ~Proxy() = default;
+  // Replaces ProxyOptions::forwarder (before serve() only): targets an
+  // earlier egressd pinned, adopted from the kernel.
+  virtual void set_forwarder(ForwarderOptions forwarder) = 0;
+  // Starts answering, with `own_mark` on every upstream socket; runs the
+  // forwarder probe when it is needed. Once.
+  virtual void serve(std::uint32_t own_mark) = 0;
   virtual std::uint16_t port() const = 0;
+  // True when port() is not the port asked for (it was held by someone else).
+  virtual bool port_fell_back() const = 0;
   virtual ProxyCounters counters() const = 0;
   // Resolves A and AAAA of `name` upstream (pre-resolution at apply time);
   // calls `done` with the addresses (empty + error on failure).
@@ -88,5 +155,16 @@ std::vector<std::string> expand_upstreams(const DnsOptions& dns, const std::stri
 // Upstream servers from a resolv.conf text ("nameserver" lines), in order:
 // at most 3 (glibc's MAXNS), duplicates and non-addresses (names, zone ids) skipped.
 std::vector<std::string> nameservers_from_resolv_conf(const std::string& text);
+
+// What Docker (>= 25) says in a container's resolv.conf about where its
+// embedded resolver forwards: "# ExtServers: [192.0.2.53 host(127.0.0.53)]".
+// Servers in host(...) are reached from the host's namespace (their queries
+// never pass egressd); the others from the container's.
+struct ExtServers {
+  bool present = false;                 // the comment was there
+  std::vector<std::string> targets;     // forwarded from inside the namespace: relay targets, port 53 only
+  std::vector<std::string> host_side;   // host(...) entries
+};
+ExtServers ext_servers_from_resolv_conf(const std::string& text);
 
 }  // namespace egressd::dns

@@ -1,36 +1,58 @@
 #include "dns/upstream.h"
 
-#include <ares.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
-#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ip/udp.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <random>
 #include <spdlog/spdlog.h>
-#include <unordered_map>
 
 #include "dns/log.h"
 
 namespace egressd::dns {
 
 namespace asio = boost::asio;
+using udp = asio::ip::udp;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using boost::system::error_code;
 
 namespace {
 
-// c-ares retries each server `tries` times and doubles the timeout after
-// every round over all servers: the total is n * first * (2^tries - 1).
+// Each server is tried `kTries` times, and the timeout doubles after every
+// round over all servers (c-ares' schedule, kept): the total is
+// n * first * (2^kTries - 1).
 constexpr int kTries = 2;
 constexpr std::chrono::milliseconds kMinFirstTry{50};
+// The largest answer read over UDP: more than the payload size egressd
+// advertises (a server may ignore it); a bigger datagram is cut by the
+// kernel and fails to parse.
+constexpr std::size_t kUdpReceive = 65535;
 
 std::chrono::milliseconds first_try(std::chrono::milliseconds budget, std::size_t nservers) {
   const auto rounds = static_cast<std::int64_t>(nservers) * ((1 << kTries) - 1);
   return std::max(kMinFirstTry, std::chrono::milliseconds(budget.count() / std::max<std::int64_t>(rounds, 1)));
+}
+
+asio::ip::address to_address(const IpPrefix& ip) {
+  if (ip.family == 4) {
+    asio::ip::address_v4::bytes_type b;
+    std::copy_n(ip.bytes.begin(), 4, b.begin());
+    return asio::ip::address_v4(b);
+  }
+  asio::ip::address_v6::bytes_type b;
+  std::copy_n(ip.bytes.begin(), 16, b.begin());
+  return asio::ip::address_v6(b);
 }
 
 }  // namespace
@@ -79,250 +101,529 @@ Result<Server> parse_server(std::string_view text) {
   return s;
 }
 
-// One socket c-ares asked us to watch. The descriptor is borrowed: c-ares
-// owns the fd and closes it, so it is always release()d, never closed here.
-struct Watch {
-  Watch(asio::io_context& io, int f) : sd(io), fd(f) {}
-  asio::posix::stream_descriptor sd;
-  int fd;
-  bool want_read = false, want_write = false;
-  bool reading = false, writing = false;  // an async_wait is outstanding
-  // False once c-ares said it is done with the fd: the number may already
-  // belong to a new socket when an aborted wait completes.
-  bool alive = true;
-};
+struct Exchange;
 
 struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   explicit Impl(asio::io_context& io_) : io(io_), timer(io_) {}
-  ~Impl() {
-    // The fds are c-ares': release them from asio before c-ares closes them.
-    for (auto& [fd, w] : watches) forget(*w);
-    closed = true;
-    if (channel != nullptr) ares_destroy(channel);
-  }
 
   asio::io_context& io;
-  ares_channel channel = nullptr;
   std::vector<Server> servers;
+  std::vector<asio::ip::address> addrs;  // servers[i]'s address for asio
+  std::vector<bool> usable;
+  std::vector<std::string> unusable_why;
   std::chrono::milliseconds first{500};
   std::uint32_t mark = 0;
   bool mark_warned = false;
-  asio::steady_timer timer;
-  bool timer_armed = false;
-  std::unordered_map<int, std::shared_ptr<Watch>> watches;
+  ForgetFlow forget;
   std::size_t pending = 0;
-  int depth = 0;  // > 0 while inside a c-ares call: the channel must not be destroyed
   bool closed = false;
-  std::array<std::uint16_t, 128> ids{};  // 256 bytes: see random_id()
-  std::size_t next_id = ids.size();
+  UpstreamFailure last_failure = UpstreamFailure::none;
   std::shared_ptr<spdlog::logger> log = dns_logger();
 
-  struct Query {
-    Impl* impl;
-    AnswerCallback done;
+  // Tries waiting for an answer, one FIFO per round: every try of a round
+  // has the same timeout, so each list is in deadline order and one timer
+  // armed at the earliest head covers them all (no timer per query, and no
+  // timerfd update per answer).
+  struct List {
+    Exchange* head = nullptr;
+    Exchange* tail = nullptr;
   };
+  std::array<List, kTries> waiting;
+  asio::steady_timer timer;
+  bool timer_armed = false;
+  Clock::time_point timer_at{};
 
-  static void on_answer(void* arg, int status, int /*timeouts*/, unsigned char* abuf, int alen) {
-    std::unique_ptr<Query> q(static_cast<Query*>(arg));
-    Impl* self = q->impl;
-    --self->pending;
-    if (self->closed) return;  // abandoned: see ~Upstream
-    if (status == ARES_SUCCESS && abuf != nullptr && alen >= 0) {
-      q->done(Bytes(abuf, static_cast<std::size_t>(alen)));
-    } else {
-      q->done(Error::runtime(std::string("upstream: ") + ares_strerror(status)));
+  // Every UDP answer is read here, then handled before the next read: one
+  // buffer for all queries (a 64 KiB buffer per query cost more than the
+  // rest of the exchange, zeroing included).
+  std::vector<std::uint8_t> rbuf = std::vector<std::uint8_t>(kUdpReceive);
+
+  // 4 KiB of kernel randomness at a time: 128 queries' IDs and case bits
+  // per getrandom call.
+  std::array<std::uint8_t, 4096> rnd{};
+  std::size_t rnd_pos = rnd.size();
+
+  void random_bytes(std::uint8_t* out, std::size_t n) {
+    while (n > 0) {
+      if (rnd_pos == rnd.size()) {
+        // getrandom from the initialised urandom pool does not block; a
+        // 4 KiB read may be cut short by a signal only past 256 bytes, so
+        // loop until it is full.
+        std::size_t got = 0;
+        while (got < rnd.size()) {
+          const ssize_t r = ::getrandom(rnd.data() + got, rnd.size() - got, 0);
+          if (r <= 0) {
+            if (r < 0 && errno == EINTR) continue;
+            // Unreachable in practice; never send predictable IDs.
+            std::random_device rd;
+            for (std::size_t i = got; i < rnd.size(); ++i) rnd[i] = static_cast<std::uint8_t>(rd());
+            break;
+          }
+          got += static_cast<std::size_t>(r);
+        }
+        rnd_pos = 0;
+      }
+      const std::size_t k = std::min(n, rnd.size() - rnd_pos);
+      std::memcpy(out, rnd.data() + rnd_pos, k);
+      rnd_pos += k;
+      out += k;
+      n -= k;
     }
   }
 
-  static void on_sock_state(void* data, ares_socket_t fd, int readable, int writable) {
-    static_cast<Impl*>(data)->sock_state(fd, readable != 0, writable != 0);
-  }
+  // UDP sockets to reuse, one pool per family. A socket that ended its try
+  // with an answer is disconnected (connect AF_UNSPEC): the kernel releases
+  // its autobound port, and the next connect binds a new random one. So
+  // every query still gets a fresh port, without a new socket, SO_MARK and
+  // epoll registration each time (together a third of the proxy's CPU when
+  // every query made its own socket).
+  static constexpr std::size_t kPoolMax = 256;
+  std::vector<udp::socket> pool4, pool6;
+  void recycle(udp::socket s, bool v4);
+  std::optional<udp::socket> reuse(bool v4);
 
-  // c-ares calls this for each new socket before connecting it.
-  static int on_configure(ares_socket_t fd, int /*type*/, void* data) {
-    auto* self = static_cast<Impl*>(data);
-    if (self->mark == 0) return 0;
-    if (setsockopt(fd, SOL_SOCKET, SO_MARK, &self->mark, sizeof self->mark) != 0) {
+  void link(Exchange* x, int round);
+  void unlink(Exchange* x);
+  void arm_timer();
+  void on_timer();
+  void close();
+
+  void apply_mark(int fd) {
+    if (mark == 0) return;
+    if (::setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark) != 0 && !mark_warned) {
       // Without the mark nftables treats our upstream traffic like the
-      // sandbox's. Still send: the ruleset decides, and a query stuck here
-      // would only turn into a SERVFAIL. Needs CAP_NET_ADMIN.
+      // sandbox's. Still send: the ruleset decides. Needs CAP_NET_ADMIN.
       const int err = errno;
-      if (!self->mark_warned) {
-        self->log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", self->mark, std::strerror(err));
-        self->mark_warned = true;
-      }
+      log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", mark, std::strerror(err));
+      mark_warned = true;
     }
-    return 0;
-  }
-
-  void sock_state(int fd, bool readable, bool writable) {
-    if (closed) return;
-    auto it = watches.find(fd);
-    if (!readable && !writable) {
-      // c-ares is about to close fd.
-      if (it != watches.end()) forget(*it->second);
-      if (it != watches.end()) watches.erase(it);
-      return;
-    }
-    std::shared_ptr<Watch> w;
-    if (it == watches.end()) {
-      w = std::make_shared<Watch>(io, fd);
-      boost::system::error_code ec;
-      w->sd.assign(fd, ec);
-      if (ec) {
-        // Unwatched, the socket's queries end by timeout.
-        log->error("event=upstream_watch_failed fd={} error=\"{}\"", fd, ec.message());
-        return;
-      }
-      watches.emplace(fd, w);
-    } else {
-      w = it->second;
-    }
-    w->want_read = readable;
-    w->want_write = writable;
-    start_waits(w);
-  }
-
-  void forget(Watch& w) {
-    w.alive = false;
-    boost::system::error_code ec;
-    w.sd.cancel(ec);
-    (void)w.sd.release();
-  }
-
-  void start_waits(const std::shared_ptr<Watch>& w) {
-    if (w->want_read && !w->reading) {
-      w->reading = true;
-      w->sd.async_wait(asio::posix::stream_descriptor::wait_read,
-                       [self = shared_from_this(), w](const boost::system::error_code& ec) {
-                         w->reading = false;
-                         if (ec || !w->alive || self->closed || !w->want_read) return;
-                         self->process(w->fd, ARES_SOCKET_BAD);
-                         if (w->alive) self->start_waits(w);
-                       });
-    }
-    if (w->want_write && !w->writing) {
-      w->writing = true;
-      w->sd.async_wait(asio::posix::stream_descriptor::wait_write,
-                       [self = shared_from_this(), w](const boost::system::error_code& ec) {
-                         w->writing = false;
-                         if (ec || !w->alive || self->closed || !w->want_write) return;
-                         self->process(ARES_SOCKET_BAD, w->fd);
-                         if (w->alive) self->start_waits(w);
-                       });
-    }
-  }
-
-  void process(ares_socket_t rfd, ares_socket_t wfd) {
-    ++depth;
-    ares_process_fd(channel, rfd, wfd);
-    --depth;
-    after_call();
-  }
-
-  // Runs after every c-ares call: finishes a deferred close, keeps the
-  // timeout timer armed while queries are pending.
-  void after_call() {
-    if (closed) {
-      if (depth == 0 && channel != nullptr) {
-        ares_channel ch = channel;
-        channel = nullptr;
-        ares_destroy(ch);
-      }
-      return;
-    }
-    arm_timer();
-  }
-
-  // Invariant: while a query is pending the timer is armed, at most `first`
-  // ahead of when it was armed. Every query (and retry) c-ares sends times
-  // out at least `first` after it was sent, so an armed timer never fires
-  // later than the earliest timeout and needs no re-arming on send: the
-  // O(pending) ares_timeout walk runs once per timer period, not per query.
-  void arm_timer() {
-    if (timer_armed || pending == 0 || channel == nullptr) return;
-    timeval max{static_cast<time_t>(first.count() / 1000), static_cast<suseconds_t>((first.count() % 1000) * 1000)};
-    timeval tv{};
-    ares_timeout(channel, &max, &tv);
-    // +1 ms: c-ares compares with its own clock reading; firing a hair early
-    // would only spin once more.
-    const auto wait = std::chrono::seconds(tv.tv_sec) + std::chrono::microseconds(tv.tv_usec) + std::chrono::milliseconds(1);
-    timer.expires_after(wait);
-    timer_armed = true;
-    timer.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
-      self->timer_armed = false;
-      if (ec || self->closed) return;
-      self->process(ARES_SOCKET_BAD, ARES_SOCKET_BAD);
-    });
-  }
-
-  void close() {
-    if (closed) return;
-    closed = true;
-    timer.cancel();
-    for (auto& [fd, w] : watches) forget(*w);
-    watches.clear();
-    // Inside a c-ares call (a callback destroyed us) the channel is still in
-    // use: after_call() destroys it once c-ares returns.
-    after_call();
   }
 };
 
+// One query from send() to done(): its tries, one at a time.
+struct Exchange : std::enable_shared_from_this<Exchange> {
+  Exchange(std::shared_ptr<Upstream::Impl> i, AnswerCallback d) : impl(std::move(i)), done(std::move(d)) {}
+
+  std::shared_ptr<Upstream::Impl> impl;
+  AnswerCallback done;
+  std::vector<std::uint8_t> out;  // 2-byte TCP length prefix, then the query
+  std::uint16_t id = 0;
+  std::size_t question_len = 0;  // bytes [12, 12 + question_len) must come back
+  std::uint64_t skip = 0;        // bit i: servers[i] answered SERVFAIL/REFUSED/NOTIMP (at most 64 servers)
+  unsigned next = 0;             // next position in the schedule: round * n + server
+  std::size_t server = 0;        // the server of the current try
+  bool force_tcp = false;
+  unsigned serial = 0;           // of the current try; completions of older ones are stale
+  std::optional<udp::socket> usock;
+  bool reusable = false;  // usock's try ended with an answer read and no wait outstanding
+  std::optional<tcp::socket> tsock;
+  std::vector<std::uint8_t> buf;
+  std::array<std::uint8_t, 2> len{};
+  bool finished = false;
+  UpstreamFailure failure = UpstreamFailure::timeout;
+  std::string error;  // why the last try failed
+
+  // Intrusive FIFO links (Impl::waiting).
+  Exchange* prev = nullptr;
+  Exchange* nxt = nullptr;
+  int round = -1;  // the list it is in; -1: none
+  Clock::time_point deadline{};
+
+  Bytes query() const { return Bytes(out).subspan(2); }
+  Bytes question() const { return query().subspan(kHeaderSize, question_len); }
+
+  void close_sockets() {
+    error_code ec;
+    if (usock && reusable && impl->forget) {
+      // Its answer was read: nothing more is due on this flow.
+      const auto local = usock->local_endpoint(ec);
+      if (!ec) {
+        FlowTuple t;
+        t.src = IpPrefix{};
+        const auto la = local.address();
+        t.src.family = la.is_v4() ? 4 : 6;
+        t.src.prefix_len = la.is_v4() ? 32 : 128;
+        if (la.is_v4()) {
+          const auto b = la.to_v4().to_bytes();
+          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+        } else {
+          const auto b = la.to_v6().to_bytes();
+          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+        }
+        t.sport = local.port();
+        t.dst = impl->servers[server].ip;
+        t.dport = impl->servers[server].port;
+        impl->forget(t);
+      }
+      ec = {};
+    }
+    if (usock && reusable && !impl->closed) {
+      impl->recycle(std::move(*usock), impl->addrs[server].is_v4());
+    } else if (usock) {
+      usock->close(ec);
+    }
+    reusable = false;
+    if (tsock) tsock->close(ec);
+    usock.reset();
+    tsock.reset();
+  }
+
+  void note(UpstreamFailure f, std::string why) {
+    // The most telling failure wins the final message: a mismatch over a
+    // refusal over an unreachable server over a timeout.
+    if (static_cast<int>(f) >= static_cast<int>(failure) || error.empty()) {
+      failure = f;
+      error = std::move(why);
+    }
+  }
+
+  void finish(Result<Bytes> r) {
+    if (finished) return;
+    finished = true;
+    impl->unlink(this);
+    close_sockets();
+    --impl->pending;
+    AnswerCallback cb = std::move(done);
+    done = nullptr;
+    if (impl->closed) return;
+    impl->last_failure = r ? UpstreamFailure::none : failure;
+    cb(std::move(r));
+  }
+
+  // Starts the next try of the schedule, or fails the query.
+  void next_try() {
+    if (finished) return;
+    impl->unlink(this);
+    close_sockets();
+    ++serial;
+    const std::size_t n = impl->servers.size();
+    while (next < n * kTries) {
+      const unsigned pos = next++;
+      const std::size_t s = pos % n;
+      if (!impl->usable[s] || (skip >> s & 1) != 0) continue;
+      server = s;
+      start(static_cast<int>(pos / n), force_tcp);
+      return;
+    }
+    bool any_usable = false;
+    for (std::size_t i = 0; i < n; ++i) any_usable = any_usable || impl->usable[i];
+    if (!any_usable) {
+      failure = UpstreamFailure::unavailable;
+      std::string why = "upstream: no usable server";
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!impl->unusable_why[i].empty()) why += "; " + impl->unusable_why[i];
+      }
+      error = std::move(why);
+    }
+    finish(Error::runtime(error.empty() ? std::string("upstream: no answer") : error));
+  }
+
+  void start(int round_no, bool tcp_try) {
+    const Server& srv = impl->servers[server];
+    auto fail_now = [&](UpstreamFailure f, const error_code& ec, const char* what) {
+      note(f, "upstream " + srv.to_string() + ": " + what + ": " + ec.message());
+      next_try();
+    };
+    error_code ec;
+    const auto addr = impl->addrs[server];
+    if (tcp_try) {
+      tsock.emplace(impl->io);
+      tsock->open(addr.is_v4() ? tcp::v4() : tcp::v6(), ec);
+      if (ec) return fail_now(UpstreamFailure::unreachable, ec, "socket");
+      impl->apply_mark(tsock->native_handle());
+      impl->link(this, round_no);
+      tsock->async_connect(tcp::endpoint(addr, srv.port),
+                           [self = shared_from_this(), s = serial](const error_code& e) { self->on_tcp_connect(s, e); });
+      return;
+    }
+    // connect() binds a port the kernel picks at random from the ephemeral
+    // range, and makes the kernel deliver datagrams from this server only.
+    const bool v4 = addr.is_v4();
+    const udp::endpoint to(addr, srv.port);
+    if (auto pooled = impl->reuse(v4)) {
+      usock.emplace(std::move(*pooled));
+    } else {
+      // Made by hand (non-blocking from the start, close-on-exec) and handed
+      // to asio only to wait on.
+      const int fd = ::socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        return fail_now(UpstreamFailure::unreachable, error_code(errno, boost::system::system_category()), "socket");
+      }
+      impl->apply_mark(fd);
+      usock.emplace(impl->io);
+      usock->assign(v4 ? udp::v4() : udp::v6(), fd, ec);
+      if (ec) {
+        ::close(fd);
+        usock.reset();
+        return fail_now(UpstreamFailure::unreachable, ec, "watch");
+      }
+    }
+    const int fd = usock->native_handle();
+    if (::connect(fd, to.data(), static_cast<socklen_t>(to.size())) != 0 ||
+        ::send(fd, query().data(), query().size(), 0) < 0) {
+      const error_code e(errno, boost::system::system_category());
+      return fail_now(UpstreamFailure::unreachable, e, "send");
+    }
+    impl->link(this, round_no);
+    receive_udp();
+  }
+
+  // Waits for readability, then reads into the shared buffer: no read is
+  // tried before the answer can be there, and no buffer per query.
+  void receive_udp() {
+    usock->async_wait(udp::socket::wait_read, [self = shared_from_this(), s = serial](const error_code& ec) {
+      self->on_udp(s, ec);
+    });
+  }
+
+  void on_udp(unsigned s, error_code ec) {
+    if (s != serial || finished || impl->closed || ec == asio::error::operation_aborted) return;
+    const Server& srv = impl->servers[server];
+    std::size_t n = 0;
+    if (!ec) {
+      const ssize_t r = ::recv(usock->native_handle(), impl->rbuf.data(), impl->rbuf.size(), MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return receive_udp();
+        ec = error_code(errno, boost::system::system_category());
+      } else {
+        n = static_cast<std::size_t>(r);
+      }
+    }
+    if (ec) {
+      // ECONNREFUSED: an ICMP port unreachable for an earlier datagram.
+      note(UpstreamFailure::unreachable, "upstream " + srv.to_string() + ": " + ec.message());
+      return next_try();
+    }
+    const Bytes msg(impl->rbuf.data(), n);
+    auto h = read_header(msg);
+    if (!h || !h->qr() || h->id != id) {
+      // Not an answer to this query: ignored, as c-ares did. Only the
+      // server's address and port reach this connected socket.
+      return receive_udp();
+    }
+    // No wait is outstanding and no error pending: the socket may serve
+    // another query, from another port, once this try ends.
+    reusable = true;
+    on_answer(msg, *h, false);
+  }
+
+  void on_tcp_connect(unsigned s, const error_code& ec) {
+    if (s != serial || finished || impl->closed || ec == asio::error::operation_aborted) return;
+    if (ec) {
+      note(UpstreamFailure::unreachable, "upstream " + impl->servers[server].to_string() + " (tcp): " + ec.message());
+      return next_try();
+    }
+    const std::size_t qn = out.size() - 2;
+    out[0] = static_cast<std::uint8_t>(qn >> 8);
+    out[1] = static_cast<std::uint8_t>(qn & 0xFF);
+    asio::async_write(*tsock, asio::buffer(out), [self = shared_from_this(), s](const error_code& e, std::size_t) {
+      if (s != self->serial || self->finished || self->impl->closed || e == asio::error::operation_aborted) return;
+      if (e) {
+        self->note(UpstreamFailure::unreachable,
+                   "upstream " + self->impl->servers[self->server].to_string() + " (tcp): " + e.message());
+        return self->next_try();
+      }
+      self->read_tcp_length(s);
+    });
+  }
+
+  void read_tcp_length(unsigned s) {
+    asio::async_read(*tsock, asio::buffer(len), [self = shared_from_this(), s](const error_code& e, std::size_t) {
+      if (s != self->serial || self->finished || self->impl->closed || e == asio::error::operation_aborted) return;
+      if (e) {
+        self->note(UpstreamFailure::unreachable,
+                   "upstream " + self->impl->servers[self->server].to_string() + " (tcp): " + e.message());
+        return self->next_try();
+      }
+      self->buf.resize(static_cast<std::size_t>((self->len[0] << 8) | self->len[1]));
+      asio::async_read(*self->tsock, asio::buffer(self->buf), [self, s](const error_code& e2, std::size_t) {
+        if (s != self->serial || self->finished || self->impl->closed || e2 == asio::error::operation_aborted) return;
+        if (e2) {
+          self->note(UpstreamFailure::unreachable,
+                     "upstream " + self->impl->servers[self->server].to_string() + " (tcp): " + e2.message());
+          return self->next_try();
+        }
+        const Bytes msg(self->buf);
+        auto h = read_header(msg);
+        if (!h || !h->qr() || h->id != self->id) {
+          self->note(UpstreamFailure::unreachable,
+                     "upstream " + self->impl->servers[self->server].to_string() + " (tcp): answer with another ID");
+          return self->next_try();
+        }
+        self->on_answer(msg, *h, true);
+      });
+    });
+  }
+
+  void on_answer(Bytes msg, const Header& h, bool over_tcp) {
+    const Server& srv = impl->servers[server];
+    if (!echoes_query(msg, id, question())) {
+      // Right ID, wrong question: someone who does not know the query's
+      // 0x20 case (or a broken server). Never learned from; the query fails
+      // rather than waiting for a second guess.
+      failure = UpstreamFailure::mismatch;
+      error = "upstream " + srv.to_string() +
+              ": answer does not echo the query's question exactly (0x20 check); rejected";
+      return finish(Error::runtime(error));
+    }
+    if (h.tc() && !over_tcp) {
+      // Too big for UDP: the same server over TCP, a fresh timeout.
+      const int round_no = round < 0 ? 0 : round;
+      impl->unlink(this);
+      close_sockets();
+      ++serial;
+      return start(round_no, true);
+    }
+    const Rcode rc = h.rcode();
+    if (rc == Rcode::servfail || rc == Rcode::refused || rc == Rcode::notimp) {
+      // This server will not answer this query: the next one may.
+      skip |= std::uint64_t{1} << server;
+      note(UpstreamFailure::rcode, "upstream " + srv.to_string() + " answered " + to_string(rc));
+      return next_try();
+    }
+    finish(msg);
+  }
+};
+
+void Upstream::Impl::link(Exchange* x, int round_no) {
+  unlink(x);
+  x->round = round_no;
+  x->deadline = Clock::now() + first * (1 << round_no);
+  List& l = waiting[static_cast<std::size_t>(round_no)];
+  x->prev = l.tail;
+  x->nxt = nullptr;
+  if (l.tail != nullptr) {
+    l.tail->nxt = x;
+  } else {
+    l.head = x;
+  }
+  l.tail = x;
+  arm_timer();
+}
+
+void Upstream::Impl::unlink(Exchange* x) {
+  if (x->round < 0) return;
+  List& l = waiting[static_cast<std::size_t>(x->round)];
+  if (x->prev != nullptr) {
+    x->prev->nxt = x->nxt;
+  } else {
+    l.head = x->nxt;
+  }
+  if (x->nxt != nullptr) {
+    x->nxt->prev = x->prev;
+  } else {
+    l.tail = x->prev;
+  }
+  x->prev = x->nxt = nullptr;
+  x->round = -1;
+}
+
+void Upstream::Impl::recycle(udp::socket sock, bool v4) {
+  auto& pool = v4 ? pool4 : pool6;
+  sockaddr unspec{};
+  unspec.sa_family = AF_UNSPEC;
+  error_code ec;
+  // Disconnecting an autobound UDP socket unhashes it and clears its port
+  // (__udp_disconnect): nothing more reaches it until the next connect.
+  if (pool.size() >= kPoolMax || ::connect(sock.native_handle(), &unspec, sizeof unspec) != 0) {
+    sock.close(ec);
+    return;
+  }
+  pool.push_back(std::move(sock));
+}
+
+std::optional<udp::socket> Upstream::Impl::reuse(bool v4) {
+  auto& pool = v4 ? pool4 : pool6;
+  while (!pool.empty()) {
+    udp::socket s = std::move(pool.back());
+    pool.pop_back();
+    // Whatever was queued before the disconnect (a late duplicate, a forger's
+    // datagram) and a pending error go now, not into the next query.
+    bool clean = false;
+    for (int i = 0; i < 64; ++i) {
+      const ssize_t r = ::recv(s.native_handle(), rbuf.data(), rbuf.size(), MSG_DONTWAIT);
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        clean = true;
+        break;
+      }
+    }
+    if (clean) return s;
+    error_code ec;
+    s.close(ec);
+  }
+  return std::nullopt;
+}
+
+// Invariant: while any try waits, the timer is armed no later than the
+// earliest deadline. A try that ends early leaves the timer where it was; it
+// then fires once for nothing and re-arms for the next head.
+void Upstream::Impl::arm_timer() {
+  if (closed) return;
+  std::optional<Clock::time_point> earliest;
+  for (const List& l : waiting) {
+    if (l.head != nullptr && (!earliest || l.head->deadline < *earliest)) earliest = l.head->deadline;
+  }
+  if (!earliest) return;
+  if (timer_armed && timer_at <= *earliest) return;
+  timer_armed = true;
+  timer_at = *earliest;
+  timer.expires_at(*earliest);
+  timer.async_wait([self = shared_from_this(), at = *earliest](const error_code& ec) {
+    if (ec || self->closed || self->timer_at != at) return;
+    self->timer_armed = false;
+    self->on_timer();
+  });
+}
+
+void Upstream::Impl::on_timer() {
+  const auto now = Clock::now();
+  for (List& l : waiting) {
+    while (l.head != nullptr && l.head->deadline <= now && !closed) {
+      std::shared_ptr<Exchange> x = l.head->shared_from_this();
+      const std::string what = x->tsock ? " (tcp)" : "";
+      x->note(UpstreamFailure::timeout, "upstream " + servers[x->server].to_string() + what + ": no answer within " +
+                                            std::to_string((first * (1 << x->round)).count()) + " ms");
+      x->next_try();  // unlinks it
+    }
+  }
+  arm_timer();
+}
+
+void Upstream::Impl::close() {
+  if (closed) return;
+  closed = true;
+  error_code ec;
+  timer.cancel();
+  for (auto* pool : {&pool4, &pool6}) {
+    for (auto& s : *pool) s.close(ec);
+    pool->clear();
+  }
+  for (List& l : waiting) {
+    while (l.head != nullptr) {
+      Exchange* x = l.head;
+      unlink(x);
+      x->finished = true;
+      x->done = nullptr;  // abandoned: destroyed, never called
+      x->close_sockets();
+    }
+  }
+}
+
 Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const UpstreamOptions& opts) {
   if (opts.servers.empty()) return Error::invalid("upstream: no name servers configured");
+  if (opts.servers.size() > 64) return Error::invalid("upstream: more than 64 name servers");
   auto impl = std::make_shared<Impl>(io);
   for (const std::string& s : opts.servers) {
     auto server = parse_server(s);
     if (!server) return server.error();
     impl->servers.push_back(*server);
+    impl->addrs.push_back(to_address(server->ip));
   }
+  impl->usable.assign(impl->servers.size(), true);
+  impl->unusable_why.assign(impl->servers.size(), "");
   impl->mark = opts.mark;
+  impl->forget = opts.forget;
   impl->first = first_try(opts.timeout, impl->servers.size());
-
-  ares_options o{};
-  int mask = 0;
-  // EDNS: lets c-ares accept UDP answers up to ednspsz instead of retrying
-  // every answer over 512 bytes over TCP. c-ares adds no OPT to what
-  // ares_send sends: the sandbox's own OPT (if any) passes through.
-  o.flags = ARES_FLAG_NOSEARCH | ARES_FLAG_NOALIASES | ARES_FLAG_STAYOPEN | ARES_FLAG_EDNS;
-  o.ednspsz = static_cast<int>(kMaxUdpSize);
-  o.timeout = static_cast<int>(impl->first.count());
-  o.tries = kTries;
-  o.sock_state_cb = &Impl::on_sock_state;
-  o.sock_state_cb_data = impl.get();
-  // The servers are set below; an empty list here keeps c-ares from reading
-  // resolv.conf's.
-  o.servers = nullptr;
-  o.nservers = 0;
-  char lookups[] = "b";
-  o.lookups = lookups;
-  mask |= ARES_OPT_FLAGS | ARES_OPT_EDNSPSZ | ARES_OPT_TIMEOUTMS | ARES_OPT_TRIES | ARES_OPT_SOCK_STATE_CB |
-          ARES_OPT_SERVERS | ARES_OPT_LOOKUPS | ARES_OPT_NOROTATE;
-  ares_channel ch = nullptr;
-  if (int rc = ares_init_options(&ch, &o, mask); rc != ARES_SUCCESS) {
-    return Error::runtime(std::string("upstream: c-ares init: ") + ares_strerror(rc));
-  }
-  impl->channel = ch;
-  ares_set_socket_configure_callback(ch, &Impl::on_configure, impl.get());
-
-  // Structured list rather than the CSV form: no second parser of addresses.
-  std::vector<ares_addr_port_node> nodes(impl->servers.size());
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    const Server& s = impl->servers[i];
-    ares_addr_port_node& n = nodes[i];
-    n.next = i + 1 < nodes.size() ? &nodes[i + 1] : nullptr;
-    n.family = s.ip.family == 4 ? AF_INET : AF_INET6;
-    if (s.ip.family == 4) {
-      std::memcpy(&n.addr.addr4, s.ip.bytes.data(), 4);
-    } else {
-      std::memcpy(&n.addr.addr6, s.ip.bytes.data(), 16);
-    }
-    n.udp_port = s.port;
-    n.tcp_port = s.port;
-  }
-  if (int rc = ares_set_servers_ports(ch, nodes.data()); rc != ARES_SUCCESS) {
-    return Error::runtime(std::string("upstream: setting servers: ") + ares_strerror(rc));
-  }
   return std::unique_ptr<Upstream>(new Upstream(std::move(impl)));
 }
 
@@ -330,41 +631,80 @@ Upstream::Upstream(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Upstream::~Upstream() { impl_->close(); }
 
-void Upstream::send(Bytes query, AnswerCallback done) {
+void Upstream::send(Bytes query, AnswerCallback done, bool tcp) {
   Impl& s = *impl_;
   if (s.closed) {
+    s.last_failure = UpstreamFailure::closed;
     done(Error::runtime("upstream: closed"));
     return;
   }
-  // Keeps Impl alive through the call even if a synchronous callback drops
-  // the last outside reference.
-  auto keep = impl_;
+  const std::size_t qend = question_end(query);
+  if (qend == 0 || query.size() > kMaxMessage) {
+    s.last_failure = UpstreamFailure::unreachable;
+    done(Error::runtime("upstream: not a query with one question"));
+    return;
+  }
+  auto x = std::make_shared<Exchange>(impl_, std::move(done));
+  x->out.reserve(query.size() + 2);
+  x->out.push_back(0);
+  x->out.push_back(0);
+  x->out.insert(x->out.end(), query.begin(), query.end());
+  x->id = read_header(query)->id;
+  x->question_len = qend - kHeaderSize;
+  x->force_tcp = tcp;
   ++s.pending;
-  ++s.depth;
-  ares_send(s.channel, query.data(), static_cast<int>(query.size()), &Impl::on_answer,
-            new Impl::Query{&s, std::move(done)});
-  --s.depth;
-  s.after_call();
+  x->next_try();
+}
+
+UpstreamFailure Upstream::last_failure() const { return impl_->last_failure; }
+
+void Upstream::set_usable(std::size_t i, bool usable, std::string why) {
+  if (i >= impl_->servers.size()) return;
+  impl_->usable[i] = usable;
+  impl_->unusable_why[i] = usable ? std::string() : std::move(why);
+}
+
+bool Upstream::usable(std::size_t i) const { return i < impl_->usable.size() && impl_->usable[i]; }
+
+void Upstream::set_mark(std::uint32_t mark) {
+  if (mark == impl_->mark) return;
+  impl_->mark = mark;
+  // Pooled sockets carry the old mark.
+  boost::system::error_code ec;
+  for (auto* pool : {&impl_->pool4, &impl_->pool6}) {
+    for (auto& s : *pool) s.close(ec);
+    pool->clear();
+  }
 }
 
 std::uint16_t Upstream::random_id() {
-  Impl& s = *impl_;
-  if (s.next_id == s.ids.size()) {
-    // getrandom of <= 256 bytes from the urandom pool is never cut short by
-    // a signal and never blocks once the pool is initialised.
-    const ssize_t n = getrandom(s.ids.data(), sizeof s.ids, 0);
-    if (n != static_cast<ssize_t>(sizeof s.ids)) {
-      // Unreachable in practice (a 256-byte getrandom is not cut short).
-      std::random_device rd;
-      for (auto& v : s.ids) v = static_cast<std::uint16_t>(rd());
-    }
-    s.next_id = 0;
-  }
-  return s.ids[s.next_id++];
+  std::uint8_t b[2];
+  impl_->random_bytes(b, 2);
+  return static_cast<std::uint16_t>((b[0] << 8) | b[1]);
 }
+
+void Upstream::random_case(std::span<std::uint8_t, kCaseBits> out) { impl_->random_bytes(out.data(), out.size()); }
 
 std::size_t Upstream::pending() const { return impl_->pending; }
 
 const std::vector<Server>& Upstream::servers() const { return impl_->servers; }
+
+std::vector<std::uint16_t> Upstream::open_ports() const {
+  std::vector<std::uint16_t> ports;
+  for (const auto& l : impl_->waiting) {
+    for (const Exchange* x = l.head; x != nullptr; x = x->nxt) {
+      error_code ec;
+      if (x->usock) {
+        auto ep = x->usock->local_endpoint(ec);
+        if (!ec) ports.push_back(ep.port());
+      }
+      if (x->tsock) {
+        auto ep = x->tsock->local_endpoint(ec);
+        if (!ec) ports.push_back(ep.port());
+      }
+    }
+  }
+  return ports;
+}
 
 }  // namespace egressd::dns

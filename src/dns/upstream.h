@@ -1,6 +1,25 @@
-// The one wrapper around c-ares: an ares_channel driven by the asio
-// io_context (sockets watched through posix::stream_descriptor, c-ares'
-// timeouts through one steady_timer), forwarding raw DNS messages.
+// The upstream exchange: sends a DNS query to the configured name servers
+// and hands back the one answer that provably belongs to it, driven by the
+// asio io_context.
+//
+// Every try goes out from a fresh random source port, chosen by the kernel
+// when egressd connects the socket to the server, with egressd's own SO_MARK;
+// when the try ends the socket is closed, or, after a clean answer,
+// disconnected (the kernel releases an autobound port then) and kept for a
+// later query, which connects it again from a new random port. No port
+// outlives its query, so a sandbox process cannot learn one ahead of time,
+// nor reuse a flow egressd made earlier (issue 14, classes 2 and 3). An answer is taken only when its ID
+// and its question bytes are exactly those sent (the question carries
+// 0x20-randomised case, build_forward_query); datagrams with another ID are
+// ignored, an answer with the right ID and the wrong question fails the query.
+//
+// Not c-ares: c-ares 1.18 (Debian 12) multiplexes every query of a channel
+// over one long-lived socket per server and has no per-query socket option
+// (UDP_MAX_QUERIES is 1.20); one channel per in-flight query would cost
+// 73 KiB of RSS and ~170 µs of set-up each (measured), and its answer
+// matching is case-insensitive. What it did for egressd (timeouts, retries
+// over the servers, TCP on truncation, skipping a server that answers
+// SERVFAIL/REFUSED/NOTIMP) is done here with the same schedule.
 //
 // Single-threaded: every call, and every callback, runs on the thread that
 // runs the io_context.
@@ -11,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,21 +41,38 @@
 
 namespace egressd::dns {
 
+struct Exchange;
+
 // One upstream server: address and port (53 unless given).
 struct Server {
   IpPrefix ip;
   std::uint16_t port = 53;
   // "192.0.2.1:53", "[2001:db8::1]:53".
   std::string to_string() const;
+  friend bool operator==(const Server&, const Server&) = default;
 };
 
 // Parses "192.0.2.1", "192.0.2.1:5353", "2001:db8::1", "[2001:db8::1]" or
 // "[2001:db8::1]:5353". Error (invalid) naming the text otherwise.
 Result<Server> parse_server(std::string_view text);
 
+// A UDP flow of egressd's to an upstream that has ended (its answer read).
+struct FlowTuple {
+  IpPrefix src, dst;  // single addresses, same family
+  std::uint16_t sport = 0, dport = 0;
+};
+// Told of every such flow, so its conntrack entry can be dropped at once:
+// the port goes back to the namespace's ephemeral range, and a sandbox
+// process that draws it for its own DNS query (to the same server: the
+// sandbox's queries go where egressd's do) must get a new flow, redirected
+// to the proxy, not the reply-less tail of egressd's (which the output chain
+// denies: EPERM). May be empty.
+using ForgetFlow = std::function<void(const FlowTuple&)>;
+
 struct UpstreamOptions {
   std::vector<std::string> servers;  // as parse_server reads them, in order of preference
   std::uint32_t mark = 0;            // SO_MARK on every upstream socket (0 = none)
+  ForgetFlow forget;                 // see ForgetFlow
   // Budget for one query across every server and retry: a dead upstream
   // fails the query after about this long.
   std::chrono::milliseconds timeout{1500};
@@ -44,35 +81,65 @@ struct UpstreamOptions {
 // The answer bytes are valid only during the call.
 using AnswerCallback = std::function<void(Result<Bytes>)>;
 
+// Why a query failed, for logs and counters.
+enum class UpstreamFailure {
+  none,
+  timeout,       // no answer from any server in time
+  unreachable,   // every try was refused (ICMP unreachable, connection refused) or could not be sent
+  rcode,         // every server answered SERVFAIL, REFUSED or NOTIMP
+  mismatch,      // an answer with the query's ID did not echo its question exactly (0x20 check)
+  unavailable,   // no server may be used now (every one held by someone else)
+  closed,
+};
+
 class Upstream {
  public:
-  // Creates the channel. Error (invalid) for a bad or empty server list,
-  // (runtime) when c-ares cannot be initialised.
+  // Error (invalid) for a bad or empty server list.
   static Result<std::unique_ptr<Upstream>> create(boost::asio::io_context& io, const UpstreamOptions& opts);
   // Abandons pending queries: their callbacks are destroyed, never called.
-  // Safe to run from inside a callback (the channel is then destroyed once
-  // c-ares has returned).
+  // Safe to run from inside a callback.
   ~Upstream();
   Upstream(const Upstream&) = delete;
   Upstream& operator=(const Upstream&) = delete;
 
-  // Sends `query` exactly as given (its ID goes on the wire; c-ares matches
-  // the answer by ID and question, retries over TCP when the answer is
-  // truncated, and moves to the next server on timeout, SERVFAIL, REFUSED
-  // or NOTIMP). Calls `done` exactly once: with the answer, or with a
-  // runtime error naming the c-ares status. `done` may run before send
-  // returns (a message c-ares rejects outright).
-  void send(Bytes query, AnswerCallback done);
+  // Sends `query` exactly as given: a whole message with qdcount 1 whose ID
+  // and question go on the wire unchanged. Tries the usable servers in
+  // order, over UDP (TCP when an answer is truncated, or from the start with
+  // `tcp`), each try on a new socket; a try times out after timeout /
+  // (servers * 3), the second round after twice that. Calls `done` exactly
+  // once: with an answer that echoes the query's ID and question bytes, or
+  // with a runtime error naming the server and the reason (failure() tells
+  // which). `done` may run before send returns (no usable server, a query
+  // that is not a message).
+  void send(Bytes query, AnswerCallback done, bool tcp = false);
+
+  // What made the last failed `done` fail (for the caller's logs), valid
+  // inside the callback only.
+  UpstreamFailure last_failure() const;
+
+  // Excludes servers()[i] from every later try (`usable` false), with the
+  // reason a query gets when no server is left; or takes it back.
+  void set_usable(std::size_t i, bool usable, std::string why = {});
+  bool usable(std::size_t i) const;
+
+  // The SO_MARK of sockets opened from now on.
+  void set_mark(std::uint32_t mark);
 
   // A query ID from the kernel's CSPRNG, so the IDs the upstream sees cannot
   // be predicted (or chosen) by the sandbox.
   std::uint16_t random_id();
+  // Random bits for 0x20 (build_forward_query), from the same source.
+  void random_case(std::span<std::uint8_t, kCaseBits> out);
 
   std::size_t pending() const;
   const std::vector<Server>& servers() const;
 
+  // The local port of every socket an unfinished query holds right now.
+  std::vector<std::uint16_t> open_ports() const;
+
  private:
   struct Impl;
+  friend struct Exchange;
   explicit Upstream(std::shared_ptr<Impl> impl);
   std::shared_ptr<Impl> impl_;
 };

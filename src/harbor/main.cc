@@ -170,7 +170,7 @@ int cmd_rules() {
     std::cerr << "network-policy: error: " << kernel.error().message << '\n';
     return kExitRuntime;
   }
-  auto table = (*kernel)->read_table(egressd::nft::kTableName);
+  auto table = (*kernel)->read_table(egressd::nft::kTableName, egressd::nft::Family::inet);
   if (!table) {
     std::cerr << "network-policy: error: " << table.error().message << '\n';
     return kExitRuntime;

@@ -1,6 +1,7 @@
 #include "nft/compile.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
@@ -25,6 +26,18 @@ constexpr std::uint8_t kMldListenerDone = 132;
 constexpr std::uint8_t kMld2ListenerReport = 143;
 
 StmtVerdict accept() { return {VerdictKind::accept, ""}; }
+StmtVerdict to_pass() { return {VerdictKind::goto_, "pass"}; }
+StmtVerdict to_deny() { return {VerdictKind::goto_, "deny"}; }
+
+IpPrefix prefix(const char* addr, int len) {
+  IpPrefix p = *parse_ip(addr);
+  p.prefix_len = static_cast<std::uint8_t>(len);
+  return p;
+}
+
+bool is_loopback(const IpPrefix& a) {
+  return (a.family == 4 && a.bytes[0] == 127) || (a.family == 6 && a == *parse_ip("::1"));
+}
 
 struct PhaseSets {
   std::string a4, n4, a6, n6, d4, d6;
@@ -71,7 +84,7 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
   Chain c{chain, std::nullopt, {}};
   switch (phase.mode) {
     case Mode::public_:
-      c.rules.push_back({{StmtCounter{}, StmtCtMarkSet{mark}, accept()}, ""});
+      c.rules.push_back({{StmtCounter{}, StmtCtMarkSet{mark}, to_pass()}, ""});
       break;
     case Mode::no_network:
       c.rules.push_back({{StmtVerdict{VerdictKind::goto_, "deny"}}, ""});
@@ -79,10 +92,10 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
     case Mode::allowlist: {
       const PhaseSets s = sets_for(chain);
       for (const auto* set : {&s.a4, &s.n4, &s.d4}) {
-        c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv4_addr}, StmtCounter{}, StmtCtMarkSet{mark}, accept()}, ""});
+        c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv4_addr}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()}, ""});
       }
       for (const auto* set : {&s.a6, &s.n6, &s.d6}) {
-        c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv6_addr}, StmtCounter{}, StmtCtMarkSet{mark}, accept()}, ""});
+        c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv6_addr}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()}, ""});
       }
       c.rules.push_back({{StmtVerdict{VerdictKind::goto_, "deny"}}, ""});
       break;
@@ -93,44 +106,177 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
 
 std::vector<Rule> active_rules(const ActiveState& st) {
   const std::string target = st.is_inline ? inline_chain(st.generation) : phase_chain(st.phase);
-  return {
-      {{MatchCtMark{st.mark}, StmtCounter{}, accept()}, st.to_comment()},
-      {{StmtVerdict{VerdictKind::goto_, target}}, ""},
-  };
+  const bool guarded = st.mode != Mode::public_;
+  std::vector<Rule> r;
+  if (guarded) {
+    // Per packet, ahead of the fast path: a flow to an allowed first hop may
+    // carry a denied final destination in a routing header (segment routing
+    // needs no capability) or an IPv4 source route.
+    r.push_back({{MatchIpv6RoutingHeader{}, to_deny()}, ""});
+    r.push_back({{MatchIpv4SourceRoute{false}, to_deny()}, ""});
+    r.push_back({{MatchIpv4SourceRoute{true}, to_deny()}, ""});
+  }
+  r.push_back({{MatchCtMark{st.mark}, StmtCounter{}, to_pass()}, st.to_comment()});
+  if (guarded) {
+    // Per flow, after the fast path (a flow's destination never changes, so
+    // one that passed these under this phase passes them again): broadcast
+    // and multicast reach every host of a segment, whatever entry (a /24, a
+    // learned address) seems to allow them. fib knows the subnet broadcasts
+    // of the namespace's own addresses; 255.255.255.255 is always broadcast.
+    r.push_back({{MatchFibAddrType{true, AddrType::broadcast}, to_deny()}, ""});
+    r.push_back({{MatchFibAddrType{true, AddrType::multicast}, to_deny()}, ""});
+  }
+  r.push_back({{StmtVerdict{VerdictKind::goto_, target}}, ""});
+  return r;
 }
 
 Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   Chain c{"output", BaseChain{HookType::filter, 0, true}, {}};
-  c.rules.push_back({{MatchOifLoopback{}, accept()}, ""});
-  // Loopback destinations after NAT: `oif` keeps the device of the original
-  // route, so a query redirected to the proxy (or DNATed by Docker to
-  // 127.0.0.11) still shows eth0. Such addresses cannot leave the namespace.
-  IpPrefix lo4 = *parse_ip("127.0.0.0");
-  lo4.prefix_len = 8;
-  c.rules.push_back({{MatchDaddr{lo4}, accept()}, ""});
-  c.rules.push_back({{MatchDaddr{*parse_ip("::1")}, accept()}, ""});
+  const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
+  const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {
-    // egressd's own upstream queries (SO_MARK), and only to the configured
-    // servers' DNS port: even a sandbox that guessed the mark reaches nothing
-    // else.
-    for (const IpPrefix& up : opts.upstreams) {
+    // egressd's own upstream queries (SO_MARK), only on a flow egressd itself
+    // created (class 3: a sandbox that made the flow first, e.g. from
+    // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
+    // query as its reply), and only to the upstream sets' DNS port: even a
+    // sandbox that guessed the mark reaches nothing else.
+    for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
-        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchDaddr{up}, MatchDport{proto, 53}, accept()}, ""});
+        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
+                            MatchDport{proto, 53}, to_pass()},
+                           ""});
       }
     }
+    // A loopback upstream (Docker's embedded resolver on 127.0.0.11, DNATed
+    // to a random port): any port, the flow remembered as egressd's own, and
+    // the mark cleared so no socket or tap on `lo` ever sees it.
+    const std::pair<const char*, SetType> lo_sets[] = {{kLoUpstreamSet4, SetType::ipv4_addr},
+                                                       {kLoUpstreamSet6, SetType::ipv6_addr}};
+    for (const auto& [set, type] : lo_sets) {
+      c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
+                          StmtCtMarkSet{kOwnFlowMark}, StmtMetaMarkSet{0}, accept()},
+                         ""});
+    }
+    for (const auto& [set, type] : lo_sets) {
+      c.rules.push_back({{MatchDaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark}, accept()}, ""});
+    }
+    // Class 4: nobody else reaches a loopback upstream, on any port, in any
+    // phase: Docker's resolver forwards from the host when the host's own
+    // resolver is on loopback, where egressd cannot see it.
+    for (const auto& [set, type] : lo_sets) {
+      c.rules.push_back({{MatchDaddrSet{set, type}, StmtCounter{}, to_deny()}, ""});
+    }
   }
+  // Loopback, only where it is loopback: the device is `lo` (SO_BINDTODEVICE
+  // eth0 to 127.0.0.1 routes out of eth0) and the source is the namespace's
+  // own (a FREEBIND/transparent socket sending a target's address to itself
+  // would otherwise create a flow whose "reply" direction reaches the target).
+  c.rules.push_back({{MatchOifLoopback{}, MatchFibAddrType{false, AddrType::local}, accept()}, ""});
+  // Redirected or DNATed to loopback (the DNS proxy; Docker's 127.0.0.11):
+  // `oif` still names the device of the route before NAT.
+  c.rules.push_back({{MatchDaddr{lo4}, MatchCtStatus{CtStatusBit::dnat}, MatchFibAddrType{false, AddrType::local}, accept()}, ""});
+  c.rules.push_back({{MatchDaddr{lo6}, MatchCtStatus{CtStatusBit::dnat}, MatchFibAddrType{false, AddrType::local}, accept()}, ""});
+  // The TCP reset `reject` sends back for a denied connection comes from the
+  // denied address over `lo`, in the reply direction of a flow that was never
+  // confirmed (its first packet was refused). Nothing a process sends looks
+  // like that: its packets start flows (original direction) or belong to
+  // confirmed ones.
+  c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
+                      accept()},
+                     ""});
+  // IPv6 duplicate address detection: a neighbour solicitation from the
+  // unspecified address, before the address is the namespace's own.
+  c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
+  // Class 1: nothing leaves with a source address that is not the namespace's.
+  c.rules.push_back({{MatchFibAddrType{false, AddrType::local, true}, StmtCounter{}, to_deny()}, ""});
   if (policy.enforce.inbound_replies) {
-    c.rules.push_back({{MatchCtDirectionReply{}, accept()}, ""});
+    // Replies on flows that arrived from outside (chain input marks them):
+    // conntrack state the sandbox made itself never counts as inbound.
+    c.rules.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, to_pass()}, ""});
   }
+  // Neighbour discovery (hop limit 255: never routed, so never more than the
+  // link) to link-local and multicast destinations, and solicitations and
+  // advertisements to on-link global addresses (NUD probes to a gateway with
+  // a global address, answers to a neighbour that solicited from one). Not
+  // to anything else: a router forwards an NS/NA to an off-link address like
+  // any packet, options and all.
   for (std::uint8_t t : {kNdRouterSolicit, kNdNeighborSolicit, kNdNeighborAdvert}) {
-    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, accept()}, ""});
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddr{ll6}, to_pass()}, ""});
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddr{mc6}, to_pass()}, ""});
+  }
+  for (std::uint8_t t : {kNdNeighborSolicit, kNdNeighborAdvert}) {
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddrSet{kOnlinkSet6, SetType::ipv6_addr}, to_pass()}, ""});
   }
   // Every packet the policy decides passes here once and is then either
-  // accepted or sent to `deny`: allowed = this counter - deny's counters.
-  // Both chains outlive switches (only `active` and inline chains are
-  // rewritten), so status counts across switches at no cost to a switch.
+  // accepted or sent to `deny`: allowed = the counters of this chain - deny's
+  // counters (the early denies above count here and in deny). Both chains
+  // outlive switches (only `active` and inline chains are rewritten), so
+  // status counts across switches at no cost to a switch.
   c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::jump, "active"}}, ""});
   return c;
+}
+
+Chain pass_chain(const CompileOptions& opts) {
+  Chain c{"pass", std::nullopt, {}};
+  // Own traffic to an upstream that is a local address routes over `lo`:
+  // taps there must not see the signature.
+  c.rules.push_back({{MatchOifLoopback{}, StmtMetaMarkSet{0}, accept()}, ""});
+  c.rules.push_back({{StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}, accept()}, ""});
+  return c;
+}
+
+Chain input_chain(const Policy& policy, const CompileOptions& opts) {
+  Chain c{"input", BaseChain{HookType::filter, 0, false, Hook::input, ""}, {}};
+  // Nothing delivered locally carries a secret (SO_RCVMARK reports the mark
+  // of every packet a socket receives, without any capability).
+  c.rules.push_back({{MatchMetaMark{opts.pass_mark}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""});
+  c.rules.push_back({{MatchMetaMark{opts.own_mark}, StmtMetaMarkSet{0}}, ""});
+  // Frames written to `lo` with AF_PACKET (CAP_NET_RAW), and datagrams from
+  // FREEBIND/transparent sockets that take a remote host's address (a forged
+  // DNS answer to egressd), enter here with a foreign source: dropped. The
+  // stack itself sends nothing over `lo` from a foreign source but reject's
+  // TCP resets (see chain output) and replies on flows DNATed to a local
+  // socket (the DNS proxy's answer to a query for 192.0.2.1:53 comes from
+  // 192.0.2.1 once conntrack has undone the redirect), let through first.
+  // egressd's own upstream flows are never DNATed by egressd, so a forged
+  // "answer" from an upstream's address is still dropped.
+  c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
+                      accept()},
+                     ""});
+  c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::dnat}, accept()}, ""});
+  c.rules.push_back({{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true},
+                      StmtVerdict{VerdictKind::drop, ""}},
+                     ""});
+  if (opts.dns_port != 0) {
+    // egressd's upstream sockets take replies only: a datagram that starts a
+    // flow to one (a forged "answer" from a sandbox process) never arrives.
+    // The direction first: most packets that come in are replies, and the
+    // socket lookup is the expensive part.
+    c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark}, StmtVerdict{VerdictKind::drop, ""}},
+                       ""});
+  }
+  if (policy.enforce.inbound_replies) {
+    c.rules.push_back({{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
+  }
+  return c;
+}
+
+std::vector<Rule> egress_check_rules(const ActiveState& st, const CompileOptions& opts) {
+  std::vector<Rule> r;
+  const bool open = st.mode == Mode::public_;
+  // ARP is not IP: the kernel's own requests and replies never meet the
+  // inet chains. Outside public it is the one unsigned thing that leaves.
+  if (!open) r.push_back({{MatchMetaProtocolArp{}, accept()}, ""});
+  r.push_back({{MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority}, StmtMetaMarkSet{0},
+                StmtMetaPrioritySet{0}, accept()},
+               ""});
+  if (open) {
+    r.push_back({{accept()}, ""});
+  } else {
+    // Counted, then back to the base chain and its policy: drop.
+    r.push_back({{StmtCounter{}}, ""});
+  }
+  return r;
 }
 
 Chain deny_chain(const Policy& policy) {
@@ -165,23 +311,57 @@ Chain redirect_chain(const CompileOptions& opts) {
   return c;
 }
 
-// Everything of the table except chain `active`, in declaration order.
+// The own-traffic exemption sets: configured upstreams and run-time ones,
+// loopback ones apart (see output_chain).
+std::vector<Set> upstream_sets(const CompileOptions& opts) {
+  std::vector<IpPrefix> by[2][2];  // [loopback][v6]
+  for (const auto* list : {&opts.upstreams, &opts.extra_upstreams}) {
+    for (const IpPrefix& u : *list) by[is_loopback(u)][u.family == 6].push_back(u);
+  }
+  return {
+      {kUpstreamSet4, SetType::ipv4_addr, false, false, make_addr_elems(by[0][0])},
+      {kUpstreamSet6, SetType::ipv6_addr, false, false, make_addr_elems(by[0][1])},
+      {kLoUpstreamSet4, SetType::ipv4_addr, false, false, make_addr_elems(by[1][0])},
+      {kLoUpstreamSet6, SetType::ipv6_addr, false, false, make_addr_elems(by[1][1])},
+      {kOnlinkSet6, SetType::ipv6_addr, true, false, make_interval_elems(opts.onlink6)},
+  };
+}
+
+// Everything of the table except chain `active`'s rules, in declaration order.
 Table staged_table(const Policy& policy, const CompileOptions& opts) {
   Table t;
   t.name = kTableName;
+  t.sets = upstream_sets(opts);
   for (const auto& ph : policy.phases) {
     if (ph.mode == Mode::allowlist) {
       for (auto& s : phase_sets(phase_chain(ph.name), ph)) t.sets.push_back(std::move(s));
     }
   }
   t.chains.push_back(output_chain(policy, opts));
+  t.chains.push_back(pass_chain(opts));
   t.chains.push_back(Chain{"active", std::nullopt, {}});
   t.chains.push_back(deny_chain(policy));
   for (const auto& ph : policy.phases) {
-    t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name)));
+    t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt)));
   }
+  t.chains.push_back(input_chain(policy, opts));
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
   return t;
+}
+
+std::string hex8(std::uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08" PRIx32, v);
+  return buf;
+}
+
+// The value after `key` ("mark=0x") in an egressd table comment, or nullopt.
+std::optional<std::uint32_t> comment_hex(const std::string& comment, const std::string& key) {
+  const auto pos = comment.find(" " + key);
+  if (comment.rfind("egressd ", 0) != 0 || pos == std::string::npos) return std::nullopt;
+  const std::string v = comment.substr(pos + 1 + key.size(), 8);
+  if (v.size() != 8 || v.find_first_not_of("0123456789abcdef") != std::string::npos) return std::nullopt;
+  return static_cast<std::uint32_t>(std::stoul(v, nullptr, 16));
 }
 
 std::uint64_t fnv1a(std::string_view s) {
@@ -244,24 +424,29 @@ Result<ActiveState> ActiveState::parse_comment(const std::string& comment) {
   return st;
 }
 
-std::uint32_t phase_mark(const Policy& policy, std::string_view name) {
+std::uint32_t phase_mark(const Policy& policy, std::string_view name, std::uint32_t salt) {
   for (std::size_t i = 0; i < policy.phases.size(); ++i) {
-    if (policy.phases[i].name == name) return kPhaseMarkBase + static_cast<std::uint32_t>(i) + 1;
+    if (policy.phases[i].name == name) {
+      const std::uint64_t v = (std::uint64_t{salt} + i) % kPhaseMarkSpan;
+      return static_cast<std::uint32_t>(v) + 1;
+    }
   }
   return 0;
 }
 
-std::uint32_t inline_mark(std::uint64_t generation) {
-  return kInlineMarkBit | static_cast<std::uint32_t>(generation & 0x7fffffffu);
+std::uint32_t inline_mark(std::uint64_t generation, std::uint32_t salt) {
+  const std::uint64_t v = generation + salt - kDefaultMarkSalt;
+  return kInlineMarkBit | static_cast<std::uint32_t>(v & 0x7fffffffu);
 }
 
-ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t generation, bool is_inline) {
+ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t generation, bool is_inline,
+                       std::uint32_t salt) {
   ActiveState st;
   st.generation = generation;
   st.is_inline = is_inline;
   st.phase = is_inline ? "inline" : phase.name;
   st.mode = phase.mode;
-  st.mark = is_inline ? inline_mark(generation) : phase_mark(policy, phase.name);
+  st.mark = is_inline ? inline_mark(generation, salt) : phase_mark(policy, phase.name, salt);
   return st;
 }
 
@@ -274,20 +459,38 @@ std::pair<std::string, std::string> learned_sets(const std::string& chain) {
 }
 
 std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
+  // The config, not the secrets (a restart compares digests before it knows
+  // whether to adopt them) nor what the namespace holds right now.
+  CompileOptions o = opts;
+  o.own_mark = kOwnTrafficMark;
+  o.pass_mark = kPassMark;
+  o.pass_priority = kPassPriority;
+  o.mark_salt = kDefaultMarkSalt;
+  o.interfaces.clear();
+  o.onlink6.clear();
+  o.extra_upstreams.clear();
+  std::string text = render_table(staged_table(policy, o));
+  if (o.netdev) text += "netdev";
   char buf[17];
-  std::snprintf(buf, sizeof buf, "%016" PRIx64, fnv1a(render_table(staged_table(policy, opts))));
+  std::snprintf(buf, sizeof buf, "%016" PRIx64, fnv1a(text));
   return buf;
 }
 
 std::uint32_t mark_from_table_comment(const std::string& comment) {
-  const std::string key = " mark=0x";
-  const auto pos = comment.find(key);
-  if (comment.rfind("egressd ", 0) != 0 || pos == std::string::npos) return 0;
-  try {
-    return static_cast<std::uint32_t>(std::stoul(comment.substr(pos + key.size(), 8), nullptr, 16));
-  } catch (const std::exception&) {
-    return 0;
+  return comment_hex(comment, "mark=0x").value_or(0);
+}
+
+std::optional<Secrets> secrets_from_table_comment(const std::string& comment) {
+  const auto own = comment_hex(comment, "mark=0x"), pass = comment_hex(comment, "pass=0x"),
+             salt = comment_hex(comment, "salt=0x");
+  if (!own || !pass || !salt) return std::nullopt;
+  // "pass=0xMMMMMMMM:0xPPPPPPPP": the priority follows the mark.
+  const auto pos = comment.find(" pass=0x");
+  const std::string p = comment.substr(pos + 8 + 8, 11);
+  if (p.size() != 11 || p.compare(0, 3, ":0x") != 0 || p.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
+    return std::nullopt;
   }
+  return Secrets{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt};
 }
 
 std::string digest_from_table_comment(const std::string& comment) {
@@ -300,9 +503,9 @@ std::string digest_from_table_comment(const std::string& comment) {
 Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveState& state,
                   const CompileOptions& opts) {
   Table t = staged_table(policy, opts);
-  char mark[16];
-  std::snprintf(mark, sizeof mark, "0x%08" PRIx32, opts.own_mark);
-  t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + mark;
+  // 93 bytes of the 127 a comment may have.
+  t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + hex8(opts.own_mark) +
+              " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt);
   if (inline_phase != nullptr) {
     const std::string chain = inline_chain(state.generation);
     if (inline_phase->mode == Mode::allowlist) {
@@ -316,8 +519,44 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
   return t;
 }
 
+std::string egress_chain_name(const std::string& ifname) {
+  // nft(8) identifiers are [A-Za-z0-9_./-]; interface names may hold more.
+  const bool plain = !ifname.empty() && std::all_of(ifname.begin(), ifname.end(), [](char ch) {
+    return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-' || ch == '.';
+  });
+  if (plain) return "eg_" + ifname;
+  std::string hex = "eg_x";
+  for (unsigned char ch : ifname) {
+    char b[3];
+    std::snprintf(b, sizeof b, "%02x", ch);
+    hex += b;
+  }
+  return hex;
+}
+
+Chain egress_chain(const std::string& ifname) {
+  // Policy drop: should egress_check ever be empty (flushed by someone),
+  // nothing leaves the device.
+  return {egress_chain_name(ifname), BaseChain{HookType::filter, 0, true, Hook::egress, ifname},
+          {{{StmtVerdict{VerdictKind::jump, kEgressCheckChain}}, ""}}};
+}
+
+std::optional<Table> build_netdev_table(const ActiveState& state, const CompileOptions& opts) {
+  if (!opts.netdev) return std::nullopt;
+  Table t;
+  t.name = kTableName;
+  t.family = Family::netdev;
+  t.comment = "egressd v1";
+  t.chains.push_back({kEgressCheckChain, std::nullopt, egress_check_rules(state, opts)});
+  std::vector<std::string> names = opts.interfaces;
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  for (const auto& n : names) t.chains.push_back(egress_chain(n));
+  return t;
+}
+
 Change build_switch(const Policy& /*policy*/, const Phase& target, const ActiveState& next,
-                    const ActiveState& prev) {
+                    const ActiveState& prev, const CompileOptions& opts) {
   Change ch;
   ch.table = kTableName;
   if (next.is_inline) {
@@ -329,6 +568,14 @@ Change build_switch(const Policy& /*policy*/, const Phase& target, const ActiveS
   }
   ch.ops.push_back(OpFlushChain{"active"});
   for (auto& r : active_rules(next)) ch.ops.push_back(OpAddRule{"active", std::move(r)});
+  if (opts.netdev) {
+    // Same batch: raw frames are blocked exactly when the inet policy says
+    // so (class 5), never a moment apart.
+    ch.ops.push_back(OpFlushChain{kEgressCheckChain, Family::netdev});
+    for (auto& r : egress_check_rules(next, opts)) {
+      ch.ops.push_back(OpAddRule{kEgressCheckChain, std::move(r), Family::netdev});
+    }
+  }
   if (prev.is_inline && !(next.is_inline && next.generation == prev.generation)) {
     const std::string chain = inline_chain(prev.generation);
     ch.ops.push_back(OpFlushChain{chain});

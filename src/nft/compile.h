@@ -1,30 +1,57 @@
 // Policy -> ruleset compiler. Pure: builds model objects (model.h) that
 // render.cc prints and netlink.cc sends.
 //
-// Table layout (inet egressd), see rules/README.md for the annotated version:
-//   chain output   base chain, hook output, policy drop: loopback, egressd's own
-//                  DNS upstream traffic (by meta mark), replies to inbound
-//                  connections, IPv6 neighbour discovery, then `jump active`.
-//   chain active   two rules, rewritten by every switch (a constant-size batch):
-//                  `ct mark <M> accept comment "<state>"` — the fast path: a flow
-//                  decided under the phase in force passes with one ct lookup —
-//                  and `goto <phase chain>`.
+// Two tables, see rules/README.md for the annotated version:
+//
+// table inet egressd
+//   chain output   base chain, hook output, policy drop. In order:
+//                  egressd's own upstream DNS traffic (its secret SO_MARK, on a
+//                  flow egressd itself created, to the upstream sets' port 53);
+//                  nobody else reaches a loopback upstream (Docker's 127.0.0.11,
+//                  any port); loopback, only on `lo` (or DNATed/redirected there)
+//                  and only from a local source; IPv6 DAD; every other packet
+//                  whose source is not the namespace's own is denied; replies
+//                  on flows that really arrived from outside (ct mark INBOUND);
+//                  neighbour discovery to link-local, multicast and on-link
+//                  destinations; then `jump active`.
+//   chain pass     every packet accepted for a non-loopback device leaves through
+//                  here: it is signed with the pass mark and priority (secrets),
+//                  which the netdev egress chains check and clear.
+//   chain active   rewritten by every switch (a constant-size batch): outside
+//                  `public` the source-route and routing-header guards, then
+//                  `ct mark <M> counter goto pass comment "<state>"` — the fast
+//                  path — then (outside `public`) broadcast and multicast
+//                  destinations denied, then `goto <phase chain>`.
 //   ph_<name>      one chain per named phase, staged ahead of time with its sets
 //                  (ph_<name>_a4/_n4/_a6/_n6 for addresses/CIDRs, _d4/_d6 for
 //                  DNS-learned addresses with timeouts). Allowed flows get
-//                  `ct mark set <M>` so later packets take the fast path.
+//                  `ct mark set <M>` and go to `pass`.
 //   il<gen>        an inline policy's chain and sets, created by its switch and
 //                  deleted by the next one.
 //   deny           log (optional), then reject (TCP reset / icmpx
 //                  admin-prohibited) or drop.
+//   input          base chain, hook input: clears the secrets from anything
+//                  delivered locally, drops frames injected on `lo` with a
+//                  foreign source, keeps egressd's upstream sockets for replies,
+//                  and marks flows that arrive from outside INBOUND.
 //   dns_redirect   nat output, priority -101 (before Docker's DNAT for
 //                  127.0.0.11 at -100): udp/tcp dport 53 to any address -> the
 //                  DNS proxy, except egressd's own marked upstream traffic.
 //
+// table netdev egressd (kernels with the egress hook, >= 5.16)
+//   egress_check   rewritten in the same batch as `active`: signed packets have
+//                  their signature cleared and leave; outside `public` so does
+//                  ARP, and nothing else (raw AF_PACKET frames never passed the
+//                  inet chains, so they carry no signature).
+//   eg_<ifname>    one base chain per non-loopback interface, hook egress,
+//                  policy drop: `jump egress_check`.
+//
 // Why a ct mark per phase and not `ct state established accept`: accepting
 // established flows is the classic bypass; with the mark, a flow decided under
 // phase A is re-decided on its next packet once phase B is in force, so a
-// switch cuts every flow B does not allow.
+// switch cuts every flow B does not allow. The marks derive from a per-table
+// salt, drawn anew whenever the staged config changes, so a restart with
+// reordered phases cannot hand a cut flow another phase's mark.
 #pragma once
 
 #include <cstdint>
@@ -41,30 +68,85 @@ namespace egressd::nft {
 inline constexpr const char* kTableName = "egressd";
 // Denied packets logged per second (and burst) at most; the rest are denied unlogged.
 inline constexpr std::uint32_t kLogRate = 100, kLogBurst = 50;
-// The default meta mark (SO_MARK) of egressd's own upstream DNS sockets, used
-// by `render`. The daemon draws a random mark when it creates the table and
-// keeps it in the table comment: a sandbox process with CAP_NET_RAW (Docker's
-// default) may set SO_MARK, but cannot read the ruleset (nfnetlink needs
-// CAP_NET_ADMIN), nor the mark of egressd's sockets, so it has to guess 32 bits,
-// one rejected packet per guess.
+
+// ---- secrets ----------------------------------------------------------------
+// The daemon draws every secret at random when it creates its table and keeps
+// them in the inet table's comment, so a restart adopts them. Nothing in the
+// sandbox can read them: the ruleset needs CAP_NET_ADMIN (nfnetlink), marks of
+// egressd's sockets need CAP_NET_ADMIN (sock_diag), and no packet carrying one
+// is ever seen by a local socket or a packet tap (the chains clear them before
+// a packet reaches `lo` or leaves a device). A sandbox with CAP_NET_RAW (Docker's
+// default) may set SO_MARK and SO_PRIORITY on any socket, AF_PACKET included,
+// so it has to guess: 32 bits for the own mark, 64 for the pass signature.
+// `render` prints the fixed defaults below so goldens stay readable.
+//
+// SO_MARK of egressd's own upstream DNS sockets.
 inline constexpr std::uint32_t kOwnTrafficMark = 0x65677264;  // "egrd"
-// ct marks: named phase i gets kPhaseMarkBase + i + 1; inline policies get
-// kInlineMarkBit | (generation & 0x7fffffff).
-inline constexpr std::uint32_t kPhaseMarkBase = 0x45470000;
+// The pass signature (skb mark + skb priority): set on every packet the inet
+// chains accept for a non-loopback device, checked and cleared by the netdev
+// egress chains.
+inline constexpr std::uint32_t kPassMark = 0x70617373;      // "pass"
+inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:7264
+// ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
+// [1, 0x7ffffffd]; inline policies get kInlineMarkBit | (generation + salt -
+// kDefaultMarkSalt). With the default salt these are 0x45470001... and
+// 0x80000000 | generation.
+inline constexpr std::uint32_t kDefaultMarkSalt = 0x45470000;
+inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffd;
 inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
+// Flows that arrived from outside the namespace (input, iif != lo, ct state
+// new): the only ones whose reply direction output accepts as such.
+inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
+// egressd's own flows to a loopback upstream: their replies (Docker's resolver
+// answering) pass the block on loopback upstreams.
+inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 
 // The port egressd's DNS proxy listens on (127.0.0.1 and ::1 in the sandbox).
 inline constexpr std::uint16_t kDefaultDnsPort = 53;
 
+// Set names of the own-traffic exemption: upstreams (and relay targets) off
+// the namespace, and loopback ones (Docker's 127.0.0.11), per family.
+inline constexpr const char* kUpstreamSet4 = "upstream4";
+inline constexpr const char* kUpstreamSet6 = "upstream6";
+inline constexpr const char* kLoUpstreamSet4 = "lo_upstream4";
+inline constexpr const char* kLoUpstreamSet6 = "lo_upstream6";
+// Global IPv6 prefixes on-link on a non-loopback interface (routes without a
+// gateway): neighbour discovery may address them.
+inline constexpr const char* kOnlinkSet6 = "onlink6";
+// The netdev chain every egress base chain jumps to.
+inline constexpr const char* kEgressCheckChain = "egress_check";
+
 struct CompileOptions {
-  // Port of the DNS proxy on loopback; 0 = no proxy, no DNS redirect.
+  // Port of the DNS proxy on loopback; 0 = no proxy, no DNS redirect, no
+  // own-traffic rules.
   std::uint16_t dns_port = kDefaultDnsPort;
   // The upstream DNS servers (port 53): egressd's own marked traffic may reach
   // these and nothing else.
   std::vector<IpPrefix> upstreams;
+  // Secrets (see above).
   std::uint32_t own_mark = kOwnTrafficMark;
+  std::uint32_t pass_mark = kPassMark;
+  std::uint32_t pass_priority = kPassPriority;
+  std::uint32_t mark_salt = kDefaultMarkSalt;
+  // The kernel has the netdev egress hook: build table netdev egressd.
+  bool netdev = true;
+
+  // What the namespace looks like now (not part of the staged digest):
+  // non-loopback interface names (one egress chain each), on-link global
+  // IPv6 prefixes, and upstreams added at run time (relay targets).
+  std::vector<std::string> interfaces;
+  std::vector<IpPrefix> onlink6;
+  std::vector<IpPrefix> extra_upstreams;
 };
 
+// The four secrets of a table, as its comment carries them.
+struct Secrets {
+  std::uint32_t own_mark = 0, pass_mark = 0, pass_priority = 0, mark_salt = 0;
+};
+// Parses "mark=0x... pass=0x...:0x... salt=0x..." out of an egressd table
+// comment; nullopt unless all four are there (an older egressd's table has
+// only the mark: see mark_from_table_comment).
+std::optional<Secrets> secrets_from_table_comment(const std::string& comment);
 
 // What is in force: stored in the comment of the first rule of chain `active`
 // so that a restarted egressd adopts it from the kernel alone.
@@ -81,39 +163,49 @@ struct ActiveState {
   static Result<ActiveState> parse_comment(const std::string& comment);
 };
 
-// The ct mark for the named phase `name` of `policy`; 0 if it has no such phase.
-std::uint32_t phase_mark(const Policy& policy, std::string_view name);
-std::uint32_t inline_mark(std::uint64_t generation);
+// The ct mark for the named phase `name` of `policy` under `salt`; 0 if it has
+// no such phase.
+std::uint32_t phase_mark(const Policy& policy, std::string_view name, std::uint32_t salt = kDefaultMarkSalt);
+std::uint32_t inline_mark(std::uint64_t generation, std::uint32_t salt = kDefaultMarkSalt);
 
 // The state for `phase` in force at `generation`: a named phase of `policy`
 // (its staged mark), or, when `is_inline`, an inline policy (phase "inline").
-ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t generation, bool is_inline);
+ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t generation, bool is_inline,
+                       std::uint32_t salt = kDefaultMarkSalt);
 
 // Chain name for a named phase / an inline policy applied at `generation`.
 std::string phase_chain(std::string_view phase);
 std::string inline_chain(std::uint64_t generation);
 
-// The whole table: every named phase of `policy` staged, plus `inline_phase`
-// (when set: the inline policy in force, compiled at state.generation), with
-// chain `active` pointing at state.phase. The table comment carries a digest
-// of the staged part so a restart can tell whether the config changed.
+// The whole inet table: every named phase of `policy` staged, plus
+// `inline_phase` (when set: the inline policy in force, compiled at
+// state.generation), with chain `active` pointing at state.phase. The table
+// comment carries a digest of the staged part, so a restart can tell whether
+// the config changed, and the secrets.
 Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveState& state,
                   const CompileOptions& opts);
+// Table netdev egressd for `state`'s mode and opts.interfaces (empty when
+// !opts.netdev: nothing to build).
+std::optional<Table> build_netdev_table(const ActiveState& state, const CompileOptions& opts);
+// The egress base chain for interface `ifname` and its chain name.
+Chain egress_chain(const std::string& ifname);
+std::string egress_chain_name(const std::string& ifname);
 
 // Digest (16 hex digits) of what build_table stages for `policy` independent
-// of the active state.
+// of the active state, the secrets and the namespace's interfaces.
 std::string staged_digest(const Policy& policy, const CompileOptions& opts);
 // The digest stored in a table comment ("egressd v1 digest=... mark=..."), or "".
 std::string digest_from_table_comment(const std::string& comment);
 // The own-traffic mark stored in a table comment, or 0.
 std::uint32_t mark_from_table_comment(const std::string& comment);
 
-// The switch batch: rewrite chain `active` for `next`; when `next` is inline,
-// first add `target`'s sets and chain; when `prev` was inline, delete its
-// chain and sets after `active` no longer uses them. `target` is the phase
-// being switched to (named, or the inline one).
+// The switch batch: rewrite chain `active` for `next` (and the netdev chain
+// egress_check, in the same batch); when `next` is inline, first add
+// `target`'s sets and chain; when `prev` was inline, delete its chain and sets
+// after `active` no longer uses them. `target` is the phase being switched to
+// (named, or the inline one).
 Change build_switch(const Policy& policy, const Phase& target, const ActiveState& next,
-                    const ActiveState& prev);
+                    const ActiveState& prev, const CompileOptions& opts);
 
 // The learned-address sets of the chain for a phase: {v4 set, v6 set} names.
 std::pair<std::string, std::string> learned_sets(const std::string& chain);

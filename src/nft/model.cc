@@ -42,6 +42,8 @@ IpPrefix addr(int family, const Bytes& b) {
 
 }  // namespace
 
+std::string_view to_string(Family f) { return f == Family::netdev ? "netdev" : "inet"; }
+
 std::vector<SetElem> make_interval_elems(const std::vector<IpPrefix>& prefixes) {
   if (prefixes.empty()) return {};
   const int family = prefixes.front().family;

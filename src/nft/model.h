@@ -58,10 +58,28 @@ std::vector<SetElem> make_addr_elems(const std::vector<IpPrefix>& addrs);
 
 // oif "lo" (the loopback ifindex is 1 in every namespace).
 struct MatchOifLoopback {};
+// iif "lo" / iif != "lo"
+struct MatchIifLoopback { bool negate = false; };
 // meta mark [!=] value
 struct MatchMetaMark { std::uint32_t value; bool negate = false; };
+// meta priority value (a tc handle; nft prints major:minor in hex, 0 as
+// "none", 0xffffffff as "root").
+struct MatchMetaPriority { std::uint32_t value; };
+// meta protocol arp (the frame's ethertype; netdev chains)
+struct MatchMetaProtocolArp {};
 // ct direction reply
 struct MatchCtDirectionReply {};
+// ct direction original
+struct MatchCtDirectionOriginal {};
+// ct state new
+struct MatchCtStateNew {};
+// ct status dnat / ct status ! confirmed: one conntrack status bit set (or,
+// negated, clear). dnat: the flow's destination was rewritten (DNAT,
+// redirect). confirmed: the flow is in the conntrack table; a packet on an
+// unconfirmed flow in its reply direction is one the kernel made for a packet
+// it refused (reject's TCP reset).
+enum class CtStatusBit : std::uint32_t { confirmed = 0x8, dnat = 0x20 };
+struct MatchCtStatus { CtStatusBit bit; bool negate = false; };
 // ct mark value
 struct MatchCtMark { std::uint32_t value; };
 // meta l4proto <proto> (6 tcp, 17 udp)
@@ -74,9 +92,21 @@ struct MatchDport { std::uint8_t proto; std::uint16_t port; };
 struct MatchLinkIcmpv6 { std::uint8_t type; std::uint8_t hoplimit; };
 // ip daddr @set / ip6 daddr @set (family from the set type)
 struct MatchDaddrSet { std::string set; SetType type; };
-// ip daddr <addr> / ip6 daddr <addr>: a single address or a byte-aligned
-// prefix (127.0.0.0/8); prefix_len must be a multiple of 8 and not 0.
+// ip daddr <addr> / ip6 daddr <addr>: a single address or a prefix
+// (127.0.0.0/8, fe80::/10); prefix_len must not be 0.
 struct MatchDaddr { IpPrefix addr; };
+// ip saddr <addr> / ip6 saddr <addr>, like MatchDaddr.
+struct MatchSaddr { IpPrefix addr; };
+// fib saddr|daddr type [!=] <type>: the kind of address the routing tables
+// say the packet's source/destination is. Values are RTN_* (rtnetlink.h).
+enum class AddrType : std::uint8_t { unicast = 1, local = 2, broadcast = 3, anycast = 4, multicast = 5 };
+struct MatchFibAddrType { bool daddr; AddrType type; bool negate = false; };
+// socket mark value: the SO_MARK of the local socket a packet is for (input).
+struct MatchSocketMark { std::uint32_t value; };
+// exthdr rt exists: an IPv6 routing header (source routing, SRv6).
+struct MatchIpv6RoutingHeader {};
+// ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
+struct MatchIpv4SourceRoute { bool strict; };
 // counter (anonymous; packets/bytes read back for status)
 struct StmtCounter {};
 // limit rate N/second [burst B packets]: matches while under the rate, so the
@@ -87,6 +117,10 @@ struct StmtLimit { std::uint32_t per_second; std::uint32_t burst = 5; };
 struct StmtLog { std::uint16_t group; };
 // ct mark set value
 struct StmtCtMarkSet { std::uint32_t value; };
+// meta mark set value
+struct StmtMetaMarkSet { std::uint32_t value; };
+// meta priority set value
+struct StmtMetaPrioritySet { std::uint32_t value; };
 // redirect to :port
 struct StmtRedirect { std::uint16_t port; };
 // meta l4proto tcp reject with tcp reset  -> use with MatchL4Proto{6} before it
@@ -96,10 +130,12 @@ struct StmtRejectAdminProhibited {};
 enum class VerdictKind { accept, drop, jump, goto_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
-using Stmt = std::variant<MatchOifLoopback, MatchMetaMark, MatchCtDirectionReply, MatchCtMark,
-                          MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr,
-                          StmtCounter, StmtLimit, StmtLog, StmtCtMarkSet, StmtRedirect, StmtRejectTcpReset,
-                          StmtRejectAdminProhibited, StmtVerdict>;
+using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
+                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
+                          MatchCtMark, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,
+                          StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtRedirect,
+                          StmtRejectTcpReset, StmtRejectAdminProhibited, StmtVerdict>;
 
 struct Rule {
   std::vector<Stmt> stmts;
@@ -108,45 +144,62 @@ struct Rule {
 
 // ---- chains and table ----------------------------------------------------
 
+// The two table families egressd uses: inet (the policy, hooks output and
+// input) and netdev (the egress hook of each interface: what leaves the
+// device, raw AF_PACKET frames included).
+enum class Family : std::uint8_t { inet, netdev };
+std::string_view to_string(Family f);  // "inet", "netdev"
+
 enum class HookType { filter, nat };
+enum class Hook { output, input, egress };
 
 struct BaseChain {
+  // A constructor rather than an aggregate: most chains hook output and name
+  // no device, and `BaseChain{HookType::filter, 0, true}` says so.
+  BaseChain(HookType type_ = HookType::filter, int priority_ = 0, bool policy_drop_ = false,
+            Hook hook_ = Hook::output, std::string device_ = "")
+      : type(type_), priority(priority_), policy_drop(policy_drop_), hook(hook_), device(std::move(device_)) {}
   HookType type = HookType::filter;
   int priority = 0;            // filter: 0 ("filter"), nat: -100 ("dstnat")
   bool policy_drop = false;    // policy drop vs accept
+  Hook hook = Hook::output;    // output/input in inet tables, egress in netdev
+  std::string device;          // egress: the interface the chain is bound to
 };
 
 struct Chain {
   std::string name;
-  std::optional<BaseChain> base;  // hook output; nullopt = regular chain
+  std::optional<BaseChain> base;  // nullopt = regular chain
   std::vector<Rule> rules;
 };
 
 struct Table {
-  std::string name = "egressd";  // family is always inet
+  std::string name = "egressd";
+  Family family = Family::inet;
   std::string comment;           // table userdata comment (max 127 bytes)
-  std::vector<Set> sets;         // declared before chains
+  std::vector<Set> sets;         // declared before chains (inet only)
   std::vector<Chain> chains;     // in this order; jump targets are declared too
 };
 
 // ---- changes -------------------------------------------------------------
 
-// One atomic change = one netlink batch. Operations run in order.
+// One atomic change = one netlink batch. Operations run in order. Every
+// operation names objects of table `Change::table` in its `family` (inet
+// unless said otherwise), so one batch can change both of egressd's tables.
 struct OpAddTable { Table table; };       // the whole table with all contents
-struct OpDeleteTable { std::string name; };
+struct OpDeleteTable { std::string name; Family family = Family::inet; };
 // `add table` without NLM_F_EXCL: creates an empty table when there is none,
 // leaves an existing one and its contents alone (and clears its flags, e.g.
 // dormant). Followed by OpDeleteTable and OpAddTable it replaces a table that
 // may or may not exist, in one transaction.
-struct OpEnsureTable { std::string name; };
+struct OpEnsureTable { std::string name; Family family = Family::inet; };
 struct OpAddSet { Set set; };             // with its elements
 struct OpDeleteSet { std::string name; };
 struct OpAddElems { std::string set; SetType type; bool interval; std::vector<SetElem> elems; };
 struct OpDeleteElems { std::string set; SetType type; bool interval; std::vector<SetElem> elems; };
-struct OpAddChain { Chain chain; };       // with its rules
-struct OpDeleteChain { std::string name; };  // chain must be empty and unreferenced
-struct OpFlushChain { std::string name; };
-struct OpAddRule { std::string chain; Rule rule; };
+struct OpAddChain { Chain chain; Family family = Family::inet; };  // with its rules
+struct OpDeleteChain { std::string name; Family family = Family::inet; };  // must be empty and unreferenced
+struct OpFlushChain { std::string name; Family family = Family::inet; };
+struct OpAddRule { std::string chain; Rule rule; Family family = Family::inet; };
 
 using Op = std::variant<OpAddTable, OpDeleteTable, OpAddSet, OpDeleteSet, OpAddElems, OpDeleteElems,
                         OpAddChain, OpDeleteChain, OpFlushChain, OpAddRule, OpEnsureTable>;
@@ -160,6 +213,9 @@ struct Change {
 
 // nft(8) text for a whole table, loadable with `nft -f`. Deterministic.
 std::string render_table(const Table& table);
+// The nft(8) text of a tc handle as `meta priority` prints it: "none" (0),
+// "root" (0xffffffff), else major:minor in hex ("1234:5678").
+std::string priority_text(std::uint32_t value);
 // nft(8) text for one rule's statements (no trailing newline), e.g.
 // `ip daddr @ph_agent_v4 ct mark set 0x45470001 accept`.
 std::string render_rule(const Rule& rule);

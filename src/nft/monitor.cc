@@ -138,8 +138,16 @@ std::string TableChanges::describe(const std::string& table) const {
   std::string out;
   auto add = [&](const std::string& s) { out += (out.empty() ? "" : ", ") + s; };
   if (table_added) add(name + " changed");
+  if (netdev_table_deleted) add("table netdev " + table + " deleted");
+  if (netdev_table_added) add("table netdev " + table + " changed");
+  const std::string in_netdev = " of table netdev " + table;
   for (const auto& [key, n] : objects) {
     const auto& [kind, added, obj] = key;
+    // The deleted netdev table's chains and rules went with it: said once, above.
+    if (netdev_table_deleted && obj.size() > in_netdev.size() &&
+        obj.compare(obj.size() - in_netdev.size(), in_netdev.size(), in_netdev) == 0) {
+      continue;
+    }
     const char* verb = added ? "added" : "deleted";
     switch (kind) {
       case ObjKind::rule:
@@ -187,12 +195,23 @@ std::optional<Tamper> ChangeTracker::feed(const Event& ev) {
     return out;
   }
   if (is_own(ev.portid)) return std::nullopt;
-  if (ev.family != NFPROTO_INET || ev.table != table_) {
+  // egressd has two tables of the same name: inet (the policy) and netdev
+  // (the egress chains that hold raw frames to it).
+  const bool netdev = ev.family == NFPROTO_NETDEV;
+  if ((ev.family != NFPROTO_INET && !netdev) || ev.table != table_) {
     if (ev.kind == ObjKind::table && !ev.added) ++pending_.other_tables_deleted;
     return std::nullopt;
   }
+  // Kernels before 6.10 delete a netdev base chain themselves (portid 0)
+  // when its interface goes away: an interface that disappears is not
+  // tampering. (Newer kernels keep the chain; egressd deletes it.)
+  if (netdev && ev.portid == 0 && ev.kind == ObjKind::chain && !ev.added) return std::nullopt;
   if (ev.kind == ObjKind::table) {
-    (ev.added ? pending_.table_added : pending_.table_deleted) = true;
+    if (netdev) {
+      (ev.added ? pending_.netdev_table_added : pending_.netdev_table_deleted) = true;
+    } else {
+      (ev.added ? pending_.table_added : pending_.table_deleted) = true;
+    }
     return std::nullopt;
   }
   // Anonymous sets (`{ a, b }` inside a rule) come and go with their rule,
@@ -201,7 +220,7 @@ std::optional<Tamper> ChangeTracker::feed(const Event& ev) {
     return std::nullopt;
   }
   const std::uint32_t n = ev.kind == ObjKind::element ? std::max<std::uint32_t>(ev.elements, 1) : 1;
-  auto key = std::make_tuple(ev.kind, ev.added, ev.object);
+  auto key = std::make_tuple(ev.kind, ev.added, netdev ? ev.object + " of table netdev " + table_ : ev.object);
   if (auto it = pending_.objects.find(key); it != pending_.objects.end()) {
     it->second += n;
   } else if (pending_.objects.size() < TableChanges::kMaxObjects) {

@@ -55,19 +55,25 @@ std::optional<Event> parse_event(const nlmsghdr* nlh);
 struct TableChanges {
   bool table_deleted = false;
   bool table_added = false;  // (re)created or its flags changed
+  bool netdev_table_deleted = false;  // table netdev <table> (egress chains)
+  bool netdev_table_added = false;
   std::map<std::tuple<ObjKind, bool, std::string>, std::uint32_t> objects;  // at most kMaxObjects
   std::uint32_t more = 0;             // changed objects past kMaxObjects
   std::uint32_t other_tables_deleted = 0;
   static constexpr std::size_t kMaxObjects = 8;
 
-  bool empty() const { return !table_deleted && !table_added && objects.empty() && more == 0; }
+  bool empty() const {
+    return !table_deleted && !table_added && !netdev_table_deleted && !netdev_table_added && objects.empty() &&
+           more == 0;
+  }
   // "table inet egressd deleted", "rule added to chain active, 2 elements
   // deleted from set ph_agent_a4", "ruleset flushed (table inet egressd and 2
   // other tables deleted)". Object names are as the kernel gave them.
   std::string describe(const std::string& table) const;
 };
 
-// A transaction that changed egressd's table and was not made by egressd.
+// A transaction that changed one of egressd's tables (inet or netdev, both
+// named `table`) and was not made by egressd.
 struct Tamper {
   TableChanges changes;
   std::uint32_t portid = 0;

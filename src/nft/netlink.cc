@@ -15,11 +15,13 @@
 #include <endian.h>
 #include <linux/netfilter.h>
 #include <linux/netfilter/nf_conntrack_common.h>
+#include <linux/netfilter/nf_conntrack_tuple_common.h>
 #include <linux/netfilter/nf_nat.h>
 #include <linux/netfilter/nf_tables.h>
 #include <linux/netfilter/nfnetlink.h>
 #include <linux/netlink.h>
 #include <netinet/in.h>
+#include <netinet/ip.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -97,10 +99,15 @@ struct MsgTag {
   Verb verb;
   std::string_view object;  // points into the Change being applied
   const Rule* rule = nullptr;
+  Family family = Family::inet;
 };
 
+std::uint8_t nfproto(Family f) { return f == Family::netdev ? NFPROTO_NETDEV : NFPROTO_INET; }
+
+// "add chain eg_eth0" names inet objects as before; netdev ones say so
+// ("add chain netdev eg_eth0"), so an error names the table it concerns.
 std::string describe(const MsgTag& t) {
-  const std::string obj(t.object);
+  const std::string obj = (t.family == Family::netdev ? "netdev " : "") + std::string(t.object);
   switch (t.verb) {
     case Verb::add_table: return "add table " + obj;
     case Verb::delete_table: return "delete table " + obj;
@@ -139,10 +146,10 @@ class BatchWriter {
   // Starts an nf_tables message with an ack request. The pointer is valid
   // until finish(); no other message may be started in between.
   nlmsghdr* start(std::uint16_t type, std::uint16_t flags, Verb verb, std::string_view object,
-                  const Rule* rule = nullptr) {
-    nlmsghdr* nlh = nftnl_nlmsg_build_hdr(room(kMaxMsgSize), type, NFPROTO_INET,
+                  const Rule* rule = nullptr, Family family = Family::inet) {
+    nlmsghdr* nlh = nftnl_nlmsg_build_hdr(room(kMaxMsgSize), type, nfproto(family),
                                           static_cast<std::uint16_t>(flags | NLM_F_ACK), seq_++);
-    tags_.push_back({verb, object, rule});
+    tags_.push_back({verb, object, rule, family});
     return nlh;
   }
   void finish(const nlmsghdr* nlh) { len_ += NLMSG_ALIGN(nlh->nlmsg_len); }
@@ -190,7 +197,8 @@ NftUdata comment_udata(std::uint8_t type, const std::string& comment) {
 
 // ---- tables, chains, sets ----------------------------------------------------
 
-void put_table(BatchWriter& w, const std::string& name, const std::string& comment, bool exclusive = true) {
+void put_table(BatchWriter& w, const std::string& name, Family family, const std::string& comment,
+               bool exclusive = true) {
   auto t = checked<NftTable>(nftnl_table_alloc());
   nftnl_table_set_str(t.get(), NFTNL_TABLE_NAME, name.c_str());
   nftnl_table_set_u32(t.get(), NFTNL_TABLE_FLAGS, 0);
@@ -199,31 +207,43 @@ void put_table(BatchWriter& w, const std::string& name, const std::string& comme
     nftnl_table_set_data(t.get(), NFTNL_TABLE_USERDATA, nftnl_udata_buf_data(ud.get()),
                          nftnl_udata_buf_len(ud.get()));
   }
-  nlmsghdr* nlh = w.start(NFT_MSG_NEWTABLE, static_cast<std::uint16_t>(NLM_F_CREATE | (exclusive ? NLM_F_EXCL : 0)), Verb::add_table, name);
+  nlmsghdr* nlh = w.start(NFT_MSG_NEWTABLE, static_cast<std::uint16_t>(NLM_F_CREATE | (exclusive ? NLM_F_EXCL : 0)),
+                          Verb::add_table, name, nullptr, family);
   nftnl_table_nlmsg_build_payload(nlh, t.get());
   w.finish(nlh);
 }
 
+std::uint32_t hooknum(Hook h) {
+  switch (h) {
+    case Hook::output: return NF_INET_LOCAL_OUT;
+    case Hook::input: return NF_INET_LOCAL_IN;
+    case Hook::egress: return NF_NETDEV_EGRESS;
+  }
+  return NF_INET_LOCAL_OUT;
+}
+
 // Attribute order as nft's mnl_nft_chain_add: table, name, type, policy, then
-// the hook nest.
-void put_chain(BatchWriter& w, const std::string& table, const Chain& c) {
-  nlmsghdr* nlh = w.start(NFT_MSG_NEWCHAIN, NLM_F_CREATE | NLM_F_EXCL, Verb::add_chain, c.name);
+// the hook nest (number, priority, and for netdev chains the device).
+void put_chain(BatchWriter& w, const std::string& table, const Chain& c, Family family) {
+  nlmsghdr* nlh = w.start(NFT_MSG_NEWCHAIN, NLM_F_CREATE | NLM_F_EXCL, Verb::add_chain, c.name, nullptr, family);
   mnl_attr_put_strz(nlh, NFTA_CHAIN_TABLE, table.c_str());
   mnl_attr_put_strz(nlh, NFTA_CHAIN_NAME, c.name.c_str());
   if (c.base) {
     mnl_attr_put_strz(nlh, NFTA_CHAIN_TYPE, c.base->type == HookType::filter ? "filter" : "nat");
     mnl_attr_put_u32(nlh, NFTA_CHAIN_POLICY, htonl(c.base->policy_drop ? NF_DROP : NF_ACCEPT));
     nlattr* hook = mnl_attr_nest_start(nlh, NFTA_CHAIN_HOOK);
-    mnl_attr_put_u32(nlh, NFTA_HOOK_HOOKNUM, htonl(NF_INET_LOCAL_OUT));
+    mnl_attr_put_u32(nlh, NFTA_HOOK_HOOKNUM, htonl(hooknum(c.base->hook)));
     mnl_attr_put_u32(nlh, NFTA_HOOK_PRIORITY, htonl(static_cast<std::uint32_t>(c.base->priority)));
+    if (c.base->hook == Hook::egress) mnl_attr_put_strz(nlh, NFTA_HOOK_DEV, c.base->device.c_str());
     mnl_attr_nest_end(nlh, hook);
   }
   w.finish(nlh);
 }
 
 // A table/chain/set addressed by name only (delete, flush).
-void put_named(BatchWriter& w, std::uint16_t type, Verb verb, const std::string& table, const std::string& name) {
-  nlmsghdr* nlh = w.start(type, 0, verb, name);
+void put_named(BatchWriter& w, std::uint16_t type, Verb verb, const std::string& table, const std::string& name,
+               Family family = Family::inet) {
+  nlmsghdr* nlh = w.start(type, 0, verb, name, nullptr, family);
   switch (type) {
     case NFT_MSG_DELTABLE:
       mnl_attr_put_strz(nlh, NFTA_TABLE_NAME, name.c_str());
@@ -376,13 +396,40 @@ class RuleBuilder {
     meta(NFT_META_OIF);
     cmp_u32(NFT_CMP_EQ, 1);  // loopback is ifindex 1 in every namespace
   }
+  void operator()(const MatchIifLoopback& m) {
+    meta(NFT_META_IIF);
+    cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, 1);
+  }
   void operator()(const MatchMetaMark& m) {
     meta(NFT_META_MARK);
     cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, m.value);
   }
+  void operator()(const MatchMetaPriority& m) {
+    meta(NFT_META_PRIORITY);
+    cmp_u32(NFT_CMP_EQ, m.value);
+  }
+  void operator()(const MatchMetaProtocolArp&) {
+    meta(NFT_META_PROTOCOL);
+    const std::uint16_t arp = htons(0x0806);  // ETH_P_ARP, in the frame's byte order
+    cmp(NFT_CMP_EQ, &arp, sizeof arp);
+  }
   void operator()(const MatchCtDirectionReply&) {
     ct_load(NFT_CT_DIRECTION);
     cmp_u8(IP_CT_DIR_REPLY);
+  }
+  void operator()(const MatchCtDirectionOriginal&) {
+    ct_load(NFT_CT_DIRECTION);
+    cmp_u8(IP_CT_DIR_ORIGINAL);
+  }
+  // `ct state new` and `ct status dnat` are bit tests: nft masks the loaded
+  // word and compares it with zero.
+  void operator()(const MatchCtStateNew&) {
+    ct_load(NFT_CT_STATE);
+    bit_test(NF_CT_STATE_BIT(IP_CT_NEW));
+  }
+  void operator()(const MatchCtStatus& m) {
+    ct_load(NFT_CT_STATUS);
+    bit_test(static_cast<std::uint32_t>(m.bit), m.negate);
   }
   void operator()(const MatchCtMark& m) {
     ct_load(NFT_CT_MARK);
@@ -400,8 +447,7 @@ class RuleBuilder {
     cmp(NFT_CMP_EQ, &port, sizeof port);
   }
   void operator()(const MatchLinkIcmpv6& m) {
-    meta(NFT_META_NFPROTO);
-    cmp_u8(NFPROTO_IPV6);
+    nfproto(6);
     meta(NFT_META_L4PROTO);
     cmp_u8(IPPROTO_ICMPV6);
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1);  // icmpv6 type
@@ -417,11 +463,30 @@ class RuleBuilder {
     if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
     add(std::move(e));
   }
-  void operator()(const MatchDaddr& m) {
-    // A single address, or a byte-aligned prefix (validated by the model).
-    const std::size_t len = m.addr.prefix_len / 8;
-    daddr(m.addr.family, len);
-    cmp(NFT_CMP_EQ, m.addr.bytes.data(), len);
+  void operator()(const MatchDaddr& m) { addr_match(m.addr, true); }
+  void operator()(const MatchSaddr& m) { addr_match(m.addr, false); }
+  void operator()(const MatchFibAddrType& m) {
+    auto e = expr("fib");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_FIB_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_FIB_FLAGS, m.daddr ? NFTA_FIB_F_DADDR : NFTA_FIB_F_SADDR);
+    add(std::move(e));
+    cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, static_cast<std::uint32_t>(m.type));
+  }
+  void operator()(const MatchSocketMark& m) {
+    auto e = expr("socket");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_KEY, NFT_SOCKET_MARK);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_DREG, NFT_REG_1);
+    add(std::move(e));
+    cmp_u32(NFT_CMP_EQ, m.value);
+  }
+  void operator()(const MatchIpv6RoutingHeader&) {
+    nfproto(6);
+    exthdr_present(IPPROTO_ROUTING, NFT_EXTHDR_OP_IPV6);
+  }
+  void operator()(const MatchIpv4SourceRoute& m) {
+    nfproto(4);
+    exthdr_present(m.strict ? IPOPT_SSRR : IPOPT_LSRR, NFT_EXTHDR_OP_IPV4);
   }
   void operator()(const StmtCounter&) { add(expr("counter")); }
   void operator()(const StmtLimit& s) {
@@ -445,6 +510,8 @@ class RuleBuilder {
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_CT_SREG, NFT_REG_1);
     add(std::move(e));
   }
+  void operator()(const StmtMetaMarkSet& s) { meta_set(NFT_META_MARK, s.value); }
+  void operator()(const StmtMetaPrioritySet& s) { meta_set(NFT_META_PRIORITY, s.value); }
   void operator()(const StmtRedirect& s) {
     const std::uint16_t port = htons(s.port);
     immediate(&port, sizeof port);
@@ -484,6 +551,66 @@ class RuleBuilder {
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_META_DREG, NFT_REG_1);
     add(std::move(e));
   }
+  void meta_set(std::uint32_t key, std::uint32_t value) {
+    immediate(&value, sizeof value);
+    auto e = expr("meta");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_META_KEY, key);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_META_SREG, NFT_REG_1);
+    add(std::move(e));
+  }
+  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on a host-order
+  // word; negated (`! bit`): cmp eq 0.
+  void bit_test(std::uint32_t bit, bool negate = false) {
+    const std::uint32_t zero = 0;
+    auto e = expr("bitwise");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
+    add(std::move(e));
+    cmp_u32(negate ? NFT_CMP_EQ : NFT_CMP_NEQ, 0);
+  }
+  // `exthdr rt exists`, `ip option lsrr exists`: a present-flag load of one
+  // byte, compared with 1.
+  void exthdr_present(std::uint8_t type, std::uint32_t op) {
+    auto e = expr("exthdr");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_EXTHDR_DREG, NFT_REG_1);
+    nftnl_expr_set_u8(e.get(), NFTNL_EXPR_EXTHDR_TYPE, type);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_EXTHDR_OFFSET, 0);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_EXTHDR_LEN, 1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_EXTHDR_OP, op);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_EXTHDR_FLAGS, NFT_EXTHDR_F_PRESENT);
+    add(std::move(e));
+    cmp_u8(1);
+  }
+  // `ip daddr 127.0.0.0/8`, `ip6 saddr ::`, `ip6 daddr fe80::/10`. nft loads
+  // only the bytes a byte-aligned prefix covers and compares them; for any
+  // other prefix it loads the whole address, masks it, and compares it with
+  // the masked prefix.
+  void addr_match(const IpPrefix& p, bool dst) {
+    const std::size_t full = p.size();
+    const std::uint32_t offset = p.family == 4 ? (dst ? 16 : 12) : (dst ? 24 : 8);
+    nfproto(p.family);
+    if (p.prefix_len % 8 == 0) {
+      const std::size_t len = p.prefix_len / 8;
+      payload(NFT_PAYLOAD_NETWORK_HEADER, offset, static_cast<std::uint32_t>(len));
+      cmp(NFT_CMP_EQ, p.bytes.data(), len);
+      return;
+    }
+    payload(NFT_PAYLOAD_NETWORK_HEADER, offset, static_cast<std::uint32_t>(full));
+    std::array<std::uint8_t, 16> mask{}, zero{}, masked{};
+    for (std::size_t bit = 0; bit < p.prefix_len; ++bit) mask[bit / 8] |= static_cast<std::uint8_t>(0x80u >> (bit % 8));
+    for (std::size_t i = 0; i < full; ++i) masked[i] = p.bytes[i] & mask[i];
+    auto e = expr("bitwise");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, static_cast<std::uint32_t>(full));
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, mask.data(), static_cast<std::uint32_t>(full));
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, zero.data(), static_cast<std::uint32_t>(full));
+    add(std::move(e));
+    cmp(NFT_CMP_EQ, masked.data(), full);
+  }
   void ct_load(std::uint32_t key) {
     auto e = expr("ct");
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_CT_KEY, key);
@@ -514,14 +641,21 @@ class RuleBuilder {
   // Loads the destination address, or its first `len` bytes (a byte-aligned
   // prefix: nft compares only those).
   void daddr(int family, std::size_t len = 0) {
-    meta(NFT_META_NFPROTO);
+    nfproto(family);
     if (family == 4) {
-      cmp_u8(NFPROTO_IPV4);
       payload(NFT_PAYLOAD_NETWORK_HEADER, 16, len != 0 ? len : 4);
     } else {
-      cmp_u8(NFPROTO_IPV6);
       payload(NFT_PAYLOAD_NETWORK_HEADER, 24, len != 0 ? len : 16);
     }
+  }
+  // The `meta nfproto` dependency of a network-header match in an inet
+  // table. nft emits it once per rule: a later match of the same family
+  // (`ip6 saddr :: icmpv6 type ... ip6 daddr ff02::/16`) relies on the first.
+  void nfproto(int family) {
+    if (nfproto_ == family) return;
+    meta(NFT_META_NFPROTO);
+    cmp_u8(family == 4 ? NFPROTO_IPV4 : NFPROTO_IPV6);
+    nfproto_ = family;
   }
   void immediate(const void* data, std::size_t len) {
     auto e = expr("immediate");
@@ -538,15 +672,17 @@ class RuleBuilder {
 
   nftnl_rule* rule_;
   const BatchWriter& w_;
+  int nfproto_ = 0;  // the family this rule's nfproto dependency established (0 = none yet)
 };
 
-void put_rule(BatchWriter& w, const std::string& table, const std::string& chain, const Rule& rule) {
+void put_rule(BatchWriter& w, const std::string& table, const std::string& chain, const Rule& rule,
+              Family family = Family::inet) {
   auto r = checked<NftRule>(nftnl_rule_alloc());
   nftnl_rule_set_str(r.get(), NFTNL_RULE_TABLE, table.c_str());
   nftnl_rule_set_str(r.get(), NFTNL_RULE_CHAIN, chain.c_str());
   RuleBuilder b(r.get(), w);
   for (const Stmt& s : rule.stmts) std::visit(b, s);
-  nlmsghdr* nlh = w.start(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, Verb::add_rule, chain, &rule);
+  nlmsghdr* nlh = w.start(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, Verb::add_rule, chain, &rule, family);
   nftnl_rule_nlmsg_build_payload(nlh, r.get());
   // After the expressions, where nft puts it (libnftnl would put it before).
   if (!rule.comment.empty()) {
@@ -566,15 +702,18 @@ struct OpWriter {
     // nft's order: table, chains, sets with their elements, then rules, so
     // every set and jump/goto target exists before a rule refers to it (and
     // handles come out as they would from `nft -f`).
-    put_table(w, table, op.table.comment);
-    for (const Chain& c : op.table.chains) put_chain(w, table, c);
+    const Family f = op.table.family;
+    put_table(w, table, f, op.table.comment);
+    for (const Chain& c : op.table.chains) put_chain(w, table, c, f);
     for (const Set& s : op.table.sets) add_set(s);
     for (const Chain& c : op.table.chains) {
-      for (const Rule& r : c.rules) put_rule(w, table, c.name, r);
+      for (const Rule& r : c.rules) put_rule(w, table, c.name, r, f);
     }
   }
-  void operator()(const OpDeleteTable& op) { put_named(w, NFT_MSG_DELTABLE, Verb::delete_table, table, op.name); }
-  void operator()(const OpEnsureTable& op) { put_table(w, op.name, "", false); }
+  void operator()(const OpDeleteTable& op) {
+    put_named(w, NFT_MSG_DELTABLE, Verb::delete_table, table, op.name, op.family);
+  }
+  void operator()(const OpEnsureTable& op) { put_table(w, op.name, op.family, "", false); }
   void operator()(const OpAddSet& op) { add_set(op.set); }
   void operator()(const OpDeleteSet& op) { put_named(w, NFT_MSG_DELSET, Verb::delete_set, table, op.name); }
   void operator()(const OpAddElems& op) { put_elems(w, table, op.set, op.type, op.interval, op.elems, ElemOp::add); }
@@ -582,12 +721,16 @@ struct OpWriter {
     put_elems(w, table, op.set, op.type, op.interval, op.elems, ElemOp::remove);
   }
   void operator()(const OpAddChain& op) {
-    put_chain(w, table, op.chain);
-    for (const Rule& r : op.chain.rules) put_rule(w, table, op.chain.name, r);
+    put_chain(w, table, op.chain, op.family);
+    for (const Rule& r : op.chain.rules) put_rule(w, table, op.chain.name, r, op.family);
   }
-  void operator()(const OpDeleteChain& op) { put_named(w, NFT_MSG_DELCHAIN, Verb::delete_chain, table, op.name); }
-  void operator()(const OpFlushChain& op) { put_named(w, NFT_MSG_DELRULE, Verb::flush_chain, table, op.name); }
-  void operator()(const OpAddRule& op) { put_rule(w, table, op.chain, op.rule); }
+  void operator()(const OpDeleteChain& op) {
+    put_named(w, NFT_MSG_DELCHAIN, Verb::delete_chain, table, op.name, op.family);
+  }
+  void operator()(const OpFlushChain& op) {
+    put_named(w, NFT_MSG_DELRULE, Verb::flush_chain, table, op.name, op.family);
+  }
+  void operator()(const OpAddRule& op) { put_rule(w, table, op.chain, op.rule, op.family); }
 
   void add_set(const Set& s) {
     put_set(w, table, s);
@@ -747,7 +890,9 @@ class NetlinkKernel final : public Kernel {
   // them; else the read starts over. The ruleset generation is not compared:
   // DNS-learned elements move it many thousand times a second without
   // changing anything read here.
-  Result<std::optional<TableInfo>> read_table(const std::string& name) override {
+  Result<std::optional<TableInfo>> read_table(const std::string& name, Family family) override {
+    family_ = nfproto(family);
+    const std::string what = "table " + std::string(to_string(family)) + " " + name;
     const auto deadline = std::chrono::steady_clock::now() + kReadDeadline;
     for (int attempt = 0; attempt == 0 || std::chrono::steady_clock::now() < deadline; ++attempt) {
       read_backoff(attempt);
@@ -755,15 +900,15 @@ class NetlinkKernel final : public Kernel {
       std::uint64_t table_before = 0, table_after = 0;
       int err = get_table(name, table_before, &info.comment, &info.flags);
       if (err == ENOENT) return std::optional<TableInfo>{};
-      if (err != 0) return errno_error("get table inet " + name, err);
-      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_)) != 0) return errno_error("list chains of table inet " + name, err);
-      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_)) != 0) return errno_error("list sets of table inet " + name, err);
-      if ((err = dump_rules(name, info.rules)) != 0) return errno_error("list rules of table inet " + name, err);
-      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_after_)) != 0) return errno_error("list chains of table inet " + name, err);
-      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_after_)) != 0) return errno_error("list sets of table inet " + name, err);
+      if (err != 0) return errno_error("get " + what, err);
+      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_)) != 0) return errno_error("list chains of " + what, err);
+      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_)) != 0) return errno_error("list sets of " + what, err);
+      if ((err = dump_rules(name, info.rules)) != 0) return errno_error("list rules of " + what, err);
+      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_after_)) != 0) return errno_error("list chains of " + what, err);
+      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_after_)) != 0) return errno_error("list sets of " + what, err);
       err = get_table(name, table_after, nullptr);
       if (err == ENOENT) continue;  // deleted meanwhile: the next attempt says so
-      if (err != 0) return errno_error("get table inet " + name, err);
+      if (err != 0) return errno_error("get " + what, err);
       if (table_before != table_after || chains_ != chains_after_ || sets_ != sets_after_) continue;
       // A chain that came and went between the two chain dumps (an inline
       // policy switched to and away from) can still show up in the rules.
@@ -775,7 +920,39 @@ class NetlinkKernel final : public Kernel {
       for (const auto& s : sets_) info.sets.push_back(s.name);
       return std::optional<TableInfo>{std::move(info)};
     }
-    return Error::runtime("read table inet " + name + ": its chains and sets kept changing during the read");
+    return Error::runtime("read " + what + ": its chains and sets kept changing during the read");
+  }
+
+  Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType type) override {
+    family_ = NFPROTO_INET;
+    std::vector<SetElem> out;
+    const std::size_t n = key_len(type);
+    int err = kDumpInterrupted;
+    for (int attempt = 0; attempt < kReadAttempts && err == kDumpInterrupted; ++attempt) {
+      out.clear();
+      nlmsghdr* req = request(NFT_MSG_GETSETELEM, NFPROTO_INET, NLM_F_DUMP);
+      mnl_attr_put_strz(req, NFTA_SET_ELEM_LIST_TABLE, table.c_str());
+      mnl_attr_put_strz(req, NFTA_SET_ELEM_LIST_SET, set.c_str());
+      err = talk(req, [&](const nlmsghdr* nlh) {
+        auto s = checked<NftSet>(nftnl_set_alloc());
+        if (nftnl_set_elems_nlmsg_parse(nlh, s.get()) < 0) return;
+        nftnl_set_elems_iter* it = nftnl_set_elems_iter_create(s.get());
+        if (it == nullptr) throw std::bad_alloc();
+        for (nftnl_set_elem* e = nftnl_set_elems_iter_next(it); e != nullptr; e = nftnl_set_elems_iter_next(it)) {
+          std::uint32_t len = 0;
+          const void* key = nftnl_set_elem_get(e, NFTNL_SET_ELEM_KEY, &len);
+          if (key == nullptr || len != n) continue;
+          IpPrefix a;
+          a.family = key_family(type);
+          a.prefix_len = static_cast<std::uint8_t>(n * 8);
+          std::memcpy(a.bytes.data(), key, n);
+          out.push_back({a, a, 0});
+        }
+        nftnl_set_elems_iter_destroy(it);
+      });
+    }
+    if (err != 0) return errno_error("list elements of set " + set + " of table inet " + table, err);
+    return out;
   }
 
  private:
@@ -985,7 +1162,7 @@ class NetlinkKernel final : public Kernel {
     int err = kDumpInterrupted;
     for (int attempt = 0; attempt < kReadAttempts && err == kDumpInterrupted; ++attempt) {
       reset();
-      nlmsghdr* req = request(type, NFPROTO_INET, NLM_F_DUMP);
+      nlmsghdr* req = request(type, family_, NLM_F_DUMP);
       mnl_attr_put_strz(req, table_attr, table.c_str());  // the kernel may filter by it; we filter too
       err = talk(req, on_msg);
     }
@@ -994,7 +1171,7 @@ class NetlinkKernel final : public Kernel {
 
   // The table's handle (unique for the namespace's lifetime) and comment.
   int get_table(const std::string& name, std::uint64_t& handle, std::string* comment, std::uint32_t* flags = nullptr) {
-    nlmsghdr* req = request(NFT_MSG_GETTABLE, NFPROTO_INET, NLM_F_ACK);
+    nlmsghdr* req = request(NFT_MSG_GETTABLE, family_, NLM_F_ACK);
     mnl_attr_put_strz(req, NFTA_TABLE_NAME, name.c_str());
     return talk(req, [&](const nlmsghdr* nlh) {
       auto t = checked<NftTable>(nftnl_table_alloc());
@@ -1096,6 +1273,8 @@ class NetlinkKernel final : public Kernel {
   std::vector<char> req_;
   // read_table's scratch, reused.
   std::vector<Object> chains_, sets_, chains_after_, sets_after_;
+  // The family read_table's requests are for (NFPROTO_INET or NFPROTO_NETDEV).
+  std::uint16_t family_ = NFPROTO_INET;
 };
 
 }  // namespace

@@ -41,8 +41,15 @@ class Kernel {
   // changed. Large element lists are split across messages under the netlink
   // size limit but stay in the same batch.
   virtual Status apply(const Change& change) = 0;
-  // Reads table inet `name`; nullopt when it does not exist.
-  virtual Result<std::optional<TableInfo>> read_table(const std::string& name) = 0;
+  // Reads table `family` `name` (chains, sets, rules with comments and
+  // counters); nullopt when it does not exist.
+  virtual Result<std::optional<TableInfo>> read_table(const std::string& name, Family family) = 0;
+  // The elements of set `set` of table inet `table` (hash sets: from == to,
+  // no timeouts reported). Error when the set does not exist.
+  virtual Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType type) {
+    (void)table, (void)set, (void)type;
+    return Error::runtime("reading set elements: not supported");
+  }
   // The netlink portid of the socket changes are sent from (0 = none): the
   // kernel's change notifications carry it, which tells egressd's own changes
   // from everyone else's (nft/monitor.h).

@@ -82,12 +82,38 @@ std::string elem_text(const Set& set, const SetElem& e) {
 
 std::string family_kw(SetType t) { return t == SetType::ipv4_addr ? "ip" : "ip6"; }
 
+const char* addr_type_name(AddrType t) {
+  switch (t) {
+    case AddrType::unicast: return "unicast";
+    case AddrType::local: return "local";
+    case AddrType::broadcast: return "broadcast";
+    case AddrType::anycast: return "anycast";
+    case AddrType::multicast: return "multicast";
+  }
+  return "unspec";
+}
+
+// A prefix as nft lists it: the address alone when it is a single address,
+// else address/len.
+std::string prefix_text(const IpPrefix& p) {
+  if (p.prefix_len == p.size() * 8) return addr_text(p);
+  return addr_text(p) + "/" + std::to_string(p.prefix_len);
+}
+
 struct StmtText {
   std::string operator()(const MatchOifLoopback&) const { return "oif \"lo\""; }
+  std::string operator()(const MatchIifLoopback& m) const { return m.negate ? "iif != \"lo\"" : "iif \"lo\""; }
   std::string operator()(const MatchMetaMark& m) const {
     return std::string("meta mark ") + (m.negate ? "!= " : "") + hex32(m.value);
   }
+  std::string operator()(const MatchMetaPriority& m) const { return "meta priority " + priority_text(m.value); }
+  std::string operator()(const MatchMetaProtocolArp&) const { return "meta protocol arp"; }
   std::string operator()(const MatchCtDirectionReply&) const { return "ct direction reply"; }
+  std::string operator()(const MatchCtDirectionOriginal&) const { return "ct direction original"; }
+  std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }
+  std::string operator()(const MatchCtStatus& m) const {
+    return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
+  }
   std::string operator()(const MatchCtMark& m) const { return "ct mark " + hex32(m.value); }
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
   std::string operator()(const MatchDport& m) const {
@@ -98,7 +124,19 @@ struct StmtText {
   }
   std::string operator()(const MatchDaddrSet& m) const { return family_kw(m.type) + " daddr @" + m.set; }
   std::string operator()(const MatchDaddr& m) const {
-    return std::string(m.addr.family == 4 ? "ip" : "ip6") + " daddr " + m.addr.to_string();
+    return std::string(m.addr.family == 4 ? "ip" : "ip6") + " daddr " + prefix_text(m.addr);
+  }
+  std::string operator()(const MatchSaddr& m) const {
+    return std::string(m.addr.family == 4 ? "ip" : "ip6") + " saddr " + prefix_text(m.addr);
+  }
+  std::string operator()(const MatchFibAddrType& m) const {
+    return std::string("fib ") + (m.daddr ? "daddr" : "saddr") + " type " + (m.negate ? "!= " : "") +
+           addr_type_name(m.type);
+  }
+  std::string operator()(const MatchSocketMark& m) const { return "socket mark " + hex32(m.value); }
+  std::string operator()(const MatchIpv6RoutingHeader&) const { return "exthdr rt exists"; }
+  std::string operator()(const MatchIpv4SourceRoute& m) const {
+    return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }
   std::string operator()(const StmtCounter&) const { return "counter"; }
   std::string operator()(const StmtLimit& s) const {
@@ -108,6 +146,8 @@ struct StmtText {
   }
   std::string operator()(const StmtLog& s) const { return "log group " + std::to_string(s.group); }
   std::string operator()(const StmtCtMarkSet& s) const { return "ct mark set " + hex32(s.value); }
+  std::string operator()(const StmtMetaMarkSet& s) const { return "meta mark set " + hex32(s.value); }
+  std::string operator()(const StmtMetaPrioritySet& s) const { return "meta priority set " + priority_text(s.value); }
   std::string operator()(const StmtRedirect& s) const { return "redirect to :" + std::to_string(s.port); }
   std::string operator()(const StmtRejectTcpReset&) const { return "reject with tcp reset"; }
   std::string operator()(const StmtRejectAdminProhibited&) const { return "reject with icmpx admin-prohibited"; }
@@ -148,7 +188,13 @@ void render_chain(std::ostringstream& out, const Chain& chain) {
   out << "\tchain " << chain.name << " {\n";
   if (chain.base) {
     const BaseChain& b = *chain.base;
-    out << "\t\ttype " << (b.type == HookType::filter ? "filter" : "nat") << " hook output priority ";
+    out << "\t\ttype " << (b.type == HookType::filter ? "filter" : "nat") << " hook ";
+    switch (b.hook) {
+      case Hook::output: out << "output"; break;
+      case Hook::input: out << "input"; break;
+      case Hook::egress: out << "egress device \"" << b.device << "\""; break;
+    }
+    out << " priority ";
     if (b.type == HookType::filter && b.priority == 0) {
       out << "filter";
     } else {
@@ -162,6 +208,14 @@ void render_chain(std::ostringstream& out, const Chain& chain) {
 
 }  // namespace
 
+std::string priority_text(std::uint32_t value) {
+  if (value == 0) return "none";
+  if (value == 0xffffffffu) return "root";
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%x:%x", value >> 16, value & 0xffffu);
+  return buf;
+}
+
 std::string render_rule(const Rule& rule) {
   std::string s;
   for (const auto& st : rule.stmts) {
@@ -174,7 +228,7 @@ std::string render_rule(const Rule& rule) {
 
 std::string render_table(const Table& table) {
   std::ostringstream out;
-  out << "table inet " << table.name << " {\n";
+  out << "table " << to_string(table.family) << " " << table.name << " {\n";
   if (!table.comment.empty()) out << "\tcomment \"" << table.comment << "\"\n";
   bool first = true;
   for (const auto& s : table.sets) {

@@ -37,7 +37,7 @@ using policy_detail::is_network_key;
 using policy_detail::join;
 using policy_detail::quote;
 
-// Upper bound for dns.min_ttl. Learned addresses stay in the kernel sets at
+// Upper bound for dns.min_ttl and dns.max_ttl. Learned addresses stay in the kernel sets at
 // least this long; beyond a day they would outlive their DNS records by far,
 // which quietly widens the allowlist. A value this large is almost surely a
 // unit typo ("30h" for "30s"), and refusing it is the safe reading.
@@ -215,15 +215,37 @@ class Parser {
   Status parse_dns(const Node& dns, const Node& key, DnsOptions& out) const {
     if (dns.IsNull()) return {};
     if (!dns.IsMap()) return err(where(dns, key), "dns must be a map, not " + std::string(type_name(dns)));
-    return walk(dns, {"upstream", "min_ttl", "deny_answer", "observe_public"}, "in dns",
+    std::optional<YAML::Mark> max_ttl_at;
+    Status st = walk(
+        dns, {"upstream", "min_ttl", "max_ttl", "deny_answer", "private_answers", "observe_public"}, "in dns",
                 [&](const std::string& name, const Node& k, const Node& v) -> Status {
                   if (name == "upstream") return parse_upstream(v, k, out.upstream);
-                  if (name == "min_ttl") {
-                    auto s = scalar(v, k, "min_ttl");
+                  if (name == "min_ttl" || name == "max_ttl") {
+                    auto s = scalar(v, k, name);
                     if (!s) return s.error();
-                    auto ttl = parse_duration(*s);
+                    auto ttl = parse_duration(name, *s);
                     if (!ttl) return err(v.Mark(), ttl.error().message);
-                    out.min_ttl_s = *ttl;
+                    if (name == "min_ttl") {
+                      out.min_ttl_s = *ttl;
+                    } else {
+                      if (*ttl == 0) return err(v.Mark(), "max_ttl must be at least 1s");
+                      out.max_ttl_s = *ttl;
+                      max_ttl_at = v.Mark();
+                    }
+                    return {};
+                  }
+                  if (name == "private_answers") {
+                    auto s = scalar(v, k, "private_answers");
+                    if (!s) return s.error();
+                    if (*s == "exact") {
+                      out.private_answers = PrivateAnswers::exact;
+                    } else if (*s == "allow") {
+                      out.private_answers = PrivateAnswers::allow;
+                    } else {
+                      return err(v.Mark(), "private_answers must be exact (private addresses are learned for exact "
+                                           "hostname entries only) or allow (for wildcard matches too), not " +
+                                               quote(*s));
+                    }
                     return {};
                   }
                   if (name == "deny_answer") {
@@ -243,6 +265,18 @@ class Parser {
                   out.observe_public = *b;
                   return {};
                 });
+    if (!st.ok()) return st;
+    if (out.min_ttl_s > out.max_ttl_s) {
+      // A min_ttl above the default cap raises the cap with it; against a
+      // max_ttl given explicitly it is a contradiction.
+      if (!max_ttl_at) {
+        out.max_ttl_s = out.min_ttl_s;
+      } else {
+        return err(*max_ttl_at, "max_ttl (" + std::to_string(out.max_ttl_s) + "s) is shorter than min_ttl (" +
+                                    std::to_string(out.min_ttl_s) + "s)");
+      }
+    }
+    return {};
   }
 
   Status parse_upstream(const Node& v, const Node& k, std::vector<std::string>& out) const {
@@ -275,7 +309,8 @@ class Parser {
   }
 
   // "30s", "5m", "1h" or bare seconds ("30").
-  static Result<std::uint32_t> parse_duration(std::string_view s) {
+  // `what` names the key in messages.
+  static Result<std::uint32_t> parse_duration(std::string_view what, std::string_view s) {
     std::uint64_t mult = 1;
     std::string_view digits = s;
     if (!s.empty()) {
@@ -289,13 +324,13 @@ class Parser {
     const auto n = number(digits, kMaxMinTtlS);
     if (!n) {
       if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos) {
-        return Error::invalid("min_ttl " + quote(s) + " is too long: the maximum is 24h");
+        return Error::invalid(std::string(what) + " " + quote(s) + " is too long: the maximum is 24h");
       }
-      return Error::invalid("min_ttl " + quote(s) +
+      return Error::invalid(std::string(what) + " " + quote(s) +
                             " is not a duration: use seconds (30 or 30s), minutes (5m) or hours (1h)");
     }
     if (*n * mult > kMaxMinTtlS) {
-      return Error::invalid("min_ttl " + quote(s) + " is too long: the maximum is 24h");
+      return Error::invalid(std::string(what) + " " + quote(s) + " is too long: the maximum is 24h");
     }
     return static_cast<std::uint32_t>(*n * mult);
   }

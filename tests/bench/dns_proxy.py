@@ -458,6 +458,7 @@ class Bench:
             return "127.0.0.1", port, p, counter
         if name in ("egressd", "egressd-public"):
             nft(ns, "delete", "table", "inet", "egressd", check=False)  # a fresh start, not an adoption
+            nft(ns, "delete", "table", "netdev", "egressd", check=False)  # its egress chains (policy drop)
             policy = self.tmp / f"{name}.yaml"
             policy.write_text(json.dumps({
                 "initial_phase": "agent", "dns": {"upstream": [UPSTREAM]},
@@ -478,6 +479,8 @@ class Bench:
         table = {"nftset": "benchtbl", "egressd": "egressd", "egressd-public": "egressd"}.get(name)
         if table:
             nft(ns, "delete", "table", "inet", table, check=False)
+        if table == "egressd":
+            nft(ns, "delete", "table", "netdev", "egressd", check=False)
 
     def run_round(self, order: list[str]) -> dict[str, dict]:
         """Starts every contender fresh, measures them, stops them. Latency is measured in

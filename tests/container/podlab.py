@@ -233,8 +233,10 @@ class Session:
                         extra=["--cap-drop", "all", "--dns", DNS_SERVER])
 
     def dns_log(self) -> str:
-        """The names dnsmasq was asked, as its log lines ("query[A] NAME from ADDR")."""
-        return "\n".join(l for l in self.dns.logs().splitlines() if "query[" in l)
+        """The names dnsmasq was asked, as its log lines ("query[A] NAME from ADDR"), lower-cased:
+        egressd sends every name upstream in random letter case (0x20), so a name is checked
+        for (present or absent) case-insensitively."""
+        return "\n".join(l for l in self.dns.logs().splitlines() if "query[" in l).lower()
 
 
 def build_dnsmasq_image():

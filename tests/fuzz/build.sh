@@ -20,12 +20,12 @@ policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
 # Every policy reader: parse_policy_document dispatches to the YAML and TOML readers.
 readers_srcs="src/policy/diagnostics.cc src/policy/policy_file.cc src/policy/harbor_task.cc"
 nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
-daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/daemon/sandbox.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/daemon/sandbox.cc src/daemon/sandbox_tamper.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"
   [policy_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
   [harbor_task_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
-  [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc"
+  [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc src/dns/upstream.cc src/dns/proxy.cc"
   [control_request_fuzz]="$daemon_srcs"
   [control_server_fuzz]="$daemon_srcs src/control/server.cc"
 )
@@ -33,7 +33,7 @@ declare -A libs=(
   [entry_fuzz]=""
   [policy_fuzz]="yaml-cpp"
   [harbor_task_fuzz]="yaml-cpp"
-  [dns_message_fuzz]=""
+  [dns_message_fuzz]="spdlog fmt"
   [control_request_fuzz]="spdlog fmt"
   [control_server_fuzz]="spdlog fmt"
 )

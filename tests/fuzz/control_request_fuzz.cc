@@ -57,7 +57,10 @@ class FakeProxy : public dns::Proxy {
  public:
   std::deque<std::pair<std::string, std::function<void(Result<std::vector<dns::Learned>>)>>> pending;
 
+  void set_forwarder(dns::ForwarderOptions) override {}
+  void serve(std::uint32_t) override {}
   std::uint16_t port() const override { return 53; }
+  bool port_fell_back() const override { return false; }
   dns::ProxyCounters counters() const override { return {}; }
   void resolve(const std::string& name, std::function<void(Result<std::vector<dns::Learned>>)> done) override {
     pending.emplace_back(name, std::move(done));
@@ -139,7 +142,9 @@ void check_shape(const json& r) {
 void check_kernel_state(const fuzz::FakeKernel& k, const daemon::Sandbox& sb) {
   FUZZ_CHECK(k.table.has_value());
   for (const auto& r : k.table->rules) {
-    if (r.chain != "active") continue;
+    // The state rule is the one with the comment: outside public, per-packet
+    // guards (routing headers, source routes) come before it.
+    if (r.chain != "active" || r.comment.empty()) continue;
     auto st = nft::ActiveState::parse_comment(r.comment);
     FUZZ_CHECK(st.ok());
     FUZZ_CHECK(st->generation == sb.state().generation && st->phase == sb.state().phase &&
@@ -173,7 +178,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   daemon::SandboxOptions opts;
   opts.policy = policy();
   opts.after_switch = [&](std::shared_ptr<const Phase>, std::uint64_t gen) { switched.push_back(gen); };
-  daemon::Sandbox sb(std::move(opts), std::move(kernel_owned), {true, true, true, true, true});
+  daemon::Sandbox sb(std::move(opts), std::move(kernel_owned), {true, true, true, true, true, true, true, true});
   sb.attach_proxy(&proxy);
   FUZZ_CHECK(sb.start("environment").ok());
 

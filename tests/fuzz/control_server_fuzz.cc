@@ -90,7 +90,7 @@ struct World {
     daemon::SandboxOptions so;
     so.policy = policy();
     sandbox = std::make_unique<daemon::Sandbox>(std::move(so), std::make_unique<fuzz::FakeKernel>(),
-                                                daemon::Capabilities{true, true, true, true, true});
+                                                daemon::Capabilities{true, true, true, true, true, true, true, true});
     FUZZ_CHECK(sandbox->start("environment").ok());
   }
 };

@@ -29,6 +29,7 @@ class FakeKernel : public nft::Kernel {
     for (const auto& op : ch.ops) {
       if (auto* add = std::get_if<nft::OpAddTable>(&op)) {
         if (add->table.name != ch.table || ch.table != "egressd") continue;  // capability probes
+        if (add->table.family == nft::Family::netdev) continue;  // the egress chains: not read back
         nft::TableInfo info;
         info.comment = add->table.comment;
         for (const auto& s : add->table.sets) info.sets.push_back(s.name);
@@ -40,11 +41,16 @@ class FakeKernel : public nft::Kernel {
         continue;
       }
       if (auto* del = std::get_if<nft::OpDeleteTable>(&op)) {
-        if (del->name != "egressd") continue;
+        if (del->name != "egressd" || del->family == nft::Family::netdev) continue;
         if (!t) return Error::runtime("delete table " + del->name + ": No such file or directory");
         t.reset();
         continue;
       }
+      if (std::holds_alternative<nft::OpEnsureTable>(op)) continue;
+      if (auto* fl = std::get_if<nft::OpFlushChain>(&op); fl && fl->family == nft::Family::netdev) continue;
+      if (auto* ar = std::get_if<nft::OpAddRule>(&op); ar && ar->family == nft::Family::netdev) continue;
+      if (auto* ac = std::get_if<nft::OpAddChain>(&op); ac && ac->family == nft::Family::netdev) continue;
+      if (auto* dc = std::get_if<nft::OpDeleteChain>(&op); dc && dc->family == nft::Family::netdev) continue;
       if (!t) return Error::runtime("operation on table egressd, which does not exist");
       if (auto* fl = std::get_if<nft::OpFlushChain>(&op)) {
         std::erase_if(t->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
@@ -67,7 +73,9 @@ class FakeKernel : public nft::Kernel {
     return {};
   }
 
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&) override { return table; }
+  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override {
+    return f == nft::Family::inet ? table : std::nullopt;
+  }
 };
 
 }  // namespace egressd::fuzz

@@ -49,6 +49,13 @@ egressd::nft::CompileOptions dns_opts(std::uint16_t port) {
 }
 
 
+// For tests of table inet egressd alone: switches leave the netdev table be.
+const egressd::nft::CompileOptions kInetOnly = [] {
+  egressd::nft::CompileOptions o;
+  o.netdev = false;
+  return o;
+}();
+
 struct CmdResult {
   int status = -1;
   std::string out;  // stdout and stderr
@@ -254,21 +261,41 @@ Status apply_table(Kernel& k, const Table& t) {
   return k.apply(ch);
 }
 
-// Applies `table` over netlink in one namespace and `nft -f` of its render in
-// another; both listings must be identical, and so must the kernel objects
-// behind them (expressions, rule handles, every set element).
-void check_equivalent(const Table& table) {
+// Applies `tables` over netlink in one namespace, in one batch, and `nft -f`
+// of their render in another; both listings must be identical, and so must
+// the kernel objects behind them (expressions, rule handles, every set
+// element).
+void check_equivalent(const std::vector<Table>& tables) {
   TestNetns via_netlink, via_nft;
   auto k = via_netlink.kernel();
-  const Status st = apply_table(*k, table);
+  Change ch;
+  ch.table = tables.front().name;
+  std::string text;
+  for (const Table& t : tables) {
+    ch.ops.push_back(OpAddTable{t});
+    text += render_table(t);
+  }
+  const Status st = k->apply(ch);
   REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
-  via_nft.nft_load(render_table(table));
+  via_nft.nft_load(text);
   const std::string got = via_netlink.listing();
   CHECK(got == via_nft.listing());
-  CHECK(got.find("table inet " + table.name) != std::string::npos);
+  for (const Table& t : tables) {
+    CHECK(got.find("table " + std::string(to_string(t.family)) + " " + t.name) != std::string::npos);
+  }
   const std::string got_debug = via_netlink.debug_listing();
   CHECK(got_debug == via_nft.debug_listing());
   CHECK(got_debug.find("[ lookup reg 1 set ") != std::string::npos);
+}
+
+void check_equivalent(const Table& table) { check_equivalent(std::vector<Table>{table}); }
+
+// Both of egressd's tables for `state`, the netdev one with an egress chain
+// on `lo` (the one interface every namespace has).
+std::vector<Table> both_tables(const Policy& p, const Phase* inline_phase, const ActiveState& state,
+                               CompileOptions opts) {
+  opts.interfaces = {"lo"};
+  return {build_table(p, inline_phase, state, opts), *build_netdev_table(state, opts)};
 }
 
 std::string ipv4(std::uint32_t v) {
@@ -305,12 +332,27 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
     const Policy p = make_policy(kAgentEntries);
     check_equivalent(build_table(p, nullptr, named_state(p, "agent", 1), {}));
   }
-  SUBCASE("log group, deny=drop, dns_port=5353, no inbound replies") {
+  SUBCASE("log group, deny=drop, dns_port=5353, no inbound replies, both tables in one batch") {
     Policy p = make_policy(kAgentEntries);
     p.enforce.log_group = 100;
     p.enforce.deny = DenyAction::drop;
     p.enforce.inbound_replies = false;
-    check_equivalent(build_table(p, nullptr, named_state(p, "environment", 7), dns_opts(5353)));
+    check_equivalent(both_tables(p, nullptr, named_state(p, "environment", 7), dns_opts(5353)));
+  }
+  SUBCASE("both tables, allowlist in force, secrets drawn, relay targets and on-link prefixes") {
+    const Policy p = make_policy(kAgentEntries);
+    CompileOptions o = dns_opts(53);
+    o.own_mark = 0x0badf00d;
+    o.pass_mark = 0x5ec2e7ed;
+    o.pass_priority = 0xfeed0001;
+    o.mark_salt = 0x1234567;
+    o.upstreams.push_back(*parse_ip("127.0.0.11"));
+    o.extra_upstreams = {*parse_ip("198.51.100.53"), *parse_ip("::1")};
+    IpPrefix onlink = *parse_ip("2001:db8:1::");
+    onlink.prefix_len = 64;
+    o.onlink6 = {onlink};
+    const ActiveState st = make_state(p, find_phase(p, "agent"), 5, false, o.mark_salt);
+    check_equivalent(both_tables(p, nullptr, st, o));
   }
   SUBCASE("empty allowlist active, no-network and public phases") {
     const Policy p = make_policy({});
@@ -348,6 +390,62 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
     t.chains.push_back({"nat", BaseChain{HookType::nat, -100, false},
                         {{{MatchDport{6, 53}, StmtRedirect{5353}}, ""}, {{MatchDport{17, 53}, StmtRedirect{53}}, ""}}});
     check_equivalent(t);
+  }
+  SUBCASE("every statement of issue 14's ruleset, hand-built, with a netdev table in the same batch") {
+    auto pfx = [](const char* a, int len) {
+      IpPrefix p = *parse_ip(a);
+      p.prefix_len = static_cast<std::uint8_t>(len);
+      return p;
+    };
+    Table t;
+    t.name = "egressd";
+    t.sets.push_back({"s4", SetType::ipv4_addr, false, false, {}});
+    t.sets.push_back({"s6", SetType::ipv6_addr, true, false, {}});
+    const StmtVerdict accept{VerdictKind::accept, ""};
+    Chain out{"output", BaseChain{HookType::filter, 0, true}, {}};
+    out.rules = {
+        {{MatchMetaMark{0x11223344}, MatchCtDirectionOriginal{}, MatchDaddrSet{"s4", SetType::ipv4_addr},
+          MatchDport{17, 53}, StmtVerdict{VerdictKind::goto_, "sub"}},
+         ""},
+        {{MatchDaddrSet{"s4", SetType::ipv4_addr}, StmtCtMarkSet{0x7ffffffe}, StmtMetaMarkSet{0}, accept}, ""},
+        {{MatchOifLoopback{}, MatchFibAddrType{false, AddrType::local}, accept}, ""},
+        {{MatchDaddr{pfx("127.0.0.0", 8)}, MatchCtStatus{CtStatusBit::dnat}, MatchFibAddrType{false, AddrType::local},
+          accept},
+         ""},
+        {{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true}, accept}, ""},
+        {{MatchSaddr{*parse_ip("::")}, MatchLinkIcmpv6{135, 255}, MatchDaddr{pfx("ff02::", 16)}, accept}, ""},
+        {{MatchFibAddrType{false, AddrType::local, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchLinkIcmpv6{136, 255}, MatchDaddr{pfx("fe80::", 10)}, accept}, ""},
+        {{MatchLinkIcmpv6{135, 255}, MatchDaddrSet{"s6", SetType::ipv6_addr}, accept}, ""},
+        {{MatchDaddr{pfx("100.64.0.0", 10)}, accept}, ""},
+        {{MatchSaddr{pfx("192.0.2.0", 25)}, accept}, ""},
+        {{MatchIpv6RoutingHeader{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchIpv4SourceRoute{false}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchIpv4SourceRoute{true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchFibAddrType{true, AddrType::broadcast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchFibAddrType{true, AddrType::multicast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{StmtMetaMarkSet{0xdeadbeef}, StmtMetaPrioritySet{0x12345678}, accept}, ""},
+    };
+    t.chains.push_back(out);
+    t.chains.push_back({"sub", std::nullopt, {{{StmtCounter{}}, ""}}});
+    t.chains.push_back(
+        {"input", BaseChain{HookType::filter, 0, false, Hook::input},
+         {{{MatchMetaMark{0xdeadbeef}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""},
+          {{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+          {{MatchSocketMark{0x11223344}, MatchCtDirectionOriginal{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+          {{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""}}});
+    Table nd;
+    nd.name = "egressd";
+    nd.family = Family::netdev;
+    nd.comment = "egressd v1";
+    nd.chains.push_back({"egress_check", std::nullopt,
+                         {{{MatchMetaProtocolArp{}, accept}, ""},
+                          {{MatchMetaMark{0xdeadbeef}, MatchMetaPriority{0x12345678}, StmtMetaMarkSet{0},
+                            StmtMetaPrioritySet{0}, accept},
+                           ""},
+                          {{StmtCounter{}}, ""}}});
+    nd.chains.push_back(egress_chain("lo"));
+    check_equivalent({t, nd});
   }
   SUBCASE("whole address spaces and ranges at both ends") {
     const Policy p = make_policy({"0.0.0.0/0", "::/0", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "0.0.0.0"});
@@ -414,10 +512,17 @@ TEST_CASE("switch batches leave the ruleset a fresh build_table load would") {
       {nullptr, "strict"}, {&inline_a, ""}, {nullptr, "environment"},
   };
 
+  // Both tables: every switch rewrites `active` and the netdev egress_check in
+  // one batch.
   TestNetns ns;
   auto k = ns.kernel();
   ActiveState prev = named_state(p, "environment", 1);
-  REQUIRE(apply_table(*k, build_table(p, nullptr, prev, opts)).ok());
+  {
+    Change install;
+    for (const Table& t : both_tables(p, nullptr, prev, opts)) install.ops.push_back(OpAddTable{t});
+    const Status st = k->apply(install);
+    REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
+  }
 
   std::uint64_t gen = 1;
   for (const Step& s : steps) {
@@ -425,14 +530,35 @@ TEST_CASE("switch batches leave the ruleset a fresh build_table load would") {
     const Phase& target = s.inline_phase != nullptr ? *s.inline_phase : find_phase(p, s.named);
     const ActiveState next = s.inline_phase != nullptr ? inline_state(target, gen) : named_state(p, s.named, gen);
     CAPTURE(next.to_comment());
-    const Status st = k->apply(build_switch(p, target, next, prev));
+    const Change ch = build_switch(p, target, next, prev, opts);
+    const Status st = k->apply(ch);
     REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
 
     TestNetns fresh;
-    fresh.nft_load(render_table(build_table(p, s.inline_phase, next, opts)));
+    std::string text;
+    for (const Table& t : both_tables(p, s.inline_phase, next, opts)) text += render_table(t);
+    fresh.nft_load(text);
     CHECK(ns.listing() == fresh.listing());
     prev = next;
   }
+}
+
+TEST_CASE("a failing operation on the netdev table aborts the whole two-table batch and is named") {
+  const Policy p = make_policy(kAgentEntries);
+  TestNetns ns;
+  auto k = ns.kernel();
+  const ActiveState st = named_state(p, "environment", 1);
+  Change install;
+  for (const Table& t : both_tables(p, nullptr, st, dns_opts(53))) install.ops.push_back(OpAddTable{t});
+  REQUIRE(k->apply(install).ok());
+  const std::string before = ns.listing();
+  // A switch whose netdev part names a chain that is not there: nothing of it may stay.
+  Change sw = build_switch(p, find_phase(p, "verifier"), named_state(p, "verifier", 2), st, dns_opts(53));
+  sw.ops.push_back(OpFlushChain{"eg_missing", Family::netdev});
+  const Status r = k->apply(sw);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message.find("flush chain netdev eg_missing") != std::string::npos);
+  CHECK(ns.listing() == before);
 }
 
 TEST_CASE("delete table + add table in one batch replaces it atomically") {
@@ -580,12 +706,12 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   TestNetns ns;
   auto k = ns.kernel();
 
-  auto missing = k->read_table("egressd");
+  auto missing = k->read_table("egressd", Family::inet);
   REQUIRE(missing.ok());
   CHECK_FALSE(missing->has_value());
 
   REQUIRE(apply_table(*k, t).ok());
-  auto got = k->read_table("egressd");
+  auto got = k->read_table("egressd", Family::inet);
   REQUIRE_MESSAGE(got.ok(), (got.ok() ? "" : got.error().message));
   REQUIRE(got->has_value());
   const TableInfo& info = **got;
@@ -608,10 +734,30 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
       ++i;
     }
   }
-  // The state comment on the first rule of `active` is what a restart adopts.
-  const auto active = std::find_if(info.rules.begin(), info.rules.end(), [](const RuleInfo& r) { return r.chain == "active"; });
+  // The state comment on the first commented rule of `active` is what a restart adopts.
+  const auto active = std::find_if(info.rules.begin(), info.rules.end(),
+                                   [](const RuleInfo& r) { return r.chain == "active" && !r.comment.empty(); });
   REQUIRE(active != info.rules.end());
   CHECK(active->comment == st.to_comment());
+  // Table netdev egressd reads back the same way.
+  CompileOptions lo_only;
+  lo_only.interfaces = {"lo"};
+  REQUIRE(apply_table(*k, *build_netdev_table(st, lo_only)).ok());
+  auto nd = k->read_table("egressd", Family::netdev);
+  REQUIRE_MESSAGE(nd.ok(), (nd.ok() ? "" : nd.error().message));
+  REQUIRE(nd->has_value());
+  CHECK((*nd)->comment == "egressd v1");
+  CHECK((*nd)->chains == std::vector<std::string>{"egress_check", "eg_lo"});
+  CHECK((*nd)->rules.size() == 4);
+  // And the elements of a set (relay targets adopted at a restart).
+  Change relay;
+  relay.ops.push_back(OpAddElems{kUpstreamSet4, SetType::ipv4_addr, false, make_addr_elems({*parse_ip("198.51.100.53")})});
+  REQUIRE(k->apply(relay).ok());
+  auto elems = k->read_set_elems("egressd", kUpstreamSet4, SetType::ipv4_addr);
+  REQUIRE_MESSAGE(elems.ok(), (elems.ok() ? "" : elems.error().message));
+  REQUIRE(elems->size() == 1);
+  CHECK(elems->front().from.to_string() == "198.51.100.53");
+  CHECK_FALSE(k->read_set_elems("egressd", "no_such_set", SetType::ipv4_addr).ok());
 
   // Counters: a datagram to an address the phase does not allow, routed via
   // a veth pair whose both ends stay in this namespace, hits the deny chain
@@ -620,7 +766,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   REQUIRE(ns.exec("ip link set egnl0 up").status == 0);
   REQUIRE(ns.exec("ip addr add 192.0.2.100/24 dev egnl0").status == 0);
   (void)ns.exec("bash -c 'echo x > /dev/udp/192.0.2.50/9'");
-  auto after = k->read_table("egressd");
+  auto after = k->read_table("egressd", Family::inet);
   REQUIRE(after.ok());
   std::uint64_t deny_packets = 0;
   for (const auto& r : (*after)->rules) {
@@ -628,7 +774,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   }
   CHECK(deny_packets >= 1);
 
-  CHECK_FALSE(k->read_table("no_such_table")->has_value());
+  CHECK_FALSE(k->read_table("no_such_table", Family::inet)->has_value());
 
   // Reads stay whole while another socket commits element changes without
   // pause (the DNS proxy does this): each read retries until it saw one
@@ -647,7 +793,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   });
   int reads_ok = 0;
   for (int i = 0; i < 100; ++i) {
-    auto r = k->read_table("egressd");
+    auto r = k->read_table("egressd", Family::inet);
     if (r.ok() && r->has_value() && (*r)->rules.size() == nrules && (*r)->chains == chains) {
       ++reads_ok;
     } else {
@@ -672,8 +818,8 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
     while (!stop) {
       const ActiveState to_inline = inline_state(il, ++gen);
       const ActiveState back = named_state(p, "agent", ++gen);
-      if (writer->apply(build_switch(p, il, to_inline, prev)).ok() &&
-          writer->apply(build_switch(p, find_phase(p, "agent"), back, to_inline)).ok()) {
+      if (writer->apply(build_switch(p, il, to_inline, prev, kInetOnly)).ok() &&
+          writer->apply(build_switch(p, find_phase(p, "agent"), back, to_inline, kInetOnly)).ok()) {
         commits += 2;
       }
       prev = back;
@@ -681,7 +827,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   });
   int consistent = 0;
   for (int i = 0; i < 100; ++i) {
-    auto r = k->read_table("egressd");
+    auto r = k->read_table("egressd", Family::inet);
     if (!r.ok() || !r->has_value()) {
       CHECK_MESSAGE(false, (r.ok() ? "no table" : r.error().message));
       continue;
@@ -729,7 +875,7 @@ TEST_CASE("timing: named switch and 10k-entry inline switch") {
     for (int i = 0; i < 200; ++i) {
       const char* name = i % 2 == 0 ? "agent" : "verifier";
       const ActiveState next = named_state(p, name, ++gen);
-      const Change ch = build_switch(p, find_phase(p, name), next, prev);
+      const Change ch = build_switch(p, find_phase(p, name), next, prev, kInetOnly);
       const auto t0 = std::chrono::steady_clock::now();
       const Status st = k->apply(ch);
       us.push_back(micros_since(t0));
@@ -762,13 +908,13 @@ TEST_CASE("timing: named switch and 10k-entry inline switch") {
     std::uint64_t gen = 1;
     for (int round = 0; round < 5; ++round) {
       const ActiveState next = inline_state(il, ++gen);
-      const Change to_inline = build_switch(p, il, next, prev);
+      const Change to_inline = build_switch(p, il, next, prev, kInetOnly);
       auto t0 = std::chrono::steady_clock::now();
       Status st = k->apply(to_inline);
       in_us.push_back(micros_since(t0));
       REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
       const ActiveState back = named_state(p, "agent", ++gen);
-      const Change to_named = build_switch(p, find_phase(p, "agent"), back, next);
+      const Change to_named = build_switch(p, find_phase(p, "agent"), back, next, kInetOnly);
       t0 = std::chrono::steady_clock::now();
       st = k->apply(to_named);
       out_us.push_back(micros_since(t0));
@@ -819,7 +965,12 @@ class RacingKernel final : public Kernel {
     }
     return st;
   }
-  Result<std::optional<TableInfo>> read_table(const std::string& name) override { return real_->read_table(name); }
+  Result<std::optional<TableInfo>> read_table(const std::string& name, Family f) override {
+    return real_->read_table(name, f);
+  }
+  Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType t) override {
+    return real_->read_set_elems(table, set, t);
+  }
   std::uint32_t portid() const override { return real_->portid(); }
   Result<std::uint32_t> generation() override { return real_->generation(); }
 

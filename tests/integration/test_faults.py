@@ -67,13 +67,15 @@ def table_json(lab) -> dict:
 
 def active_policy(t: dict) -> tuple[int, str]:
     """(generation from the state comment, chain `active` jumps to); asserts chain `active` is
-    one state rule and one goto, as the compiler writes it, and that the ct mark of the state
-    rule, of the comment and of every accept in the target chain are the same, and the target
-    chain uses only its own sets."""
+    one state rule and one goto to a policy chain, as the compiler writes it (the guards
+    outside public go to `deny`, the state rule's fast path to `pass`), and that the ct mark of
+    the state rule, of the comment and of every accept in the target chain are the same, and
+    the target chain uses only its own sets."""
     rules = [r for r in t["rules"] if r["chain"] == "active"]
     comments = [r["comment"] for r in rules if r.get("comment", "").startswith("egressd gen=")]
     gotos = [stmt["goto"]["target"] for r in rules for stmt in r["expr"] if "goto" in stmt]
     gotos += [stmt["jump"]["target"] for r in rules for stmt in r["expr"] if "jump" in stmt]
+    gotos = [g for g in gotos if g not in ("deny", "pass")]
     assert len(comments) == 1 and len(gotos) == 1, f"chain active is not one state rule + one goto: {rules}"
     fields = dict(kv.split("=", 1) for kv in comments[0].split()[1:] if "=" in kv)
     mark = int(fields["mark"], 16)
@@ -209,7 +211,7 @@ def udp():
             labels, q, qtype = question(msg)
         except Exception:
             continue
-        mode = labels[0].split("-")[0]
+        mode = labels[0].split("-")[0].lower()  # egressd sends names in random case (0x20)
         qid = struct.unpack_from("!H", msg)[0]
         if mode == "ok":
             s.sendto(answer(msg, addr="198.51.100.10"), peer)
@@ -279,7 +281,7 @@ def test_broken_upstream_gives_servfail_within_2s_without_crash_or_leak(lab, egr
     start_faulty_dns(lab)
     d = egressd(FAULTY_CONFIG)
     tag = f"{random.getrandbits(32):08x}"
-    # A working answer first: c-ares's sockets exist from here on, so they are in the baseline.
+    # A working answer first: whatever egressd keeps open after its first answer is in the baseline.
     r = lab.dns_query(f"ok-0.{tag}.up.example.org", timeout=5.0)
     assert (r.outcome, r.rcode, r.addresses) == ("ok", "NOERROR", [GOOD_V4]), r
     base_fds = fd_count(d.pid)
@@ -298,7 +300,7 @@ def test_broken_upstream_gives_servfail_within_2s_without_crash_or_leak(lab, egr
     after = d.status()["dns"]
     assert after["failed"] - before["failed"] == n, (before, after)
     # No leak: nothing stays in flight, no socket stays open (slow answers arrive 5 s late and
-    # are dropped; c-ares closes the connections it read junk from).
+    # are dropped; every upstream socket is closed when its query ends).
     labmod.wait_for(lambda: d.status()["dns"]["inflight"] == 0, 10.0, "in-flight queries to drop to 0")
     labmod.wait_for(lambda: fd_count(d.pid) <= base_fds, 15.0,
                     f"egressd's open files to return to {base_fds} (now {fd_count(d.pid)})")

@@ -11,8 +11,8 @@
   - the sandbox cannot change the rules without CAP_NET_ADMIN, and egressd's socket mark buys
     a sandbox that can set it (CAP_NET_ADMIN, or CAP_NET_RAW on newer kernels) DNS ports only;
   - DNS answers that point into loopback, link-local or cloud metadata are never learned;
-  - and one limit, shown so it stays documented: CAP_NET_RAW gives AF_PACKET sockets, whose
-    frames never meet nftables' inet hooks.
+  - CAP_NET_RAW gives AF_PACKET sockets, whose frames never meet nftables' inet hooks; the
+    netdev egress chains drop them (issue 14; this test used to document the bypass).
 
 Measurements (status p99, switch time, RSS) are printed; run with -s to see them.
 Every load loop is bounded in count and in time.
@@ -531,7 +531,7 @@ def settle_dns(d, timeout: float = 15.0):
 
 def test_dns_flood_keeps_control_responsive_and_memory_bounded(lab, egressd):
     # AAAA for the wildcard names too: without it dnsmasq (no upstream) answers REFUSED,
-    # which c-ares turns into SERVFAIL, and real failures would hide among those.
+    # which egressd turns into SERVFAIL, and real failures would hide among those.
     lab.dns.restart(wildcards={"wild.example.org": ["203.0.113.10", "2001:db8:2::10"]})
     d = egressd(POLICY)
     # Warm up with the same mix, so allocator pools and the learned set exist at baseline.
@@ -807,19 +807,24 @@ PACKET_PROBE = textwrap.dedent(r'''
 ''')
 
 
-def test_net_raw_gives_packet_sockets_that_bypass_nftables(lab, egressd):
-    """Why the sandbox must not have CAP_NET_RAW (docs/security.md): an AF_PACKET socket
-    sends frames straight to the device, below every inet hook, so a denied destination
-    answers. Without the capability the socket cannot be opened. This documents a limit of
-    egressd (nftables inet hooks), not a promise it keeps against NET_RAW."""
+def test_net_raw_packet_sockets_do_not_bypass_the_policy(lab, egressd):
+    """CAP_NET_RAW (in Docker's default set) opens AF_PACKET sockets, whose frames go straight
+    to the device below every inet hook. They used to reach a denied destination; since issue
+    14 the netdev egress chain of every interface lets a frame out only if the inet chains
+    signed it, so the frame is dropped (the send fails with ENOBUFS, with or without
+    PACKET_QDISC_BYPASS) and nothing answers. Without the capability the socket cannot be
+    opened at all. test_integrity.py covers the rest (IPv6, no-network, interfaces moved in)."""
     egressd(POLICY)
     assert fast_reject(lab.udp_exchange("198.51.100.11", 7, timeout=1.0))
     gw_mac = json.loads(lab.internet.ip("-j", "link", "show", "dev", labmod.INTERNET_IF).stdout)[0]["address"]
     args = (gw_mac, labmod.SANDBOX_V4, "198.51.100.11")
     res = run_in_sandbox(lab, "-all", PACKET_PROBE, *args)
     assert res == {"packet_socket": "Operation not permitted"}, res
-    res = run_in_sandbox(lab, "-all,+net_raw", PACKET_PROBE, *args)
-    print(f"\nAF_PACKET with CAP_NET_RAW only: {res}")
-    assert res == {"packet_socket": "open", "echo": "ok", "from": "198.51.100.11"}, res
+    for extra in ((), ("bypass",)):
+        res = run_in_sandbox(lab, "-all,+net_raw", PACKET_PROBE, *args, *extra)
+        print(f"\nAF_PACKET with CAP_NET_RAW only{' (PACKET_QDISC_BYPASS)' if extra else ''}: {res}")
+        assert res["packet_socket"] == "open", res
+        assert res["echo"] != "ok", f"an AF_PACKET frame reached a denied host: {res}"
+        assert res["echo"] in ("send: No buffer space available", "TimeoutError"), res
     # The policy itself is untouched: ordinary sockets are still denied.
     assert fast_reject(lab.udp_exchange("198.51.100.11", 7, timeout=1.0))

@@ -168,6 +168,36 @@ def test_deletions_are_undone_and_logged(lab, egressd, command, what):
     assert lab.tcp_connect(LEARNED_IP, 80) == "ok", "the learned address must come back with the restore"
 
 
+def netdev_listing(lab) -> str:
+    rc, out, err = lab.nft(lab.sandbox, "list", "table", "netdev", "egressd")
+    assert rc == 0, err
+    return re.sub(r"counter packets \d+ bytes \d+", "counter", out)
+
+
+@pytest.mark.parametrize("command,what", [
+    ("delete table netdev egressd", r"^table netdev egressd deleted$"),
+    ("flush chain netdev egressd egress_check", r"^3 rules deleted from chain egress_check of table netdev egressd$"),
+    ("delete chain netdev egressd eg_eth0", r"chain eg_eth0 of table netdev egressd deleted"),
+    ("insert rule netdev egressd egress_check accept", r"^rule added to chain egress_check of table netdev egressd$"),
+    ("add table netdev egressd { flags dormant; }", r"^table netdev egressd changed$"),
+], ids=["delete-table", "flush-egress-check", "delete-egress-chain", "accept-in-egress-check", "dormant"])
+def test_netdev_tampering_is_undone_and_logged(lab, egressd, command, what):
+    """Table netdev egressd (the egress chains that hold AF_PACKET frames to the policy) is
+    watched and restored like the inet table."""
+    d = start(egressd, NO_VERIFY)
+    before = netdev_listing(lab)
+    assert "chain eg_eth0" in before
+    n = len(events(d, "tamper"))
+    rc, _, err = lab.nft(lab.sandbox, command)
+    assert rc == 0, f"nft {command}: {err}"
+    ev = wait_event(d, "tamper", n + 1)[n]
+    assert ev["restored"] is True and ev["found_by"] == "event", ev
+    assert 0 < ev["restore_us"] <= RESTORE_BUDGET_US, ev
+    assert re.search(what, ev["what"]), ev
+    assert netdev_listing(lab) == before  # logged after the restore's ack
+    assert lab.tcp_connect(ALLOWED_IP, 80) == "ok"
+
+
 def test_own_switches_and_learned_names_are_not_tampering(lab, egressd):
     # The verifier runs every 50 ms throughout: it must find egressd's own state right too.
     d = start(egressd, ["--verify-interval", "0.05"])

@@ -56,10 +56,10 @@ TEST_CASE("every named phase is staged, and chain active points at the one in fo
     CHECK_MESSAGE(find_chain(t, c) != nullptr, c);
   }
   const Chain* active = find_chain(t, "active");
-  REQUIRE(active->rules.size() == 2);
-  CHECK(render_rule(active->rules[0]) ==
-        "ct mark 0x45470002 counter accept comment \"egressd gen=4 phase=agent mode=allowlist mark=0x45470002\"");
-  CHECK(render_rule(active->rules[1]) == "goto ph_agent");
+  REQUIRE(active->rules.size() == 7);
+  CHECK(render_rule(active->rules[3]) ==
+        "ct mark 0x45470002 counter goto pass comment \"egressd gen=4 phase=agent mode=allowlist mark=0x45470002\"");
+  CHECK(render_rule(active->rules[6]) == "goto ph_agent");
   // Static entries are in the agent's sets; the hostname is not (the DNS proxy learns it).
   CHECK(find_set(t, "ph_agent_a4")->elems.size() == 1);
   CHECK(find_set(t, "ph_agent_n4")->elems.size() == 1);
@@ -76,10 +76,123 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   CHECK(out->base->policy_drop);
   std::vector<std::string> text;
   for (const auto& r : out->rules) text.push_back(render_rule(r));
-  CHECK(text.front() == "oif \"lo\" accept");
+  auto has = [&](const std::string& r) { return std::find(text.begin(), text.end(), r) != text.end(); };
   CHECK(text.back() == "counter jump active");  // counts every packet the policy decides (status)
   for (const auto& r : text) CHECK(r.find("ct state") == std::string::npos);
-  CHECK(std::find(text.begin(), text.end(), "ct direction reply accept") != text.end());
+  // Replies only on flows that arrived from outside (class 1), never any reply.
+  CHECK(has("ct direction reply ct mark 0x7fffffff goto pass"));
+  CHECK_FALSE(has("ct direction reply accept"));
+  // Loopback only on lo and from a local source; redirected/DNATed traffic to loopback.
+  CHECK(has("oif \"lo\" fib saddr type local accept"));
+  CHECK(has("ip daddr 127.0.0.0/8 ct status dnat fib saddr type local accept"));
+  CHECK(has("ip6 daddr ::1 ct status dnat fib saddr type local accept"));
+  CHECK_FALSE(has("ip daddr 127.0.0.0/8 accept"));
+  // Forged sources are denied, after the DAD exception and reject's own resets.
+  const auto forged = std::find(text.begin(), text.end(), "fib saddr type != local counter goto deny");
+  REQUIRE(forged != text.end());
+  const auto dad = std::find(text.begin(), text.end(),
+                             "ip6 saddr :: icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 ip6 daddr ff02::/16 goto pass");
+  REQUIRE(dad != text.end());
+  CHECK(dad < forged);
+  CHECK(has("oif \"lo\" ct direction reply ct status ! confirmed accept"));
+  // Neighbour discovery only to link-local, multicast and on-link (class 6).
+  CHECK(has("icmpv6 type nd-neighbor-advert ip6 hoplimit 255 ip6 daddr fe80::/10 goto pass"));
+  CHECK(has("icmpv6 type nd-router-solicit ip6 hoplimit 255 ip6 daddr ff02::/16 goto pass"));
+  CHECK(has("icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 ip6 daddr @onlink6 goto pass"));
+  CHECK_FALSE(has("icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 accept"));
+  CHECK_FALSE(has("icmpv6 type nd-router-solicit ip6 hoplimit 255 ip6 daddr @onlink6 goto pass"));
+  // Every accept for another device is signed: nothing in output accepts but loopback.
+  for (const auto& r : text) {
+    if (r.size() >= 6 && r.compare(r.size() - 6, 6, "accept") == 0) {
+      const bool loopback = r.find("\"lo\"") != std::string::npos || r.find("127.0.0.0/8") != std::string::npos ||
+                            r.find("::1") != std::string::npos || r.find("lo_upstream") != std::string::npos;
+      CHECK_MESSAGE(loopback, r);
+    }
+  }
+}
+
+TEST_CASE("pass signs, input clears, and the netdev egress chains check and clear the signature") {
+  const Policy p = three_phases();
+  CompileOptions o;
+  o.own_mark = 0x11111111;
+  o.pass_mark = 0x22222222;
+  o.pass_priority = 0x33334444;
+  o.interfaces = {"eth0", "veth-x"};
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+  const Chain* pass = find_chain(t, "pass");
+  REQUIRE(pass != nullptr);
+  REQUIRE(pass->rules.size() == 2);
+  CHECK(render_rule(pass->rules[0]) == "oif \"lo\" meta mark set 0x00000000 accept");
+  CHECK(render_rule(pass->rules[1]) == "meta mark set 0x22222222 meta priority set 3333:4444 accept");
+  const Chain* in = find_chain(t, "input");
+  REQUIRE(in != nullptr);
+  REQUIRE(in->base.has_value());
+  CHECK(in->base->hook == Hook::input);
+  CHECK_FALSE(in->base->policy_drop);
+  std::vector<std::string> text;
+  for (const auto& r : in->rules) text.push_back(render_rule(r));
+  CHECK(text == std::vector<std::string>{
+                    "meta mark 0x22222222 meta mark set 0x00000000 meta priority set none",
+                    "meta mark 0x11111111 meta mark set 0x00000000",
+                    "iif \"lo\" ct direction reply ct status ! confirmed accept",
+                    "iif \"lo\" ct direction reply ct status dnat accept",
+                    "iif \"lo\" fib saddr type != local drop",
+                    "ct direction original socket mark 0x11111111 drop",
+                    "iif != \"lo\" ct state new ct mark set 0x7fffffff",
+                });
+
+  for (const char* ph : {"agent", "verifier", "environment"}) {
+    CAPTURE(ph);
+    const auto nd = build_netdev_table(named(p, ph, 1), o);
+    REQUIRE(nd.has_value());
+    CHECK(nd->family == Family::netdev);
+    REQUIRE(nd->chains.size() == 3);
+    CHECK(nd->chains[0].name == "egress_check");
+    CHECK(nd->chains[1].name == "eg_eth0");
+    CHECK(nd->chains[2].name == "eg_veth-x");
+    REQUIRE(nd->chains[1].base.has_value());
+    CHECK(nd->chains[1].base->hook == Hook::egress);
+    CHECK(nd->chains[1].base->device == "eth0");
+    CHECK(nd->chains[1].base->policy_drop);  // an empty egress_check lets nothing out
+    CHECK(render_rule(nd->chains[1].rules.at(0)) == "jump egress_check");
+    std::vector<std::string> check;
+    for (const auto& r : nd->chains[0].rules) check.push_back(render_rule(r));
+    const std::string signed_rule =
+        "meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 meta priority set none accept";
+    if (std::string(ph) == "environment") {
+      CHECK(check == std::vector<std::string>{signed_rule, "accept"});
+    } else {
+      CHECK(check == std::vector<std::string>{"meta protocol arp accept", signed_rule, "counter"});
+    }
+  }
+  o.netdev = false;
+  CHECK_FALSE(build_netdev_table(named(p, "agent", 1), o).has_value());
+  // Interface names nft could not read as an identifier are spelled in hex.
+  CHECK(egress_chain_name("eth0.100") == "eg_eth0.100");
+  CHECK(egress_chain_name("a+b") == "eg_x612b62");
+}
+
+TEST_CASE("outside public, active denies routing headers, source routes, broadcast and multicast") {
+  const Policy p = three_phases();
+  for (const char* ph : {"agent", "verifier"}) {
+    CAPTURE(ph);
+    const Table t = build_table(p, nullptr, named(p, ph, 1), CompileOptions{});
+    std::vector<std::string> text;
+    for (const auto& r : find_chain(t, "active")->rules) text.push_back(render_rule(r));
+    REQUIRE(text.size() == 7);
+    // Per packet, before the fast path: a flow to an allowed first hop cannot carry them.
+    CHECK(text[0] == "exthdr rt exists goto deny");
+    CHECK(text[1] == "ip option lsrr exists goto deny");
+    CHECK(text[2] == "ip option ssrr exists goto deny");
+    CHECK(text[3].rfind("ct mark ", 0) == 0);
+    // Per flow, after it: a flow's destination does not change.
+    CHECK(text[4] == "fib daddr type broadcast goto deny");
+    CHECK(text[5] == "fib daddr type multicast goto deny");
+  }
+  const Table pub = build_table(p, nullptr, named(p, "environment", 1), CompileOptions{});
+  const Chain* active = find_chain(pub, "active");
+  REQUIRE(active->rules.size() == 2);
+  CHECK(render_rule(active->rules[1]) == "goto ph_environment");
 }
 
 TEST_CASE("inbound replies can be turned off; drop replaces reject; log group is used") {
@@ -127,21 +240,82 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
   CHECK(nat->base->priority == -101);  // ahead of Docker's DNAT for 127.0.0.11
   CHECK(render_rule(nat->rules[0]) == "meta mark != 0x1234abcd udp dport 53 redirect to :5353");
   CHECK(render_rule(nat->rules[1]) == "meta mark != 0x1234abcd tcp dport 53 redirect to :5353");
-  // egressd's own upstream traffic reaches the configured servers' port 53 only.
+  // egressd's own upstream traffic reaches the upstream sets' port 53 only, on flows it
+  // created itself; a loopback upstream (Docker's 127.0.0.11) on any port, and nobody else
+  // reaches it at all.
   std::vector<std::string> marked;
   for (const auto& r : find_chain(t, "output")->rules) {
     const std::string text = render_rule(r);
-    if (text.find("meta mark") != std::string::npos) marked.push_back(text);
+    if (text.find("upstream") != std::string::npos) marked.push_back(text);
   }
   CHECK(marked == std::vector<std::string>{
-                      "meta mark 0x1234abcd ip daddr 192.0.2.1 udp dport 53 accept",
-                      "meta mark 0x1234abcd ip daddr 192.0.2.1 tcp dport 53 accept",
-                      "meta mark 0x1234abcd ip6 daddr 2001:db8::53 udp dport 53 accept",
-                      "meta mark 0x1234abcd ip6 daddr 2001:db8::53 tcp dport 53 accept",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 udp dport 53 goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 tcp dport 53 goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 udp dport 53 goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 tcp dport 53 goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @lo_upstream4 ct mark set 0x7ffffffe "
+                      "meta mark set 0x00000000 accept",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @lo_upstream6 ct mark set 0x7ffffffe "
+                      "meta mark set 0x00000000 accept",
+                      "ip daddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe accept",
+                      "ip6 daddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe accept",
+                      "ip daddr @lo_upstream4 counter goto deny",
+                      "ip6 daddr @lo_upstream6 counter goto deny",
                   });
-  // The mark is kept in the table comment for adoption.
+  CHECK(find_set(t, "upstream4")->elems.at(0).from.to_string() == "192.0.2.1");
+  CHECK(find_set(t, "upstream6")->elems.at(0).from.to_string() == "2001:db8::53");
+  o.upstreams.push_back(*parse_ip("127.0.0.11"));
+  o.extra_upstreams.push_back(*parse_ip("198.51.100.53"));
+  const Table t2 = build_table(p, nullptr, named(p, "agent", 1), o);
+  CHECK(find_set(t2, "lo_upstream4")->elems.at(0).from.to_string() == "127.0.0.11");
+  CHECK(find_set(t2, "upstream4")->elems.size() == 2);
+  // Relay targets are not config: the digest stays.
+  CompileOptions no_relay = o;
+  no_relay.extra_upstreams.clear();
+  CHECK(staged_digest(p, o) == staged_digest(p, no_relay));
+  // The secrets are kept in the table comment for adoption.
   CHECK(mark_from_table_comment(t.comment) == 0x1234abcd);
   CHECK(mark_from_table_comment("hand-made mark=0x1") == 0);
+}
+
+TEST_CASE("the table comment carries the secrets and a restart reads them back") {
+  const Policy p = three_phases();
+  CompileOptions o;
+  o.own_mark = 0xdeadbeef;
+  o.pass_mark = 0x01020304;
+  o.pass_priority = 0xa0b0c0d0;
+  o.mark_salt = 0x7f000001;
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+  CHECK(t.comment.size() < 128);
+  const auto s = secrets_from_table_comment(t.comment);
+  REQUIRE(s.has_value());
+  CHECK(s->own_mark == 0xdeadbeef);
+  CHECK(s->pass_mark == 0x01020304);
+  CHECK(s->pass_priority == 0xa0b0c0d0);
+  CHECK(s->mark_salt == 0x7f000001);
+  // An older egressd's table: only the mark.
+  CHECK_FALSE(secrets_from_table_comment("egressd v1 digest=0123456789abcdef mark=0x65677264").has_value());
+  CHECK_FALSE(secrets_from_table_comment("someone else's table pass=0x1").has_value());
+  // The digest is the config's, not the secrets'.
+  CHECK(digest_from_table_comment(t.comment) == staged_digest(p, CompileOptions{}));
+}
+
+TEST_CASE("phase and inline marks derive from the salt and stay clear of the fixed marks") {
+  const Policy p = three_phases();
+  CHECK(phase_mark(p, "environment") == 0x45470001);  // the default salt: what render prints
+  CHECK(inline_mark(7) == 0x80000007);
+  for (std::uint32_t salt : {0u, 0x7ffffffcu, 0x7ffffffdu, 0xfffffffeu, 0xffffffffu, 0x12345678u}) {
+    CAPTURE(salt);
+    for (const auto& ph : p.phases) {
+      const std::uint32_t m = phase_mark(p, ph.name, salt);
+      CHECK(m >= 1);
+      CHECK(m <= 0x7ffffffd);  // never INBOUND (0x7fffffff), egressd's own (0x7ffffffe), or inline
+    }
+    CHECK(phase_mark(p, "environment", salt) != phase_mark(p, "agent", salt));
+    CHECK((inline_mark(3, salt) & kInlineMarkBit) != 0);
+  }
+  CHECK(phase_mark(p, "agent", 0x1000) != phase_mark(p, "agent", 0x2000));
+  CHECK(make_state(p, *p.find("agent"), 1, false, 0x1000).mark == phase_mark(p, "agent", 0x1000));
 }
 
 TEST_CASE("a switch between named phases is a constant-size batch whatever the allowlist size") {
@@ -150,25 +324,41 @@ TEST_CASE("a switch between named phases is a constant-size batch whatever the a
   for (int i = 0; i < 10000; ++i) many.push_back("198.18." + std::to_string(i / 256) + "." + std::to_string(i % 256));
   p.phases.push_back(phase("big", Mode::allowlist, many));
   const ActiveState from = named(p, "environment", 3);
-  const Change ch = build_switch(p, *p.find("big"), named(p, "big", 4), from);
-  REQUIRE(ch.ops.size() == 3);
+  const Change ch = build_switch(p, *p.find("big"), named(p, "big", 4), from, CompileOptions{});
+  // inet: flush active + its 7 rules; netdev, same batch: flush egress_check + its 3 rules.
+  REQUIRE(ch.ops.size() == 12);
   CHECK(std::holds_alternative<OpFlushChain>(ch.ops[0]));
   CHECK(std::get<OpFlushChain>(ch.ops[0]).name == "active");
-  CHECK(std::get<OpAddRule>(ch.ops[1]).rule.comment == "egressd gen=4 phase=big mode=allowlist mark=0x45470004");
-  CHECK(render_rule(std::get<OpAddRule>(ch.ops[2]).rule) == "goto ph_big");
+  CHECK(std::get<OpAddRule>(ch.ops[4]).rule.comment == "egressd gen=4 phase=big mode=allowlist mark=0x45470004");
+  CHECK(render_rule(std::get<OpAddRule>(ch.ops[7]).rule) == "goto ph_big");
+  CHECK(std::get<OpFlushChain>(ch.ops[8]).name == "egress_check");
+  CHECK(std::get<OpFlushChain>(ch.ops[8]).family == Family::netdev);
+  for (std::size_t i = 9; i < 12; ++i) CHECK(std::get<OpAddRule>(ch.ops[i]).family == Family::netdev);
+  // The same size for a one-entry phase, and whatever the number of interfaces.
+  CompileOptions many_ifs;
+  for (int i = 0; i < 50; ++i) many_ifs.interfaces.push_back("veth" + std::to_string(i));
+  CHECK(build_switch(p, *p.find("agent"), named(p, "agent", 4), from, many_ifs).ops.size() == 12);
+  // To public: no guards in active, no ARP rule; still one batch over both tables.
+  const Change to_pub = build_switch(p, *p.find("environment"), named(p, "environment", 5), named(p, "big", 4),
+                                     CompileOptions{});
+  CHECK(to_pub.ops.size() == 6);
 }
 
 TEST_CASE("inline policies get their own objects, removed by the next switch") {
   const Policy p = three_phases();
   const Phase inl = phase("inline", Mode::allowlist, {"203.0.113.7"});
   const ActiveState next = make_state(p, inl, 8, true);
-  const Change in = build_switch(p, inl, next, named(p, "agent", 7));
+  const Change in = build_switch(p, inl, next, named(p, "agent", 7), CompileOptions{});
   CHECK(has_op<OpAddSet>(in));
   CHECK(has_op<OpAddChain>(in));
   CHECK_FALSE(has_op<OpDeleteChain>(in));
-  CHECK(render_rule(std::get<OpAddRule>(in.ops.back()).rule) == "goto il8");
+  std::string last_active;
+  for (const auto& o : in.ops) {
+    if (const auto* r = std::get_if<OpAddRule>(&o); r && r->chain == "active") last_active = render_rule(r->rule);
+  }
+  CHECK(last_active == "goto il8");
 
-  const Change out = build_switch(p, *p.find("verifier"), named(p, "verifier", 9), next);
+  const Change out = build_switch(p, *p.find("verifier"), named(p, "verifier", 9), next, CompileOptions{});
   // Order matters: chain active lets go of il8 before il8 and its sets are deleted.
   std::size_t flush_active = 99, del_chain = 0;
   for (std::size_t i = 0; i < out.ops.size(); ++i) {

@@ -3,6 +3,8 @@
 // corruption), CNAME chains, local answers.
 #include <doctest/doctest.h>
 
+#include <array>
+#include <set>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -611,12 +613,12 @@ TEST_CASE("build_query writes what parse_query reads") {
 TEST_CASE("rebinding targets") {
   for (const char* yes : {"127.0.0.1", "127.255.0.9", "0.0.0.0", "0.1.2.3", "169.254.169.254", "169.254.0.1", "::1",
                           "::", "fe80::1", "febf::1", "fd00:ec2::254", "::ffff:127.0.0.1", "::ffff:169.254.169.254",
-                          "::ffff:0.0.0.1"}) {
+                          "::ffff:0.0.0.1", "::2"}) {
     INFO(yes);
     CHECK(is_rebinding_target(ip(yes)));
   }
   for (const char* no : {"192.0.2.1", "198.51.100.7", "128.0.0.1", "169.253.1.1", "2001:db8::1", "fec0::1",
-                         "fd00:ec2::253", "::ffff:192.0.2.1", "::2"}) {
+                         "fd00:ec2::253", "::ffff:192.0.2.1"}) {
     INFO(no);
     CHECK_FALSE(is_rebinding_target(ip(no)));
   }
@@ -625,4 +627,278 @@ TEST_CASE("rebinding targets") {
 TEST_CASE("rcode names") {
   CHECK(to_string(Rcode::refused) == "REFUSED");
   CHECK(to_string(static_cast<Rcode>(9)) == "RCODE9");
+}
+
+// ---- issue 14: what egressd sends upstream and takes back ----------------
+
+namespace {
+
+std::array<std::uint8_t, kCaseBits> bits_of(std::uint8_t fill) {
+  std::array<std::uint8_t, kCaseBits> b;
+  b.fill(fill);
+  return b;
+}
+
+// The question bytes of a message with qdcount 1.
+std::vector<std::uint8_t> question_bytes(Bytes msg) {
+  const std::size_t end = question_end(msg);
+  REQUIRE(end > kHeaderSize);
+  return {msg.begin() + kHeaderSize, msg.begin() + static_cast<std::ptrdiff_t>(end)};
+}
+
+}  // namespace
+
+TEST_CASE("the forwarded query is rebuilt from the parsed question only") {
+  // Everything a client may add: odd flags (AA, TC, AD, Z), additional
+  // records, an OPT with DO and options (a cookie and a 600-byte padding).
+  Wire w;
+  w.header(0xBEEF, 0x0100 | 0x0400 | 0x0200 | 0x0040 | 0x0020 | 0x0010, 1, 0, 0, 3).question("Data.Pypi.ORG",
+                                                                                           qtype::AAAA);
+  w.name("smuggled.example").a(192, 0, 2, 99);
+  w.name("more.example").rr(qtype::TXT, 60, 6).u8(5).u8('h').u8('e').u8('l').u8('l').u8('o');
+  w.u8(0).u16(qtype::OPT).u16(1232).u32(0x8000).u16(12 + 604).u16(10).u16(8).u32(1).u32(2).u16(12).u16(600);
+  for (int i = 0; i < 600; ++i) w.u8(0xAA);
+  const ParsedQuery q = parse_query(w.bytes());
+  REQUIRE(q.status == QueryStatus::ok);
+  CHECK(q.edns);
+  CHECK(q.dnssec_ok);
+
+  const ForwardQuery f = build_forward_query(q, w.bytes(), 0x1234, bits_of(0x00));
+  // Header: our ID, RD and CD from the client, nothing else; one question,
+  // one additional record (the OPT).
+  const auto h = read_header(f.wire);
+  REQUIRE(h.has_value());
+  CHECK(h->id == 0x1234);
+  CHECK(h->flags == 0x0110);
+  CHECK(h->qdcount == 1);
+  CHECK(h->ancount == 0);
+  CHECK(h->nscount == 0);
+  CHECK(h->arcount == 1);
+  // The question: same name (case as the bits say: all lower), type, class.
+  Wire lower;
+  lower.question("data.pypi.org", qtype::AAAA);
+  CHECK(std::vector<std::uint8_t>(f.wire.begin() + 12, f.wire.begin() + static_cast<std::ptrdiff_t>(f.question_end)) ==
+        lower.b);
+  // A bare OPT: root owner, our payload size, DO copied, no options; and
+  // nothing after it.
+  Wire opt;
+  opt.u8(0).u16(qtype::OPT).u16(kUpstreamPayload).u32(0x8000).u16(0);
+  CHECK(std::vector<std::uint8_t>(f.wire.begin() + static_cast<std::ptrdiff_t>(f.question_end), f.wire.end()) ==
+        opt.b);
+  // It is a query egressd itself accepts.
+  const ParsedQuery back = parse_query(f.wire);
+  CHECK(back.status == QueryStatus::ok);
+  CHECK(back.question.name == "data.pypi.org");
+
+  SUBCASE("without DO and without EDNS in the client's query, the OPT has no DO") {
+    Wire plain;
+    plain.header(7, 0x0100, 1, 0).question("pypi.org");
+    const ParsedQuery pq = parse_query(plain.bytes());
+    REQUIRE(pq.status == QueryStatus::ok);
+    CHECK_FALSE(pq.edns);
+    const ForwardQuery pf = build_forward_query(pq, plain.bytes(), 9, bits_of(0xFF));
+    CHECK(read_header(pf.wire)->arcount == 1);
+    CHECK(pf.wire.size() == pf.question_end + 11);
+    CHECK(pf.wire[pf.question_end + 7] == 0);  // DO clear
+    CHECK(read_header(pf.wire)->flags == 0x0100);
+  }
+}
+
+TEST_CASE("0x20: each letter's case comes from one random bit; digits, hyphens and lengths stay") {
+  Wire w;
+  w.name("ab-1.cd");
+  std::vector<std::uint8_t> name = w.b;
+  std::array<std::uint8_t, kCaseBits> bits{};
+  bits[0] = 0b00000101;  // bit k: the k-th byte of the name's labels
+  apply_0x20(name, bits);
+  Wire want;
+  want.name("Ab-1.cd");
+  CHECK(name.size() == want.b.size());
+  // Bits: a=1 -> A, b=0, '-'=1 (not a letter), '1'=0, c=0, d=0.
+  CHECK(name == std::vector<std::uint8_t>{4, 'A', 'b', '-', '1', 2, 'c', 'd', 0});
+  apply_0x20(name, bits_of(0xFF));
+  CHECK(name == std::vector<std::uint8_t>{4, 'A', 'B', '-', '1', 2, 'C', 'D', 0});
+  apply_0x20(name, bits_of(0x00));
+  CHECK(name == std::vector<std::uint8_t>{4, 'a', 'b', '-', '1', 2, 'c', 'd', 0});
+
+  SUBCASE("random bits give a name that matches case-insensitively only") {
+    std::mt19937 rng(14);
+    Wire q;
+    q.header(1, kQueryRD, 1, 0).question("files.pythonhosted.org");
+    const ParsedQuery pq = parse_query(q.bytes());
+    std::set<std::vector<std::uint8_t>> seen;
+    for (int i = 0; i < 64; ++i) {
+      std::array<std::uint8_t, kCaseBits> r;
+      for (auto& b : r) b = static_cast<std::uint8_t>(rng());
+      const ForwardQuery f = build_forward_query(pq, q.bytes(), 1, r);
+      const ParsedQuery back = parse_query(f.wire);
+      REQUIRE(back.status == QueryStatus::ok);
+      CHECK(back.question.name == "files.pythonhosted.org");
+      seen.insert(question_bytes(f.wire));
+    }
+    CHECK(seen.size() > 60);  // 20 letters: 2^20 patterns
+  }
+}
+
+TEST_CASE("an answer is taken only when it echoes the query's ID and question bytes exactly") {
+  Wire q;
+  q.header(0x5151, kQueryRD, 1, 0).question("WwW.eXaMpLe.ORG");
+  const auto question = question_bytes(q.b);
+  auto answer = [](std::uint16_t id, std::string_view name, std::uint16_t type = qtype::A, std::uint16_t flags = 0x8180) {
+    Wire a;
+    a.header(id, flags, 1, 1).question(name, type).ptr(12).a(192, 0, 2, 1);
+    return a.b;
+  };
+  CHECK(echoes_query(answer(0x5151, "WwW.eXaMpLe.ORG"), 0x5151, question));
+  CHECK_FALSE(echoes_query(answer(0x5151, "www.example.org"), 0x5151, question));  // case lost: a forger's guess
+  CHECK_FALSE(echoes_query(answer(0x5151, "WWW.EXAMPLE.ORG"), 0x5151, question));
+  CHECK_FALSE(echoes_query(answer(0x5152, "WwW.eXaMpLe.ORG"), 0x5151, question));  // another ID
+  CHECK_FALSE(echoes_query(answer(0x5151, "WwW.eXaMpLe.ORG", qtype::AAAA), 0x5151, question));
+  CHECK_FALSE(echoes_query(answer(0x5151, "WwW.eXaMpLe.ORG", qtype::A, 0x0100), 0x5151, question));  // no QR
+  CHECK_FALSE(echoes_query(Bytes(), 0x5151, question));
+  auto cut = answer(0x5151, "WwW.eXaMpLe.ORG");
+  cut.resize(20);
+  CHECK_FALSE(echoes_query(cut, 0x5151, question));
+}
+
+TEST_CASE("TTLs are capped in every section, top-bit TTLs become 0, OPT untouched") {
+  Wire w;
+  w.header(1, 0x8180, 1, 2, 1, 2).question("x.example");
+  w.ptr(12).a(192, 0, 2, 1, 0x7FFFFFFF);  // 2^31 - 1
+  w.ptr(12).a(192, 0, 2, 2, 30);
+  w.name("example").rr(qtype::NS, 0x80000000, 2).ptr(14);  // 2^31: RFC 2181 says 0
+  w.name("ns.example").a(192, 0, 2, 53, 7200);
+  w.u8(0).u16(qtype::OPT).u16(1232).u32(0x00008000).u16(0);
+  std::vector<std::uint8_t> m = w.b;
+  REQUIRE(cap_ttls(m, 3600).ok());
+  std::vector<std::uint32_t> ttls;
+  auto h = read_header(m);
+  // Walk by hand: every record's TTL.
+  std::size_t pos = question_end(m);
+  for (int i = 0; i < h->ancount + h->nscount + h->arcount; ++i) {
+    auto owner = read_name(m, pos);
+    REQUIRE(owner.ok());
+    const std::size_t p = owner->end;
+    ttls.push_back((std::uint32_t{m[p + 4]} << 24) | (std::uint32_t{m[p + 5]} << 16) | (std::uint32_t{m[p + 6]} << 8) |
+                   m[p + 7]);
+    pos = p + 10 + ((m[p + 8] << 8) | m[p + 9]);
+  }
+  CHECK(ttls == std::vector<std::uint32_t>{3600, 30, 0, 3600, 0x8000});
+  // parse_answer reads the capped value.
+  auto parsed = parse_answer(m, "x.example");
+  REQUIRE(parsed.ok());
+  CHECK(parsed->addresses.at(0).ttl == 3600);
+
+  SUBCASE("a message that cannot be walked is an error") {
+    std::vector<std::uint8_t> cut(w.b.begin(), w.b.end() - 3);
+    CHECK_FALSE(cap_ttls(cut, 3600).ok());
+  }
+}
+
+TEST_CASE("an OPT at the end of an answer is removed for a client that sent none") {
+  Wire w;
+  w.header(1, 0x8180, 1, 1, 0, 1).question("x.example").ptr(12).a(192, 0, 2, 1);
+  const std::size_t before_opt = w.size();
+  w.u8(0).u16(qtype::OPT).u16(1232).u32(0).u16(0);
+  std::vector<std::uint8_t> m = w.b;
+  CHECK(strip_trailing_opt(m));
+  CHECK(m.size() == before_opt);
+  CHECK(read_header(m)->arcount == 0);
+  CHECK(parse_answer(m, "x.example").ok());
+  CHECK_FALSE(strip_trailing_opt(m));  // none left
+
+  SUBCASE("an OPT followed by another record is left alone") {
+    Wire o;
+    o.header(1, 0x8180, 1, 0, 0, 2).question("x.example");
+    o.u8(0).u16(qtype::OPT).u16(1232).u32(0).u16(0);
+    o.name("ns.example").a(192, 0, 2, 53);
+    std::vector<std::uint8_t> om = o.b;
+    CHECK_FALSE(strip_trailing_opt(om));
+    CHECK(om == o.b);
+  }
+}
+
+TEST_CASE("learn guards: ranges, embedded IPv4 forms, and private ranges only for wildcard matches") {
+  struct Case {
+    const char* addr;
+    const char* range;     // "" when learnable
+    bool private_range;
+    const char* embedded;  // "" when not embedded
+  };
+  const Case cases[] = {
+      {"255.255.255.255", "255.255.255.255 (broadcast)", false, ""},
+      {"224.0.0.251", "224.0.0.0/4 (multicast)", false, ""},
+      {"239.255.255.250", "224.0.0.0/4 (multicast)", false, ""},
+      {"240.0.0.1", "240.0.0.0/4 (reserved)", false, ""},
+      {"169.254.169.254", "169.254.169.254 (cloud metadata)", false, ""},
+      {"127.0.0.53", "127.0.0.0/8 (loopback)", false, ""},
+      {"10.1.2.3", "10.0.0.0/8 (private)", true, ""},
+      {"172.16.0.1", "172.16.0.0/12 (private)", true, ""},
+      {"172.31.255.255", "172.16.0.0/12 (private)", true, ""},
+      {"172.32.0.1", "", false, ""},
+      {"192.168.1.1", "192.168.0.0/16 (private)", true, ""},
+      {"100.64.0.1", "100.64.0.0/10 (shared, CGNAT)", true, ""},
+      {"100.100.100.200", "100.64.0.0/10 (shared, CGNAT)", true, ""},  // Alibaba Cloud metadata
+      {"100.128.0.1", "", false, ""},
+      {"198.51.100.7", "", false, ""},
+      {"ff02::1", "ff00::/8 (multicast)", false, ""},
+      {"fd12:3456::1", "fc00::/7 (private, unique local)", true, ""},
+      {"fd00:ec2::254", "fd00:ec2::254 (cloud metadata)", false, ""},
+      {"2001:db8::1", "", false, ""},
+      // IPv4 in IPv6: judged by the IPv4 address.
+      {"::ffff:10.0.0.1", "10.0.0.0/8 (private)", true, "IPv4-mapped ::ffff:0:0/96"},
+      {"::ffff:0:127.0.0.1", "127.0.0.0/8 (loopback)", false, "IPv4-translated ::ffff:0:0:0/96"},
+      {"::169.254.169.254", "169.254.169.254 (cloud metadata)", false, "IPv4-compatible ::/96"},
+      {"64:ff9b::a9fe:a9fe", "169.254.169.254 (cloud metadata)", false, "NAT64 64:ff9b::/96"},
+      {"64:ff9b::7f00:1", "127.0.0.0/8 (loopback)", false, "NAT64 64:ff9b::/96"},
+      {"64:ff9b::ffff:ffff", "255.255.255.255 (broadcast)", false, "NAT64 64:ff9b::/96"},
+      {"64:ff9b::c0a8:101", "192.168.0.0/16 (private)", true, "NAT64 64:ff9b::/96"},
+      {"64:ff9b::c633:6407", "", false, ""},
+      {"2002:7f00:1::1", "127.0.0.0/8 (loopback)", false, "6to4 2002::/16"},
+      {"2002:a00:1::", "10.0.0.0/8 (private)", true, "6to4 2002::/16"},
+      {"2002:c633:6407::1", "", false, ""},
+      // Teredo: the client's IPv4 address, inverted, in the last 32 bits (127.0.0.1 -> 80ff:fffe).
+      {"2001:0:c000:201::80ff:fffe", "127.0.0.0/8 (loopback)", false, "Teredo 2001::/32"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.addr);
+    const auto g = learn_guard(ip(c.addr));
+    if (std::string_view(c.range).empty()) {
+      CHECK_FALSE(g.has_value());
+      CHECK_FALSE(guard_for(ip(c.addr), false, PrivateAnswers::exact).has_value());
+      continue;
+    }
+    REQUIRE(g.has_value());
+    CHECK(g->range == c.range);
+    CHECK(g->private_range == c.private_range);
+    CHECK(g->embedded == c.embedded);
+    // Exact names keep private answers (Compose service names); wildcard
+    // matches lose them unless private_answers is allow; the rest is never learned.
+    CHECK(guard_for(ip(c.addr), true, PrivateAnswers::exact).has_value() == !c.private_range);
+    CHECK(guard_for(ip(c.addr), false, PrivateAnswers::exact).has_value());
+    CHECK(guard_for(ip(c.addr), false, PrivateAnswers::allow).has_value() == !c.private_range);
+    CHECK(is_rebinding_target(ip(c.addr)) == !c.private_range);
+  }
+  CHECK(learn_guard(ip("64:ff9b::7f00:1"))->to_string() == "127.0.0.0/8 (loopback) in NAT64 64:ff9b::/96");
+}
+
+TEST_CASE("a TTL that a compression pointer points into is not rewritten into a different name") {
+  // Found by dns_message_fuzz: record 2's owner points at record 1's TTL,
+  // whose bytes 01 61 00 00 read as the name "a". Capping that TTL would
+  // rename record 2; the message is refused instead.
+  Wire w;
+  w.header(1, 0x8180, 1, 2).question("x.example");
+  const std::size_t ttl_at = w.size() + 2 + 4;  // pointer (2) + type/class (4)
+  // TTL bytes: label of length 1 "a", then the root: reads as the name "a".
+  w.ptr(12).rr(qtype::A, (1u << 24) | ('a' << 16), 4).u8(192).u8(0).u8(2).u8(1);
+  w.ptr(static_cast<std::uint16_t>(ttl_at)).a(192, 0, 2, 2);
+  std::vector<std::uint8_t> m = w.b;
+  REQUIRE(read_name(m, ttl_at).ok());
+  CHECK(read_name(m, ttl_at)->text == "a");
+  // The TTL (0x01610000, about 6 months) must be capped, which would rename record 2.
+  CHECK_FALSE(cap_ttls(m, 3600).ok());
+  // Below the cap nothing changes and all is well.
+  std::vector<std::uint8_t> m2 = w.b;
+  CHECK(cap_ttls(m2, 0x7FFFFFFF).ok());
+  CHECK(m2 == w.b);
 }

@@ -153,10 +153,23 @@ class FakeUpstream {
     std::uint16_t qtype;
     std::uint16_t id;
     bool tcp;
+    Msg raw = {};               // the query as received
+    std::uint16_t port = 0;     // its source port
   };
   std::vector<Seen> seen;
   bool silent = false;  // receive and record, never answer
   int tcp_connections = 0;
+  // Answers echo the question lower-cased (as a forger who did not see the
+  // query's case would).
+  bool lower_question = false;
+  std::uint32_t ttl = 60;  // of the A/AAAA answers of the canned zone
+  // Docker's embedded resolver: names in `services` answered here (A
+  // 172.18.0.5), every other name sent on unchanged (same bytes, same ID)
+  // over UDP to `forward_to` (the proxy: Docker's copy comes back to it
+  // through the redirect), the answer relayed back as it came.
+  std::set<std::string> services;
+  std::optional<udp::endpoint> forward_to;
+  int forwarded = 0;
 
   bool saw(std::string_view name) const {
     for (const Seen& s : seen) {
@@ -167,12 +180,17 @@ class FakeUpstream {
 
  private:
   // The canned zone.
-  std::optional<Msg> answer(const Msg& q, bool over_tcp) {
+  std::optional<Msg> answer(const Msg& q, bool over_tcp, std::uint16_t port = 0) {
     ParsedQuery pq = parse_query(q);
     if (pq.status != QueryStatus::ok) return std::nullopt;
-    seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, over_tcp});
+    seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, over_tcp, q, port});
     if (silent) return std::nullopt;
     Msg m(q.begin(), q.begin() + static_cast<std::ptrdiff_t>(pq.question_end));
+    if (lower_question) {
+      for (std::size_t i = kHeaderSize; i < m.size(); ++i) {
+        if (m[i] >= 'A' && m[i] <= 'Z') m[i] = static_cast<std::uint8_t>(m[i] + 32);
+      }
+    }
     m[2] = 0x81;  // QR RD
     m[3] = 0x80;  // RA
     m[10] = m[11] = 0;
@@ -197,11 +215,14 @@ class FakeUpstream {
         m[2] |= 0x02;  // TC
         an = 0;
       }
+    } else if (services.count(n) != 0) {
+      put_a(m, n, {172, 18, 0, 5}, 600);
+      an = 1;
     } else if (t == qtype::A) {
-      put_a(m, n, {192, 0, 2, static_cast<std::uint8_t>(n.size())});
+      put_a(m, n, {192, 0, 2, static_cast<std::uint8_t>(n.size())}, ttl);
       an = 1;
     } else if (t == qtype::AAAA) {
-      put_aaaa(m, n, static_cast<std::uint8_t>(n.size()));
+      put_aaaa(m, n, static_cast<std::uint8_t>(n.size()), ttl);
       an = 1;
     }
     m[6] = static_cast<std::uint8_t>(an >> 8);
@@ -212,12 +233,32 @@ class FakeUpstream {
   void receive() {
     udp_.async_receive_from(asio::buffer(buf_), peer_, [this](const boost::system::error_code& ec, std::size_t n) {
       if (ec) return;
-      if (auto a = answer(Msg(buf_.begin(), buf_.begin() + static_cast<std::ptrdiff_t>(n)), false)) {
+      Msg q(buf_.begin(), buf_.begin() + static_cast<std::ptrdiff_t>(n));
+      ParsedQuery pq = parse_query(q);
+      if (!silent && forward_to && pq.status == QueryStatus::ok && services.count(pq.question.name) == 0) {
+        seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, false, q, peer_.port()});
+        relay(std::move(q), peer_);
+      } else if (auto a = answer(q, false, peer_.port())) {
         udp_.send_to(asio::buffer(*a), peer_);
       }
       receive();
     });
   }
+
+  // Docker's forwarding: the query as received, from a socket of its own,
+  // and the answer as received back to whoever asked.
+  void relay(Msg q, udp::endpoint from) {
+    ++forwarded;
+    auto s = std::make_shared<udp::socket>(io_, udp::v4());
+    auto buf = std::make_shared<std::array<std::uint8_t, 65536>>();
+    s->send_to(asio::buffer(q), *forward_to);
+    s->async_receive(asio::buffer(*buf), [this, s, buf, from](const boost::system::error_code& ec, std::size_t n) {
+      if (ec) return;
+      udp_.send_to(asio::buffer(buf->data(), n), from);
+    });
+    pending_relays_.push_back(s);
+  }
+  std::vector<std::shared_ptr<udp::socket>> pending_relays_;
 
   struct Conn {
     explicit Conn(asio::io_context& io) : sock(io) {}
@@ -243,6 +284,7 @@ class FakeUpstream {
       c->body.resize(static_cast<std::size_t>((c->len[0] << 8) | c->len[1]));
       asio::async_read(c->sock, asio::buffer(c->body), [this, c](const boost::system::error_code& ec2, std::size_t) {
         if (ec2) return;
+        if (tcp_forward_to) return tcp_relay(c);
         if (auto a = answer(c->body, true)) {
           auto framed = std::make_shared<Msg>();
           put16(*framed, static_cast<std::uint16_t>(a->size()));
@@ -254,6 +296,37 @@ class FakeUpstream {
     });
   }
 
+  // Docker's forwarding of a TCP query: over TCP to `tcp_forward_to`
+  // (`copies` times: more than one is a racer's copy), the first answer back.
+  void tcp_relay(const std::shared_ptr<Conn>& c) {
+    for (int i = 0; i < tcp_copies; ++i) {
+      ++forwarded;
+      auto out = std::make_shared<tcp::socket>(io_);
+      out->connect(*tcp_forward_to);
+      auto framed = std::make_shared<Msg>();
+      put16(*framed, static_cast<std::uint16_t>(c->body.size()));
+      framed->insert(framed->end(), c->body.begin(), c->body.end());
+      asio::write(*out, asio::buffer(*framed));
+      auto len = std::make_shared<std::array<std::uint8_t, 2>>();
+      asio::async_read(*out, asio::buffer(*len), [this, out, len, c, i](const boost::system::error_code& ec, std::size_t) {
+        if (ec) return;
+        auto body = std::make_shared<Msg>(static_cast<std::size_t>(((*len)[0] << 8) | (*len)[1]));
+        asio::async_read(*out, asio::buffer(*body), [out, len, body, c, i](const boost::system::error_code& e2, std::size_t) {
+          if (e2 || i != 0) return;
+          auto framed2 = std::make_shared<Msg>();
+          put16(*framed2, static_cast<std::uint16_t>(body->size()));
+          framed2->insert(framed2->end(), body->begin(), body->end());
+          asio::async_write(c->sock, asio::buffer(*framed2), [framed2](const boost::system::error_code&, std::size_t) {});
+        });
+      });
+    }
+  }
+
+ public:
+  std::optional<tcp::endpoint> tcp_forward_to;
+  int tcp_copies = 1;
+
+ private:
   asio::io_context& io_;
   udp::socket udp_;
   tcp::acceptor acc_;
@@ -288,6 +361,12 @@ class FakeHooks : public PolicyHooks {
     }
   }
   void refused(const std::string& qname, std::uint16_t qtype) override { refused_names.emplace_back(qname, qtype); }
+  std::vector<std::pair<std::vector<IpPrefix>, std::string>> relay_calls;
+  void relay_targets(const std::vector<IpPrefix>& targets, const std::string& source,
+                     std::function<void(Status)> done) override {
+    relay_calls.emplace_back(targets, source);
+    done({});
+  }
   void release_learn() {
     auto h = std::move(held);
     held.clear();
@@ -370,11 +449,15 @@ struct Fixture {
   FakeUpstream upstream{io};
   FakeHooks hooks;
   std::unique_ptr<Proxy> proxy;
+  std::vector<FlowTuple> forgotten;  // flows the proxy said it was done with
 
   void start(ProxyOptions opts = {}) {
     if (opts.upstream.empty()) opts.upstream = {upstream.address()};
+    opts.forget_flow = [this](const FlowTuple& t) { forgotten.push_back(t); };
     // Root here: exercises SO_MARK for real (EPERM elsewhere is logged, not fatal).
     opts.own_mark = 0x2a;
+    // Nothing of this test may bind addresses on port 53.
+    opts.own_local_upstreams = false;
     auto p = Proxy::start(io, opts, hooks);
     REQUIRE_MESSAGE(p.ok(), (p.ok() ? "" : p.error().message));
     proxy = std::move(p.value());
@@ -848,4 +931,348 @@ TEST_CASE("nameservers_from_resolv_conf") {
   CHECK(nameservers_from_resolv_conf(text) == std::vector<std::string>{"127.0.0.11", "2001:db8::53", "192.0.2.53"});
   CHECK(nameservers_from_resolv_conf("").empty());
   CHECK(nameservers_from_resolv_conf("nameserver 10.0.0.1") == std::vector<std::string>{"10.0.0.1"});
+}
+
+// ---- issue 14 ----------------------------------------------------------------
+
+TEST_CASE("the upstream gets a query rebuilt from the question: our ID and case, RD/CD, one bare OPT") {
+  Fixture f;
+  f.hooks.allowed = {"data.pypi.org"};
+  f.start();
+  // The client's query carries what a payload channel would: odd flags,
+  // records in the additional section, an OPT with DO and 2 KiB of options.
+  Msg q = query(0x4444, "Data.PyPI.org", qtype::A);
+  q[2] |= 0x04;  // AA
+  q[3] |= 0x30;  // AD, CD
+  q[11] = 3;     // arcount
+  put_a(q, "smuggled.example", {192, 0, 2, 99});
+  put_cname(q, "more.example", "payload.example");
+  q.push_back(0);
+  put16(q, qtype::OPT);
+  put16(q, 1232);
+  put32(q, 0x8000);
+  put16(q, 4 + 2048);
+  put16(q, 65001);
+  put16(q, 2048);
+  for (int i = 0; i < 2048; ++i) q.push_back(static_cast<std::uint8_t>(i));
+  TcpClient c(f.io, f.proxy->port());
+  c.send(q);
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }));
+  CHECK(rcode_of(c.got[0]) == Rcode::noerror);
+  CHECK(id_of(c.got[0]) == 0x4444);
+  REQUIRE(f.upstream.seen.size() == 1);
+  const Msg& up = f.upstream.seen[0].raw;
+  const auto h = read_header(up);
+  REQUIRE(h.has_value());
+  CHECK(h->flags == 0x0110);  // RD and CD, nothing else
+  CHECK(h->ancount == 0);
+  CHECK(h->nscount == 0);
+  CHECK(h->arcount == 1);
+  const std::size_t qend = question_end(up);
+  // One bare OPT with our payload size and the client's DO, and nothing after.
+  REQUIRE(up.size() == qend + 11);
+  CHECK(up[qend] == 0);
+  CHECK(((up[qend + 1] << 8) | up[qend + 2]) == qtype::OPT);
+  CHECK(((up[qend + 3] << 8) | up[qend + 4]) == kUpstreamPayload);
+  CHECK(up[qend + 7] == 0x80);  // DO
+  CHECK(up[qend + 9] == 0);
+  CHECK(up[qend + 10] == 0);
+  // The client's answer has its own question bytes back; an OPT only
+  // because it sent one.
+  CHECK(std::equal(q.begin() + 12, q.begin() + 12 + 19, c.got[0].begin() + 12));
+}
+
+TEST_CASE("a client without EDNS gets no OPT back") {
+  Fixture f;
+  f.hooks.allowed = {"pypi.org"};
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(1, "pypi.org"));
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }));
+  REQUIRE(f.upstream.seen.size() == 1);
+  CHECK(read_header(f.upstream.seen[0].raw)->arcount == 1);  // the upstream got our OPT
+  CHECK(read_header(c.got[0])->arcount == 0);
+}
+
+TEST_CASE("the upstream sees the name in random case (0x20), the client its own") {
+  Fixture f;
+  const std::string name = "abcdefghijklmnop.example";
+  f.hooks.allowed = {name};
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (int i = 0; i < 8; ++i) c.send(query(static_cast<std::uint16_t>(i), name));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 8; }));
+  std::set<Msg> cases;
+  for (const auto& s : f.upstream.seen) {
+    CHECK(s.name == name);  // same name, case-insensitively
+    cases.insert(Msg(s.raw.begin() + 12, s.raw.begin() + static_cast<std::ptrdiff_t>(question_end(s.raw))));
+  }
+  CHECK(cases.size() == 8);  // 23 letters: a repeat is a 1-in-8-million chance
+  for (const Msg& a : c.got) {
+    CHECK(rcode_of(a) == Rcode::noerror);
+    const Msg mine = query(0, name);
+    CHECK(std::equal(mine.begin() + 12, mine.end(), a.begin() + 12));
+  }
+}
+
+TEST_CASE("an answer that does not echo the query's case is rejected: SERVFAIL, nothing learned") {
+  Fixture f;
+  const std::string name = "abcdefghijklmnopqrstuvwxyz.example";  // 33 letters: never all lower by chance
+  f.hooks.allowed = {name};
+  f.upstream.lower_question = true;
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(9, name));
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }));
+  CHECK(rcode_of(c.got[0]) == Rcode::servfail);
+  CHECK(f.hooks.learned.empty());
+  CHECK(f.proxy->counters().failed == 1);
+}
+
+TEST_CASE("each query goes out on a socket of its own") {
+  Fixture f;
+  f.upstream.silent = true;
+  f.hooks.allowed = {};
+  for (int i = 0; i < 20; ++i) f.hooks.allowed.insert("n" + std::to_string(i) + ".test");
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (int i = 0; i < 20; ++i) c.send(query(static_cast<std::uint16_t>(i), "n" + std::to_string(i) + ".test"));
+  REQUIRE(run_until(f.io, [&] { return f.upstream.seen.size() == 20; }));
+  std::set<std::uint16_t> ports;
+  for (const auto& s : f.upstream.seen) ports.insert(s.port);
+  CHECK(ports.size() == 20);
+}
+
+TEST_CASE("every answered query's flow is handed over to be forgotten, from the port it used") {
+  Fixture f;
+  f.hooks.allowed = {"a.test", "b.test", "c.test"};
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (const char* n : {"a.test", "b.test", "c.test"}) c.send(query(1, n));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 3 && f.forgotten.size() == 3; }));
+  std::set<std::uint16_t> seen_ports, forgotten_ports;
+  for (const auto& s : f.upstream.seen) seen_ports.insert(s.port);
+  for (const FlowTuple& t : f.forgotten) {
+    forgotten_ports.insert(t.sport);
+    CHECK(t.src.to_string() == "127.0.0.1");
+    CHECK(t.dst.to_string() == "127.0.0.1");
+    CHECK(t.dport == f.upstream.port());
+  }
+  CHECK(forgotten_ports == seen_ports);
+
+  SUBCASE("a query that got no answer is not forgotten (a late answer must still match it)") {
+    f.upstream.silent = true;
+    f.hooks.allowed.insert("late.test");
+    c.send(query(2, "late.test"));
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == 4; }));
+    CHECK(rcode_of(c.got[3]) == Rcode::servfail);
+    CHECK(f.forgotten.size() == 3);
+  }
+}
+
+TEST_CASE("one query after the other: a new source port each time") {
+  // The proxy reuses a socket once its query is answered, but disconnected:
+  // the kernel then binds a new random port at the next connect.
+  Fixture f;
+  for (int i = 0; i < 20; ++i) f.hooks.allowed.insert("s" + std::to_string(i) + ".test");
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (int i = 0; i < 20; ++i) {
+    c.send(query(static_cast<std::uint16_t>(i), "s" + std::to_string(i) + ".test"));
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == static_cast<std::size_t>(i + 1); }));
+  }
+  std::set<std::uint16_t> ports;
+  for (const auto& s : f.upstream.seen) ports.insert(s.port);
+  CHECK(ports.size() >= 18);  // 20 draws from ~28k ports: a repeat or two at most, by chance
+}
+
+TEST_CASE("TTLs are capped at max_ttl, in the answer relayed and in what is learned") {
+  Fixture f;
+  f.hooks.allowed = {"long.test"};
+  f.upstream.ttl = 0x7FFFFFFF;
+  ProxyOptions o;
+  o.max_ttl = 3600;
+  f.start(o);
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(5, "long.test"));
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }));
+  auto parsed = parse_answer(c.got[0], "long.test");
+  REQUIRE(parsed.ok());
+  REQUIRE(parsed->addresses.size() == 1);
+  CHECK(parsed->addresses[0].ttl == 3600);
+  REQUIRE(f.hooks.learned.size() == 1);
+  CHECK(learned_text(f.hooks.learned[0]) == "long.test=192.0.2.9/3600");
+}
+
+namespace {
+
+// The proxy with Docker's resolver as its upstream (on loopback, forwarding
+// to the proxy as the redirect would), and a relay target T.
+struct DockerFixture {
+  asio::io_context io;
+  FakeUpstream docker{io};  // 127.0.0.11's resolver
+  FakeUpstream target{io};  // T: where it forwards
+  FakeHooks hooks;
+  std::unique_ptr<Proxy> proxy;
+
+  void start(bool pinned = true) {
+    ProxyOptions o;
+    o.upstream = {docker.address()};
+    o.own_local_upstreams = false;
+    if (pinned) {
+      o.forwarder.targets = {target.address()};
+      o.forwarder.source = "test";
+    }
+    auto p = Proxy::start(io, o, hooks);
+    REQUIRE(p.ok());
+    proxy = std::move(p.value());
+    docker.forward_to = udp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("Docker's forwarder: egressd's own query comes back and goes to the target; service names stay local") {
+  DockerFixture f;
+  f.hooks.allowed = {"pypi.org", "db"};
+  f.docker.services = {"db"};
+  f.start();
+  REQUIRE(f.hooks.relay_calls.size() == 1);
+  CHECK(f.hooks.relay_calls[0].second == "test");
+  CHECK(f.hooks.relay_calls[0].first.at(0).to_string() == "127.0.0.1");
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(0x0101, "pypi.org"));
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }));
+  CHECK(rcode_of(c.got[0]) == Rcode::noerror);
+  CHECK(id_of(c.got[0]) == 0x0101);
+  // Docker forwarded it once; the target (not Docker, not the proxy again) answered.
+  CHECK(f.docker.forwarded == 1);
+  REQUIRE(f.target.seen.size() == 1);
+  CHECK(f.target.seen[0].name == "pypi.org");
+  CHECK(f.proxy->counters().relayed == 1);
+  CHECK(f.proxy->counters().forwarded == 1);
+  CHECK(f.proxy->counters().refused == 0);
+  REQUIRE(f.hooks.learned.size() == 1);
+  CHECK(learned_text(f.hooks.learned[0]) == "pypi.org=192.0.2.8/60");
+
+  // A service name: Docker answers it itself, nothing is relayed.
+  c.send(query(0x0102, "db"));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 2; }));
+  auto svc = parse_answer(c.got[1], "db");
+  REQUIRE(svc.ok());
+  REQUIRE(svc->addresses.size() == 1);
+  CHECK(svc->addresses[0].addr.to_string() == "172.18.0.5");
+  CHECK(f.proxy->counters().relayed == 1);
+
+  // A name the policy refuses never reaches Docker.
+  c.send(query(0x0103, "exfil.example"));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 3; }));
+  CHECK(rcode_of(c.got[2]) == Rcode::refused);
+  for (const auto& s : f.docker.seen) CHECK(s.name != "exfil.example");
+  CHECK(f.target.seen.size() == 1);
+}
+
+TEST_CASE("a copy of egressd's in-flight query goes to the target only, and only while it is in flight") {
+  DockerFixture f;
+  f.hooks.allowed = {"abcdefghij.example"};
+  f.docker.silent = true;  // egressd's query stays in flight
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(1, "abcdefghij.example"));
+  REQUIRE(run_until(f.io, [&] { return f.docker.seen.size() == 1; }));
+  // A racer copies egressd's query (it sniffed loopback) and sends it to
+  // "its" resolver: the redirect brings it to the proxy.
+  Msg copy = f.docker.seen[0].raw;
+  UdpClient racer(f.io, f.proxy->port());
+  racer.send(copy);
+  REQUIRE(run_until(f.io, [&] { return !racer.got.empty(); }));
+  CHECK(rcode_of(racer.got[0]) == Rcode::noerror);
+  REQUIRE(f.target.seen.size() == 1);
+  CHECK(f.target.seen[0].name == "abcdefghij.example");
+  // Its exact question bytes went to the target (T must echo them).
+  CHECK(std::equal(copy.begin() + 12, copy.begin() + static_cast<std::ptrdiff_t>(question_end(copy)),
+                   f.target.seen[0].raw.begin() + 12));
+  // Bounded: a flood of copies does not multiply it.
+  for (int i = 0; i < 20; ++i) racer.send(copy);
+  REQUIRE(run_until(f.io, [&] { return racer.got.size() == 21; }));
+  CHECK(f.target.seen.size() == 8);
+  // The same name in another case is the sandbox's own query: under policy
+  // (allowed here, so forwarded to the upstream, not relayed).
+  racer.send(query(2, "ABCDEFGHIJ.example"));
+  REQUIRE(run_until(f.io, [&] { return f.docker.seen.size() == 2; }));
+  CHECK(f.target.seen.size() == 8);
+}
+
+TEST_CASE("without a relay target a copy of egressd's query gets SERVFAIL and goes nowhere") {
+  DockerFixture f;
+  f.hooks.allowed = {"pypi.org"};
+  f.start(false);
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(1, "pypi.org"));
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }, 5000ms));
+  CHECK(rcode_of(c.got[0]) == Rcode::servfail);
+  CHECK(f.docker.forwarded == 1);
+  CHECK(f.target.seen.empty());
+  CHECK(f.proxy->counters().relayed == 0);
+}
+
+TEST_CASE("the forwarder probe pins the target from the one copy that arrives, and nothing on a race") {
+  for (int copies : {1, 2}) {
+    INFO(copies);
+    asio::io_context io;
+    FakeUpstream docker(io);
+    FakeHooks hooks;
+    ProxyOptions o;
+    o.upstream = {docker.address()};
+    o.own_local_upstreams = false;
+    o.forwarder.probe = true;
+    o.forwarder.probe_grace = 100ms;
+    o.forwarder.probe_retry = 60000ms;
+    // No nat here: where the copy "was going" is what Docker's ExtServer would be.
+    o.original_dst = [](int, bool) -> std::optional<Server> { return parse_server("192.0.2.53").value(); };
+    auto b = Proxy::bind(io, o, hooks);
+    REQUIRE(b.ok());
+    auto proxy = std::move(b.value());
+    docker.tcp_forward_to = tcp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
+    docker.tcp_copies = copies;
+    proxy->serve(0);
+    REQUIRE(run_until(io, [&] { return docker.forwarded == copies; }));
+    // The probe's name is under .invalid and answered by the proxy.
+    if (copies == 1) {
+      REQUIRE(run_until(io, [&] { return hooks.relay_calls.size() == 1; }));
+      CHECK(hooks.relay_calls[0].first.at(0).to_string() == "192.0.2.53");
+      CHECK(hooks.relay_calls[0].second == "probe");
+    } else {
+      // Past the grace: still nothing pinned.
+      const auto until = Clock::now() + 400ms;
+      run_until(io, [&] { return Clock::now() > until; }, 1000ms);
+      CHECK(hooks.relay_calls.empty());
+    }
+  }
+}
+
+TEST_CASE("resolv.conf's ExtServers comment (Docker >= 25)") {
+  const std::string text =
+      "# Generated by Docker Engine.\n"
+      "nameserver 127.0.0.11\n"
+      "options ndots:0\n"
+      "\n"
+      "# Based on host file: '/etc/resolv.conf' (internal resolver)\n"
+      "# ExtServers: [192.0.2.53 host(127.0.0.53) 2001:DB8::53 192.0.2.53 [2001:db8::54]:5353 invalid IP]\n"
+      "# Overrides: []\n";
+  const ExtServers e = ext_servers_from_resolv_conf(text);
+  CHECK(e.present);
+  CHECK(e.targets == std::vector<std::string>{"192.0.2.53", "2001:db8::53"});
+  CHECK(e.host_side == std::vector<std::string>{"127.0.0.53"});
+  CHECK(nameservers_from_resolv_conf(text) == std::vector<std::string>{"127.0.0.11"});
+
+  CHECK_FALSE(ext_servers_from_resolv_conf("nameserver 127.0.0.11\noptions ndots:0\n").present);
+  const ExtServers host_only = ext_servers_from_resolv_conf("#ExtServers: [host(192.168.65.7)]");
+  CHECK(host_only.present);
+  CHECK(host_only.targets.empty());
+  CHECK(host_only.host_side == std::vector<std::string>{"192.168.65.7"});
+  const ExtServers none = ext_servers_from_resolv_conf("# ExtServers: []\n");
+  CHECK(none.present);
+  CHECK(none.targets.empty());
+  CHECK_FALSE(ext_servers_from_resolv_conf("nameserver 192.0.2.1 # ExtServers: [192.0.2.9]\n").present);
 }

@@ -275,6 +275,26 @@ TEST_CASE("public allows everything, no-network denies everything, loopback is a
   CHECK(x.reason.find("no entries") != std::string::npos);
 }
 
+TEST_CASE("outside public broadcast and multicast are denied whatever entry covers them; loopback upstreams are egressd's") {
+  const Phase wide = allowlist({"224.0.0.0/4", "ff00::/8", "255.255.255.255", "198.51.100.0/24"});
+  for (const char* t : {"224.1.2.3", "ff0e::1234", "255.255.255.255:9"}) {
+    CAPTURE(t);
+    const auto x = ask(wide, t);
+    CHECK_FALSE(x.allowed);
+    CHECK(x.reason.find("broadcast and multicast destinations are denied") != std::string::npos);
+  }
+  CHECK(ask(wide, "198.51.100.7").allowed);
+  const Phase pub{"environment", Mode::public_, {}};
+  CHECK(ask(pub, "224.1.2.3").allowed);
+  const std::vector<IpPrefix> lo = {ip("127.0.0.11")};
+  for (const Phase* ph : {&pub, &wide}) {
+    const auto x = explain(*ph, *parse_target("127.0.0.11:53"), {}, {}, lo);
+    CHECK_FALSE(x.allowed);
+    CHECK(x.reason.find("only egressd reaches it") != std::string::npos);
+    CHECK(explain(*ph, *parse_target("127.0.0.1"), {}, {}, lo).allowed);
+  }
+}
+
 TEST_CASE("the JSON shape") {
   const Phase ph = allowlist({"*.cdn.example"});
   const LearnedView learned = {{"foo.cdn.example", {ip("203.0.113.10")}}};
@@ -288,7 +308,8 @@ TEST_CASE("the JSON shape") {
   CHECK(j["names"] == nlohmann::json::array({"foo.cdn.example"}));
   CHECK(j["hint"].is_null());
   CHECK(j["reason"].is_string());
-  CHECK(j.size() == 9);
+  CHECK(j["guard"].is_null());
+  CHECK(j.size() == 10);
 
   j = ask(ph, "files.pythonhosted.org").to_json();
   CHECK(j["allowed"] == false);

@@ -204,3 +204,50 @@ TEST_CASE("a change by the kernel itself (portid 0) to egressd's table is not eg
   REQUIRE(tamper);
   CHECK(tamper->proc_pid == 0);
 }
+
+TEST_CASE("table netdev egressd (the egress chains) is egressd's too; a vanished interface is not tampering") {
+  ChangeTracker t("egressd", {kOwn});
+  SUBCASE("deleted by someone") {
+    t.feed(table_msg(NFT_MSG_DELTABLE, kNft, "egressd", NFPROTO_NETDEV).nlh);
+    auto tamper = t.feed(gen_msg(kNft, 3, 50, "nft").nlh);
+    REQUIRE(tamper);
+    CHECK(tamper->changes.describe("egressd") == "table netdev egressd deleted");
+  }
+  SUBCASE("an egress chain deleted, a rule added to egress_check") {
+    Msg chain(NFT_MSG_DELCHAIN, kNft, NFPROTO_NETDEV);
+    chain.str(NFTA_CHAIN_TABLE, "egressd").str(NFTA_CHAIN_NAME, "eg_eth0");
+    t.feed(chain.nlh);
+    Msg rule(NFT_MSG_NEWRULE, kNft, NFPROTO_NETDEV);
+    rule.str(NFTA_RULE_TABLE, "egressd").str(NFTA_RULE_CHAIN, "egress_check");
+    t.feed(rule.nlh);
+    auto tamper = t.feed(gen_msg(kNft, 4, 51, "nft").nlh);
+    REQUIRE(tamper);
+    const std::string what = tamper->changes.describe("egressd");
+    CHECK(what.find("chain eg_eth0 of table netdev egressd deleted") != std::string::npos);
+    CHECK(what.find("rule added to chain egress_check of table netdev egressd") != std::string::npos);
+  }
+  SUBCASE("the kernel deleting the chain of an interface that went away (kernels before 6.10)") {
+    Msg chain(NFT_MSG_DELCHAIN, 0, NFPROTO_NETDEV);
+    chain.str(NFTA_CHAIN_TABLE, "egressd").str(NFTA_CHAIN_NAME, "eg_veth1");
+    CHECK(!t.feed(chain.nlh));
+    CHECK(!t.feed(gen_msg(0, 5, 0, "").nlh));
+  }
+  SUBCASE("egressd's own changes to it") {
+    CHECK(!t.feed(table_msg(NFT_MSG_NEWTABLE, kOwn, "egressd", NFPROTO_NETDEV).nlh));
+    CHECK(!t.feed(gen_msg(kOwn, 6, 1, "egressd").nlh));
+  }
+}
+
+TEST_CASE("a deleted netdev table is named once, without the chains and rules that went with it") {
+  ChangeTracker t("egressd", {kOwn});
+  Msg rule(NFT_MSG_DELRULE, kNft, NFPROTO_NETDEV);
+  rule.str(NFTA_RULE_TABLE, "egressd").str(NFTA_RULE_CHAIN, "egress_check");
+  t.feed(rule.nlh);
+  Msg chain(NFT_MSG_DELCHAIN, kNft, NFPROTO_NETDEV);
+  chain.str(NFTA_CHAIN_TABLE, "egressd").str(NFTA_CHAIN_NAME, "eg_eth0");
+  t.feed(chain.nlh);
+  t.feed(table_msg(NFT_MSG_DELTABLE, kNft, "egressd", NFPROTO_NETDEV).nlh);
+  auto tamper = t.feed(gen_msg(kNft, 3, 50, "nft").nlh);
+  REQUIRE(tamper);
+  CHECK(tamper->changes.describe("egressd") == "table netdev egressd deleted");
+}

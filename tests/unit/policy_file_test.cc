@@ -184,6 +184,33 @@ TEST_CASE("min_ttl: seconds, minutes, hours, bare seconds") {
         "p.yaml:1:16: min_ttl must be a string, not a list");
 }
 
+TEST_CASE("dns.max_ttl caps TTLs: default 1h, durations like min_ttl, never below min_ttl") {
+  const auto policy = [](const std::string& dns) { return accept("dns: {" + dns + "}\nphases: {a: public}\n").dns; };
+  CHECK(policy("").max_ttl_s == 3600);
+  CHECK(policy("max_ttl: 5m").max_ttl_s == 300);
+  CHECK(policy("max_ttl: 86400").max_ttl_s == 86400);
+  CHECK(policy("min_ttl: 10s, max_ttl: 10s").max_ttl_s == 10);
+  // A min_ttl above the default cap raises it; against an explicit max_ttl it is an error.
+  CHECK(policy("min_ttl: 2h").max_ttl_s == 7200);
+  CHECK(reject("dns: {min_ttl: 2h, max_ttl: 1h}\nphases: {a: public}\n") ==
+        "p.yaml:1:29: max_ttl (3600s) is shorter than min_ttl (7200s)");
+  CHECK(reject("dns: {max_ttl: 0}\nphases: {a: public}\n") == "p.yaml:1:16: max_ttl must be at least 1s");
+  CHECK(reject("dns: {max_ttl: 25h}\nphases: {a: public}\n") ==
+        "p.yaml:1:16: max_ttl \"25h\" is too long: the maximum is 24h");
+  CHECK(reject("dns: {max_ttl: forever}\nphases: {a: public}\n") ==
+        "p.yaml:1:16: max_ttl \"forever\" is not a duration: use seconds (30 or 30s), minutes (5m) or hours (1h)");
+}
+
+TEST_CASE("dns.private_answers: exact (default) or allow") {
+  const auto policy = [](const std::string& dns) { return accept("dns: {" + dns + "}\nphases: {a: public}\n").dns; };
+  CHECK(policy("").private_answers == PrivateAnswers::exact);
+  CHECK(policy("private_answers: exact").private_answers == PrivateAnswers::exact);
+  CHECK(policy("private_answers: allow").private_answers == PrivateAnswers::allow);
+  CHECK(reject("dns: {private_answers: yes}\nphases: {a: public}\n") ==
+        "p.yaml:1:24: private_answers must be exact (private addresses are learned for exact hostname entries "
+        "only) or allow (for wildcard matches too), not \"yes\"");
+}
+
 TEST_CASE("dns.upstream") {
   CHECK(accept("dns: {upstream: [\"::1\", 127.0.0.11, 127.0.0.11]}\nphases: {a: public}\n").dns.upstream ==
         std::vector<std::string>{"::1", "127.0.0.11"});
@@ -254,8 +281,8 @@ TEST_CASE("unknown keys at every level are errors that list the allowed keys") {
         "p.yaml:1:1: unknown key \"phase\" at the top level: allowed keys are initial_phase, dns, enforce, "
         "phases (did you mean \"phases\"?)");
   CHECK(reject("phases: {a: public}\ndns:\n  upstreams: [resolv.conf]\n") ==
-        "p.yaml:3:3: unknown key \"upstreams\" in dns: allowed keys are upstream, min_ttl, deny_answer, "
-        "observe_public (did you mean \"upstream\"?)");
+        "p.yaml:3:3: unknown key \"upstreams\" in dns: allowed keys are upstream, min_ttl, max_ttl, deny_answer, "
+        "private_answers, observe_public (did you mean \"upstream\"?)");
   CHECK(reject("phases: {a: public}\nenforce:\n  log-group: 1\n") ==
         "p.yaml:3:3: unknown key \"log-group\" in enforce: allowed keys are deny, inbound_replies, log_group "
         "(did you mean \"log_group\"?)");

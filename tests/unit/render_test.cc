@@ -59,6 +59,41 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(StmtVerdict{VerdictKind::accept, ""}) == "accept");
   CHECK(one(StmtVerdict{VerdictKind::drop, ""}) == "drop");
   CHECK(one(StmtVerdict{VerdictKind::jump, "active"}) == "jump active");
+}
+
+TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0.6 lists them") {
+  CHECK(one(MatchIifLoopback{}) == "iif \"lo\"");
+  CHECK(one(MatchIifLoopback{true}) == "iif != \"lo\"");
+  CHECK(one(MatchMetaPriority{0x65677264}) == "meta priority 6567:7264");
+  CHECK(one(MatchMetaPriority{7}) == "meta priority 0:7");
+  CHECK(one(MatchMetaPriority{0x100000}) == "meta priority 10:0");
+  CHECK(one(StmtMetaPrioritySet{0}) == "meta priority set none");
+  CHECK(one(StmtMetaPrioritySet{0xffffffff}) == "meta priority set root");
+  CHECK(one(StmtMetaMarkSet{0}) == "meta mark set 0x00000000");
+  CHECK(one(MatchMetaProtocolArp{}) == "meta protocol arp");
+  CHECK(one(MatchCtDirectionOriginal{}) == "ct direction original");
+  CHECK(one(MatchCtStateNew{}) == "ct state new");
+  CHECK(one(MatchCtStatus{CtStatusBit::dnat}) == "ct status dnat");
+  CHECK(one(MatchCtStatus{CtStatusBit::confirmed, true}) == "ct status ! confirmed");
+  CHECK(one(MatchFibAddrType{false, AddrType::local}) == "fib saddr type local");
+  CHECK(one(MatchFibAddrType{false, AddrType::local, true}) == "fib saddr type != local");
+  CHECK(one(MatchFibAddrType{true, AddrType::broadcast}) == "fib daddr type broadcast");
+  CHECK(one(MatchFibAddrType{true, AddrType::multicast}) == "fib daddr type multicast");
+  CHECK(one(MatchSocketMark{0x65677264}) == "socket mark 0x65677264");
+  CHECK(one(MatchIpv6RoutingHeader{}) == "exthdr rt exists");
+  CHECK(one(MatchIpv4SourceRoute{false}) == "ip option lsrr exists");
+  CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");
+  auto pfx = [](const char* a, int len) {
+    IpPrefix p = ip(a);
+    p.prefix_len = static_cast<std::uint8_t>(len);
+    return p;
+  };
+  CHECK(one(MatchDaddr{pfx("fe80::", 10)}) == "ip6 daddr fe80::/10");
+  CHECK(one(MatchDaddr{pfx("ff02::", 16)}) == "ip6 daddr ff02::/16");
+  CHECK(one(MatchDaddr{pfx("100.64.0.0", 10)}) == "ip daddr 100.64.0.0/10");
+  CHECK(one(MatchDaddr{pfx("127.0.0.0", 8)}) == "ip daddr 127.0.0.0/8");
+  CHECK(one(MatchSaddr{ip("::")}) == "ip6 saddr ::");
+  CHECK(one(MatchSaddr{ip("192.0.2.1")}) == "ip saddr 192.0.2.1");
   CHECK(one(StmtVerdict{VerdictKind::goto_, "ph_agent"}) == "goto ph_agent");
 }
 
@@ -121,6 +156,35 @@ TEST_CASE("sets: type, flags, elements four to a line") {
         "\t\ttype ipv6_addr\n"
         "\t\tflags interval,timeout\n"
         "\t\telements = { 2001:db8::/32 }\n"
+        "\t}\n"
+        "}\n");
+}
+
+TEST_CASE("input and netdev egress base chains") {
+  Table in;
+  in.chains.push_back({"input", BaseChain{HookType::filter, 0, false, Hook::input}, {}});
+  CHECK(render_table(in) ==
+        "table inet egressd {\n"
+        "\tchain input {\n"
+        "\t\ttype filter hook input priority filter; policy accept;\n"
+        "\t}\n"
+        "}\n");
+  Table nd;
+  nd.family = Family::netdev;
+  nd.comment = "egressd v1";
+  nd.chains.push_back({"egress_check", std::nullopt, {{{StmtCounter{}}, ""}}});
+  nd.chains.push_back({"eg_eth0", BaseChain{HookType::filter, 0, true, Hook::egress, "eth0"},
+                       {{{StmtVerdict{VerdictKind::jump, "egress_check"}}, ""}}});
+  CHECK(render_table(nd) ==
+        "table netdev egressd {\n"
+        "\tcomment \"egressd v1\"\n"
+        "\tchain egress_check {\n"
+        "\t\tcounter\n"
+        "\t}\n"
+        "\n"
+        "\tchain eg_eth0 {\n"
+        "\t\ttype filter hook egress device \"eth0\" priority filter; policy drop;\n"
+        "\t\tjump egress_check\n"
         "\t}\n"
         "}\n");
 }

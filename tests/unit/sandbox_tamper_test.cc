@@ -17,49 +17,58 @@ namespace {
 // Keeps chains, sets and rule comments the way the kernel would after each batch.
 class StructKernel : public nft::Kernel {
  public:
-  std::optional<nft::TableInfo> table;
+  std::optional<nft::TableInfo> table;   // inet egressd
+  std::optional<nft::TableInfo> netdev;  // netdev egressd
   std::vector<nft::Change> applied;
 
   Status apply(const nft::Change& ch) override {
     applied.push_back(ch);
-    auto t = table;
+    auto t = table, n = netdev;
+    auto of = [&](nft::Family f) -> std::optional<nft::TableInfo>& { return f == nft::Family::netdev ? n : t; };
     for (const auto& op : ch.ops) {
       if (auto* add = std::get_if<nft::OpAddTable>(&op)) {
         if (add->table.name != "egressd") continue;  // capability probes
-        if (t) return Error::runtime("add table egressd: File exists");
-        t.emplace();
-        t->comment = add->table.comment;
-        for (const auto& s : add->table.sets) t->sets.push_back(s.name);
+        auto& x = of(add->table.family);
+        if (x) return Error::runtime("add table egressd: File exists");
+        x.emplace();
+        x->comment = add->table.comment;
+        for (const auto& s : add->table.sets) x->sets.push_back(s.name);
         for (const auto& c : add->table.chains) {
-          t->chains.push_back(c.name);
-          for (const auto& r : c.rules) t->rules.push_back({c.name, 0, r.comment, 0, 0});
+          x->chains.push_back(c.name);
+          for (const auto& r : c.rules) x->rules.push_back({c.name, 0, r.comment, 0, 0});
         }
-      } else if (std::holds_alternative<nft::OpEnsureTable>(op)) {
-        if (!t) t.emplace();
-        t->flags = 0;
+      } else if (auto* en = std::get_if<nft::OpEnsureTable>(&op)) {
+        auto& x = of(en->family);
+        if (!x) x.emplace();
+        x->flags = 0;
       } else if (auto* del = std::get_if<nft::OpDeleteTable>(&op)) {
         if (del->name != "egressd") continue;
-        if (!t) return Error::runtime("delete table egressd: No such file or directory");
-        t.reset();
+        auto& x = of(del->family);
+        if (!x) return Error::runtime("delete table egressd: No such file or directory");
+        x.reset();
       } else if (auto* as = std::get_if<nft::OpAddSet>(&op)) {
         t->sets.push_back(as->set.name);
       } else if (auto* ds = std::get_if<nft::OpDeleteSet>(&op)) {
         std::erase(t->sets, ds->name);
       } else if (auto* ac = std::get_if<nft::OpAddChain>(&op)) {
-        t->chains.push_back(ac->chain.name);
-        for (const auto& r : ac->chain.rules) t->rules.push_back({ac->chain.name, 0, r.comment, 0, 0});
+        auto& x = of(ac->family);
+        x->chains.push_back(ac->chain.name);
+        for (const auto& r : ac->chain.rules) x->rules.push_back({ac->chain.name, 0, r.comment, 0, 0});
       } else if (auto* dc = std::get_if<nft::OpDeleteChain>(&op)) {
-        std::erase(t->chains, dc->name);
+        std::erase(of(dc->family)->chains, dc->name);
       } else if (auto* fl = std::get_if<nft::OpFlushChain>(&op)) {
-        std::erase_if(t->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
+        std::erase_if(of(fl->family)->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
       } else if (auto* ar = std::get_if<nft::OpAddRule>(&op)) {
-        t->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
+        of(ar->family)->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
       }
     }
     table = t;
+    netdev = n;
     return {};
   }
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&) override { return table; }
+  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override {
+    return f == nft::Family::netdev ? netdev : table;
+  }
 };
 
 Phase phase(std::string name, Mode mode, std::vector<std::string> entries = {}) {
@@ -81,7 +90,8 @@ struct Fixture {
     kernel = k.get();
     SandboxOptions o;
     o.policy = std::move(p);
-    sb = std::make_unique<Sandbox>(std::move(o), std::move(k), Capabilities{true, true, true, true, true});
+    sb = std::make_unique<Sandbox>(std::move(o), std::move(k), Capabilities{true, true, true, true, true, true, true, true});
+    REQUIRE(sb->update_network({{"eth0"}, {}}).ok());
     REQUIRE(sb->start("agent").ok());
   }
   std::vector<std::string> diffs() {
@@ -130,7 +140,19 @@ TEST_CASE("verify_table names what someone else changed") {
     for (auto& r : f.kernel->table->rules) {
       if (r.chain == "active" && !r.comment.empty()) r.comment.clear();
     }
-    CHECK(contains(f.diffs(), "chain active: 2 rules, 2 expected (changed)"));
+    CHECK(contains(f.diffs(), "chain active: 7 rules, 7 expected (changed)"));
+  }
+  SUBCASE("table netdev egressd deleted") {
+    f.kernel->netdev.reset();
+    CHECK(f.diffs() == std::vector<std::string>{"table netdev egressd missing"});
+  }
+  SUBCASE("an egress chain deleted, egress_check flushed") {
+    std::erase(f.kernel->netdev->chains, "eg_eth0");
+    std::erase_if(f.kernel->netdev->rules, [](const nft::RuleInfo& r) { return r.chain != "egress_check"; });
+    std::erase_if(f.kernel->netdev->rules, [](const nft::RuleInfo& r) { return r.chain == "egress_check"; });
+    const auto d = f.diffs();
+    CHECK(contains(d, "chain eg_eth0 (table netdev egressd) missing"));
+    CHECK(contains(d, "chain egress_check (table netdev egressd): 0 rules, 3 expected"));
   }
   SUBCASE("a chain and a set deleted, another chain added") {
     std::erase(f.kernel->table->chains, "dns_redirect");
@@ -156,18 +178,23 @@ TEST_CASE("restore_table puts the phase in force back in one batch, same generat
     CAPTURE(table_gone);
     if (table_gone) {
       f.kernel->table.reset();
+      f.kernel->netdev.reset();
     } else {
       f.kernel->table->rules.push_back({"active", 0, "", 0, 0});
+      std::erase(f.kernel->netdev->chains, "eg_eth0");
     }
     const std::size_t before = f.kernel->applied.size();
     REQUIRE(f.sb->restore_table().ok());
-    REQUIRE(f.kernel->applied.size() == before + 1);  // one transaction, whatever was there
+    REQUIRE(f.kernel->applied.size() == before + 1);  // one transaction, whatever was there, both tables
     const auto& ops = f.kernel->applied.back().ops;
-    REQUIRE(ops.size() >= 4);
+    REQUIRE(ops.size() >= 7);
     CHECK(std::holds_alternative<nft::OpEnsureTable>(ops[0]));
     CHECK(std::holds_alternative<nft::OpDeleteTable>(ops[1]));
     CHECK(std::holds_alternative<nft::OpAddTable>(ops[2]));
-    const auto* elems = std::get_if<nft::OpAddElems>(&ops[3]);
+    CHECK(std::get<nft::OpEnsureTable>(ops[3]).family == nft::Family::netdev);
+    CHECK(std::get<nft::OpDeleteTable>(ops[4]).family == nft::Family::netdev);
+    CHECK(std::get<nft::OpAddTable>(ops[5]).table.family == nft::Family::netdev);
+    const auto* elems = std::get_if<nft::OpAddElems>(&ops[6]);
     REQUIRE(elems != nullptr);
     CHECK(elems->set == "ph_agent_d4");
     REQUIRE(elems->elems.size() == 1);
@@ -177,4 +204,19 @@ TEST_CASE("restore_table puts the phase in force back in one batch, same generat
     CHECK(f.sb->state().generation == 2);
     CHECK(f.sb->state().phase == "agent");
   }
+}
+
+TEST_CASE("an interface that disappears is not tampering; the restore builds for the interfaces there are") {
+  Fixture f;
+  REQUIRE(f.sb->update_network({{"eth0", "eth1"}, {}}).ok());
+  CHECK(f.diffs().empty());
+  REQUIRE(f.sb->update_network({{"eth1"}, {}}).ok());  // eth0 went: its chain goes, by egressd
+  CHECK(f.diffs().empty());
+  f.kernel->netdev.reset();
+  REQUIRE(f.sb->restore_table().ok());
+  CHECK(f.diffs().empty());
+  const auto& nd = std::get<nft::OpAddTable>(f.kernel->applied.back().ops[5]).table;
+  std::vector<std::string> chains;
+  for (const auto& c : nd.chains) chains.push_back(c.name);
+  CHECK(chains == std::vector<std::string>{"egress_check", "eg_eth1"});
 }

@@ -17,8 +17,11 @@ namespace {
 class FakeKernel : public nft::Kernel {
  public:
   std::vector<nft::Change> applied;
-  std::optional<nft::TableInfo> table;
+  std::optional<nft::TableInfo> table;   // inet egressd
+  std::optional<nft::TableInfo> netdev;  // netdev egressd
   std::optional<Error> fail_next;
+
+  std::optional<nft::TableInfo>& of(nft::Family f) { return f == nft::Family::netdev ? netdev : table; }
 
   Status apply(const nft::Change& ch) override {
     if (fail_next) {
@@ -32,22 +35,30 @@ class FakeKernel : public nft::Kernel {
         if (add->table.name != "egressd") continue;  // capability probes
         nft::TableInfo info;
         info.comment = add->table.comment;
+        for (const auto& st : add->table.sets) info.sets.push_back(st.name);
         for (const auto& c : add->table.chains) {
           info.chains.push_back(c.name);
           for (const auto& r : c.rules) info.rules.push_back({c.name, 0, r.comment, 0, 0});
         }
-        table = info;
+        of(add->table.family) = info;
       } else if (auto* del = std::get_if<nft::OpDeleteTable>(&op)) {
-        if (del->name == "egressd") table.reset();
+        if (del->name == "egressd") of(del->family).reset();
+      } else if (auto* en = std::get_if<nft::OpEnsureTable>(&op)) {
+        if (en->name == "egressd" && !of(en->family)) of(en->family).emplace();
       } else if (auto* fl = std::get_if<nft::OpFlushChain>(&op)) {
-        std::erase_if(table->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
+        std::erase_if(of(fl->family)->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
       } else if (auto* ar = std::get_if<nft::OpAddRule>(&op)) {
-        table->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
+        of(ar->family)->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
+      } else if (auto* ac = std::get_if<nft::OpAddChain>(&op)) {
+        of(ac->family)->chains.push_back(ac->chain.name);
+        for (const auto& r : ac->chain.rules) of(ac->family)->rules.push_back({ac->chain.name, 0, r.comment, 0, 0});
+      } else if (auto* dc = std::get_if<nft::OpDeleteChain>(&op)) {
+        std::erase(of(dc->family)->chains, dc->name);
       }
     }
     return {};
   }
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&) override { return table; }
+  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override { return of(f); }
 };
 
 Phase phase(std::string name, Mode mode, std::vector<std::string> entries = {}) {
@@ -65,7 +76,7 @@ Policy policy() {
   return p;
 }
 
-Capabilities all_caps() { return {true, true, true, true, true}; }
+Capabilities all_caps() { return {true, true, true, true, true, true, true, true}; }
 
 struct Fixture {
   FakeKernel* kernel;
@@ -82,14 +93,40 @@ struct Fixture {
   }
 };
 
+// Counts up from `first`: every draw differs and is predictable.
+std::function<std::uint32_t()> counter(std::uint32_t first) {
+  return [n = first]() mutable { return n++; };
+}
+
+bool only_netdev(const nft::Change& ch) {
+  for (const auto& op : ch.ops) {
+    const nft::Family f = std::visit(
+        [](const auto& o) {
+          using T = std::decay_t<decltype(o)>;
+          if constexpr (std::is_same_v<T, nft::OpAddTable>) {
+            return o.table.family;
+          } else if constexpr (requires { o.family; }) {
+            return o.family;
+          } else {
+            return nft::Family::inet;
+          }
+        },
+        op);
+    if (f != nft::Family::netdev) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("a fresh start installs the initial phase at generation 1 in one batch") {
   Fixture f;
   REQUIRE(f.sb->start("environment").ok());
   REQUIRE(f.kernel->applied.size() == 1);
-  CHECK(f.kernel->applied[0].ops.size() == 1);
+  // Table inet egressd, then table netdev egressd (ensure + delete + add).
+  REQUIRE(f.kernel->applied[0].ops.size() == 4);
   CHECK(std::holds_alternative<nft::OpAddTable>(f.kernel->applied[0].ops[0]));
+  CHECK(std::get<nft::OpAddTable>(f.kernel->applied[0].ops[3]).table.family == nft::Family::netdev);
   CHECK(f.sb->state().generation == 1);
   CHECK(f.sb->state().phase == "environment");
 }
@@ -155,7 +192,7 @@ TEST_CASE("a kernel refusal leaves the generation and phase as they were") {
   CHECK(f.sb->state().phase == "environment");
 }
 
-TEST_CASE("a restart adopts the phase and generation without touching the kernel") {
+TEST_CASE("a restart adopts the phase and generation without touching table inet egressd") {
   FakeKernel first;
   {
     Fixture f;
@@ -166,7 +203,8 @@ TEST_CASE("a restart adopts the phase and generation without touching the kernel
   }
   Fixture again(policy(), first.table);
   REQUIRE(again.sb->start("environment").ok());
-  CHECK(again.kernel->applied.empty());
+  REQUIRE(again.kernel->applied.size() == 1);
+  CHECK(only_netdev(again.kernel->applied[0]));  // the egress chains, for this namespace's interfaces
   CHECK(again.sb->state().phase == "agent");
   CHECK(again.sb->state().generation == 3);
   CHECK(again.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}})["generation"] == 4);
@@ -186,7 +224,7 @@ TEST_CASE("a restart with a changed config restages in one batch and keeps phase
   REQUIRE(again.sb->start("environment").ok());
   REQUIRE(again.kernel->applied.size() == 1);
   const auto& ops = again.kernel->applied[0].ops;
-  REQUIRE(ops.size() == 2);
+  REQUIRE(ops.size() == 5);  // inet: delete + add; netdev: ensure + delete + add
   CHECK(std::holds_alternative<nft::OpDeleteTable>(ops[0]));
   CHECK(std::holds_alternative<nft::OpAddTable>(ops[1]));
   CHECK(again.sb->state().phase == "verifier");
@@ -206,7 +244,8 @@ TEST_CASE("an adopted inline policy keeps its entries through the state file") {
   }
   Fixture again(policy(), table, state);
   REQUIRE(again.sb->start("environment").ok());
-  CHECK(again.kernel->applied.empty());
+  REQUIRE(again.kernel->applied.size() == 1);
+  CHECK(only_netdev(again.kernel->applied[0]));
   const json st = again.sb->status();
   CHECK(st["phase"] == "inline");
   CHECK(st["generation"] == 2);
@@ -215,17 +254,21 @@ TEST_CASE("an adopted inline policy keeps its entries through the state file") {
   rmdir(tmpl);
 }
 
-TEST_CASE("a fresh table gets a newly drawn own-traffic mark; a restart keeps the kernel's") {
+TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same config keeps the kernel's") {
   std::optional<nft::TableInfo> table;
   {
     auto k = std::make_unique<FakeKernel>();
     FakeKernel* kernel = k.get();
     SandboxOptions o;
     o.policy = policy();
-    o.new_own_mark = [] { return 0x5eed0001u; };
+    o.random = counter(0x5eed0001u);
     Sandbox sb(std::move(o), std::move(k), all_caps());
     REQUIRE(sb.start("environment").ok());
     CHECK(sb.own_mark() == 0x5eed0001u);
+    CHECK(sb.compile_options().pass_mark == 0x5eed0002u);
+    CHECK(sb.compile_options().pass_priority == 0x5eed0003u);
+    CHECK(sb.compile_options().mark_salt == 0x5eed0004u);
+    CHECK(sb.state().mark == nft::phase_mark(policy(), "environment", 0x5eed0004u));
     table = kernel->table;
   }
   auto k = std::make_unique<FakeKernel>();
@@ -233,11 +276,130 @@ TEST_CASE("a fresh table gets a newly drawn own-traffic mark; a restart keeps th
   k->table = table;
   SandboxOptions o;
   o.policy = policy();
-  o.new_own_mark = [] { return 0x5eed0002u; };
+  o.random = counter(0x60000001u);
   Sandbox again(std::move(o), std::move(k), all_caps());
   REQUIRE(again.start("environment").ok());
   CHECK(again.own_mark() == 0x5eed0001u);
-  CHECK(kernel->applied.empty());  // same config, same mark: adopted as is
+  CHECK(again.compile_options().pass_mark == 0x5eed0002u);
+  CHECK(again.compile_options().pass_priority == 0x5eed0003u);
+  CHECK(again.compile_options().mark_salt == 0x5eed0004u);  // same config: flows keep their marks
+  // The inet table is adopted as is; only the netdev table is rebuilt for the
+  // interfaces of this namespace.
+  REQUIRE(kernel->applied.size() == 1);
+  CHECK(only_netdev(kernel->applied[0]));
+}
+
+TEST_CASE("class 9: a changed config (phases reordered) gets a new mark salt, so no old mark names a phase") {
+  std::optional<nft::TableInfo> table;
+  std::uint32_t old_marks[3];
+  {
+    auto k = std::make_unique<FakeKernel>();
+    FakeKernel* kernel = k.get();
+    SandboxOptions o;
+    o.policy = policy();
+    o.random = counter(0x5eed0001u);
+    Sandbox sb(std::move(o), std::move(k), all_caps());
+    REQUIRE(sb.start("agent").ok());
+    for (int i = 0; i < 3; ++i) old_marks[i] = nft::phase_mark(policy(), policy().phases[i].name, 0x5eed0004u);
+    table = kernel->table;
+  }
+  Policy reordered = policy();
+  std::swap(reordered.phases[0], reordered.phases[2]);
+  auto k = std::make_unique<FakeKernel>();
+  k->table = table;
+  SandboxOptions o;
+  o.policy = reordered;
+  o.random = counter(0x60000001u);
+  Sandbox again(std::move(o), std::move(k), all_caps());
+  REQUIRE(again.start("environment").ok());
+  CHECK(again.state().phase == "agent");  // the phase in force and its generation stay
+  CHECK(again.own_mark() == 0x5eed0001u);  // the DNS proxy's sockets keep their mark
+  const std::uint32_t salt = again.compile_options().mark_salt;
+  CHECK(salt != 0x5eed0004u);
+  for (const auto& ph : reordered.phases) {
+    const std::uint32_t m = nft::phase_mark(reordered, ph.name, salt);
+    for (std::uint32_t old : old_marks) CHECK(m != old);
+  }
+  CHECK(again.state().mark == nft::phase_mark(reordered, "agent", salt));
+}
+
+TEST_CASE("relay upstreams go into the upstream sets at once and are kept by restore_table") {
+  Fixture f(policy());
+  REQUIRE(f.sb->start("environment").ok());
+  f.kernel->applied.clear();
+  REQUIRE(f.sb->add_relay_upstream(*parse_ip("198.51.100.53")).ok());
+  REQUIRE(f.kernel->applied.size() == 1);
+  const auto& add = std::get<nft::OpAddElems>(f.kernel->applied[0].ops.at(0));
+  CHECK(add.set == nft::kUpstreamSet4);
+  CHECK(add.elems.at(0).from.to_string() == "198.51.100.53");
+  // Idempotent; loopback addresses go to the loopback set.
+  REQUIRE(f.sb->add_relay_upstream(*parse_ip("198.51.100.53")).ok());
+  CHECK(f.kernel->applied.size() == 1);
+  REQUIRE(f.sb->add_relay_upstream(*parse_ip("127.0.0.11")).ok());
+  CHECK(std::get<nft::OpAddElems>(f.kernel->applied[1].ops.at(0)).set == nft::kLoUpstreamSet4);
+  CHECK(f.sb->relay_upstreams().size() == 2);
+  // A restore rebuilds the table with them.
+  f.kernel->applied.clear();
+  REQUIRE(f.sb->restore_table().ok());
+  bool found = false;
+  for (const auto& op : f.kernel->applied.at(0).ops) {
+    if (const auto* t = std::get_if<nft::OpAddTable>(&op); t && t->table.family == nft::Family::inet) {
+      for (const auto& set : t->table.sets) {
+        if (set.name == nft::kUpstreamSet4 && set.elems.size() == 1) found = set.elems[0].from.to_string() == "198.51.100.53";
+      }
+    }
+  }
+  CHECK(found);
+  REQUIRE(f.sb->remove_relay_upstream(*parse_ip("198.51.100.53")).ok());
+  CHECK(std::holds_alternative<nft::OpDeleteElems>(f.kernel->applied.back().ops.at(0)));
+  CHECK(f.sb->relay_upstreams().size() == 1);
+  IpPrefix net = *parse_ip("192.0.2.0");
+  net.prefix_len = 24;
+  CHECK_FALSE(f.sb->add_relay_upstream(net).ok());
+}
+
+TEST_CASE("interfaces that appear get an egress chain, those that go lose it, in one batch") {
+  Fixture f(policy());
+  REQUIRE(f.sb->update_network({{"eth0"}, {}}).ok());  // before start: what start builds with
+  CHECK(f.kernel->applied.empty());
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.kernel->netdev.has_value());
+  auto has = [&](const std::string& c) {
+    return std::find(f.kernel->netdev->chains.begin(), f.kernel->netdev->chains.end(), c) != f.kernel->netdev->chains.end();
+  };
+  CHECK(has("egress_check"));
+  CHECK(has("eg_eth0"));
+  f.kernel->applied.clear();
+  REQUIRE(f.sb->update_network({{"eth1"}, {}}).ok());
+  REQUIRE(f.kernel->applied.size() == 1);
+  CHECK(only_netdev(f.kernel->applied[0]));
+  CHECK(has("eg_eth1"));
+  CHECK_FALSE(has("eg_eth0"));
+  // The watcher's view is what verify compares against: no difference.
+  auto diffs = f.sb->verify_table();
+  REQUIRE(diffs.ok());
+  CHECK_MESSAGE(diffs->empty(), (diffs->empty() ? "" : diffs->front()));
+  // Same view again: nothing sent.
+  REQUIRE(f.sb->update_network({{"eth1"}, {}}).ok());
+  CHECK(f.kernel->applied.size() == 1);
+}
+
+TEST_CASE("without the egress hook there is no netdev table and no claim") {
+  Capabilities caps = all_caps();
+  caps.egress_hook = false;
+  auto k = std::make_unique<FakeKernel>();
+  FakeKernel* kernel = k.get();
+  SandboxOptions o;
+  o.policy = policy();
+  Sandbox sb(std::move(o), std::move(k), caps);
+  REQUIRE(sb.update_network({{"eth0"}, {}}).ok());
+  REQUIRE(sb.start("agent").ok());
+  CHECK_FALSE(kernel->netdev.has_value());
+  CHECK(sb.handle(json{{"cmd", "capabilities"}})["capabilities"]["block_raw_frames"] == false);
+  REQUIRE(sb.handle(json{{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == true);
+  for (const auto& op : kernel->applied.back().ops) {
+    if (const auto* fl = std::get_if<nft::OpFlushChain>(&op)) CHECK(fl->family == nft::Family::inet);
+  }
 }
 
 TEST_CASE("a table of our name without our state is replaced atomically") {
@@ -273,7 +435,10 @@ class FakeProxy : public dns::Proxy {
  public:
   std::map<std::string, std::vector<std::string>> answers;  // name -> addresses (ttl 5)
   std::vector<std::string> asked;
+  void set_forwarder(dns::ForwarderOptions) override {}
+  void serve(std::uint32_t) override {}
   std::uint16_t port() const override { return 53; }
+  bool port_fell_back() const override { return false; }
   dns::ProxyCounters counters() const override { return {7, 3, 1, 0}; }
   void resolve(const std::string& name, std::function<void(Result<std::vector<dns::Learned>>)> done) override {
     asked.push_back(name);

@@ -1,0 +1,112 @@
+#include "daemon/ctforget.h"
+
+#include <libmnl/libmnl.h>
+#include <linux/netfilter/nfnetlink.h>
+#include <linux/netfilter/nfnetlink_conntrack.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <boost/asio/post.hpp>
+#include <cerrno>
+#include <cstring>
+#include <spdlog/spdlog.h>
+
+#include "egressd/module_logger.h"
+
+namespace egressd::daemon {
+
+namespace {
+
+// Well above one event-loop turn of answers; a bigger batch is sent at once.
+constexpr std::size_t kMaxBatch = 32 * 1024;
+
+}  // namespace
+
+Result<std::unique_ptr<ConntrackForgetter>> ConntrackForgetter::open(boost::asio::io_context& io) {
+  UniqueFd fd(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_NETFILTER));
+  if (fd.get() < 0) return errno_error("conntrack netlink socket", errno);
+  sockaddr_nl sa{};
+  sa.nl_family = AF_NETLINK;
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    return errno_error("conntrack netlink bind", errno);
+  }
+  return std::unique_ptr<ConntrackForgetter>(new ConntrackForgetter(io, std::move(fd)));
+}
+
+void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
+  alignas(4) std::uint8_t buf[256];
+  std::memset(buf, 0, sizeof buf);
+  nlmsghdr* nlh = mnl_nlmsg_put_header(buf);
+  nlh->nlmsg_type = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE;
+  // No NLM_F_ACK: the kernel still reports errors, and they are drained.
+  nlh->nlmsg_flags = NLM_F_REQUEST;
+  nlh->nlmsg_seq = seq;
+  auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
+  const bool v4 = t.src.family == 4;
+  nfg->nfgen_family = v4 ? AF_INET : AF_INET6;
+  nfg->version = NFNETLINK_V0;
+  nfg->res_id = 0;
+  nlattr* tuple = mnl_attr_nest_start(nlh, CTA_TUPLE_ORIG);
+  nlattr* ip = mnl_attr_nest_start(nlh, CTA_TUPLE_IP);
+  if (v4) {
+    mnl_attr_put(nlh, CTA_IP_V4_SRC, 4, t.src.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V4_DST, 4, t.dst.bytes.data());
+  } else {
+    mnl_attr_put(nlh, CTA_IP_V6_SRC, 16, t.src.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V6_DST, 16, t.dst.bytes.data());
+  }
+  mnl_attr_nest_end(nlh, ip);
+  nlattr* proto = mnl_attr_nest_start(nlh, CTA_TUPLE_PROTO);
+  mnl_attr_put_u8(nlh, CTA_PROTO_NUM, IPPROTO_UDP);
+  mnl_attr_put_u16(nlh, CTA_PROTO_SRC_PORT, htons(t.sport));
+  mnl_attr_put_u16(nlh, CTA_PROTO_DST_PORT, htons(t.dport));
+  mnl_attr_nest_end(nlh, proto);
+  mnl_attr_nest_end(nlh, tuple);
+  out.insert(out.end(), buf, buf + nlh->nlmsg_len);
+}
+
+void ConntrackForgetter::forget(const dns::FlowTuple& t) {
+  if (t.src.family != t.dst.family || (t.src.family != 4 && t.src.family != 6)) return;
+  append_delete(batch_, t, seq_++);
+  ++pending_;
+  if (batch_.size() >= kMaxBatch) {
+    flush();
+    return;
+  }
+  if (scheduled_) return;
+  scheduled_ = true;
+  boost::asio::post(io_, [this, alive = alive_] {
+    if (*alive) flush();
+  });
+}
+
+void ConntrackForgetter::flush() {
+  scheduled_ = false;
+  if (batch_.empty()) return;
+  sockaddr_nl kernel{};
+  kernel.nl_family = AF_NETLINK;
+  const ssize_t n = ::sendto(fd_.get(), batch_.data(), batch_.size(), 0, reinterpret_cast<sockaddr*>(&kernel),
+                             sizeof kernel);
+  if (n < 0) {
+    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", std::strerror(errno));
+  }
+  sent_ += pending_;
+  pending_ = 0;
+  // The kernel handled the batch inside sendto; its error reports (ENOENT
+  // for flows already gone) are queued now. Read them, so the socket's
+  // buffer never fills.
+  alignas(4) std::uint8_t rbuf[8192];
+  for (;;) {
+    const ssize_t r = ::recv(fd_.get(), rbuf, sizeof rbuf, MSG_DONTWAIT);
+    if (r <= 0) break;
+    int len = static_cast<int>(r);
+    for (auto* h = reinterpret_cast<nlmsghdr*>(rbuf); mnl_nlmsg_ok(h, len); h = mnl_nlmsg_next(h, &len)) {
+      if (h->nlmsg_type != NLMSG_ERROR) continue;
+      const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(h));
+      if (e->error != 0 && e->error != -ENOENT) ++failed_;
+    }
+  }
+  batch_.clear();
+}
+
+}  // namespace egressd::daemon

@@ -1,0 +1,84 @@
+// The namespace's network devices and on-link IPv6 prefixes, read from
+// rtnetlink and watched for changes. Table netdev egressd needs one egress
+// chain per non-loopback interface, interfaces that appear later included (a
+// veth moved in after egressd started), and neighbour discovery may address
+// on-link global IPv6 neighbours only (compile.h, kOnlinkSet6).
+//
+// Kept small on purpose: the message parsing is pure (parse_link,
+// parse_onlink6_route, tested on hand-built messages), and NetWatch only owns
+// two sockets: one subscribed to RTMGRP_LINK and RTMGRP_IPV6_ROUTE that says
+// "something changed", one for dumps. It does not track state from the
+// notifications; every change is answered with a fresh dump (changes are rare,
+// and a lost notification, ENOBUFS, then costs nothing). When the netlink
+// receive loops are unified into one transport, the two sockets become
+// requests to it and the parsing stays as it is.
+//
+// Not thread-safe: used from the daemon's event loop.
+#pragma once
+
+#include <linux/netlink.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "egressd/policy.h"
+#include "egressd/result.h"
+#include "egressd/unique_fd.h"
+
+namespace egressd::daemon {
+
+// What table netdev egressd and the on-link set are built from.
+struct NetworkView {
+  std::vector<std::string> interfaces;  // non-loopback interface names, sorted
+  std::vector<IpPrefix> onlink6;        // see parse_onlink6_route, sorted
+  friend bool operator==(const NetworkView&, const NetworkView&) = default;
+};
+
+struct LinkInfo {
+  int index = 0;
+  std::string name;
+  bool loopback = false;  // IFF_LOOPBACK
+};
+
+// One RTM_NEWLINK message (a dump entry or a notification); nullopt for any
+// other message or a malformed one.
+std::optional<LinkInfo> parse_link(const nlmsghdr* nlh);
+
+// One RTM_NEWROUTE message for AF_INET6: the destination prefix when the route
+// says "on-link": a unicast route with no gateway (no RTA_GATEWAY, no
+// RTA_MULTIPATH) through an interface other than `loopback_ifindexes`, and a
+// destination that is not link-local or multicast (those are allowed anyway).
+// nullopt otherwise.
+std::optional<IpPrefix> parse_onlink6_route(const nlmsghdr* nlh, const std::vector<int>& loopback_ifindexes);
+
+class NetWatch {
+ public:
+  // Opens both sockets in the current network namespace. Error names the step.
+  static Result<NetWatch> open();
+
+  // Readable when notifications are queued (for the event loop).
+  int fd() const { return events_.get(); }
+
+  // Reads every queued notification without blocking. True when one of them
+  // may change the view (a link, or an IPv6 route) or some were lost
+  // (ENOBUFS); the caller then dumps.
+  Result<bool> drain();
+
+  // Links and IPv6 routes, now. Waits at most 2 s for the kernel.
+  Result<NetworkView> dump();
+
+ private:
+  NetWatch(UniqueFd events, UniqueFd requests) : events_(std::move(events)), requests_(std::move(requests)) {}
+  // Sends one dump request and hands each reply message to on_msg until
+  // NLMSG_DONE; a dump interrupted by a change is started over.
+  Status dump_request(std::uint16_t type, std::uint8_t family, const std::function<void(const nlmsghdr*)>& on_msg);
+
+  UniqueFd events_;
+  UniqueFd requests_;
+  std::uint32_t seq_ = 1;
+};
+
+}  // namespace egressd::daemon

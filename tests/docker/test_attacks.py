@@ -1,0 +1,216 @@
+"""Issue 14's Docker-specific attacks, performed from inside the task container the way a
+sandboxed process would: as root with Docker's default capabilities (NET_RAW,
+NET_BIND_SERVICE; `ip_unprivileged_port_start=0`), and as uid 65534 with none. Each test
+asserts the promise of issue 14 and DESIGN §1 (threat model); on today's tree they FAIL,
+and they pass once the fixes land. Nothing here is xfail on purpose.
+
+  class 4   Docker's embedded resolver reached directly on its real random port
+  class 3   127.0.0.11:53 taken by a task process; egressd's upstream query delivered to it
+  class 10  port 53 squatted while egressd restarts
+  class 1   forged "inbound" flows (IPv6 FREEBIND, no capability; IPv4 IP_TRANSPARENT, NET_RAW)
+            on Docker's networks, IPv6 included (`docker network create --ipv6`)
+  class 5   raw frames (AF_PACKET, Docker's default NET_RAW) to a denied host
+
+The attack code is tests/docker/taskprobe.py, run in the task with the host's python3.
+Tests marked "shared" reuse one sandbox per (topology, mode): they change no policy.
+"""
+import os
+import socket
+import time
+
+import pytest
+
+import dockerlab
+from dockerlab import DOCKER_DNS, NOBODY, SERVER_A, SERVER_B, SINK_PORT, V6, LabError, wait_for
+from topologies import TOPOLOGIES
+
+MODES = ("allowlist", "no-network")
+# The shipped compose example's task drops every capability: NET_RAW attacks are moot there.
+NET_RAW_TOPOLOGIES = ("harbor", "netns-pid")
+# Restarting egressd in the same namespace: not Harbor's layout (its sidecar owns the
+# namespace, a restart of it is a new namespace for the whole project).
+RESTART_TOPOLOGIES = ("netns-pid", "compose-example")
+WHO = {None: "root", NOBODY: "uid 65534"}
+
+
+def shared(sandboxes, topology, mode, network="v4"):
+    allow = []
+    if mode == "allowlist":
+        allow = [SERVER_A] if network == "v4" else [V6.server_a4, V6.server_a6]
+    return sandboxes(topology, mode, allow, network, shared=True)
+
+
+def secret_name(what: str) -> str:
+    return f"{what}-{os.getpid()}-{time.monotonic_ns() % 10**9}.example.com"
+
+
+# --- class 4 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_dockers_resolver_is_not_reachable_on_its_real_port(sandboxes, session, topology, mode):
+    """Docker's resolver listens on 127.0.0.11:<random> (udp and tcp) behind its DNAT of :53.
+    No process but egressd may reach it, on any port: a task process that reads the ports
+    from /proc/net/udp and /proc/net/tcp and queries them directly gets no answer."""
+    sb = shared(sandboxes, topology, mode)
+    secret = secret_name("resolver-port")
+    answered = []
+    for user in (None, NOBODY):
+        r = sb.probe("resolver-ports", secret, user=user)
+        assert r["udp_ports"] and r["tcp_ports"], f"no socket of Docker's resolver in the task's /proc/net: {r}"
+        answered += [f"{WHO[user]} {proto} 127.0.0.11:{x['port']} -> {x['rcode']} {x['addresses']}"
+                     for proto in ("udp", "tcp") for x in r[proto] if x["outcome"] == "ok"]
+    assert not answered, f"Docker's resolver answered task processes directly: {answered}"
+    assert secret not in session.dns_log()
+
+
+# --- class 3 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_loopback_upstream_port_is_held_by_egressd(sandboxes, topology, mode):
+    """127.0.0.11 is egressd's upstream (Docker's resolver, from resolv.conf or the policy
+    file); egressd owns 127.0.0.11:53 (udp and tcp) before it serves, so no task process,
+    privileged or not, can take it."""
+    sb = shared(sandboxes, topology, mode)
+    took = []
+    for user in (None, NOBODY):
+        r = sb.probe("bind", DOCKER_DNS, "53", user=user)
+        took += [f"{WHO[user]} bound 127.0.0.11:53/{proto}" for proto in ("udp", "tcp") if r[proto] == "ok"]
+    assert not took, f"egressd does not hold its loopback upstream's port: {took}"
+
+
+def conntrack_lines(sb, *needles) -> list[str]:
+    try:
+        text = open(f"/proc/{sb.task.pid}/net/nf_conntrack").read()
+    except OSError:
+        return []
+    return [l for l in text.splitlines() if all(n in l for n in needles)]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_loopback_upstream_cannot_be_hijacked(sandboxes, session, topology):
+    """The attack itself (uid 65534, no capability): take 127.0.0.11:53, wait until egressd's
+    upstream flow has been idle for the conntrack UDP timeout, send one datagram from
+    127.0.0.11:53 to egressd's upstream port, then ask for a fresh allowed name: egressd's
+    query rides the task's flow as its reply direction, escapes Docker's DNAT and lands on
+    the task's socket, which answers with SERVER_A. egressd must not learn it.
+
+    The harness shortens the task namespace's conntrack UDP timeouts (30 s / 120 s) to 1 s
+    beforehand: it stands in for the idle time, which the suite cannot spend; the attacker
+    needs no privilege for anything it does."""
+    sb = sandboxes(topology, "allowlist", ["*.wild.example.org"])
+    ns = sb.ns()
+    ns.sysctl("net.netfilter.nf_conntrack_udp_timeout", 1)
+    ns.sysctl("net.netfilter.nf_conntrack_udp_timeout_stream", 1)
+    attacker = sb.task.probe_proc("hijack-upstream", "wild.example.org", SERVER_A, user=NOBODY)
+    try:
+        ports = attacker.ready["upstream_ports"]
+        # egressd's flow to 127.0.0.11:53 gone from conntrack: the idle time has passed.
+        for p in ports:
+            wait_for(lambda: not conntrack_lines(sb, "dst=127.0.0.11 ", f"sport={p} ", "dport=53 "), 15.0,
+                     f"egressd's upstream flow (port {p}) to expire from conntrack")
+        attacker.send("go")
+        res = attacker.result(timeout=30.0)
+    finally:
+        attacker.close()
+    got = res["victim"] or {}
+    assert not res["poisoned"] and SERVER_A not in got.get("addresses", []), (
+        f"egressd's upstream query reached the task's socket on 127.0.0.11:53 (bind {attacker.ready['bind']}, "
+        f"egressd's port {ports}, it asked for {res['queries_seen']}) and the client got {got}")
+    assert SERVER_A not in sb.reachable(), "the forged address was learned: SERVER_A is open"
+
+
+# --- class 10 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", RESTART_TOPOLOGIES)
+def test_port_53_squatted_across_a_restart(sandboxes, session, topology):
+    """While egressd is down, any uid of a Docker task can bind 127.0.0.1:53 and [::1]:53
+    (ip_unprivileged_port_start=0). The restarted egressd must still come up, enforce, answer
+    its socket and own the task's DNS: the squatter gets no query."""
+    sb = sandboxes(topology, "allowlist", [SERVER_A])
+    squatter, tail = None, ""
+
+    def squat():
+        nonlocal squatter
+        squatter = sb.task.probe_proc("squat", "127.0.0.1", "::1", "--port", "53", user=NOBODY)
+
+    try:
+        failure = None
+        try:
+            sb.restart_egressd(meanwhile=squat)
+        except LabError as e:
+            failure = (f"egressd did not come back while a task process held port 53 "
+                       f"({squatter.ready['binds'] if squatter else '?'}): {e}")
+        if failure:
+            pytest.fail(failure, pytrace=False)
+        st = sb.status()
+        assert (st["mode"], [e["entry"] for e in st["entries"]]) == ("allowlist", [SERVER_A]), st
+        assert sb.reachable() == {SERVER_A}
+        secret = secret_name("squat")
+        r = sb.probe("query", secret, DOCKER_DNS)
+        assert r["rcode"] == "REFUSED" and squatter.ready["forged"] not in r["addresses"], r
+        r = sb.ns().dns_query(secret, server=SERVER_B)
+        assert r.rcode == "REFUSED", r
+    finally:
+        if squatter:
+            tail = squatter.close()
+    assert '"queries": 0' in tail, f"the squatter answered the task's queries: {tail}"
+
+
+# --- class 1 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_ipv6_forged_inbound_flow(sandboxes, topology, mode):
+    """On an IPv6 network (docker network create --ipv6), uid 65534 binds a UDP socket to a
+    denied server's address with IPV6_FREEBIND (no capability needed) and sends itself one
+    datagram over loopback; conntrack then takes what the task sends to that server for the
+    reply direction of an inbound flow. No two-way UDP may follow."""
+    sb = shared(sandboxes, topology, mode, network="v6")
+    r = sb.probe("forged-flow", V6.server_b6, str(dockerlab.ECHO_PORT), user=NOBODY)
+    assert r.get("forge") is None, f"the attack could not even start: {r}"
+    assert not r["echo"], f"uid 65534 exchanged UDP with denied [{V6.server_b6}]:7 in {mode}: {r}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topology", NET_RAW_TOPOLOGIES)
+def test_ipv4_forged_inbound_flow(sandboxes, topology, mode):
+    """The same over IPv4 with IP_TRANSPARENT, which Docker's default NET_RAW allows root."""
+    sb = shared(sandboxes, topology, mode)
+    r = sb.probe("forged-flow", SERVER_B, str(dockerlab.ECHO_PORT))
+    assert r.get("forge") is None, f"the attack could not even start: {r}"
+    assert not r["echo"], f"root (Docker's default capabilities) exchanged UDP with denied {SERVER_B}:7 in {mode}: {r}"
+
+
+# --- class 5 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("topology", NET_RAW_TOPOLOGIES)
+def test_raw_frames_do_not_leave(sandboxes, session, topology, mode):
+    """Root with Docker's default NET_RAW writes Ethernet frames with AF_PACKET (plain and
+    with PACKET_QDISC_BYPASS): UDP to the denied SERVER_B, whose port the host listens on.
+    Nothing may arrive."""
+    sb = shared(sandboxes, topology, mode)
+    token = f"raw-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind((SERVER_B, SINK_PORT))
+        r = sb.probe("raw-frame", sb.net.mac, SERVER_B, str(SINK_PORT), token)
+        assert r["socket"] == "ok", f"no AF_PACKET socket for root in the task: {r}"
+        arrived = []
+        # Frames that leave arrive within microseconds over the bridge; a second is generous.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and len(arrived) < 2:
+            sink.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                data, peer = sink.recvfrom(2048)
+            except TimeoutError:
+                break
+            if data.startswith(token.encode()):
+                arrived.append(data.decode())
+    assert not arrived, f"raw frames from the task reached denied {SERVER_B} in {mode}: {arrived} (send: {r})"

