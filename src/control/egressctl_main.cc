@@ -274,6 +274,24 @@ int cmd_ping(const Options& o) {
   });
 }
 
+// rules / metrics: the daemon's text, printed as it comes (`field`: "ruleset" or "text").
+int print_text(const Json& r, const char* field) {
+  if (!r.contains(field) || !r[field].is_string()) {
+    std::cerr << "error: egressd's reply has no \"" << field << "\" text\n";
+    return kExitRuntime;
+  }
+  std::cout << r[field].get<std::string>() << std::flush;
+  return kExitOk;
+}
+
+int cmd_rules(const Options& o) {
+  return run(o, {{"cmd", "rules"}}, [](const Json& r) { return print_text(r, "ruleset"); });
+}
+
+int cmd_metrics(const Options& o) {
+  return run(o, {{"cmd", "metrics"}}, [](const Json& r) { return print_text(r, "text"); });
+}
+
 // denied: the records; --follow asks again and again with the last id seen
 // as the cursor, each request waiting in the daemon (long-poll) until a new
 // record or wait_ms, so a quiet sandbox costs one request every 20 s.
@@ -366,6 +384,8 @@ int main(int argc, char** argv) {
       {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
       {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
       {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
+      {"rules", "print egressd's tables as the kernel holds them (nft text, with counters)", cmd_rules},
+      {"metrics", "print egressd's counters in the Prometheus text format", cmd_metrics},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
