@@ -52,6 +52,12 @@ int main(int argc, char** argv) {
   d->add_option("--names", run.names, "resolved (phase, name) pairs kept for `hosts` and attribution")
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
+  d->add_option("--metrics-file", run.metrics_file,
+                "write the `egressctl metrics` text to this file (atomically: temp file + rename) every "
+                "--metrics-interval seconds, for node_exporter's textfile collector (name it *.prom)");
+  d->add_option("--metrics-interval", run.metrics_interval_s, "seconds between --metrics-file writes")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
   d->add_flag("--cleanup-on-exit", run.cleanup_on_exit, "delete the nftables table on SIGTERM/SIGINT");
   d->add_option("--log-format", run.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   d->add_option("--verify-interval", run.verify_interval_s,
