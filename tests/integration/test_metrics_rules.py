@@ -40,7 +40,7 @@ def families(text: str) -> dict:
     return {f.name: f for f in parser.text_string_to_metric_families(text)}
 
 
-def value(fams: dict, family: str, sample: str | None = None, **labels) -> float:
+def value(fams: dict, family: str, sample: str | None = None, /, **labels) -> float:
     """The one sample of `family` named `sample` (default: the family's own name, or name_total
     for a counter) with exactly these labels (a histogram bucket: le=...)."""
     f = fams[family]
@@ -147,7 +147,7 @@ def test_metrics_move_with_switches_traffic_dns_and_requests(lab, egressd):
     assert value(m7, "egressd_control_requests", command="apply", result="ok") == 2
     assert value(m7, "egressd_control_requests", command="apply", result="unknown_phase") == 1
     assert value(m7, "egressd_control_requests", command="unknown", result="unknown_command") == 1
-    assert value(m7, "egressd_control_requests", command="metrics", result="ok") == 7  # m0..m6
+    assert value(m7, "egressd_control_requests", command="metrics", result="ok") == 9  # m0..m6, m4b, m4c
     assert "frobnicate" not in str(m7["egressd_control_requests"].samples)
 
     # Tampering: seen and restored.
