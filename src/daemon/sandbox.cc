@@ -873,6 +873,14 @@ json Sandbox::status() {
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
   const Traffic t = traffic();
+  json by_family = json::object();
+  for (int f : {0, 1}) {
+    const auto& c = t.family[f];
+    by_family[f == 0 ? "ipv4" : "ipv6"] = {{"allowed_packets", c.allowed_packets},
+                                           {"allowed_bytes", c.allowed_bytes},
+                                           {"denied_packets", c.denied_packets},
+                                           {"denied_bytes", c.denied_bytes}};
+  }
   json phases = json::array();
   for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
   json j{{"phase", state_.phase},
@@ -885,6 +893,7 @@ json Sandbox::status() {
            {"allowed_bytes", t.allowed_bytes},
            {"denied_packets", t.denied_packets},
            {"denied_bytes", t.denied_bytes}}},
+         {"counters_by_family", by_family},
          {"learned", learned},
          {"phases", phases},
          {"netns", opts_.netns},
@@ -905,20 +914,39 @@ json Sandbox::status() {
 Sandbox::Traffic Sandbox::traffic() {
   // Cumulative across switches: `counter jump active` in chain output sees
   // every packet the policy decides; what `deny` did not take was allowed
-  // (the chains are dumped one after the other, hence the clamp).
-  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
+  // (the chains are dumped one after the other, hence the clamps). The early
+  // denies in output count there and in deny. By family: the IPv4 share of
+  // each is counted by count-only rules (nft/compile.h), IPv6 is the rest.
+  struct Pb {
+    std::uint64_t p = 0, b = 0;
+    void add(const nft::RuleInfo& r) { p += r.packets, b += r.bytes; }
+  };
+  auto sub = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
+  Pb decided, denied, lo4, at4, past4, jump4, denied4;
   if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
     for (const auto& r : (*info)->rules) {
       if (r.chain == "deny") {
-        dp += r.packets;
-        db += r.bytes;
+        (r.comment == nft::kCountV4Denied ? denied4 : denied).add(r);
       } else if (r.chain == "output") {
-        pp += r.packets;
-        pb += r.bytes;
+        if (r.comment == nft::kCountV4AtSaddrCheck) {
+          at4.add(r);
+        } else if (r.comment == nft::kCountV4PastSaddrCheck) {
+          past4.add(r);
+        } else if (r.comment == nft::kCountV4Decided) {
+          jump4.add(r);
+        } else {
+          decided.add(r);
+          if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);
+        }
       }
     }
   }
-  return {pp > dp ? pp - dp : 0, pb > db ? pb - db : 0, dp, db};
+  Traffic t{sub(decided.p, denied.p), sub(decided.b, denied.b), denied.p, denied.b, {}};
+  const Pb decided4{lo4.p + sub(at4.p, past4.p) + jump4.p, lo4.b + sub(at4.b, past4.b) + jump4.b};
+  t.family[0] = {sub(decided4.p, denied4.p), sub(decided4.b, denied4.b), denied4.p, denied4.b};
+  const std::uint64_t d6p = sub(denied.p, denied4.p), d6b = sub(denied.b, denied4.b);
+  t.family[1] = {sub(sub(decided.p, decided4.p), d6p), sub(sub(decided.b, decided4.b), d6b), d6p, d6b};
+  return t;
 }
 
 Status Sandbox::remove_table() {

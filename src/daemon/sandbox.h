@@ -292,6 +292,11 @@ class Sandbox : public dns::PolicyHooks {
   // (status and metrics).
   struct Traffic {
     std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
+    // The same split by family: [0] IPv4, [1] IPv6.
+    struct Counts {
+      std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
+    };
+    Counts family[2];
   };
   Traffic traffic();
   // src/daemon/sandbox_rules.cc and sandbox_metrics.cc.

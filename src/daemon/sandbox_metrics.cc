@@ -87,12 +87,19 @@ std::string Sandbox::metrics_text() {
 
   const Traffic t = traffic();
   w.family("egressd_packets_total", "counter",
-           "Packets the policy decided in chain output, by verdict; kept in the kernel across switches and restarts.");
-  w.sample("egressd_packets_total", t.allowed_packets, "verdict=\"allowed\"");
-  w.sample("egressd_packets_total", t.denied_packets, "verdict=\"denied\"");
-  w.family("egressd_bytes_total", "counter", "Bytes of those packets, by verdict.");
-  w.sample("egressd_bytes_total", t.allowed_bytes, "verdict=\"allowed\"");
-  w.sample("egressd_bytes_total", t.denied_bytes, "verdict=\"denied\"");
+           "Packets the policy decided in chain output, by verdict and family; kept in the kernel across switches "
+           "and restarts.");
+  for (int f : {0, 1}) {
+    const std::string fam = f == 0 ? ",family=\"ipv4\"" : ",family=\"ipv6\"";
+    w.sample("egressd_packets_total", t.family[f].allowed_packets, "verdict=\"allowed\"" + fam);
+    w.sample("egressd_packets_total", t.family[f].denied_packets, "verdict=\"denied\"" + fam);
+  }
+  w.family("egressd_bytes_total", "counter", "Bytes of those packets, by verdict and family.");
+  for (int f : {0, 1}) {
+    const std::string fam = f == 0 ? ",family=\"ipv4\"" : ",family=\"ipv6\"";
+    w.sample("egressd_bytes_total", t.family[f].allowed_bytes, "verdict=\"allowed\"" + fam);
+    w.sample("egressd_bytes_total", t.family[f].denied_bytes, "verdict=\"denied\"" + fam);
+  }
 
   if (proxy_ != nullptr) {
     const auto c = proxy_->counters();

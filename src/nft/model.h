@@ -67,6 +67,9 @@ struct MatchMetaMark { std::uint32_t value; bool negate = false; };
 struct MatchMetaPriority { std::uint32_t value; };
 // meta protocol arp (the frame's ethertype; netdev chains)
 struct MatchMetaProtocolArp {};
+// meta nfproto ipv4|ipv6 (family 4 or 6): the packet's family in an inet
+// chain; every packet there is one or the other.
+struct MatchMetaNfproto { std::uint8_t family; };
 // ct direction reply
 struct MatchCtDirectionReply {};
 // ct direction original
@@ -136,6 +139,7 @@ enum class VerdictKind { accept, drop, jump, goto_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
+                          MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,

@@ -413,6 +413,9 @@ class RuleBuilder {
     const std::uint16_t arp = htons(0x0806);  // ETH_P_ARP, in the frame's byte order
     cmp(NFT_CMP_EQ, &arp, sizeof arp);
   }
+  // The same two expressions as the dependency nft puts before `ip daddr`,
+  // and like it they stand for the family for the rest of the rule.
+  void operator()(const MatchMetaNfproto& m) { nfproto(m.family); }
   void operator()(const MatchCtDirectionReply&) {
     ct_load(NFT_CT_DIRECTION);
     cmp_u8(IP_CT_DIR_REPLY);

@@ -123,6 +123,9 @@ struct StmtText {
   }
   std::string operator()(const MatchMetaPriority& m) const { return "meta priority " + priority_text(m.value); }
   std::string operator()(const MatchMetaProtocolArp&) const { return "meta protocol arp"; }
+  std::string operator()(const MatchMetaNfproto& m) const {
+    return m.family == 4 ? "meta nfproto ipv4" : "meta nfproto ipv6";
+  }
   std::string operator()(const MatchCtDirectionReply&) const { return "ct direction reply"; }
   std::string operator()(const MatchCtDirectionOriginal&) const { return "ct direction original"; }
   std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }

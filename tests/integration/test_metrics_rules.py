@@ -31,6 +31,7 @@ phases:
   verifier: { network_mode: no-network }
 """
 ALLOWED_V4, DENIED_V4 = "198.51.100.10", "203.0.113.10"
+ALLOWED_V6 = "2001:db8:2::10"
 
 
 def families(text: str) -> dict:
@@ -39,7 +40,7 @@ def families(text: str) -> dict:
     return {f.name: f for f in parser.text_string_to_metric_families(text)}
 
 
-def value(fams: dict, family: str, sample: str | None = None, **labels) -> float:
+def value(fams: dict, family: str, sample: str | None = None, /, **labels) -> float:
     """The one sample of `family` named `sample` (default: the family's own name, or name_total
     for a counter) with exactly these labels (a histogram bucket: le=...)."""
     f = fams[family]
@@ -82,16 +83,43 @@ def test_metrics_move_with_switches_traffic_dns_and_requests(lab, egressd):
     assert "agent" not in {s.labels.get("phase") for s in m1["egressd_phase_info"].samples}
     assert d.ctl("apply", "agent")[0] == 0
 
-    # Traffic: a denied connect moves the denied counters, an allowed one the allowed ones.
+    # Traffic, by family: a denied IPv4 connect moves the IPv4 denied counters, an allowed
+    # IPv4 one the IPv4 allowed ones, an allowed IPv6 exchange the IPv6 allowed ones.
+    def packets(m, verdict, family):
+        return value(m, "egressd_packets", verdict=verdict, family=family)
+
+    def octets(m, verdict, family):
+        return value(m, "egressd_bytes", verdict=verdict, family=family)
+
     m2 = metrics(d)
     assert lab.tcp_connect(DENIED_V4, 80) == "refused"
     m3 = metrics(d)
-    assert value(m3, "egressd_packets", verdict="denied") >= value(m2, "egressd_packets", verdict="denied") + 1
-    assert value(m3, "egressd_bytes", verdict="denied") > value(m2, "egressd_bytes", verdict="denied")
+    assert packets(m3, "denied", "ipv4") >= packets(m2, "denied", "ipv4") + 1
+    assert octets(m3, "denied", "ipv4") > octets(m2, "denied", "ipv4")
+    assert packets(m3, "allowed", "ipv4") == packets(m2, "allowed", "ipv4")
     assert lab.tcp_connect(ALLOWED_V4, 80) == "ok"
     m4 = metrics(d)
-    assert value(m4, "egressd_packets", verdict="allowed") > value(m3, "egressd_packets", verdict="allowed")
-    assert value(m4, "egressd_packets", verdict="denied") == value(m3, "egressd_packets", verdict="denied")
+    assert packets(m4, "allowed", "ipv4") > packets(m3, "allowed", "ipv4")
+    assert octets(m4, "allowed", "ipv4") > octets(m3, "allowed", "ipv4")
+    assert packets(m4, "denied", "ipv4") == packets(m3, "denied", "ipv4")
+    assert packets(m4, "allowed", "ipv6") == packets(m3, "allowed", "ipv6")
+    assert lab.tcp_connect(ALLOWED_V6, 80) == "ok"
+    m4b = metrics(d)
+    # SYN, ACK, the payload, FIN at least: each a packet the policy decided.
+    assert packets(m4b, "allowed", "ipv6") >= packets(m4, "allowed", "ipv6") + 3
+    assert octets(m4b, "allowed", "ipv6") > octets(m4, "allowed", "ipv6")
+    assert packets(m4b, "allowed", "ipv4") == packets(m4, "allowed", "ipv4")
+    assert packets(m4b, "denied", "ipv4") == packets(m4, "denied", "ipv4")
+    # status keeps its totals, the sum of the families, and has the same split (the sandbox
+    # is idle between the two reads; only the kernel's own MLD reports, IPv6 denied, may come).
+    st = d.request({"cmd": "status"})
+    m4c = metrics(d)
+    assert st["counters"]["allowed_packets"] == sum(packets(m4c, "allowed", f) for f in ("ipv4", "ipv6"))
+    assert st["counters"]["allowed_bytes"] == sum(octets(m4c, "allowed", f) for f in ("ipv4", "ipv6"))
+    for verdict in ("allowed", "denied"):
+        assert st["counters_by_family"]["ipv4"][f"{verdict}_packets"] == packets(m4c, verdict, "ipv4")
+        assert st["counters_by_family"]["ipv4"][f"{verdict}_bytes"] == octets(m4c, verdict, "ipv4")
+    assert st["counters_by_family"]["ipv6"]["allowed_packets"] == packets(m4c, "allowed", "ipv6")
 
     # DNS: a refused name, then an allowed one (forwarded, answered, its addresses learned).
     r = lab.dns_query("c.example.net")
@@ -119,7 +147,7 @@ def test_metrics_move_with_switches_traffic_dns_and_requests(lab, egressd):
     assert value(m7, "egressd_control_requests", command="apply", result="ok") == 2
     assert value(m7, "egressd_control_requests", command="apply", result="unknown_phase") == 1
     assert value(m7, "egressd_control_requests", command="unknown", result="unknown_command") == 1
-    assert value(m7, "egressd_control_requests", command="metrics", result="ok") == 7  # m0..m6
+    assert value(m7, "egressd_control_requests", command="metrics", result="ok") == 9  # m0..m6, m4b, m4c
     assert "frobnicate" not in str(m7["egressd_control_requests"].samples)
 
     # Tampering: seen and restored.

@@ -86,6 +86,8 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchIpv6RoutingHeader{}) == "exthdr rt exists");
   CHECK(one(MatchIpv4SourceRoute{false}) == "ip option lsrr exists");
   CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");
+  CHECK(one(MatchMetaNfproto{4}) == "meta nfproto ipv4");
+  CHECK(one(MatchMetaNfproto{6}) == "meta nfproto ipv6");
   auto pfx = [](const char* a, int len) {
     IpPrefix p = ip(a);
     p.prefix_len = static_cast<std::uint8_t>(len);

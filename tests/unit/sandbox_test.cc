@@ -757,9 +757,11 @@ TEST_CASE("metrics: switches, generation, phase, traffic and control requests by
   CHECK(has_line(text, "egressd_switch_failures_total 0"));
   CHECK(has_line(text, "egressd_generation 2"));
   CHECK(has_line(text, "egressd_phase_info{phase=\"agent\",mode=\"allowlist\"} 1"));
-  CHECK(has_line(text, "egressd_packets_total{verdict=\"allowed\"} 7"));
-  CHECK(has_line(text, "egressd_packets_total{verdict=\"denied\"} 3"));
-  CHECK(has_line(text, "egressd_bytes_total{verdict=\"allowed\"} 700"));
+  // No IPv4 counted apart: all of it IPv6.
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"allowed\",family=\"ipv6\"} 7"));
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"denied\",family=\"ipv6\"} 3"));
+  CHECK(has_line(text, "egressd_bytes_total{verdict=\"allowed\",family=\"ipv6\"} 700"));
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"allowed\",family=\"ipv4\"} 0"));
   CHECK(has_line(text, "egressd_control_requests_total{command=\"apply\",result=\"ok\"} 1"));
   CHECK(has_line(text, "egressd_control_requests_total{command=\"apply\",result=\"unknown_phase\"} 1"));
   // An invented command is counted, under a fixed label value.
@@ -775,6 +777,63 @@ TEST_CASE("metrics: switches, generation, phase, traffic and control requests by
   CHECK(has_line(with_guard, "egressd_tamper_detected_total 4"));
   CHECK(has_line(with_guard, "egressd_tamper_restores_total 3"));
   CHECK(has_line(with_guard, "egressd_control_requests_total{command=\"metrics\",result=\"ok\"} 1"));
+}
+
+TEST_CASE("traffic by family: IPv4 counted apart, IPv6 the rest, the totals as before") {
+  Fixture f;
+  REQUIRE(f.sb->start("agent").ok());
+  // The kernel's view of chain output and deny: packets (bytes are 100 each).
+  auto set = [](nft::RuleInfo* r, std::uint64_t packets) {
+    REQUIRE(r != nullptr);
+    r->packets = packets, r->bytes = 100 * packets;
+  };
+  auto by_comment = [&](const std::string& chain, const std::string& comment) -> nft::RuleInfo* {
+    for (auto& r : f.kernel->table->rules) {
+      if (r.chain == chain && r.comment == comment) return &r;
+    }
+    return nullptr;
+  };
+  std::vector<nft::RuleInfo*> output;
+  for (auto& r : f.kernel->table->rules) {
+    if (r.chain == "output") output.push_back(&r);
+  }
+  set(by_comment("output", nft::kLoUpstreamDeny4), 2);
+  set(by_comment("output", nft::kLoUpstreamDeny6), 1);
+  std::size_t at = 0;
+  while (at < output.size() && output[at]->comment != nft::kCountV4AtSaddrCheck) ++at;
+  REQUIRE(at + 2 < output.size());
+  set(output[at], 50);
+  set(output[at + 1], 4);  // forged sources: 3 IPv4, 1 IPv6
+  REQUIRE(output[at + 2]->comment == nft::kCountV4PastSaddrCheck);
+  set(output[at + 2], 47);
+  set(by_comment("output", nft::kCountV4Decided), 20);
+  set(output.back(), 30);  // counter jump active: 20 IPv4, 10 IPv6
+  // Deny: 1 MLD report, 15 at the last verdict; 12 of the 16 IPv4 (2 + 3 early, 7 from active).
+  set(kernel_rule(*f.kernel, "deny", 0), 1);
+  nft::RuleInfo* last = nullptr;
+  for (auto& r : f.kernel->table->rules) {
+    if (r.chain == "deny") last = &r;
+  }
+  set(last, 15);
+  set(by_comment("deny", nft::kCountV4Denied), 12);
+
+  const json st = f.sb->handle({{"cmd", "status"}});
+  REQUIRE(st["ok"] == true);
+  // Decided: 2 + 1 + 4 + 30 = 37, denied 16.
+  CHECK(st["counters"] == json{{"allowed_packets", 21}, {"allowed_bytes", 2100},
+                               {"denied_packets", 16}, {"denied_bytes", 1600}});
+  // IPv4: decided 2 + 3 + 20 = 25, denied 12. IPv6: decided 1 + 1 + 10 = 12, denied 4.
+  CHECK(st["counters_by_family"]["ipv4"] == json{{"allowed_packets", 13}, {"allowed_bytes", 1300},
+                                                 {"denied_packets", 12}, {"denied_bytes", 1200}});
+  CHECK(st["counters_by_family"]["ipv6"] == json{{"allowed_packets", 8}, {"allowed_bytes", 800},
+                                                 {"denied_packets", 4}, {"denied_bytes", 400}});
+  const std::string text = f.sb->handle({{"cmd", "metrics"}})["text"];
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"allowed\",family=\"ipv4\"} 13"));
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"denied\",family=\"ipv4\"} 12"));
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"allowed\",family=\"ipv6\"} 8"));
+  CHECK(has_line(text, "egressd_packets_total{verdict=\"denied\",family=\"ipv6\"} 4"));
+  CHECK(has_line(text, "egressd_bytes_total{verdict=\"allowed\",family=\"ipv4\"} 1300"));
+  CHECK(has_line(text, "egressd_bytes_total{verdict=\"denied\",family=\"ipv6\"} 400"));
 }
 
 TEST_CASE("the DNS answer histogram counts each answer once, in the first bucket that holds it") {
@@ -796,7 +855,7 @@ TEST_CASE("rules: the tables in force as nft text, with the kernel's counters an
   // The kernel's view: a counter that moved, an address learned with its timeout.
   nft::RuleInfo* reset = nullptr;
   for (std::size_t i = 0; (reset = kernel_rule(*f.kernel, "deny", i)) != nullptr; ++i) {
-    if (i == 4) break;  // three MLD drops, the log rule, then the TCP reset
+    if (i == 5) break;  // three MLD drops, the IPv4 count, the log rule, then the TCP reset
   }
   REQUIRE(reset != nullptr);
   reset->packets = 5, reset->bytes = 300;
