@@ -1,0 +1,136 @@
+// Test support for src/pin: hex, the captured ClientHellos of
+// data/tls_hellos.txt, and the client side of QUIC Initial protection (to
+// build Initials the parser must open). Shared by tests/unit and
+// tests/fuzz/quic_initial_fuzz.cc. Uses nettle, like the code under test,
+// but the RFC vectors in pin_quic_test.cc check both against the RFCs.
+#pragma once
+
+#include <nettle/aes.h>
+#include <nettle/gcm.h>
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pin/quic_initial.h"
+
+namespace pintest {
+
+using Buf = std::vector<std::uint8_t>;
+
+// Hex to bytes; spaces and newlines are ignored.
+inline Buf hex(std::string_view s) {
+  Buf out;
+  int hi = -1;
+  for (char c : s) {
+    int v;
+    if (c >= '0' && c <= '9') v = c - '0';
+    else if (c >= 'a' && c <= 'f') v = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') v = c - 'A' + 10;
+    else continue;
+    if (hi < 0) {
+      hi = v;
+    } else {
+      out.push_back(static_cast<std::uint8_t>(hi << 4 | v));
+      hi = -1;
+    }
+  }
+  return out;
+}
+
+inline Buf bytes(std::string_view s) { return Buf(s.begin(), s.end()); }
+
+// label -> bytes of tests/unit/data/tls_hellos.txt, read from `root`.
+inline std::map<std::string, Buf> load_hellos(const std::string& root) {
+  std::ifstream f(root + "/tests/unit/data/tls_hellos.txt");
+  if (!f) throw std::runtime_error("cannot open " + root + "/tests/unit/data/tls_hellos.txt");
+  std::map<std::string, Buf> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream in(line);
+    std::string label, h;
+    in >> label >> h;
+    out[label] = hex(h);
+  }
+  return out;
+}
+
+inline void put_varint(Buf& b, std::uint64_t v) {
+  if (v < 64) {
+    b.push_back(static_cast<std::uint8_t>(v));
+  } else if (v < 16384) {
+    b.push_back(static_cast<std::uint8_t>(0x40 | v >> 8));
+    b.push_back(static_cast<std::uint8_t>(v));
+  } else {
+    b.push_back(static_cast<std::uint8_t>(0x80 | v >> 24));
+    b.push_back(static_cast<std::uint8_t>(v >> 16));
+    b.push_back(static_cast<std::uint8_t>(v >> 8));
+    b.push_back(static_cast<std::uint8_t>(v));
+  }
+}
+
+inline Buf crypto_frame(std::uint64_t offset, const Buf& data) {
+  Buf f{0x06};
+  put_varint(f, offset);
+  put_varint(f, data.size());
+  f.insert(f.end(), data.begin(), data.end());
+  return f;
+}
+
+// A client Initial of `version` to `dcid` with packet number `pn` (4-byte
+// encoding) carrying `frames`, padded with PADDING frames to a `min_size`
+// datagram, protected as RFC 9001 §5 says.
+inline Buf seal_initial(egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid, std::uint32_t pn,
+                        Buf frames, std::size_t min_size = 1200, const Buf& token = {}) {
+  using egressd::pin::QuicVersion;
+  const auto keys = egressd::pin::quic_client_initial_keys(version, dcid);
+  const std::uint8_t type_bits = version == QuicVersion::v2 ? 1 : 0;
+  Buf h{static_cast<std::uint8_t>(0xc0 | type_bits << 4 | 0x03)};
+  const auto v = static_cast<std::uint32_t>(version);
+  for (int i = 3; i >= 0; --i) h.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  h.push_back(static_cast<std::uint8_t>(dcid.size()));
+  h.insert(h.end(), dcid.begin(), dcid.end());
+  h.push_back(static_cast<std::uint8_t>(scid.size()));
+  h.insert(h.end(), scid.begin(), scid.end());
+  put_varint(h, token.size());
+  h.insert(h.end(), token.begin(), token.end());
+  // Length (2-byte varint) + 4-byte packet number + frames + 16-byte tag.
+  const std::size_t fixed = h.size() + 2 + 4 + 16;
+  if (fixed + frames.size() < min_size) frames.resize(min_size - fixed, 0x00);
+  const std::size_t length = 4 + frames.size() + 16;
+  h.push_back(static_cast<std::uint8_t>(0x40 | length >> 8));
+  h.push_back(static_cast<std::uint8_t>(length));
+  const std::size_t pn_offset = h.size();
+  for (int i = 3; i >= 0; --i) h.push_back(static_cast<std::uint8_t>(pn >> (8 * i)));
+
+  std::array<std::uint8_t, 12> nonce = keys.iv;
+  for (int i = 0; i < 4; ++i) nonce[11 - i] ^= static_cast<std::uint8_t>(pn >> (8 * i));
+  gcm_aes128_ctx gcm;
+  gcm_aes128_set_key(&gcm, keys.key.data());
+  gcm_aes128_set_iv(&gcm, nonce.size(), nonce.data());
+  gcm_aes128_update(&gcm, h.size(), h.data());
+  Buf ct(frames.size() + 16);
+  gcm_aes128_encrypt(&gcm, frames.size(), ct.data(), frames.data());
+  gcm_aes128_digest(&gcm, 16, ct.data() + frames.size());
+
+  Buf packet = h;
+  packet.insert(packet.end(), ct.begin(), ct.end());
+  aes128_ctx hp;
+  aes128_set_encrypt_key(&hp, keys.hp.data());
+  std::uint8_t mask[16];
+  aes128_encrypt(&hp, 16, mask, packet.data() + pn_offset + 4);
+  packet[0] ^= mask[0] & 0x0f;
+  for (int i = 0; i < 4; ++i) packet[pn_offset + i] ^= mask[1 + i];
+  return packet;
+}
+
+// The handshake message inside a single-record TLS stream (drops the 5-byte
+// record header): what QUIC carries in CRYPTO frames.
+inline Buf handshake_of(const Buf& record) { return Buf(record.begin() + 5, record.end()); }
+
+}  // namespace pintest
