@@ -236,24 +236,54 @@ Parse QuicInitialAssembler::frames(Bytes plaintext) {
         if (offset > kMaxInspect || len > kMaxInspect - offset) {
           return Parse::invalid("quic CRYPTO data beyond 16384 bytes");
         }
-        const auto off = static_cast<std::size_t>(offset);
-        for (std::size_t i = 0; i < data.size(); ++i) {
-          // A retransmission must repeat what was sent: differing bytes
-          // would let a server and egressd read different hellos.
-          if (have_.test(off + i)) {
-            if (crypto_[off + i] != data[i]) return Parse::invalid("quic CRYPTO data contradicts earlier data");
-          } else {
-            crypto_[off + i] = data[i];
-            have_.set(off + i);
-          }
-        }
-        while (contiguous_ < kMaxInspect && have_.test(contiguous_)) ++contiguous_;
+        if (Parse p = add_crypto(static_cast<std::size_t>(offset), data); p.verdict == Verdict::invalid) return p;
         break;
       }
       default:
         return Parse::invalid("quic frame type not allowed in an Initial");
     }
   }
+  return Parse::more(fed_);
+}
+
+// Copies CRYPTO data into place and merges its range into pieces_.
+Parse QuicInitialAssembler::add_crypto(std::size_t offset, Bytes data) {
+  if (data.empty()) return Parse::more(fed_);
+  const std::size_t end = offset + data.size();
+  // A retransmission must repeat what was sent: differing bytes would let a
+  // server and egressd read different hellos.
+  for (std::size_t i = 0; i < npieces_; ++i) {
+    const std::size_t b = std::max(offset, pieces_[i].begin), e = std::min(end, pieces_[i].end);
+    if (b < e && std::memcmp(crypto_.data() + b, data.data() + (b - offset), e - b) != 0) {
+      return Parse::invalid("quic CRYPTO data contradicts earlier data");
+    }
+  }
+  std::memcpy(crypto_.data() + offset, data.data(), data.size());
+  // Merge: every piece that overlaps or touches [offset, end) joins it.
+  Piece merged{offset, end};
+  std::size_t out = 0;
+  bool placed = false;
+  std::array<Piece, kMaxPieces + 1> next{};
+  for (std::size_t i = 0; i < npieces_; ++i) {
+    const Piece p = pieces_[i];
+    if (p.end < merged.begin) {
+      next[out++] = p;
+    } else if (p.begin > merged.end) {
+      if (!placed) {
+        next[out++] = merged;
+        placed = true;
+      }
+      next[out++] = p;
+    } else {
+      merged.begin = std::min(merged.begin, p.begin);
+      merged.end = std::max(merged.end, p.end);
+    }
+  }
+  if (!placed) next[out++] = merged;
+  if (out > kMaxPieces) return Parse::invalid("quic CRYPTO data in more than 64 pieces");
+  std::copy_n(next.begin(), out, pieces_.begin());
+  npieces_ = out;
+  contiguous_ = pieces_[0].begin == 0 ? pieces_[0].end : 0;
   return Parse::more(fed_);
 }
 

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <array>
-#include <bitset>
 #include <cstdint>
 #include <optional>
 
@@ -41,6 +40,9 @@ class QuicInitialAssembler {
   static constexpr std::size_t kMaxPacket = 8192;
   // Datagrams looked at before giving up on a ClientHello.
   static constexpr std::size_t kMaxDatagrams = 16;
+  // Disjoint pieces of CRYPTO data held at once (clients that scramble
+  // their CRYPTO frames, as Chrome does, make a handful).
+  static constexpr std::size_t kMaxPieces = 64;
 
   // Reads the long-header packets of one datagram (coalesced ones
   // included; Initials are opened, 0-RTT/Handshake packets skipped, a short
@@ -71,8 +73,15 @@ class QuicInitialAssembler {
   std::int64_t largest_pn_ = -1;
   std::size_t datagrams_ = 0;
   std::size_t fed_ = 0;
+  Parse add_crypto(std::size_t offset, Bytes data);
+
   std::array<std::uint8_t, kMaxInspect> crypto_{};
-  std::bitset<kMaxInspect> have_;
+  // The CRYPTO ranges held, [begin, end), sorted, disjoint, not adjacent.
+  struct Piece {
+    std::size_t begin, end;
+  };
+  std::array<Piece, kMaxPieces> pieces_{};
+  std::size_t npieces_ = 0;
   std::size_t contiguous_ = 0;
   std::array<std::uint8_t, kMaxPacket> scratch_{};
 };

@@ -154,6 +154,28 @@ TEST_CASE("CRYPTO frames: out of order, overlapping, retransmitted, with ACK and
   CHECK(c.reason == "quic CRYPTO data contradicts earlier data");
 }
 
+TEST_CASE("CRYPTO data in many pieces: merged as it arrives, refused past 64 holes") {
+  const Buf& hs = big_handshake();
+  // Every other 10-byte piece first (holes between them), then the rest.
+  Buf odd, even;
+  for (std::size_t off = 0; off < 1280; off += 20) odd = cat(odd, pintest::crypto_frame(off + 10, slice(hs, off + 10, off + 20)));
+  for (std::size_t off = 0; off < 1280; off += 20) even = cat(even, pintest::crypto_frame(off, slice(hs, off, off + 10)));
+  even = cat(even, pintest::crypto_frame(1280, slice(hs, 1280, hs.size())));
+  QuicInitialAssembler a;
+  REQUIRE(feed(a, pintest::seal_initial(QuicVersion::v1, kDcid, {}, 0, odd)).verdict == Verdict::need_more);
+  CHECK(a.crypto_prefix().empty());
+  const Parse r = feed(a, pintest::seal_initial(QuicVersion::v1, kDcid, {}, 1, even, 2500));
+  REQUIRE(r.verdict == Verdict::complete);
+  CHECK(r.name == "allowed.test");
+
+  Buf holes;
+  for (std::size_t off = 0; off < 65 * 20; off += 20) holes = cat(holes, pintest::crypto_frame(off + 10, slice(hs, off + 10, off + 20)));
+  QuicInitialAssembler b;
+  const Parse q = feed(b, pintest::seal_initial(QuicVersion::v1, kDcid, {}, 0, holes, 2500));
+  CHECK(q.verdict == Verdict::invalid);
+  CHECK(q.reason == "quic CRYPTO data in more than 64 pieces");
+}
+
 TEST_CASE("Initials that cannot be judged are invalid") {
   const Buf hello = pintest::crypto_frame(0, big_handshake());
   auto reason = [](const Buf& d) {

@@ -85,11 +85,13 @@ inline Buf crypto_frame(std::uint64_t offset, const Buf& data) {
 // A client Initial of `version` to `dcid` with packet number `pn` (4-byte
 // encoding) carrying `frames`, padded with PADDING frames to a `min_size`
 // datagram, protected as RFC 9001 §5 says. `reserved`: the header's reserved
-// bits (0x0c), which a valid packet leaves 0.
+// bits (0x0c), which a valid packet leaves 0. `precomputed`: the keys for
+// (version, dcid), to save deriving them again (the fuzz target).
 inline Buf seal_initial(egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid, std::uint32_t pn,
-                        Buf frames, std::size_t min_size = 1200, const Buf& token = {}, std::uint8_t reserved = 0) {
+                        Buf frames, std::size_t min_size = 1200, const Buf& token = {}, std::uint8_t reserved = 0,
+                        const egressd::pin::QuicInitialKeys* precomputed = nullptr) {
   using egressd::pin::QuicVersion;
-  const auto keys = egressd::pin::quic_client_initial_keys(version, dcid);
+  const auto keys = precomputed ? *precomputed : egressd::pin::quic_client_initial_keys(version, dcid);
   const std::uint8_t type_bits = version == QuicVersion::v2 ? 1 : 0;
   Buf h{static_cast<std::uint8_t>(0xc0 | type_bits << 4 | (reserved & 0x0c) | 0x03)};
   const auto v = static_cast<std::uint32_t>(version);
