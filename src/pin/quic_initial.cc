@@ -121,6 +121,8 @@ Parse QuicInitialAssembler::feed(Bytes datagram) {
       // The keys of every client Initial come from the first one's DCID
       // (RFC 9001 §5.2), even if the client later switches to the server's.
       keys_ = quic_client_initial_keys(*version, dcid);
+      aes128_set_encrypt_key(&hp_, keys_.hp.data());
+      gcm_aes128_set_key(&gcm_, keys_.key.data());
     } else if (*version != *version_) {
       return finish(Parse::invalid("quic version changed between packets"));
     }
@@ -155,10 +157,8 @@ Parse QuicInitialAssembler::open_initial(Bytes packet, std::size_t pn_offset) {
   std::copy(packet.begin(), packet.end(), scratch_.begin());
   std::uint8_t* p = scratch_.data();
 
-  aes128_ctx hp;
-  aes128_set_encrypt_key(&hp, keys_.hp.data());
   std::array<std::uint8_t, 16> mask{};
-  aes128_encrypt(&hp, mask.size(), mask.data(), p + pn_offset + 4);
+  aes128_encrypt(&hp_, mask.size(), mask.data(), p + pn_offset + 4);
   p[0] ^= mask[0] & 0x0f;
   const std::size_t pn_len = (p[0] & 0x03) + 1;
   std::uint64_t truncated = 0;
@@ -184,13 +184,12 @@ Parse QuicInitialAssembler::open_initial(Bytes packet, std::size_t pn_offset) {
 
   const std::size_t ct_len = packet.size() - header_len - kTag;
   std::uint8_t* payload = p + header_len;
-  gcm_aes128_ctx gcm;
-  gcm_aes128_set_key(&gcm, keys_.key.data());
-  gcm_aes128_set_iv(&gcm, nonce.size(), nonce.data());
-  gcm_aes128_update(&gcm, header_len, p);
-  gcm_aes128_decrypt(&gcm, ct_len, payload, payload);
+  // set_iv starts a new message on the scheduled key.
+  gcm_aes128_set_iv(&gcm_, nonce.size(), nonce.data());
+  gcm_aes128_update(&gcm_, header_len, p);
+  gcm_aes128_decrypt(&gcm_, ct_len, payload, payload);
   std::array<std::uint8_t, kTag> tag{};
-  gcm_aes128_digest(&gcm, tag.size(), tag.data());
+  gcm_aes128_digest(&gcm_, tag.size(), tag.data());
   if (!memeql_sec(tag.data(), payload + ct_len, kTag)) return Parse::invalid("quic Initial fails authentication");
   // Reserved bits are checked only once the packet is authentic (RFC 9000 §17.2).
   if ((p[0] & 0x0c) != 0) return Parse::invalid("quic Initial with reserved bits set");
@@ -206,7 +205,9 @@ Parse QuicInitialAssembler::frames(Bytes plaintext) {
     std::uint64_t type = 0;
     if (!r.varint(type)) return Parse::invalid("malformed quic frame");
     switch (type) {
-      case 0x00:  // PADDING
+      case 0x00:  // PADDING: clients pad Initials with hundreds of these
+        while (!r.empty() && plaintext[r.pos()] == 0) (void)r.skip(1);
+        break;
       case 0x01:  // PING
         break;
       case 0x02:    // ACK

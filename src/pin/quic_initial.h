@@ -10,6 +10,9 @@
 #include <cstdint>
 #include <optional>
 
+#include <nettle/aes.h>
+#include <nettle/gcm.h>
+
 #include "pin/verdict.h"
 
 namespace egressd::pin {
@@ -70,6 +73,9 @@ class QuicInitialAssembler {
   std::optional<Parse> final_;
   std::optional<QuicVersion> version_;
   QuicInitialKeys keys_{};
+  // keys_ scheduled once per flow, not once per packet.
+  aes128_ctx hp_{};
+  gcm_aes128_ctx gcm_{};
   std::int64_t largest_pn_ = -1;
   std::size_t datagrams_ = 0;
   std::size_t fed_ = 0;

@@ -8,6 +8,8 @@
 #include <nettle/aes.h>
 #include <nettle/gcm.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <fstream>
 #include <map>
@@ -82,54 +84,67 @@ inline Buf crypto_frame(std::uint64_t offset, const Buf& data) {
   return f;
 }
 
-// A client Initial of `version` to `dcid` with packet number `pn` (4-byte
-// encoding) carrying `frames`, padded with PADDING frames to a `min_size`
-// datagram, protected as RFC 9001 §5 says. `reserved`: the header's reserved
-// bits (0x0c), which a valid packet leaves 0. `precomputed`: the keys for
-// (version, dcid), to save deriving them again (the fuzz target).
-inline Buf seal_initial(egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid, std::uint32_t pn,
-                        Buf frames, std::size_t min_size = 1200, const Buf& token = {}, std::uint8_t reserved = 0,
-                        const egressd::pin::QuicInitialKeys* precomputed = nullptr) {
+// Appends to `out` a client Initial of `version` to `dcid` with packet
+// number `pn` (4-byte encoding) carrying `frames`, padded with PADDING frames
+// to a `min_size` packet, protected as RFC 9001 §5 says. `reserved`: the
+// header's reserved bits (0x0c), which a valid packet leaves 0.
+// `precomputed`: the keys for (version, dcid), to save deriving them again
+// (the fuzz target). Encrypts in place: one buffer, few allocations.
+inline void seal_initial_into(Buf& out, egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid,
+                              std::uint32_t pn, const std::uint8_t* frames, std::size_t frames_len,
+                              std::size_t min_size = 1200, const Buf& token = {}, std::uint8_t reserved = 0,
+                              const egressd::pin::QuicInitialKeys* precomputed = nullptr) {
   using egressd::pin::QuicVersion;
   const auto keys = precomputed ? *precomputed : egressd::pin::quic_client_initial_keys(version, dcid);
+  const std::size_t start = out.size();
   const std::uint8_t type_bits = version == QuicVersion::v2 ? 1 : 0;
-  Buf h{static_cast<std::uint8_t>(0xc0 | type_bits << 4 | (reserved & 0x0c) | 0x03)};
+  out.push_back(static_cast<std::uint8_t>(0xc0 | type_bits << 4 | (reserved & 0x0c) | 0x03));
   const auto v = static_cast<std::uint32_t>(version);
-  for (int i = 3; i >= 0; --i) h.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-  h.push_back(static_cast<std::uint8_t>(dcid.size()));
-  h.insert(h.end(), dcid.begin(), dcid.end());
-  h.push_back(static_cast<std::uint8_t>(scid.size()));
-  h.insert(h.end(), scid.begin(), scid.end());
-  put_varint(h, token.size());
-  h.insert(h.end(), token.begin(), token.end());
+  for (int i = 3; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  out.push_back(static_cast<std::uint8_t>(dcid.size()));
+  out.insert(out.end(), dcid.begin(), dcid.end());
+  out.push_back(static_cast<std::uint8_t>(scid.size()));
+  out.insert(out.end(), scid.begin(), scid.end());
+  put_varint(out, token.size());
+  out.insert(out.end(), token.begin(), token.end());
   // Length (2-byte varint) + 4-byte packet number + frames + 16-byte tag.
-  const std::size_t fixed = h.size() + 2 + 4 + 16;
-  if (fixed + frames.size() < min_size) frames.resize(min_size - fixed, 0x00);
-  const std::size_t length = 4 + frames.size() + 16;
-  h.push_back(static_cast<std::uint8_t>(0x40 | length >> 8));
-  h.push_back(static_cast<std::uint8_t>(length));
-  const std::size_t pn_offset = h.size();
-  for (int i = 3; i >= 0; --i) h.push_back(static_cast<std::uint8_t>(pn >> (8 * i)));
+  const std::size_t fixed = out.size() - start + 2 + 4 + 16;
+  const std::size_t payload = fixed + frames_len < min_size ? min_size - fixed : frames_len;
+  const std::size_t length = 4 + payload + 16;
+  out.push_back(static_cast<std::uint8_t>(0x40 | length >> 8));
+  out.push_back(static_cast<std::uint8_t>(length));
+  const std::size_t pn_offset = out.size() - start;
+  for (int i = 3; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(pn >> (8 * i)));
+  const std::size_t header_len = out.size() - start;
+  out.insert(out.end(), frames, frames + frames_len);
+  out.resize(start + header_len + payload + 16, 0x00);  // PADDING, then room for the tag
 
+  std::uint8_t* p = out.data() + start;
   std::array<std::uint8_t, 12> nonce = keys.iv;
   for (int i = 0; i < 4; ++i) nonce[11 - i] ^= static_cast<std::uint8_t>(pn >> (8 * i));
   gcm_aes128_ctx gcm;
   gcm_aes128_set_key(&gcm, keys.key.data());
   gcm_aes128_set_iv(&gcm, nonce.size(), nonce.data());
-  gcm_aes128_update(&gcm, h.size(), h.data());
-  Buf ct(frames.size() + 16);
-  gcm_aes128_encrypt(&gcm, frames.size(), ct.data(), frames.data());
-  gcm_aes128_digest(&gcm, 16, ct.data() + frames.size());
+  gcm_aes128_update(&gcm, header_len, p);
+  gcm_aes128_encrypt(&gcm, payload, p + header_len, p + header_len);
+  gcm_aes128_digest(&gcm, 16, p + header_len + payload);
 
-  Buf packet = h;
-  packet.insert(packet.end(), ct.begin(), ct.end());
   aes128_ctx hp;
   aes128_set_encrypt_key(&hp, keys.hp.data());
   std::uint8_t mask[16];
-  aes128_encrypt(&hp, 16, mask, packet.data() + pn_offset + 4);
-  packet[0] ^= mask[0] & 0x0f;
-  for (int i = 0; i < 4; ++i) packet[pn_offset + i] ^= mask[1 + i];
-  return packet;
+  aes128_encrypt(&hp, 16, mask, p + pn_offset + 4);
+  p[0] ^= mask[0] & 0x0f;
+  for (int i = 0; i < 4; ++i) p[pn_offset + i] ^= mask[1 + i];
+}
+
+// The same as a new buffer (a `min_size` datagram of one packet).
+inline Buf seal_initial(egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid, std::uint32_t pn,
+                        const Buf& frames, std::size_t min_size = 1200, const Buf& token = {},
+                        std::uint8_t reserved = 0) {
+  Buf out;
+  out.reserve(std::max(min_size, frames.size() + 128));
+  seal_initial_into(out, version, dcid, scid, pn, frames.data(), frames.size(), min_size, token, reserved);
+  return out;
 }
 
 // The handshake message inside a single-record TLS stream (drops the 5-byte
