@@ -153,3 +153,19 @@ TEST_CASE("reason lines stay short when many names share an address") {
   CHECK(decide(PinProto::tls, Parse::complete_with("x.test"), kAddr, 443, f).reason ==
         "tls sni x.test to 203.0.113.10:443; address learned for n0.test, n1.test, n2.test, n3.test (+6 more)");
 }
+
+TEST_CASE("normalize_name: the one form presented names are matched in") {
+  CHECK(normalize_name("Allowed.TEST.") == "allowed.test");
+  CHECK(normalize_name("_acme-challenge.x.test") == "_acme-challenge.x.test");
+  CHECK(normalize_name("localhost") == "localhost");
+  CHECK(normalize_name(std::string(63, 'a') + ".test") == std::string(63, 'a') + ".test");
+  CHECK_FALSE(normalize_name(std::string(64, 'a') + ".test"));
+  std::string long_name;
+  while (long_name.size() < 250) long_name += "abcdefghi.";
+  long_name += "abc";  // 253 characters
+  CHECK(normalize_name(long_name).has_value());
+  CHECK_FALSE(normalize_name(long_name + "x"));
+  for (std::string_view bad : {"", ".", "..", ".a.test", "a..test", "a .test", "a*.test", "a/b", "ä.test", "a.test.."}) {
+    CHECK_MESSAGE(!normalize_name(bad), bad);
+  }
+}
