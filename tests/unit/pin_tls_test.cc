@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "pin/tls_hello.h"
-#include "quic_seal.h"
+#include "pin_support.h"
 
 using namespace egressd::pin;
 using pintest::Buf;
