@@ -21,6 +21,7 @@ policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
 readers_srcs="src/policy/diagnostics.cc src/policy/policy_file.cc src/policy/harbor_task.cc"
 nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
 daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/daemon/sandbox.cc src/daemon/sandbox_tamper.cc src/daemon/sandbox_rules.cc src/daemon/sandbox_metrics.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+pin_srcs="src/policy/result.cc src/policy/ip.cc src/pin/verdict.cc src/pin/decide.cc"
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"
   [policy_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
@@ -28,6 +29,9 @@ declare -A srcs=(
   [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc src/dns/upstream.cc src/dns/proxy.cc"
   [control_request_fuzz]="$daemon_srcs"
   [control_server_fuzz]="$daemon_srcs src/control/server.cc"
+  [tls_hello_fuzz]="$pin_srcs src/pin/tls_hello.cc"
+  [http_head_fuzz]="$pin_srcs src/pin/http_head.cc"
+  [quic_initial_fuzz]="$pin_srcs src/pin/tls_hello.cc src/pin/quic_initial.cc"
 )
 declare -A libs=(
   [entry_fuzz]=""
@@ -36,9 +40,12 @@ declare -A libs=(
   [dns_message_fuzz]="spdlog fmt"
   [control_request_fuzz]="spdlog fmt"
   [control_server_fuzz]="spdlog fmt"
+  [tls_hello_fuzz]=""
+  [http_head_fuzz]=""
+  [quic_initial_fuzz]="nettle"
 )
 targets=("$@")
-((${#targets[@]})) || targets=(entry_fuzz policy_fuzz harbor_task_fuzz dns_message_fuzz control_request_fuzz control_server_fuzz)
+((${#targets[@]})) || targets=(entry_fuzz policy_fuzz harbor_task_fuzz dns_message_fuzz control_request_fuzz control_server_fuzz tls_hello_fuzz http_head_fuzz quic_initial_fuzz)
 
 # -O1 keeps the code fast enough to fuzz and the stacks readable; assertions
 # stay on (Result::value() on an error is a bug the fuzzer should see), and
