@@ -18,7 +18,7 @@ CXX=${CXX:-clang++}
 # target -> the core sources it links (besides tests/fuzz/<target>.cc).
 policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
 nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
-daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/daemon/sandbox.cc src/daemon/sandbox_tamper.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/control/dispatch.cc src/daemon/sandbox.cc src/daemon/sandbox_control.cc src/daemon/sandbox_tamper.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"
   [policy_fuzz]="$policy_srcs src/policy/policy_file.cc $nft_srcs"
