@@ -180,49 +180,4 @@ void to_json(Json& j, const HostsRequest& r) {
   if (r.phase) j["phase"] = *r.phase;
 }
 
-// ---- replies ----
-
-void to_json(Json& j, const ApplyReply& r) {
-  j = Json{{"phase", r.phase},     {"mode", r.mode},       {"generation", r.generation},
-           {"duration_us", r.duration_us}, {"entries", r.entries}, {"unresolved", r.unresolved}};
-}
-
-void from_json(const Json& j, ApplyReply& r) {
-  r.phase = j.at("phase").get<std::string>();
-  r.mode = j.at("mode").get<std::string>();
-  r.generation = j.at("generation").get<std::uint64_t>();
-  r.duration_us = j.at("duration_us").get<std::int64_t>();
-  r.entries = j.at("entries").get<std::map<std::string, std::uint64_t>>();
-  r.unresolved = j.at("unresolved").get<std::vector<std::string>>();
-}
-
-void to_json(Json& j, const CapabilitiesReply& r) { j = Json{{"capabilities", r.capabilities}}; }
-void from_json(const Json& j, CapabilitiesReply& r) {
-  r.capabilities = j.at("capabilities").get<std::map<std::string, bool>>();
-}
-
-void to_json(Json& j, const DeniedReply& r) { j = Json{{"records", r.records}, {"last_id", r.last_id}}; }
-void from_json(const Json& j, DeniedReply& r) {
-  r.records = j.at("records").get<std::vector<Json>>();
-  r.last_id = j.at("last_id").get<std::uint64_t>();
-}
-
-void to_json(Json& j, const HostsEntry& h) {
-  j = Json{{"phase", h.phase},         {"name", h.name},   {"resolved", h.resolved}, {"refused", h.refused},
-           {"addresses", h.addresses}, {"first", h.first}, {"last", h.last}};
-}
-
-void from_json(const Json& j, HostsEntry& h) {
-  h.phase = j.at("phase").get<std::string>();
-  h.name = j.at("name").get<std::string>();
-  h.resolved = j.at("resolved").get<std::uint64_t>();
-  h.refused = j.at("refused").get<std::uint64_t>();
-  h.addresses = j.at("addresses").get<std::vector<std::string>>();
-  h.first = j.at("first").get<std::string>();
-  h.last = j.at("last").get<std::string>();
-}
-
-void to_json(Json& j, const HostsReply& r) { j = Json{{"hosts", r.hosts}}; }
-void from_json(const Json& j, HostsReply& r) { r.hosts = j.at("hosts").get<std::vector<HostsEntry>>(); }
-
 }  // namespace egressd::control

@@ -152,6 +152,8 @@ void from_json(const nlohmann::json& j, T& r) {
 }
 
 // ---- replies (the fields besides "ok"; ok_reply(json(x)) makes the reply) ----
+// Member names are the JSON keys; from_json throws nlohmann::json::exception
+// when a field is missing or of another type.
 
 // `apply`, once the kernel acknowledged the switch.
 struct ApplyReply {
@@ -163,16 +165,14 @@ struct ApplyReply {
   std::vector<std::string> unresolved;
   bool operator==(const ApplyReply&) const = default;
 };
-void to_json(nlohmann::json& j, const ApplyReply& r);
-void from_json(const nlohmann::json& j, ApplyReply& r);
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ApplyReply, phase, mode, generation, duration_us, entries, unresolved)
 
 // `capabilities`: feature name -> supported.
 struct CapabilitiesReply {
   std::map<std::string, bool> capabilities;
   bool operator==(const CapabilitiesReply&) const = default;
 };
-void to_json(nlohmann::json& j, const CapabilitiesReply& r);
-void from_json(const nlohmann::json& j, CapabilitiesReply& r);
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CapabilitiesReply, capabilities)
 
 // `denied`: each record is audit::to_json(DeniedRecord), the documented shape.
 struct DeniedReply {
@@ -180,8 +180,7 @@ struct DeniedReply {
   std::uint64_t last_id = 0;
   bool operator==(const DeniedReply&) const = default;
 };
-void to_json(nlohmann::json& j, const DeniedReply& r);
-void from_json(const nlohmann::json& j, DeniedReply& r);
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DeniedReply, records, last_id)
 
 // One (phase, name) of a `hosts` reply; times are ISO 8601 UTC.
 struct HostsEntry {
@@ -198,10 +197,8 @@ struct HostsReply {
   std::vector<HostsEntry> hosts;
   bool operator==(const HostsReply&) const = default;
 };
-void to_json(nlohmann::json& j, const HostsEntry& r);
-void from_json(const nlohmann::json& j, HostsEntry& r);
-void to_json(nlohmann::json& j, const HostsReply& r);
-void from_json(const nlohmann::json& j, HostsReply& r);
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(HostsEntry, phase, name, resolved, refused, addresses, first, last)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(HostsReply, hosts)
 
 // The reply to `explain` is audit::Explanation::to_json(), and to `status`
 // the daemon's Sandbox::status(): each shape is built in one place there.
