@@ -108,6 +108,9 @@ struct SandboxOptions {
 class Sandbox : public dns::PolicyHooks {
  public:
   Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps);
+  // Pinned: the command table and the callbacks it hands out hold `this`.
+  Sandbox(const Sandbox&) = delete;
+  Sandbox& operator=(const Sandbox&) = delete;
 
   // The port the DNS redirect points at. Before start() only: the proxy
   // binds first and may have had to take another port than configured.
