@@ -56,7 +56,12 @@ std::string hosts_table(const json& hosts) {
     for (const auto& h : hosts) {
       std::string addrs;
       if (h.contains("addresses") && h["addresses"].is_array()) {
-        for (const auto& a : h["addresses"]) addrs += (addrs.empty() ? "" : " ") + (a.is_string() ? a.get<std::string>() : a.dump());
+        for (const auto& a : h["addresses"]) {
+          // Appended piece by piece: `"..." + tmp` trips g++ 12's -Wrestrict false positive
+          // (GCC PR 105329) at -O3, which fails the release build.
+          if (!addrs.empty()) addrs += ' ';
+          addrs += a.is_string() ? a.get<std::string>() : a.dump();
+        }
       }
       rows.push_back({str(h, "phase"), str(h, "name"), str(h, "resolved"), str(h, "refused"), addrs.empty() ? "-" : addrs});
     }

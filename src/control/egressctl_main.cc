@@ -45,6 +45,26 @@ struct Options {
 
 void print_table(const std::vector<std::vector<std::string>>& rows) { std::cout << table(rows); }
 
+// The documented comma form of --allow ("a.org,b.org"): each piece exactly as typed, empty
+// ones included, for the daemon's entry validator to judge (an empty entry is an error there).
+std::vector<std::string> split_commas(const std::vector<std::string>& values) {
+  std::vector<std::string> out;
+  for (const std::string& v : values) {
+    std::size_t start = 0;
+    while (true) {
+      const std::size_t comma = v.find(',', start);
+      out.push_back(v.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
+  return out;
+}
+
+std::string dump(const Json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, Json::error_handler_t::replace);
+}
+
 int print_json(const Json& reply) {
   std::cout << json_output(reply);
   return kExitOk;
@@ -198,6 +218,24 @@ int cmd_ping(const Options& o) {
   });
 }
 
+// rules / metrics: the daemon's text, printed as it comes (`field`: "ruleset" or "text").
+int print_text(const Json& r, const char* field) {
+  if (!r.contains(field) || !r[field].is_string()) {
+    std::cerr << "error: egressd's reply has no \"" << field << "\" text\n";
+    return kExitRuntime;
+  }
+  std::cout << r[field].get<std::string>() << std::flush;
+  return kExitOk;
+}
+
+int cmd_rules(const Options& o) {
+  return run(o, Json(egressd::control::RulesRequest{}), [](const Json& r) { return print_text(r, "ruleset"); });
+}
+
+int cmd_metrics(const Options& o) {
+  return run(o, Json(egressd::control::MetricsRequest{}), [](const Json& r) { return print_text(r, "text"); });
+}
+
 // denied: the records; --follow asks again and again with the last id seen
 // as the cursor, each request waiting in the daemon (long-poll) until a new
 // record or wait_ms, so a quiet sandbox costs one request every 20 s.
@@ -290,15 +328,19 @@ int main(int argc, char** argv) {
       {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
       {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
       {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
+      {"rules", "print egressd's tables as the kernel holds them (nft text, with counters)", cmd_rules},
+      {"metrics", "print egressd's counters in the Prometheus text format", cmd_metrics},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
   CLI::App* apply = commands[0].sub;
   auto* phase = apply->add_option("PHASE", o.phase, "phase name from the policy file");
   auto* mode = apply->add_option("--mode", o.mode, "inline policy mode: public, allowlist or no-network");
+  // One value per --allow, kept as typed (allow_extra_args(false): no CLI11 "[a,b]" list
+  // expansion); split on commas after parsing by split_commas, which keeps empty pieces so
+  // the daemon's entry validator sees "a,,b" as it is. CLI11's delimiter would drop them.
   auto* allow = apply->add_option("--allow", o.allow, "allowlist entry (repeatable, or comma-separated)")
-                    ->allow_extra_args(false)
-                    ->delimiter(',');
+                    ->allow_extra_args(false);
   phase->excludes(mode);
   allow->needs(mode);
   apply->add_flag("--json", o.json, "print the reply as JSON");
@@ -331,6 +373,7 @@ int main(int argc, char** argv) {
     const int rc = app.exit(e);  // prints help (stdout) or the error (stderr)
     return rc == 0 ? kExitOk : kExitInvalid;
   }
+  o.allow = split_commas(o.allow);
   for (const auto& c : commands)
     if (c.sub->parsed()) return c.run(o);
   return kExitInvalid;  // unreachable: require_subcommand(1)

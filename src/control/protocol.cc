@@ -103,6 +103,8 @@ std::optional<ErrorReply> read(const Json& j, StatusRequest&) { return unknown_f
 std::optional<ErrorReply> read(const Json& j, CapabilitiesRequest&) {
   return unknown_field(j, CapabilitiesRequest::kCmd, {});
 }
+std::optional<ErrorReply> read(const Json& j, RulesRequest&) { return unknown_field(j, RulesRequest::kCmd, {}); }
+std::optional<ErrorReply> read(const Json& j, MetricsRequest&) { return unknown_field(j, MetricsRequest::kCmd, {}); }
 
 std::optional<ErrorReply> read(const Json& j, ApplyRequest& out) {
   if (auto e = unknown_field(j, ApplyRequest::kCmd, {"phase", "mode", "allow"})) return e;
@@ -154,6 +156,8 @@ std::optional<ErrorReply> read(const Json& j, HostsRequest& out) {
 void to_json(Json& j, const PingRequest&) { j = with_cmd(PingRequest::kCmd); }
 void to_json(Json& j, const StatusRequest&) { j = with_cmd(StatusRequest::kCmd); }
 void to_json(Json& j, const CapabilitiesRequest&) { j = with_cmd(CapabilitiesRequest::kCmd); }
+void to_json(Json& j, const RulesRequest&) { j = with_cmd(RulesRequest::kCmd); }
+void to_json(Json& j, const MetricsRequest&) { j = with_cmd(MetricsRequest::kCmd); }
 
 void to_json(Json& j, const ApplyRequest& r) {
   j = with_cmd(ApplyRequest::kCmd);

@@ -73,6 +73,16 @@ struct CapabilitiesRequest {
   static constexpr const char* kCmd = "capabilities";
   bool operator==(const CapabilitiesRequest&) const = default;
 };
+// The tables in force as nft text, with the kernel's counters (reply field "ruleset").
+struct RulesRequest {
+  static constexpr const char* kCmd = "rules";
+  bool operator==(const RulesRequest&) const = default;
+};
+// The Prometheus text exposition (reply field "text").
+struct MetricsRequest {
+  static constexpr const char* kCmd = "metrics";
+  bool operator==(const MetricsRequest&) const = default;
+};
 
 // Either a named phase, or an inline policy (mode, and entries for allowlist).
 // Exactly one of `phase` and `mode` is set once decoded.
@@ -120,6 +130,8 @@ using Decoded = std::variant<T, ErrorReply>;
 std::optional<ErrorReply> read(const nlohmann::json& j, PingRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, StatusRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, CapabilitiesRequest& out);
+std::optional<ErrorReply> read(const nlohmann::json& j, RulesRequest& out);
+std::optional<ErrorReply> read(const nlohmann::json& j, MetricsRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, ApplyRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, ExplainRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, DeniedRequest& out);
@@ -142,6 +154,8 @@ struct RequestError : std::runtime_error {
 void to_json(nlohmann::json& j, const PingRequest& r);
 void to_json(nlohmann::json& j, const StatusRequest& r);
 void to_json(nlohmann::json& j, const CapabilitiesRequest& r);
+void to_json(nlohmann::json& j, const RulesRequest& r);
+void to_json(nlohmann::json& j, const MetricsRequest& r);
 void to_json(nlohmann::json& j, const ApplyRequest& r);
 void to_json(nlohmann::json& j, const ExplainRequest& r);
 void to_json(nlohmann::json& j, const DeniedRequest& r);

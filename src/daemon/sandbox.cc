@@ -27,9 +27,8 @@ std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
                                    EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};
 
+}  // namespace
 
-// Writes `text` to `path` atomically (temp file + rename), so a crash leaves
-// the old or the new content, never a torn file.
 Status write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   {
@@ -42,8 +41,6 @@ Status write_atomically(const std::string& path, const std::string& text) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_error("cannot rename " + tmp + " to " + path, errno);
   return {};
 }
-
-}  // namespace
 
 std::string read_resolv_conf() {
   std::ifstream in("/etc/resolv.conf");
@@ -516,9 +513,11 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
+    ++switch_failures_;
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }
+  ++switches_;
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
   state_ = next;
@@ -869,22 +868,7 @@ json Sandbox::status() {
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  // Cumulative across switches: `counter jump active` in chain output sees
-  // every packet the policy decides; what `deny` did not take was allowed
-  // (the chains are dumped one after the other, hence the clamp).
-  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
-  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
-    for (const auto& r : (*info)->rules) {
-      if (r.chain == "deny") {
-        dp += r.packets;
-        db += r.bytes;
-      } else if (r.chain == "output") {
-        pp += r.packets;
-        pb += r.bytes;
-      }
-    }
-  }
-  const std::uint64_t ap = pp > dp ? pp - dp : 0, ab = pb > db ? pb - db : 0;
+  const Traffic t = traffic();
   json phases = json::array();
   for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
   json j{{"phase", state_.phase},
@@ -892,7 +876,11 @@ json Sandbox::status() {
          {"generation", state_.generation},
          {"entries", entries},
          {"entry_counts", active_facts_->counts_json()},
-         {"counters", {{"allowed_packets", ap}, {"allowed_bytes", ab}, {"denied_packets", dp}, {"denied_bytes", db}}},
+         {"counters",
+          {{"allowed_packets", t.allowed_packets},
+           {"allowed_bytes", t.allowed_bytes},
+           {"denied_packets", t.denied_packets},
+           {"denied_bytes", t.denied_bytes}}},
          {"learned", learned},
          {"phases", phases},
          {"netns", opts_.netns},
@@ -908,6 +896,25 @@ json Sandbox::status() {
   if (inline_unknown_) j["entries_unknown"] = true;
   j["audit"] = audit_status();
   return j;
+}
+
+Sandbox::Traffic Sandbox::traffic() {
+  // Cumulative across switches: `counter jump active` in chain output sees
+  // every packet the policy decides; what `deny` did not take was allowed
+  // (the chains are dumped one after the other, hence the clamp).
+  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
+  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
+    for (const auto& r : (*info)->rules) {
+      if (r.chain == "deny") {
+        dp += r.packets;
+        db += r.bytes;
+      } else if (r.chain == "output") {
+        pp += r.packets;
+        pb += r.bytes;
+      }
+    }
+  }
+  return {pp > dp ? pp - dp : 0, pb > db ? pb - db : 0, dp, db};
 }
 
 Status Sandbox::remove_table() {

@@ -50,6 +50,10 @@ struct Capabilities {
 
 // /etc/resolv.conf of egressd's mount namespace ("" if unreadable).
 std::string read_resolv_conf();
+// Writes `text` to `path` atomically (the temp file `path`.tmp in the same
+// directory, then rename), so a crash or a reader sees the old or the new
+// content, never a torn file. Error naming the file on failure.
+Status write_atomically(const std::string& path, const std::string& text);
 // Compile options for the DNS proxy on `dns_port` with these upstreams (as
 // dns::expand_upstreams gives them): what `run` and `render` both use.
 nft::CompileOptions compile_options(const std::vector<std::string>& upstream, int dns_port);
@@ -200,6 +204,17 @@ class Sandbox : public dns::PolicyHooks {
   void denied_packet(const audit::LoggedPacket& pkt);
   // The NFLOG reader whose counters status reports. Not owned; may be nullptr.
   void attach_nflog(audit::NflogReader* reader) { nflog_ = reader; }
+  // Where `metrics` reads the tamper guard's counts (tampers seen, restores
+  // done). Empty: those metrics are left out.
+  void set_tamper_counts(std::function<std::pair<std::uint64_t, std::uint64_t>()> fn) { tamper_counts_ = std::move(fn); }
+
+  // The counters of this sandbox in the Prometheus text format (the
+  // `metrics` request; sandbox_metrics.cc). Reads the kernel's counters.
+  std::string metrics_text();
+  // Tables inet and netdev egressd as nft text, with the kernel's counters
+  // and learned elements (the `rules` request; sandbox_rules.cc). Error when
+  // the kernel cannot be read or its tables differ from the phase in force.
+  Result<std::string> ruleset_text();
   const audit::NameIndex& names() const { return names_; }
   const audit::DeniedLog& denied() const { return denied_; }
 
@@ -281,6 +296,20 @@ class Sandbox : public dns::PolicyHooks {
 
   // kernel_->apply, through large_batch_runner_ when the batch is large.
   Status apply_batch(const nft::Change& ch);
+
+  // Packets and bytes chain output decided, from the kernel's counters
+  // (status and metrics).
+  struct Traffic {
+    std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
+  };
+  Traffic traffic();
+  // src/daemon/sandbox_rules.cc and sandbox_metrics.cc.
+  nlohmann::json rules_reply();
+  static std::string request_label(const std::string& cmd);
+  void count_request(const std::string& command, const nlohmann::json& reply);
+  std::uint64_t switches_ = 0, switch_failures_ = 0;
+  std::map<std::pair<std::string, std::string>, std::uint64_t> requests_;  // (command, result) -> count
+  std::function<std::pair<std::uint64_t, std::uint64_t>()> tamper_counts_;
 
   SandboxOptions opts_;
   std::unique_ptr<nft::Kernel> kernel_;

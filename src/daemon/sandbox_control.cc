@@ -31,10 +31,24 @@ control::Dispatcher Sandbox::command_table() {
       [this](const control::DeniedRequest& req, control::Reply reply) { denied_request(req, std::move(reply)); });
   d.add<control::HostsRequest>(
       [this](const control::HostsRequest& req, control::Reply reply) { reply(hosts_reply(req)); });
+  d.add<control::RulesRequest>([this](const control::RulesRequest&, control::Reply reply) { reply(rules_reply()); });
+  d.add<control::MetricsRequest>([this](const control::MetricsRequest&, control::Reply reply) {
+    reply(control::ok_reply({{"text", metrics_text()}}));
+  });
   return d;
 }
 
-void Sandbox::handle(const json& req, std::function<void(json)> reply) { commands_.handle(req, std::move(reply)); }
+void Sandbox::handle(const json& req, std::function<void(json)> reply_to) {
+  std::string cmd;
+  if (req.is_object()) {
+    if (auto it = req.find("cmd"); it != req.end() && it->is_string()) cmd = it->get<std::string>();
+  }
+  // Every reply is counted (metrics) on its way out, whenever it goes.
+  commands_.handle(req, [this, label = request_label(cmd), inner = std::move(reply_to)](json r) {
+    count_request(label, r);
+    inner(std::move(r));
+  });
+}
 
 json Sandbox::handle(const json& req) {
   std::optional<json> out;

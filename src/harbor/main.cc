@@ -41,8 +41,6 @@
 #include "control/reply_text.h"
 #include "egressd/unique_fd.h"
 #include "harbor/harbor.h"
-#include "nft/compile.h"
-#include "nft/netlink.h"
 
 namespace {
 
@@ -126,60 +124,16 @@ int cmd_show(bool json) {
   return kExitOk;
 }
 
-// `rules`: the daemon renders its ruleset when it has a `rules` command (reply field
-// "ruleset", nft text). Older daemons answer unknown_command; then print what can be known
-// without it: the status, and the kernel's table read back over netlink (chains, sets,
-// rules with their comments and counters) from this namespace.
+// `rules`: the nft text of the tables egressd keeps in the kernel, with their counters, as
+// egressd renders them (`egressctl rules`; reply field "ruleset").
 int cmd_rules() {
-  auto c = connect();
-  if (std::holds_alternative<int>(c)) return std::get<int>(c);
-  auto reply = std::get<Client>(c).call({{"cmd", "rules"}}, kTimeout);
-  const bool unsupported = reply && reply->is_object() && reply->contains("error") &&
-                           (*reply)["error"].is_object() &&
-                           (*reply)["error"].value("code", "") == "unknown_command";
-  if (!unsupported) {
-    const Outcome o = interpret(reply);
-    if (o.code != kExitOk) return o.code;
-    if (!o.reply.contains("ruleset") || !o.reply["ruleset"].is_string()) {
-      std::cerr << "network-policy: error: egressd's rules reply has no \"ruleset\" text\n";
-      return kExitRuntime;
-    }
-    std::cout << o.reply["ruleset"].get<std::string>();
-    return kExitOk;
-  }
-  const Outcome st = call(egressd::control::StatusRequest{});
-  if (st.code != kExitOk) return st.code;
-  std::cerr << "network-policy: this egressd cannot print its nft ruleset yet (no \"rules\" control command);\n"
-               "network-policy: showing the policy in force and the kernel's table as read over netlink\n";
-  std::cout << "# policy in force\n" << harbor::describe_status(st.reply);
-  auto kernel = egressd::nft::open_kernel();
-  if (!kernel) {
-    std::cerr << "network-policy: error: " << kernel.error().message << '\n';
+  const Outcome o = call(egressd::control::RulesRequest{});
+  if (o.code != kExitOk) return o.code;
+  if (!o.reply.contains("ruleset") || !o.reply["ruleset"].is_string()) {
+    std::cerr << "network-policy: error: egressd's rules reply has no \"ruleset\" text\n";
     return kExitRuntime;
   }
-  auto table = (*kernel)->read_table(egressd::nft::kTableName, egressd::nft::Family::inet);
-  if (!table) {
-    std::cerr << "network-policy: error: " << table.error().message << '\n';
-    return kExitRuntime;
-  }
-  if (!table->has_value()) {
-    std::cout << "# kernel: no table inet " << egressd::nft::kTableName << " in this network namespace\n";
-    return kExitRuntime;
-  }
-  const auto& t = **table;
-  std::cout << "# kernel: table inet " << egressd::nft::kTableName;
-  if (!t.comment.empty()) std::cout << " (comment \"" << t.comment << "\")";
-  std::cout << "\n";
-  for (const auto& s : t.sets) std::cout << "set " << s << "\n";
-  for (const auto& c : t.chains) {
-    std::cout << "chain " << c << "\n";
-    for (const auto& r : t.rules) {
-      if (r.chain != c) continue;
-      std::cout << "  rule handle " << r.handle << ": " << r.packets << " packets, " << r.bytes << " bytes";
-      if (!r.comment.empty()) std::cout << "  # " << r.comment;
-      std::cout << "\n";
-    }
-  }
+  std::cout << o.reply["ruleset"].get<std::string>();
   return kExitOk;
 }
 

@@ -107,8 +107,13 @@ struct MatchSocketMark { std::uint32_t value; };
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
 struct MatchIpv4SourceRoute { bool strict; };
-// counter (anonymous; packets/bytes read back for status)
-struct StmtCounter {};
+// counter (anonymous; packets/bytes read back for status). `listed`: the
+// values were read from the kernel (`egressctl rules`), and the text shows
+// them as `nft list` does; egressd never sends them (a new counter starts at 0).
+struct StmtCounter {
+  bool listed = false;
+  std::uint64_t packets = 0, bytes = 0;
+};
 // limit rate N/second [burst B packets]: matches while under the rate, so the
 // statements after it in the rule run at most that often (nft omits the
 // default burst 5 when listing).

@@ -946,7 +946,10 @@ class NetlinkKernel final : public Kernel {
           a.family = key_family(type);
           a.prefix_len = static_cast<std::uint8_t>(n * 8);
           std::memcpy(a.bytes.data(), key, n);
-          out.push_back({a, a, 0});
+          // The timeout the element was added with (ms), as `nft list` shows it.
+          const std::uint64_t timeout =
+              nftnl_set_elem_is_set(e, NFTNL_SET_ELEM_TIMEOUT) ? nftnl_set_elem_get_u64(e, NFTNL_SET_ELEM_TIMEOUT) : 0;
+          out.push_back({a, a, timeout});
         }
         nftnl_set_elems_iter_destroy(it);
       });
