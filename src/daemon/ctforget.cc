@@ -88,7 +88,7 @@ void ConntrackForgetter::flush() {
   const ssize_t n = ::sendto(fd_.get(), batch_.data(), batch_.size(), 0, reinterpret_cast<sockaddr*>(&kernel),
                              sizeof kernel);
   if (n < 0) {
-    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", std::strerror(errno));
+    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", errno_text(errno));
   }
   sent_ += pending_;
   pending_ = 0;

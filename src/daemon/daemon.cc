@@ -33,6 +33,7 @@
 #include "daemon/sockdiag.h"
 #include "daemon/tamper_guard.h"
 #include "dns/proxy.h"
+#include "egressd/unique_fd.h"
 
 namespace egressd::daemon {
 
@@ -45,12 +46,9 @@ Status join_netns(const RunArgs& a) {
   std::string path = a.netns_path;
   if (a.netns_pid != 0) path = "/proc/" + std::to_string(a.netns_pid) + "/ns/net";
   if (path.empty()) return {};
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Error::invalid("cannot open network namespace " + path + ": " + std::strerror(errno));
-  const int rc = ::setns(fd, CLONE_NEWNET);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return errno_error("cannot join network namespace " + path, err);
+  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.ok()) return Error::invalid("cannot open network namespace " + path + ": " + errno_text(errno));
+  if (::setns(fd.get(), CLONE_NEWNET) != 0) return errno_error("cannot join network namespace " + path, errno);
   return {};
 }
 

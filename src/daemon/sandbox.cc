@@ -556,12 +556,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
                           counts["ipv4-cidr"].get<std::size_t>(), counts["ipv6-cidr"].get<std::size_t>(),
                           unresolved.size(), us));
   if (opts_.after_switch) opts_.after_switch(target_ptr, next.generation);
-  return json{{"phase", next.phase},
-              {"mode", to_string(target.mode)},
-              {"generation", next.generation},
-              {"duration_us", us},
-              {"entries", counts},
-              {"unresolved", unresolved}};
+  return json(control::ApplyReply{next.phase, std::string(to_string(target.mode)), next.generation, us,
+                                  counts.get<std::map<std::string, std::uint64_t>>(), std::move(unresolved)});
 }
 
 void Sandbox::enqueue_apply(ApplyJob job) {
@@ -988,97 +984,6 @@ std::optional<Phase> Sandbox::load_inline_state(std::uint64_t generation) {
     log()->warn("state file {} unreadable: {}", opts_.state_file, e.what());
     return std::nullopt;
   }
-}
-
-json Sandbox::handle(const json& req) {
-  std::optional<json> out;
-  handle(req, [&](json r) { out = std::move(r); });
-  assert(out.has_value() && "request did not complete synchronously");
-  return out ? *out : control::error_reply("internal", "request did not complete");
-}
-
-void Sandbox::handle(const json& req, std::function<void(json)> reply_to) {
-  using control::error_reply;
-  using control::ok_reply;
-  const std::string cmd = req.value("cmd", "");
-  // Every reply is counted (metrics) on its way out, whenever it goes.
-  auto reply = [this, label = request_label(cmd), inner = std::move(reply_to)](json r) {
-    count_request(label, r);
-    inner(std::move(r));
-  };
-  auto check_fields = [&](std::initializer_list<const char*> allowed) -> std::optional<json> {
-    for (const auto& [k, v] : req.items()) {
-      bool ok = k == "cmd";
-      for (const char* a : allowed) ok = ok || k == a;
-      if (!ok) return error_reply("invalid_request", "unknown field \"" + k + "\" for command " + cmd);
-    }
-    return std::nullopt;
-  };
-  if (cmd == "ping" || cmd == "status" || cmd == "capabilities") {
-    if (auto e = check_fields({})) return reply(*e);
-    if (cmd == "ping") return reply(ok_reply());
-    if (cmd == "status") return reply(ok_reply(status()));
-    return reply(ok_reply({{"capabilities", caps_.to_json()}}));
-  }
-  if (cmd == "explain") {
-    if (auto e = check_fields({"target", "phase"})) return reply(*e);
-    return reply(explain_reply(req));
-  }
-  if (cmd == "denied" || cmd == "hosts") return handle_audit(req, std::move(reply));
-  if (cmd == "rules") {
-    if (auto e = check_fields({})) return reply(*e);
-    return reply(rules_reply());
-  }
-  if (cmd == "metrics") {
-    if (auto e = check_fields({})) return reply(*e);
-    return reply(ok_reply({{"text", metrics_text()}}));
-  }
-  if (cmd != "apply") {
-    return reply(error_reply("unknown_command",
-                             "unknown command \"" + cmd +
-                                 "\" (commands: ping, status, capabilities, apply, explain, denied, hosts, rules, metrics)"));
-  }
-  if (auto e = check_fields({"phase", "mode", "allow"})) return reply(*e);
-  const bool has_phase = req.contains("phase"), has_mode = req.contains("mode");
-  if (has_phase == has_mode) {
-    return reply(error_reply("invalid_request", "apply takes either \"phase\" or \"mode\" (with optional \"allow\")"));
-  }
-  // Everything is validated here, before any kernel or DNS work is queued.
-  if (has_phase) {
-    if (!req["phase"].is_string()) return reply(error_reply("invalid_request", "\"phase\" must be a string"));
-    if (req.contains("allow")) {
-      return reply(error_reply("invalid_request", "\"allow\" goes with \"mode\", not \"phase\""));
-    }
-    const std::string name = req["phase"].get<std::string>();
-    const Phase* ph = opts_.policy.find(name);
-    if (ph == nullptr) {
-      std::string names;
-      for (const auto& p : opts_.policy.phases) names += (names.empty() ? "" : ", ") + p.name;
-      return reply(error_reply("unknown_phase", "unknown phase \"" + name + "\" (phases: " + names + ")"));
-    }
-    if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
-    // Aliasing pointer with no owner: the policy outlives every job.
-    return enqueue_apply({std::shared_ptr<const Phase>(std::shared_ptr<const Phase>{}, ph), false, std::move(reply), nullptr});
-  }
-  if (!req["mode"].is_string()) return reply(error_reply("invalid_request", "\"mode\" must be a string"));
-  auto mode = parse_mode(req["mode"].get<std::string>());
-  if (!mode) {
-    return reply(error_reply("invalid_policy", "unknown mode \"" + req["mode"].get<std::string>() +
-                                                   "\" (modes: public, no-network, allowlist)"));
-  }
-  std::vector<std::string> allow;
-  if (req.contains("allow")) {
-    if (!req["allow"].is_array()) return reply(error_reply("invalid_request", "\"allow\" must be an array of strings"));
-    allow.reserve(req["allow"].size());
-    for (const auto& e : req["allow"]) {
-      if (!e.is_string()) return reply(error_reply("invalid_request", "\"allow\" must be an array of strings"));
-      allow.push_back(e.get<std::string>());
-    }
-  }
-  auto ph = make_inline_phase("inline", *mode, allow);
-  if (!ph) return reply(error_reply(ph.error(), "invalid_policy"));
-  if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
-  enqueue_apply({std::make_shared<const Phase>(std::move(*ph)), true, std::move(reply), nullptr});
 }
 
 }  // namespace egressd::daemon

@@ -19,6 +19,7 @@
 #include "audit/denied.h"
 #include "audit/names.h"
 #include "audit/nflog.h"
+#include "control/dispatch.h"
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
@@ -111,6 +112,9 @@ struct SandboxOptions {
 class Sandbox : public dns::PolicyHooks {
  public:
   Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps);
+  // Pinned: the command table and the callbacks it hands out hold `this`.
+  Sandbox(const Sandbox&) = delete;
+  Sandbox& operator=(const Sandbox&) = delete;
 
   // The port the DNS redirect points at. Before start() only: the proxy
   // binds first and may have had to take another port than configured.
@@ -126,9 +130,9 @@ class Sandbox : public dns::PolicyHooks {
   // phase is unknown or needs a missing capability.
   Status start(const std::string& initial_phase);
 
-  // Handles one control request; calls `reply` exactly once, at once or
-  // (apply with hostnames to pre-resolve) later. Applies run one at a time in
-  // arrival order.
+  // Handles one control request (the table is command_table(), in
+  // sandbox_control.cc); calls `reply` exactly once, at once or (apply with
+  // hostnames to pre-resolve) later. Applies run one at a time in arrival order.
   void handle(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);
   // Synchronous form for requests that complete at once (tests, no proxy).
   nlohmann::json handle(const nlohmann::json& request);
@@ -247,8 +251,12 @@ class Sandbox : public dns::PolicyHooks {
   Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target,
                                    std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
                                    std::vector<std::string> unresolved);
+  // ---- control commands (sandbox_control.cc) ----
+  control::Dispatcher command_table();
+  void apply(const control::ApplyRequest& req, control::Reply reply);
+  nlohmann::json unknown_phase_reply(const std::string& name) const;
   // The reply to an `explain` request (src/daemon/sandbox_explain.cc).
-  nlohmann::json explain_reply(const nlohmann::json& request) const;
+  nlohmann::json explain_reply(const control::ExplainRequest& req) const;
   void enqueue_apply(ApplyJob job);
   void run_next_apply();
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
@@ -281,7 +289,8 @@ class Sandbox : public dns::PolicyHooks {
   std::optional<Phase> load_inline_state(std::uint64_t generation);
 
   // src/daemon/sandbox_audit.cc: `denied` and `hosts` requests.
-  void handle_audit(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);
+  void denied_request(const control::DeniedRequest& req, control::Reply reply);
+  nlohmann::json hosts_reply(const control::HostsRequest& req) const;
   void wake_denied_waiters();
   nlohmann::json audit_status() const;
 
@@ -339,6 +348,8 @@ class Sandbox : public dns::PolicyHooks {
   };
   std::vector<DeniedWaiter> denied_waiters_;
   std::uint64_t next_waiter_ = 1;
+  // Last: its handlers use the members above.
+  control::Dispatcher commands_ = command_table();
 };
 
 }  // namespace egressd::daemon

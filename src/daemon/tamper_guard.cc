@@ -214,7 +214,7 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
 
   std::string what;
   if (!rejoined) {
-    what = std::string("could not listen to nftables events again (") + std::strerror(rejoin_errno) + ")";
+    what = std::string("could not listen to nftables events again (") + errno_text(rejoin_errno) + ")";
   } else if (!after) {
     what = "ruleset generation unreadable after an unheard batch: " + after.error().message;
   } else {
@@ -229,7 +229,7 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
       int g = NFNLGRP_NFTABLES;
       if (setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &g, sizeof g) < 0) {
         log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
-                     std::strerror(errno), opts_.verify_interval.count());
+                     errno_text(errno), opts_.verify_interval.count());
       }
     }
     ++tampers_;
