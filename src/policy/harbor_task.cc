@@ -177,9 +177,19 @@ class TaskReader {
                             ": TOML syntax error: a non-ASCII character outside a string or comment (TOML allows "
                             "them only there), or right after a backslash in a multi-line string");
     }
+    // The scan above mirrors toml++'s tokenizer only as far as it can (harbor_task_fuzz found
+    // a bare value with a quote inside, `= -="i.<U+FE7F>`, that it took for a string). So no
+    // byte >= 0x80 reaches toml++ at all: each becomes '?', which no TOML key, bare value or
+    // host name may contain. Strings and comments (where TOML allows them) keep their place;
+    // egressd reads nothing but network keys, whose host names are ASCII, and a host name
+    // that had one is refused by the entry validator as it would be anyway.
+    std::string ascii(text);
+    for (char& ch : ascii) {
+      if (static_cast<unsigned char>(ch) >= 0x80) ch = '?';
+    }
     toml::table root;
     try {
-      root = toml::parse(text, std::string_view(file_));
+      root = toml::parse(ascii, std::string_view(file_));
     } catch (const toml::parse_error& e) {
       return err(e.source(), "TOML syntax error: " + std::string(e.description()));
     }

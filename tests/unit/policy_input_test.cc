@@ -232,6 +232,9 @@ TEST_CASE("Harbor: rejections name file:line:col") {
   CHECK(task_error("a = 1\n\xc3\xa9 = 2\n") ==
         "task.toml:2:1: TOML syntax error: a non-ASCII character outside a string or comment (TOML allows them "
         "only there), or right after a backslash in a multi-line string");
+  // A quote inside a bare value, then a non-ASCII character (harbor_task_fuzz, past the scan):
+  // a syntax error, never a crash.
+  CHECK(task_error("[agent]\nallowed_hosts = -=\"i.\xef\xb9\xbf,c`").find("task.toml:2:") == 0);
   CHECK(task("# caf\xc3\xa9\n[task]\nauthors = [{ name = \"Jos\xc3\xa9\" }]\n[\"caf\xc3\xa9\"]\n"
              "x = '\xc3\xa9'\ny = \"\"\"\xc3\xa9 \\\"\"\" \xc3\xa9\"\"\"\nz = '''\xc3\xa9'''\n")
             .policy.phases.size() == 3);
