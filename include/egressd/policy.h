@@ -1,5 +1,6 @@
 // The policy model: allowlist entries, phases, policy files. Pure: no I/O
-// except load_policy_file, which reads one file.
+// except load_policy_file, which reads one file. The harnesses' formats are in
+// egressd/policy_input.h.
 #pragma once
 
 #include <array>
@@ -124,12 +125,14 @@ struct Policy {
 // True for a valid phase name: 1-32 of [A-Za-z0-9_-].
 bool valid_phase_name(std::string_view name);
 
-// Parses a policy document (YAML or JSON). `filename` is used in messages,
-// which read "<filename>:<line>:<col>: <reason>". Errors are invalid-kind.
+// Parses an egressd policy document (YAML or JSON; never the harnesses' formats).
+// `filename` is used in messages, which read "<filename>:<line>:<col>: <reason>".
+// Errors are invalid-kind.
 Result<Policy> parse_policy(std::string_view text, std::string_view filename);
 
-// Reads and parses a policy file; a missing/unreadable file is an invalid-kind
-// error naming the path.
+// Reads and parses a policy file in any of the formats of egressd/policy_input.h
+// (egressd YAML/JSON, Harbor task.toml, AgentCompass env-params: parse_policy_document
+// says which); a missing/unreadable file is an invalid-kind error naming the path.
 Result<Policy> load_policy_file(const std::string& path);
 
 // Builds a one-phase policy for an inline request (egressctl apply --mode).

@@ -23,7 +23,10 @@ struct Error {
   Error wrap(const std::string& context) const { return {kind, context + ": " + message}; }
 };
 
-// Turns an errno value into "what: strerror(errno)". The one place errno becomes text.
+// The text of an errno value ("No such file or directory"). The one place errno
+// becomes text: every message and log line that reports an errno goes through it.
+std::string errno_text(int err);
+// A runtime Error reading "what: errno_text(err)".
 Error errno_error(const std::string& what, int err);
 
 // Result<T>: a T or an Error. Accessing the wrong side is a bug (assert).

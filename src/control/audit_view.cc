@@ -1,8 +1,8 @@
 #include "control/audit_view.h"
 
-#include <algorithm>
 
 #include "audit/suggest.h"
+#include "control/reply_text.h"
 
 namespace egressd::control {
 
@@ -56,24 +56,17 @@ std::string hosts_table(const json& hosts) {
     for (const auto& h : hosts) {
       std::string addrs;
       if (h.contains("addresses") && h["addresses"].is_array()) {
-        for (const auto& a : h["addresses"]) addrs += (addrs.empty() ? "" : " ") + (a.is_string() ? a.get<std::string>() : a.dump());
+        for (const auto& a : h["addresses"]) {
+          // Appended piece by piece: `"..." + tmp` trips g++ 12's -Wrestrict false positive
+          // (GCC PR 105329) at -O3, which fails the release build.
+          if (!addrs.empty()) addrs += ' ';
+          addrs += a.is_string() ? a.get<std::string>() : a.dump();
+        }
       }
       rows.push_back({str(h, "phase"), str(h, "name"), str(h, "resolved"), str(h, "refused"), addrs.empty() ? "-" : addrs});
     }
   }
-  std::vector<std::size_t> width(rows[0].size(), 0);
-  for (const auto& r : rows)
-    for (std::size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
-  std::string out;
-  for (const auto& r : rows) {
-    std::string line;
-    for (std::size_t i = 0; i < r.size(); ++i) {
-      line += r[i];
-      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
-    }
-    out += line + "\n";
-  }
-  return out;
+  return table(rows);
 }
 
 std::vector<std::string> resolved_names(const json& hosts, const std::string& phase) {

@@ -50,59 +50,37 @@ Result<Client> Client::connect(const std::string& path) {
     return Error::invalid("cannot connect to " + path + ": path too long (" + std::to_string(path.size()) +
                           " bytes, limit " + std::to_string(sizeof(addr.sun_path) - 1) + ")");
   std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errno_error("cannot connect to " + path, errno);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.ok()) return errno_error("cannot connect to " + path, errno);
   // Blocking connect: a Unix socket connect completes or fails at once unless the
   // listener's backlog is full, and then waiting is the right thing to do.
   int rc;
-  do rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  do rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   while (rc != 0 && errno == EINTR);
-  if (rc != 0) {
-    const int err = errno;
-    ::close(fd);
-    return errno_error("cannot connect to " + path, err);
-  }
+  if (rc != 0) return errno_error("cannot connect to " + path, errno);
   // Non-blocking from here on: every wait goes through poll() with a deadline.
-  if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return errno_error("cannot connect to " + path, err);
-  }
-  return Client(fd);
-}
-
-Client::Client(Client&& other) noexcept : fd_(std::exchange(other.fd_, -1)), buf_(std::move(other.buf_)) {}
-
-Client& Client::operator=(Client&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
-    buf_ = std::move(other.buf_);
-  }
-  return *this;
-}
-
-Client::~Client() {
-  if (fd_ >= 0) ::close(fd_);
+  if (::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) | O_NONBLOCK) != 0)
+    return errno_error("cannot connect to " + path, errno);
+  return Client(std::move(fd));
 }
 
 Result<nlohmann::json> Client::call(const nlohmann::json& request, std::chrono::milliseconds timeout) {
-  if (fd_ < 0) return Error::runtime("connection to egressd is closed after an earlier error");
+  if (!fd_.ok()) return Error::runtime("connection to egressd is closed after an earlier error");
   const auto deadline = Clock::now() + timeout;
   const std::string out = request.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   std::size_t sent = 0;
   while (sent < out.size()) {
-    const ssize_t n = ::send(fd_, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+    const ssize_t n = ::send(fd_.get(), out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
       sent += static_cast<std::size_t>(n);
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      const int rc = wait_fd(fd_, POLLOUT, deadline);
+      const int rc = wait_fd(fd_.get(), POLLOUT, deadline);
       if (rc < 0) return errno_error("cannot send request to egressd", errno);
       if (rc == 0) {
-        ::close(std::exchange(fd_, -1));
+        fd_.reset();
         return Error::runtime("timed out after " + std::to_string(timeout.count()) +
                               " ms sending a request to egressd");
       }
@@ -123,7 +101,7 @@ Result<nlohmann::json> Client::call(const nlohmann::json& request, std::chrono::
 }
 
 Result<nlohmann::json> Client::read_line(std::chrono::milliseconds timeout) {
-  if (fd_ < 0) return Error::runtime("connection to egressd is closed after an earlier error");
+  if (!fd_.ok()) return Error::runtime("connection to egressd is closed after an earlier error");
   const auto deadline = Clock::now() + timeout;
   std::size_t scanned = 0;
   for (;;) {
@@ -135,37 +113,37 @@ Result<nlohmann::json> Client::read_line(std::chrono::milliseconds timeout) {
       try {
         return nlohmann::json::parse(line);
       } catch (const nlohmann::json::parse_error& e) {
-        ::close(std::exchange(fd_, -1));
+        fd_.reset();
         return Error::runtime(std::string("malformed reply from egressd: ") + e.what());
       }
     }
     scanned = buf_.size();
     if (buf_.size() > kMaxReplyBytes) {
-      ::close(std::exchange(fd_, -1));
+      fd_.reset();
       return Error::runtime("reply from egressd exceeds " + std::to_string(kMaxReplyBytes) + " bytes");
     }
     char chunk[16 * 1024];
-    const ssize_t n = ::recv(fd_, chunk, sizeof(chunk), 0);
+    const ssize_t n = ::recv(fd_.get(), chunk, sizeof(chunk), 0);
     if (n > 0) {
       buf_.append(chunk, static_cast<std::size_t>(n));
       continue;
     }
     if (n == 0) {
-      ::close(std::exchange(fd_, -1));
+      fd_.reset();
       return Error::runtime("egressd closed the connection without a reply");
     }
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       const int err = errno;
-      ::close(std::exchange(fd_, -1));
+      fd_.reset();
       return errno_error("cannot read reply from egressd", err);
     }
-    const int rc = wait_fd(fd_, POLLIN, deadline);
+    const int rc = wait_fd(fd_.get(), POLLIN, deadline);
     if (rc < 0) return errno_error("cannot read reply from egressd", errno);
     if (rc == 0) {
       // A late reply would be taken for the answer to the next request: this
       // connection cannot be reused.
-      ::close(std::exchange(fd_, -1));
+      fd_.reset();
       return timed_out(timeout);
     }
   }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "egressd/result.h"
+#include "egressd/unique_fd.h"
 
 namespace egressd::control {
 
@@ -14,10 +15,10 @@ class Client {
   // Connects to the filesystem socket at `path`. Runtime error naming the path
   // ("cannot connect to /run/egressd/egressd.sock: No such file or directory").
   static Result<Client> connect(const std::string& path);
-  Client(Client&&) noexcept;
-  Client& operator=(Client&&) noexcept;
+  Client(Client&&) noexcept = default;
+  Client& operator=(Client&&) noexcept = default;
   Client(const Client&) = delete;
-  ~Client();
+  ~Client() = default;
 
   // Sends one request line and reads one reply line, within `timeout`.
   // After a timeout or I/O error the connection is closed (a late reply would
@@ -28,8 +29,8 @@ class Client {
   Result<nlohmann::json> read_line(std::chrono::milliseconds timeout);
 
  private:
-  explicit Client(int fd) : fd_(fd) {}
-  int fd_ = -1;
+  explicit Client(UniqueFd fd) : fd_(std::move(fd)) {}
+  UniqueFd fd_;
   std::string buf_;
 };
 

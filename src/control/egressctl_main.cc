@@ -6,11 +6,9 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -18,18 +16,15 @@
 #include "audit/suggest.h"
 #include "control/audit_view.h"
 #include "control/client.h"
+#include "control/protocol.h"
+#include "control/reply_text.h"
 
 namespace {
 
 using egressd::ErrorKind;
 using egressd::control::Client;
 using Json = nlohmann::json;
-
-constexpr int kExitOk = 0, kExitRuntime = 1, kExitInvalid = 2;
-
-// Reply codes that mean "the request was wrong", not "egressd failed".
-const std::set<std::string> kInvalidInputCodes = {"invalid_request", "unknown_phase", "invalid_policy",
-                                                  "unknown_command", "request_too_large"};
+using namespace egressd::control;  // the protocol's types and the shared rendering helpers
 
 struct Options {
   std::string socket = egressd::control::default_socket_path();
@@ -48,48 +43,30 @@ struct Options {
   std::string hosts_phase;
 };
 
+void print_table(const std::vector<std::vector<std::string>>& rows) { std::cout << table(rows); }
+
+// The documented comma form of --allow ("a.org,b.org"): each piece exactly as typed, empty
+// ones included, for the daemon's entry validator to judge (an empty entry is an error there).
+std::vector<std::string> split_commas(const std::vector<std::string>& values) {
+  std::vector<std::string> out;
+  for (const std::string& v : values) {
+    std::size_t start = 0;
+    while (true) {
+      const std::size_t comma = v.find(',', start);
+      out.push_back(v.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
+  return out;
+}
+
 std::string dump(const Json& j, int indent = -1) {
   return j.dump(indent, ' ', false, Json::error_handler_t::replace);
 }
 
-// A scalar for humans: strings unquoted, missing as "-".
-std::string text(const Json& j) {
-  if (j.is_null()) return "-";
-  if (j.is_string()) return j.get<std::string>();
-  return dump(j);
-}
-
-std::string field(const Json& obj, const char* key) { return obj.is_object() && obj.contains(key) ? text(obj[key]) : "-"; }
-
-std::string join(const Json& arr, const char* sep) {
-  std::string out;
-  if (!arr.is_array()) return text(arr);
-  for (const auto& v : arr) out += (out.empty() ? "" : sep) + text(v);
-  return out;
-}
-
-// Prints rows as left-aligned columns separated by two spaces.
-void print_table(const std::vector<std::vector<std::string>>& rows) {
-  std::vector<std::size_t> width;
-  for (const auto& r : rows)
-    for (std::size_t i = 0; i < r.size(); ++i) {
-      if (width.size() <= i) width.push_back(0);
-      width[i] = std::max(width[i], r[i].size());
-    }
-  for (const auto& r : rows) {
-    std::string line;
-    for (std::size_t i = 0; i < r.size(); ++i) {
-      line += r[i];
-      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
-    }
-    std::cout << line << '\n';
-  }
-}
-
-// --json: the reply as received, minus "ok"; pretty-printed, keys sorted.
-int print_json(Json reply) {
-  reply.erase("ok");
-  std::cout << dump(reply, 2) << '\n';
+int print_json(const Json& reply) {
+  std::cout << json_output(reply);
   return kExitOk;
 }
 
@@ -101,11 +78,7 @@ int print_apply(const Json& r) {
     line += "inline policy";
   if (r.contains("mode")) line += " (" + text(r["mode"]) + ")";
   if (r.contains("generation")) line += " generation " + text(r["generation"]);
-  if (r.contains("duration_us") && r["duration_us"].is_number()) {
-    char ms[32];
-    std::snprintf(ms, sizeof(ms), "%.2f", r["duration_us"].get<double>() / 1000.0);
-    line += std::string(" in ") + ms + " ms";
-  }
+  if (auto ms = duration_ms(r)) line += " in " + *ms + " ms";
   std::cout << line << '\n';
   if (r.contains("unresolved") && r["unresolved"].is_array() && !r["unresolved"].empty())
     std::cout << "not resolved at apply time: " << join(r["unresolved"], ", ")
@@ -115,10 +88,6 @@ int print_apply(const Json& r) {
 
 int print_status(const Json& r) {
   const Json counters = r.value("counters", Json::object());
-  auto traffic = [&](const char* what) {
-    const std::string p = std::string(what) + "_packets", b = std::string(what) + "_bytes";
-    return field(counters, p.c_str()) + " packets, " + field(counters, b.c_str()) + " bytes";
-  };
   std::vector<std::vector<std::string>> summary = {
       {"phase:", field(r, "phase")},
       {"mode:", field(r, "mode")},
@@ -127,8 +96,8 @@ int print_status(const Json& r) {
   if (r.contains("phases")) summary.push_back({"phases:", join(r["phases"], ", ")});
   if (r.contains("netns")) summary.push_back({"netns:", field(r, "netns")});
   if (r.contains("socket")) summary.push_back({"socket:", field(r, "socket")});
-  summary.push_back({"allowed:", traffic("allowed")});
-  summary.push_back({"denied:", traffic("denied")});
+  summary.push_back({"allowed:", traffic(counters, "allowed")});
+  summary.push_back({"denied:", traffic(counters, "denied")});
   if (r.contains("dns") && r["dns"].is_object()) {
     const Json& d = r["dns"];
     summary.push_back({"dns:", field(d, "forwarded") + " forwarded, " + field(d, "refused") + " refused, " +
@@ -190,36 +159,21 @@ int run(const Options& o, const Json& request, const std::function<int(const Jso
       std::cerr << "error: " << err.message << '\n';
       return kExitInvalid;
     }
-    // Client errors read "cannot connect to <path>: <reason>"; keep the reason.
-    const std::string prefix = "cannot connect to " + o.socket + ": ";
-    const std::string reason =
-        err.message.rfind(prefix, 0) == 0 ? err.message.substr(prefix.size()) : err.message;
-    std::cerr << "egressctl: cannot reach egressd at " << o.socket << ": " << reason << '\n';
+    std::cerr << "egressctl: cannot reach egressd at " << o.socket << ": " << unreachable_reason(err, o.socket)
+              << '\n';
     return kExitRuntime;
   }
   const auto timeout = std::chrono::milliseconds(static_cast<long long>(o.timeout_s * 1000));
-  auto reply = client->call(request, timeout);
-  if (!reply) {
-    std::cerr << "error: " << reply.error().message << '\n';
-    return kExitRuntime;
+  const auto reply = client->call(request, timeout);
+  if (const Outcome out = outcome(reply); out.exit_code != kExitOk) {
+    std::cerr << "error: " << out.error << '\n';
+    return out.exit_code;
   }
-  const Json& r = *reply;
-  if (!r.is_object() || !r.contains("ok") || !r["ok"].is_boolean()) {
-    std::cerr << "error: malformed reply from egressd: " << dump(r).substr(0, 200) << '\n';
-    return kExitRuntime;
-  }
-  if (!r["ok"].get<bool>()) {
-    const Json err = r.value("error", Json::object());
-    const std::string code = err.is_object() ? err.value("code", "internal") : "internal";
-    const std::string message = err.is_object() ? err.value("message", code) : code;
-    std::cerr << "error: " << (message.empty() ? code : message) << '\n';
-    return kInvalidInputCodes.count(code) ? kExitInvalid : kExitRuntime;
-  }
-  return on_ok(r);
+  return on_ok(*reply);
 }
 
 int cmd_apply(const Options& o) {
-  Json req = {{"cmd", "apply"}};
+  Json req = {{"cmd", ApplyRequest::kCmd}};
   if (!o.phase.empty()) {
     req["phase"] = o.phase;
   } else {
@@ -227,15 +181,21 @@ int cmd_apply(const Options& o) {
     // Sent only when given: the daemon rejects allowed hosts with non-allowlist modes.
     if (!o.allow.empty()) req["allow"] = o.allow;
   }
-  return run(o, req, [&](const Json& r) { return o.json ? print_json(r) : print_apply(r); });
+  // Checked as the daemon checks it, so a bad mode fails fast (exit 2) even with no daemon.
+  auto typed = decode<ApplyRequest>(req);
+  if (auto* err = std::get_if<ErrorReply>(&typed)) {
+    std::cerr << "error: " << err->message << '\n';
+    return exit_code_for(err->code);
+  }
+  return run(o, std::get<ApplyRequest>(typed), [&](const Json& r) { return o.json ? print_json(r) : print_apply(r); });
 }
 
 int cmd_status(const Options& o) {
-  return run(o, {{"cmd", "status"}}, [&](const Json& r) { return o.json ? print_json(r) : print_status(r); });
+  return run(o, StatusRequest{}, [&](const Json& r) { return o.json ? print_json(r) : print_status(r); });
 }
 
 int cmd_capabilities(const Options& o) {
-  return run(o, {{"cmd", "capabilities"}},
+  return run(o, CapabilitiesRequest{},
              [&](const Json& r) { return o.json ? print_json(r) : print_capabilities(r); });
 }
 
@@ -246,16 +206,34 @@ int cmd_explain(const Options& o) {
     std::cerr << "error: " << t.error().message << '\n';
     return kExitInvalid;
   }
-  Json req = {{"cmd", "explain"}, {"target", o.target}};
-  if (!o.phase.empty()) req["phase"] = o.phase;
+  ExplainRequest req{o.target, std::nullopt};
+  if (!o.phase.empty()) req.phase = o.phase;
   return run(o, req, [&](const Json& r) { return o.json ? print_json(r) : print_explain(r); });
 }
 
 int cmd_ping(const Options& o) {
-  return run(o, {{"cmd", "ping"}}, [](const Json&) {
+  return run(o, PingRequest{}, [](const Json&) {
     std::cout << "ok\n";
     return kExitOk;
   });
+}
+
+// rules / metrics: the daemon's text, printed as it comes (`field`: "ruleset" or "text").
+int print_text(const Json& r, const char* field) {
+  if (!r.contains(field) || !r[field].is_string()) {
+    std::cerr << "error: egressd's reply has no \"" << field << "\" text\n";
+    return kExitRuntime;
+  }
+  std::cout << r[field].get<std::string>() << std::flush;
+  return kExitOk;
+}
+
+int cmd_rules(const Options& o) {
+  return run(o, Json(egressd::control::RulesRequest{}), [](const Json& r) { return print_text(r, "ruleset"); });
+}
+
+int cmd_metrics(const Options& o) {
+  return run(o, Json(egressd::control::MetricsRequest{}), [](const Json& r) { return print_text(r, "text"); });
 }
 
 // denied: the records; --follow asks again and again with the last id seen
@@ -270,7 +248,7 @@ int cmd_denied(const Options& o) {
     std::cout << std::flush;
   };
   if (!o.follow) {
-    return run(o, {{"cmd", "denied"}}, [&](const Json& r) {
+    return run(o, DeniedRequest{}, [&](const Json& r) {
       if (o.json) return print_json(r);
       const Json records = r.value("records", Json::array());
       if (records.empty()) std::cout << "no denied connections recorded\n";
@@ -282,7 +260,7 @@ int cmd_denied(const Options& o) {
   // The first request prints what is recorded already, then each waits.
   std::uint64_t since = 0;
   for (bool first = true;; first = false) {
-    const int rc = run(o, {{"cmd", "denied"}, {"since", since}, {"wait_ms", first ? 0 : wait_ms}}, [&](const Json& r) {
+    const int rc = run(o, DeniedRequest{since, std::nullopt, first ? 0 : wait_ms}, [&](const Json& r) {
       const Json records = r.value("records", Json::array());
       print(records);
       for (const auto& rec : records) {
@@ -296,8 +274,8 @@ int cmd_denied(const Options& o) {
 
 // hosts: names per phase; --suggest / --wildcards: the allowed_hosts list.
 int cmd_hosts(const Options& o) {
-  Json req = {{"cmd", "hosts"}};
-  if (!o.hosts_phase.empty()) req["phase"] = o.hosts_phase;
+  HostsRequest req;
+  if (!o.hosts_phase.empty()) req.phase = o.hosts_phase;
   return run(o, req, [&](const Json& r) {
     const Json hosts = r.value("hosts", Json::array());
     if (o.suggest || o.wildcards) {
@@ -350,15 +328,19 @@ int main(int argc, char** argv) {
       {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
       {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
       {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
+      {"rules", "print egressd's tables as the kernel holds them (nft text, with counters)", cmd_rules},
+      {"metrics", "print egressd's counters in the Prometheus text format", cmd_metrics},
   };
   for (auto& c : commands) c.sub = app.add_subcommand(c.name, c.help);
 
   CLI::App* apply = commands[0].sub;
   auto* phase = apply->add_option("PHASE", o.phase, "phase name from the policy file");
   auto* mode = apply->add_option("--mode", o.mode, "inline policy mode: public, allowlist or no-network");
+  // One value per --allow, kept as typed (allow_extra_args(false): no CLI11 "[a,b]" list
+  // expansion); split on commas after parsing by split_commas, which keeps empty pieces so
+  // the daemon's entry validator sees "a,,b" as it is. CLI11's delimiter would drop them.
   auto* allow = apply->add_option("--allow", o.allow, "allowlist entry (repeatable, or comma-separated)")
-                    ->allow_extra_args(false)
-                    ->delimiter(',');
+                    ->allow_extra_args(false);
   phase->excludes(mode);
   allow->needs(mode);
   apply->add_flag("--json", o.json, "print the reply as JSON");
@@ -391,6 +373,7 @@ int main(int argc, char** argv) {
     const int rc = app.exit(e);  // prints help (stdout) or the error (stderr)
     return rc == 0 ? kExitOk : kExitInvalid;
   }
+  o.allow = split_commas(o.allow);
   for (const auto& c : commands)
     if (c.sub->parsed()) return c.run(o);
   return kExitInvalid;  // unreachable: require_subcommand(1)

@@ -50,26 +50,6 @@ constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 
 std::shared_ptr<spdlog::logger> control_logger() { return module_logger("control"); }
 
-// One reply line. "ok" goes first so a person reading socat output sees the
-// verdict before the details (nlohmann objects otherwise sort their keys).
-// dump() throws on invalid UTF-8 by default; an error message may quote raw
-// request bytes, so invalid sequences are replaced instead.
-std::string serialize(const Json& j) {
-  auto dump = [](const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); };
-  if (!j.is_object() || !j.contains("ok")) return dump(j) + "\n";
-  std::string out = "{\"ok\":" + dump(j["ok"]);
-  for (const auto& [key, value] : j.items()) {
-    if (key == "ok") continue;
-    out += ',';
-    out += dump(key);
-    out += ':';
-    out += dump(value);
-  }
-  out += "}\n";
-  return out;
-}
-
-
 Result<sockaddr_un> make_addr(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -95,7 +75,7 @@ Status clear_stale(const std::string& path, const sockaddr_un& addr) {
   if (!S_ISSOCK(st.st_mode))
     return Error::runtime("control socket path " + path + " exists and is not a socket; not replacing it");
   UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (probe.get() < 0) return errno_error("cannot create probe socket for " + path, errno);
+  if (!probe.ok()) return errno_error("cannot create probe socket for " + path, errno);
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 || errno == EAGAIN ||
       errno == EINPROGRESS)
     // EAGAIN: a listener exists but its backlog is full; it is alive all the same.
@@ -121,14 +101,14 @@ Status ensure_parent_dir(const std::string& path) {
 }
 
 // Returns a listening, close-on-exec socket bound at `path` with mode 0600.
-Result<int> bind_socket(const std::string& path, std::optional<uid_t> owner) {
+Result<UniqueFd> bind_socket(const std::string& path, std::optional<uid_t> owner) {
   auto addr = make_addr(path);
   if (!addr) return addr.error();
   if (auto st = ensure_parent_dir(path); !st) return st.error();
   if (auto st = clear_stale(path, *addr); !st) return st.error();
 
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (fd.get() < 0) return errno_error("cannot create control socket " + path, errno);
+  if (!fd.ok()) return errno_error("cannot create control socket " + path, errno);
   // Linux creates the socket file with (socket inode mode & ~umask): setting the
   // inode mode first makes the file 0600 from its first instant, whatever the
   // umask. The restrictive umask around bind() is a second guard (it is
@@ -159,7 +139,7 @@ Result<int> bind_socket(const std::string& path, std::optional<uid_t> owner) {
     ::unlink(path.c_str());
     return errno_error("cannot listen on control socket " + path, err);
   }
-  return fd.release();
+  return fd;
 }
 
 struct Conn {
@@ -255,12 +235,7 @@ std::optional<Json> check_request(std::string_view line, Json& out) {
     return error_reply("invalid_request",
                        "request nests deeper than " + std::to_string(kMaxRequestDepth) + " levels");
   }
-  if (!out.is_object())
-    return error_reply("invalid_request", std::string("request must be a JSON object, got ") + out.type_name());
-  auto it = out.find("cmd");
-  if (it == out.end()) return error_reply("invalid_request", "request has no \"cmd\" field");
-  if (!it->is_string())
-    return error_reply("invalid_request", std::string("\"cmd\" must be a string, got ") + it->type_name());
+  if (auto err = check_envelope(out)) return Json(*err);
   return std::nullopt;
 }
 
@@ -284,7 +259,7 @@ Json checked_reply(Json reply, State& st, const Conn& c) {
 }
 
 awaitable<bool> write_line(Conn& c, const Json& reply) {
-  const std::string out = serialize(reply);
+  const std::string out = reply_line(reply);
   boost::system::error_code ec;
   co_await asio::async_write(c.sock, asio::buffer(out), asio::redirect_error(use_awaitable, ec));
   co_return !ec;
@@ -429,7 +404,7 @@ awaitable<void> accept_loop(std::shared_ptr<State> st, std::uint64_t gen) {
     ucred cred{};
     socklen_t len = sizeof(cred);
     if (::getsockopt(c->sock.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      st->log->warn("rejected conn={} reason=no_peer_credentials error={}", id, std::strerror(errno));
+      st->log->warn("rejected conn={} reason=no_peer_credentials error={}", id, errno_text(errno));
       c->close();
       continue;
     }
@@ -458,23 +433,20 @@ const char* file_kind(mode_t m) {
 }
 
 // Takes the new listening socket `fd` (bound at the path) in place of the old one.
-Status adopt_listener(State& st, int fd) {
+Status adopt_listener(State& st, UniqueFd fd) {
   struct stat s {};
-  if (::stat(st.opts.path.c_str(), &s) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return errno_error("cannot stat control socket " + st.opts.path + " after bind", err);
-  }
+  if (::stat(st.opts.path.c_str(), &s) != 0)
+    return errno_error("cannot stat control socket " + st.opts.path + " after bind", errno);
   boost::system::error_code ec;
   st.acceptor.close(ec);  // wakes the old accept loop with operation_aborted
-  st.acceptor.assign(stream(), fd, ec);
+  st.acceptor.assign(stream(), fd.get(), ec);
   if (ec) {
-    ::close(fd);
     ::unlink(st.opts.path.c_str());
     st.dev = 0;
     st.ino = 0;
     return Error::runtime("cannot watch control socket " + st.opts.path + ": " + ec.message());
   }
+  (void)fd.release();  // the acceptor owns it now
   st.dev = s.st_dev;
   st.ino = s.st_ino;
   ++st.listen_gen;
@@ -496,20 +468,20 @@ void check_socket_file(const std::shared_ptr<State>& st) {
   std::string what;
   struct stat s {};
   if (::lstat(path.c_str(), &s) != 0) {
-    if (errno != ENOENT) return problem(std::string("cannot stat it: ") + std::strerror(errno));
+    if (errno != ENOENT) return problem(std::string("cannot stat it: ") + errno_text(errno));
     what = "was deleted";
   } else if (S_ISSOCK(s.st_mode)) {
     what = "was replaced by another socket (owner uid " + std::to_string(s.st_uid) + ", inode " +
            std::to_string(s.st_ino) + ")";
     if (::unlink(path.c_str()) != 0 && errno != ENOENT)
-      return problem("it was replaced by another socket, which cannot be removed: " + std::string(std::strerror(errno)));
+      return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
   } else {
     return problem(std::string("it is now a ") + file_kind(s.st_mode) + " (owner uid " + std::to_string(s.st_uid) +
                    "), not our socket; not replacing it");
   }
   auto fd = bind_socket(path, st->owner);
   if (!fd) return problem("cannot bind it again: " + fd.error().message);
-  if (auto a = adopt_listener(*st, *fd); !a) return problem(a.error().message);
+  if (auto a = adopt_listener(*st, std::move(*fd)); !a) return problem(a.error().message);
   st->watch_problem.clear();
   st->log->warn("control socket path={} {}; listening there again (mode 0600)", path, what);
   asio::co_spawn(st->acceptor.get_executor(), accept_loop(st, st->listen_gen), asio::detached);
@@ -568,21 +540,7 @@ Result<std::unique_ptr<Server>> Server::listen(boost::asio::io_context& io, Serv
   if (!fd) return fd.error();
   auto st = std::make_shared<State>(io, std::move(opts), std::move(handler));
   st->owner = owner;
-  struct stat s {};
-  if (::stat(st->opts.path.c_str(), &s) != 0) {
-    const int err = errno;
-    ::close(*fd);
-    return errno_error("cannot stat control socket " + st->opts.path + " after bind", err);
-  }
-  st->dev = s.st_dev;
-  st->ino = s.st_ino;
-  boost::system::error_code ec;
-  st->acceptor.assign(stream(), *fd, ec);
-  if (ec) {
-    ::close(*fd);
-    ::unlink(st->opts.path.c_str());
-    return Error::runtime("cannot watch control socket " + st->opts.path + ": " + ec.message());
-  }
+  if (auto a = adopt_listener(*st, std::move(*fd)); !a) return a.error();
   std::string uids = "0";
   for (uid_t u : st->opts.allowed_uids)
     if (u != 0) uids += "," + std::to_string(u);

@@ -17,6 +17,7 @@
 #include <set>
 #include <string>
 
+#include "control/protocol.h"
 #include "egressd/result.h"
 
 namespace egressd::control {
@@ -26,11 +27,11 @@ namespace egressd::control {
 // connection stays usable.
 inline constexpr std::size_t kMaxRequestBytes = 1 << 20;
 
-// Calls `reply` exactly once with the reply object. May complete later (the
-// handler owns any async work); `reply` is safe to call after the client left.
-// `reply` may be called from any thread. Further calls are ignored; if every
-// copy is dropped uncalled, or the handler throws, the client gets "internal".
-using Reply = std::function<void(nlohmann::json)>;
+// Calls `reply` (control/protocol.h) exactly once with the reply object. May
+// complete later (the handler owns any async work); `reply` is safe to call
+// after the client left. `reply` may be called from any thread. Further calls
+// are ignored; if every copy is dropped uncalled, or the handler throws, the
+// client gets "internal".
 using Handler = std::function<void(const nlohmann::json& request, Reply reply)>;
 
 struct ServerOptions {

@@ -4,6 +4,7 @@
 
 #include "daemon/commands.h"
 #include "egressd/policy.h"
+#include "egressd/policy_input.h"
 #include "daemon/sandbox.h"
 #include "dns/proxy.h"
 #include "nft/compile.h"
@@ -33,6 +34,18 @@ std::string summary(const Phase& ph) {
   return s + ")";
 }
 
+// The plan of a harness's file, for the people who must check that egressd reads it as
+// their harness does: the format, then per phase its mode, where it came from and every
+// entry (AgentCompass tells its users to verify exactly this).
+void print_plan(const PolicyDocument& doc, std::vector<std::string>& lines) {
+  lines.push_back("format: " + std::string(to_string(doc.format)));
+  for (std::size_t i = 0; i < doc.policy.phases.size(); ++i) {
+    const Phase& ph = doc.policy.phases[i];
+    lines.push_back(summary(ph) + "  <- " + doc.origins[i]);
+    for (const Entry& e : ph.entries) lines.push_back("    " + e.text);
+  }
+}
+
 }  // namespace
 
 int cmd_check(const CheckArgs& args) {
@@ -46,10 +59,14 @@ int cmd_check(const CheckArgs& args) {
     for (const auto& e : *entries) lines.push_back(e.text);
   }
   if (!args.config.empty()) {
-    auto policy = load_policy_file(args.config);
-    if (!policy) return report(policy.error());
-    for (const auto& ph : policy->phases) lines.push_back(summary(ph));
-    lines.push_back("initial phase: " + policy->initial_phase);
+    auto doc = load_policy_document(args.config);
+    if (!doc) return report(doc.error());
+    if (doc->format == PolicyFormat::egressd) {
+      for (const auto& ph : doc->policy.phases) lines.push_back(summary(ph));
+    } else {
+      print_plan(*doc, lines);
+    }
+    lines.push_back("initial phase: " + doc->policy.initial_phase);
   }
   for (const auto& l : lines) std::cout << l << "\n";
   return 0;

@@ -42,6 +42,8 @@ struct RunArgs {
   int monitor_rcvbuf = 0;           // nftables event socket buffer, bytes; 0 = default (8 MiB, grows)
   std::size_t denied_records = 1024;  // denied-record ring size
   std::size_t names = 8192;         // (phase, name) pairs remembered for attribution and `hosts`
+  std::string metrics_file;         // "" = none; else rewritten every metrics_interval_s (textfile collector)
+  double metrics_interval_s = 5;
 };
 int cmd_run(const RunArgs& args);
 

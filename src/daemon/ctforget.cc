@@ -82,7 +82,7 @@ void ConntrackForgetter::flush() {
   scheduled_ = false;
   if (batch_.empty()) return;
   if (const int err = t_->send(batch_.data(), batch_.size()); err != 0) {
-    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", std::strerror(err));
+    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", errno_text(err));
   }
   sent_ += pending_;
   pending_ = 0;

@@ -17,6 +17,9 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -31,6 +34,7 @@
 #include "daemon/sockdiag.h"
 #include "daemon/tamper_guard.h"
 #include "dns/proxy.h"
+#include "egressd/unique_fd.h"
 
 namespace egressd::daemon {
 
@@ -43,12 +47,9 @@ Status join_netns(const RunArgs& a) {
   std::string path = a.netns_path;
   if (a.netns_pid != 0) path = "/proc/" + std::to_string(a.netns_pid) + "/ns/net";
   if (path.empty()) return {};
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Error::invalid("cannot open network namespace " + path + ": " + std::strerror(errno));
-  const int rc = ::setns(fd, CLONE_NEWNET);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return errno_error("cannot join network namespace " + path, err);
+  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.ok()) return Error::invalid("cannot open network namespace " + path + ": " + errno_text(errno));
+  if (::setns(fd.get(), CLONE_NEWNET) != 0) return errno_error("cannot join network namespace " + path, errno);
   return {};
 }
 
@@ -147,6 +148,95 @@ bool probe_log(nft::Kernel& kernel, std::uint16_t group) {
   return kernel.apply(ch).ok();
 }
 
+// --metrics-file must name a file in a directory egressd can write (the temp
+// file goes next to it): checked before anything is installed.
+Status check_metrics_file(const std::string& path) {
+  if (path.empty()) return {};
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (!p.has_filename() || fs::is_directory(p, ec)) {
+    return Error::invalid("--metrics-file " + path + ": names a directory, not a file");
+  }
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) return Error::invalid("--metrics-file " + path + ": no directory " + dir.string());
+  if (::access(dir.c_str(), W_OK) != 0) {
+    Error e = errno_error("--metrics-file " + path + ": cannot write in " + dir.string(), errno);
+    e.kind = ErrorKind::invalid;
+    return e;
+  }
+  return {};
+}
+
+// `--metrics-file`: every interval the metrics text is built on the event
+// loop (tens of microseconds: two chain dumps, retried on timers) and written by a
+// thread of its own, so a slow disk never holds up a switch or a DNS answer.
+// A write still running when the next is due makes that one skip.
+class MetricsFile {
+ public:
+  MetricsFile(boost::asio::io_context& io, Sandbox& sandbox, std::string path, std::chrono::milliseconds interval)
+      : sandbox_(sandbox), path_(std::move(path)), interval_(interval), timer_(io) {}
+  ~MetricsFile() {
+    timer_.cancel();
+    writer_.join();  // the last write finishes
+  }
+  // Writes once now (synchronously: the file exists when egressd is ready),
+  // then every interval.
+  Status start() {
+    if (auto s = write_atomically(path_, sandbox_.metrics_text()); !s) return s;
+    schedule();
+    return {};
+  }
+  void close() {
+    closed_ = true;
+    timer_.cancel();
+  }
+
+ private:
+  void schedule() {
+    if (closed_) return;
+    timer_.expires_after(interval_);
+    timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      tick();
+    });
+  }
+  // The text is built from the counted chains read as status reads them
+  // (retries on the loop's timers); the next tick is scheduled once it is
+  // built, so one build at a time. Pending work is destroyed with the loop,
+  // never run after this object is gone (the loop stops first).
+  void tick() {
+    const auto t0 = std::chrono::steady_clock::now();
+    sandbox_.metrics_text([this, t0](std::string text) {
+      schedule();
+      const auto us =
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+      if (busy_.exchange(true)) {
+        spdlog::get("egressd")->debug("metrics file write still running; this one skipped");
+        return;
+      }
+      spdlog::get("egressd")->trace("metrics text built us={} bytes={}", us, text.size());
+      boost::asio::post(writer_, [this, text = std::move(text)] {
+        auto s = write_atomically(path_, text);
+        // Said once when writes start failing and once when they work again.
+        if (!s && !failing_) spdlog::get("egressd")->warn("metrics file not written: {}", s.error().message);
+        if (s && failing_) spdlog::get("egressd")->info("metrics file written again path={}", path_);
+        failing_ = !s;
+        busy_ = false;
+      });
+    });
+  }
+
+  Sandbox& sandbox_;
+  const std::string path_;
+  const std::chrono::milliseconds interval_;
+  boost::asio::steady_timer timer_;
+  boost::asio::thread_pool writer_{1};
+  std::atomic<bool> busy_{false};
+  bool closed_ = false;   // loop only
+  bool failing_ = false;  // writer thread only
+};
+
 }  // namespace
 
 int cmd_run(const RunArgs& a) {
@@ -161,6 +251,7 @@ int cmd_run(const RunArgs& a) {
   }
   const std::string initial = a.phase.empty() ? policy->initial_phase : a.phase;
   if (policy->find(initial) == nullptr) return report(Error::invalid("unknown phase \"" + initial + "\""));
+  if (auto s = check_metrics_file(a.metrics_file); !s) return report(s.error());
 
   if (auto s = join_netns(a); !s) return report(s.error());
   auto kernel = nft::open_kernel();
@@ -275,6 +366,7 @@ int cmd_run(const RunArgs& a) {
   }
   auto guard = TamperGuard::open(io, sandbox, gopts);
   if (!guard) return report(guard.error().wrap("tamper detection"));
+  sandbox.set_tamper_counts([g = guard->get()] { return std::pair{g->tampers(), g->restores()}; });
   sandbox.set_large_batch_runner(
       [g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
 
@@ -384,6 +476,16 @@ int cmd_run(const RunArgs& a) {
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
                           a.socket, proxy ? proxy->port() : a.dns_port, ups.empty() ? "-" : ups, startup_us));
 
+  // After everything it reports on is attached; before ready, so the file
+  // is there once egressd is.
+  std::unique_ptr<MetricsFile> metrics;
+  if (!a.metrics_file.empty()) {
+    metrics = std::make_unique<MetricsFile>(
+        io, sandbox, a.metrics_file,
+        std::chrono::milliseconds(static_cast<std::int64_t>(a.metrics_interval_s * 1000)));
+    if (auto s = metrics->start(); !s) return report(s.error().wrap("--metrics-file"));
+  }
+
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](const boost::system::error_code& ec, int sig) {
@@ -407,6 +509,7 @@ int cmd_run(const RunArgs& a) {
       }
     }
     (*server)->close();
+    if (metrics) metrics->close();
     if (proxy) proxy->close();
     if (nflog) nflog->close();
     io.stop();

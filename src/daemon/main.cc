@@ -15,7 +15,10 @@ int main(int argc, char** argv) {
   CheckArgs check;
   auto* c = app.add_subcommand("check", "validate a policy file and/or entries; print normalized entries");
   c->add_option("--config", check.config, "policy file (YAML or JSON)");
-  c->add_option("--allow", check.allow, "an allowlist entry (repeatable)");
+  // allow_extra_args(false): one value per --allow, kept as typed. With it on (CLI11's
+  // default for a vector) a value "[a,b]" is expanded into a and b before egressd sees it,
+  // so "[2001:db8::1]" passed as 2001:db8::1 and the entry validator never saw the brackets.
+  c->add_option("--allow", check.allow, "an allowlist entry (repeatable)")->allow_extra_args(false);
 
   RenderArgs render;
   auto* r = app.add_subcommand("render", "print the nft script a phase compiles to");
@@ -38,7 +41,8 @@ int main(int argc, char** argv) {
   d->add_option("--ready-file", run.ready_file, "created once the initial policy is in the kernel");
   d->add_option("--state-file", run.state_file, "where inline policies are kept for adoption (default <socket>.state)");
   d->add_option("--allow-uid", run.allow_uids, "uid allowed on the control socket besides root (repeatable)");
-  d->add_option("--allow", run.allow, "entries of the built-in allowlist phase (without --config)");
+  d->add_option("--allow", run.allow, "entries of the built-in allowlist phase (without --config; repeatable)")
+      ->allow_extra_args(false);  // verbatim, as for check
   d->add_option("--dns-port", run.dns_port,
                 "port of the DNS proxy on 127.0.0.1/::1 in the sandbox (default 53); 0 = no DNS interception")
       ->check(CLI::Range(0, 65535));
@@ -48,6 +52,12 @@ int main(int argc, char** argv) {
   d->add_option("--names", run.names, "resolved (phase, name) pairs kept for `hosts` and attribution")
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
+  d->add_option("--metrics-file", run.metrics_file,
+                "write the `egressctl metrics` text to this file (atomically: temp file + rename) every "
+                "--metrics-interval seconds, for node_exporter's textfile collector (name it *.prom)");
+  d->add_option("--metrics-interval", run.metrics_interval_s, "seconds between --metrics-file writes")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
   d->add_flag("--cleanup-on-exit", run.cleanup_on_exit, "delete the nftables table on SIGTERM/SIGINT");
   d->add_option("--log-format", run.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   d->add_option("--verify-interval", run.verify_interval_s,

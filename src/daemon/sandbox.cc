@@ -31,9 +31,8 @@ std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
                                    EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};
 
+}  // namespace
 
-// Writes `text` to `path` atomically (temp file + rename), so a crash leaves
-// the old or the new content, never a torn file.
 Status write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   {
@@ -46,8 +45,6 @@ Status write_atomically(const std::string& path, const std::string& text) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_error("cannot rename " + tmp + " to " + path, errno);
   return {};
 }
-
-}  // namespace
 
 std::string read_resolv_conf() {
   std::ifstream in("/etc/resolv.conf");
@@ -520,9 +517,11 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
+    ++switch_failures_;
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }
+  ++switches_;
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
   state_ = next;
@@ -561,12 +560,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
                           counts["ipv4-cidr"].get<std::size_t>(), counts["ipv6-cidr"].get<std::size_t>(),
                           unresolved.size(), us));
   if (opts_.after_switch) opts_.after_switch(target_ptr, next.generation);
-  return json{{"phase", next.phase},
-              {"mode", to_string(target.mode)},
-              {"generation", next.generation},
-              {"duration_us", us},
-              {"entries", counts},
-              {"unresolved", unresolved}};
+  return json(control::ApplyReply{next.phase, std::string(to_string(target.mode)), next.generation, us,
+                                  counts.get<std::map<std::string, std::uint64_t>>(), std::move(unresolved)});
 }
 
 void Sandbox::enqueue_apply(ApplyJob job) {
@@ -900,21 +895,15 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  // Cumulative across switches: `counter jump active` in chain output sees
-  // every packet the policy decides; what `deny` did not take was allowed
-  // (the chains are dumped one after the other, hence the clamp).
-  std::uint64_t pp = 0, pb = 0, dp = 0, db = 0;
-  if (output && deny) {
-    for (const auto& r : *output) {
-      pp += r.packets;
-      pb += r.bytes;
-    }
-    for (const auto& r : *deny) {
-      dp += r.packets;
-      db += r.bytes;
-    }
+  const Traffic t = traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
+  json by_family = json::object();
+  for (int f : {0, 1}) {
+    const auto& c = t.family[f];
+    by_family[f == 0 ? "ipv4" : "ipv6"] = {{"allowed_packets", c.allowed_packets},
+                                           {"allowed_bytes", c.allowed_bytes},
+                                           {"denied_packets", c.denied_packets},
+                                           {"denied_bytes", c.denied_bytes}};
   }
-  const std::uint64_t ap = pp > dp ? pp - dp : 0, ab = pb > db ? pb - db : 0;
   json phases = json::array();
   for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
   json j{{"phase", state_.phase},
@@ -922,7 +911,12 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
          {"generation", state_.generation},
          {"entries", entries},
          {"entry_counts", active_facts_->counts_json()},
-         {"counters", {{"allowed_packets", ap}, {"allowed_bytes", ab}, {"denied_packets", dp}, {"denied_bytes", db}}},
+         {"counters",
+          {{"allowed_packets", t.allowed_packets},
+           {"allowed_bytes", t.allowed_bytes},
+           {"denied_packets", t.denied_packets},
+           {"denied_bytes", t.denied_bytes}}},
+         {"counters_by_family", by_family},
          {"learned", learned},
          {"phases", phases},
          {"netns", opts_.netns},
@@ -938,6 +932,51 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
   if (inline_unknown_) j["entries_unknown"] = true;
   j["audit"] = audit_status();
   return j;
+}
+
+Sandbox::Traffic Sandbox::traffic() {
+  auto output = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "output");
+  auto deny = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+  return traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
+}
+
+Sandbox::Traffic Sandbox::traffic_from(const std::vector<nft::RuleInfo>* output,
+                                       const std::vector<nft::RuleInfo>* deny) {
+  // Cumulative across switches: `counter jump active` in chain output sees
+  // every packet the policy decides; what `deny` did not take was allowed
+  // (the chains are dumped one after the other, hence the clamps). The early
+  // denies in output count there and in deny. By family: the IPv4 share of
+  // each is counted by count-only rules (nft/compile.h), IPv6 is the rest.
+  // A chain that could not be read counts nothing.
+  struct Pb {
+    std::uint64_t p = 0, b = 0;
+    void add(const nft::RuleInfo& r) { p += r.packets, b += r.bytes; }
+  };
+  auto sub = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
+  Pb decided, denied, lo4, at4, past4, jump4, denied4;
+  if (deny != nullptr) {
+    for (const auto& r : *deny) (r.comment == nft::kCountV4Denied ? denied4 : denied).add(r);
+  }
+  if (output != nullptr) {
+    for (const auto& r : *output) {
+      if (r.comment == nft::kCountV4AtSaddrCheck) {
+        at4.add(r);
+      } else if (r.comment == nft::kCountV4PastSaddrCheck) {
+        past4.add(r);
+      } else if (r.comment == nft::kCountV4Decided) {
+        jump4.add(r);
+      } else {
+        decided.add(r);
+        if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);
+      }
+    }
+  }
+  Traffic t{sub(decided.p, denied.p), sub(decided.b, denied.b), denied.p, denied.b, {}};
+  const Pb decided4{lo4.p + sub(at4.p, past4.p) + jump4.p, lo4.b + sub(at4.b, past4.b) + jump4.b};
+  t.family[0] = {sub(decided4.p, denied4.p), sub(decided4.b, denied4.b), denied4.p, denied4.b};
+  const std::uint64_t d6p = sub(denied.p, denied4.p), d6b = sub(denied.b, denied4.b);
+  t.family[1] = {sub(sub(decided.p, decided4.p), d6p), sub(sub(decided.b, decided4.b), d6b), d6p, d6b};
+  return t;
 }
 
 Status Sandbox::remove_table() {
@@ -984,83 +1023,6 @@ std::optional<Phase> Sandbox::load_inline_state(std::uint64_t generation) {
     log()->warn("state file {} unreadable: {}", opts_.state_file, e.what());
     return std::nullopt;
   }
-}
-
-json Sandbox::handle(const json& req) {
-  std::optional<json> out;
-  handle(req, [&](json r) { out = std::move(r); });
-  assert(out.has_value() && "request did not complete synchronously");
-  return out ? *out : control::error_reply("internal", "request did not complete");
-}
-
-void Sandbox::handle(const json& req, std::function<void(json)> reply) {
-  using control::error_reply;
-  using control::ok_reply;
-  const std::string cmd = req.value("cmd", "");
-  auto check_fields = [&](std::initializer_list<const char*> allowed) -> std::optional<json> {
-    for (const auto& [k, v] : req.items()) {
-      bool ok = k == "cmd";
-      for (const char* a : allowed) ok = ok || k == a;
-      if (!ok) return error_reply("invalid_request", "unknown field \"" + k + "\" for command " + cmd);
-    }
-    return std::nullopt;
-  };
-  if (cmd == "ping" || cmd == "status" || cmd == "capabilities") {
-    if (auto e = check_fields({})) return reply(*e);
-    if (cmd == "ping") return reply(ok_reply());
-    if (cmd == "status") return status([reply](json j) { reply(ok_reply(std::move(j))); });
-    return reply(ok_reply({{"capabilities", caps_.to_json()}}));
-  }
-  if (cmd == "explain") {
-    if (auto e = check_fields({"target", "phase"})) return reply(*e);
-    return reply(explain_reply(req));
-  }
-  if (cmd == "denied" || cmd == "hosts") return handle_audit(req, std::move(reply));
-  if (cmd != "apply") {
-    return reply(error_reply("unknown_command", "unknown command \"" + cmd +
-                                                    "\" (commands: ping, status, capabilities, apply, explain, denied, hosts)"));
-  }
-  if (auto e = check_fields({"phase", "mode", "allow"})) return reply(*e);
-  const bool has_phase = req.contains("phase"), has_mode = req.contains("mode");
-  if (has_phase == has_mode) {
-    return reply(error_reply("invalid_request", "apply takes either \"phase\" or \"mode\" (with optional \"allow\")"));
-  }
-  // Everything is validated here, before any kernel or DNS work is queued.
-  if (has_phase) {
-    if (!req["phase"].is_string()) return reply(error_reply("invalid_request", "\"phase\" must be a string"));
-    if (req.contains("allow")) {
-      return reply(error_reply("invalid_request", "\"allow\" goes with \"mode\", not \"phase\""));
-    }
-    const std::string name = req["phase"].get<std::string>();
-    const Phase* ph = opts_.policy.find(name);
-    if (ph == nullptr) {
-      std::string names;
-      for (const auto& p : opts_.policy.phases) names += (names.empty() ? "" : ", ") + p.name;
-      return reply(error_reply("unknown_phase", "unknown phase \"" + name + "\" (phases: " + names + ")"));
-    }
-    if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
-    // Aliasing pointer with no owner: the policy outlives every job.
-    return enqueue_apply({std::shared_ptr<const Phase>(std::shared_ptr<const Phase>{}, ph), false, std::move(reply), nullptr});
-  }
-  if (!req["mode"].is_string()) return reply(error_reply("invalid_request", "\"mode\" must be a string"));
-  auto mode = parse_mode(req["mode"].get<std::string>());
-  if (!mode) {
-    return reply(error_reply("invalid_policy", "unknown mode \"" + req["mode"].get<std::string>() +
-                                                   "\" (modes: public, no-network, allowlist)"));
-  }
-  std::vector<std::string> allow;
-  if (req.contains("allow")) {
-    if (!req["allow"].is_array()) return reply(error_reply("invalid_request", "\"allow\" must be an array of strings"));
-    allow.reserve(req["allow"].size());
-    for (const auto& e : req["allow"]) {
-      if (!e.is_string()) return reply(error_reply("invalid_request", "\"allow\" must be an array of strings"));
-      allow.push_back(e.get<std::string>());
-    }
-  }
-  auto ph = make_inline_phase("inline", *mode, allow);
-  if (!ph) return reply(error_reply(ph.error(), "invalid_policy"));
-  if (auto s = check_capabilities(*ph, caps_); !s) return reply(error_reply(s.error(), "invalid_policy"));
-  enqueue_apply({std::make_shared<const Phase>(std::move(*ph)), true, std::move(reply), nullptr});
 }
 
 }  // namespace egressd::daemon

@@ -22,6 +22,7 @@
 #include "audit/denied.h"
 #include "audit/names.h"
 #include "audit/nflog.h"
+#include "control/dispatch.h"
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
@@ -52,6 +53,10 @@ struct Capabilities {
 
 // /etc/resolv.conf of egressd's mount namespace ("" if unreadable).
 std::string read_resolv_conf();
+// Writes `text` to `path` atomically (the temp file `path`.tmp in the same
+// directory, then rename), so a crash or a reader sees the old or the new
+// content, never a torn file. Error naming the file on failure.
+Status write_atomically(const std::string& path, const std::string& text);
 // Compile options for the DNS proxy on `dns_port` with these upstreams (as
 // dns::expand_upstreams gives them): what `run` and `render` both use.
 nft::CompileOptions compile_options(const std::vector<std::string>& upstream, int dns_port);
@@ -117,6 +122,9 @@ struct SandboxOptions {
 class Sandbox : public dns::PolicyHooks {
  public:
   Sandbox(SandboxOptions opts, std::unique_ptr<nft::Kernel> kernel, Capabilities caps);
+  // Pinned: the command table and the callbacks it hands out hold `this`.
+  Sandbox(const Sandbox&) = delete;
+  Sandbox& operator=(const Sandbox&) = delete;
 
   // The port the DNS redirect points at. Before start() only: the proxy
   // binds first and may have had to take another port than configured.
@@ -132,9 +140,9 @@ class Sandbox : public dns::PolicyHooks {
   // phase is unknown or needs a missing capability.
   Status start(const std::string& initial_phase);
 
-  // Handles one control request; calls `reply` exactly once, at once or
-  // (apply with hostnames to pre-resolve) later. Applies run one at a time in
-  // arrival order.
+  // Handles one control request (the table is command_table(), in
+  // sandbox_control.cc); calls `reply` exactly once, at once or (apply with
+  // hostnames to pre-resolve) later. Applies run one at a time in arrival order.
   void handle(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);
   // Synchronous form for requests that complete at once (tests, no proxy).
   nlohmann::json handle(const nlohmann::json& request);
@@ -212,6 +220,19 @@ class Sandbox : public dns::PolicyHooks {
   void denied_packet(const audit::LoggedPacket& pkt);
   // The NFLOG reader whose counters status reports. Not owned; may be nullptr.
   void attach_nflog(audit::NflogReader* reader) { nflog_ = reader; }
+  // Where `metrics` reads the tamper guard's counts (tampers seen, restores
+  // done). Empty: those metrics are left out.
+  void set_tamper_counts(std::function<std::pair<std::uint64_t, std::uint64_t>()> fn) { tamper_counts_ = std::move(fn); }
+
+  // The counters of this sandbox in the Prometheus text format (the
+  // `metrics` request; sandbox_metrics.cc). Reads the kernel's counters.
+  std::string metrics_text();
+  // The same, with the table reads' retries on the loop's timers.
+  void metrics_text(std::function<void(std::string)> done);
+  // Tables inet and netdev egressd as nft text, with the kernel's counters
+  // and learned elements (the `rules` request; sandbox_rules.cc). Error when
+  // the kernel cannot be read or its tables differ from the phase in force.
+  boost::asio::awaitable<Result<std::string>> ruleset_text();
   const audit::NameIndex& names() const { return names_; }
   const audit::DeniedLog& denied() const { return denied_; }
 
@@ -248,8 +269,12 @@ class Sandbox : public dns::PolicyHooks {
   Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target,
                                    std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
                                    std::vector<std::string> unresolved);
+  // ---- control commands (sandbox_control.cc) ----
+  control::Dispatcher command_table();
+  void apply(const control::ApplyRequest& req, control::Reply reply);
+  nlohmann::json unknown_phase_reply(const std::string& name) const;
   // The reply to an `explain` request (src/daemon/sandbox_explain.cc).
-  nlohmann::json explain_reply(const nlohmann::json& request) const;
+  nlohmann::json explain_reply(const control::ExplainRequest& req) const;
   void enqueue_apply(ApplyJob job);
   void run_next_apply();
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
@@ -289,12 +314,34 @@ class Sandbox : public dns::PolicyHooks {
                       std::vector<std::string>& diffs);
 
   // src/daemon/sandbox_audit.cc: `denied` and `hosts` requests.
-  void handle_audit(const nlohmann::json& request, std::function<void(nlohmann::json)> reply);
+  void denied_request(const control::DeniedRequest& req, control::Reply reply);
+  nlohmann::json hosts_reply(const control::HostsRequest& req) const;
   void wake_denied_waiters();
   nlohmann::json audit_status() const;
 
   // kernel_->apply, through large_batch_runner_ when the batch is large.
   Status apply_batch(const nft::Change& ch);
+
+  // Packets and bytes chain output decided, from the kernel's counters
+  // (status and metrics).
+  struct Traffic {
+    std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
+    // The same split by family: [0] IPv4, [1] IPv6.
+    struct Counts {
+      std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
+    };
+    Counts family[2];
+  };
+  Traffic traffic();
+  std::string metrics_text_from(const Traffic& t);
+  static Traffic traffic_from(const std::vector<nft::RuleInfo>* output, const std::vector<nft::RuleInfo>* deny);
+  // src/daemon/sandbox_rules.cc and sandbox_metrics.cc.
+  void rules(std::function<void(nlohmann::json)> reply);
+  static std::string request_label(const std::string& cmd);
+  void count_request(const std::string& command, const nlohmann::json& reply);
+  std::uint64_t switches_ = 0, switch_failures_ = 0;
+  std::map<std::pair<std::string, std::string>, std::uint64_t> requests_;  // (command, result) -> count
+  std::function<std::pair<std::uint64_t, std::uint64_t>()> tamper_counts_;
 
   SandboxOptions opts_;
   std::unique_ptr<nft::Kernel> kernel_;
@@ -328,6 +375,8 @@ class Sandbox : public dns::PolicyHooks {
   };
   std::vector<DeniedWaiter> denied_waiters_;
   std::uint64_t next_waiter_ = 1;
+  // Last: its handlers use the members above.
+  control::Dispatcher commands_ = command_table();
 };
 
 }  // namespace egressd::daemon

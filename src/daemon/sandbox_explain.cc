@@ -9,24 +9,16 @@
 
 namespace egressd::daemon {
 
-nlohmann::json Sandbox::explain_reply(const nlohmann::json& req) const {
+nlohmann::json Sandbox::explain_reply(const control::ExplainRequest& req) const {
   using control::error_reply;
-  if (!req.contains("target") || !req["target"].is_string()) {
-    return error_reply("invalid_request", "explain needs a string \"target\" (a hostname, IP or IP:port)");
-  }
-  auto target = audit::parse_target(req["target"].get<std::string>());
+  // Checked when the request was decoded; parsed again here into what is explained.
+  auto target = audit::parse_target(req.target);
   if (!target) return error_reply(target.error(), "invalid_request");
 
   const Phase* phase = nullptr;
-  if (req.contains("phase")) {
-    if (!req["phase"].is_string()) return error_reply("invalid_request", "\"phase\" must be a string");
-    const std::string name = req["phase"].get<std::string>();
-    phase = opts_.policy.find(name);
-    if (phase == nullptr) {
-      std::string names;
-      for (const auto& p : opts_.policy.phases) names += (names.empty() ? "" : ", ") + p.name;
-      return error_reply("unknown_phase", "unknown phase \"" + name + "\" (phases: " + names + ")");
-    }
+  if (req.phase) {
+    phase = opts_.policy.find(*req.phase);
+    if (phase == nullptr) return unknown_phase_reply(*req.phase);
   } else {
     // Answering from a guess would be worse than not answering: the kernel
     // enforces entries this process cannot see.

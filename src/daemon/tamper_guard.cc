@@ -218,7 +218,7 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
 
   std::string what;
   if (!rejoined) {
-    what = std::string("could not listen to nftables events again (") + std::strerror(rejoin_errno) + ")";
+    what = std::string("could not listen to nftables events again (") + errno_text(rejoin_errno) + ")";
   } else if (!after) {
     what = "ruleset generation unreadable after an unheard batch: " + after.error().message;
   } else {
@@ -232,7 +232,7 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
     if (!rejoined) {
       if (const int err = sock_->join(NFNLGRP_NFTABLES); err != 0) {
         log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
-                     std::strerror(err), opts_.verify_interval.count());
+                     errno_text(err), opts_.verify_interval.count());
       }
     }
     ++tampers_;

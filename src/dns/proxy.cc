@@ -46,7 +46,20 @@ using udp = asio::ip::udp;
 using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 
+void ProxyCounters::answered(std::uint64_t us) {
+  std::size_t i = 0;
+  while (i < kAnswerBucketsUs.size() && us > kAnswerBucketsUs[i]) ++i;
+  ++answer_buckets[i];
+  ++answer_count;
+  answer_sum_us += us;
+}
+
 namespace {
+
+std::uint64_t micros_since(Clock::time_point start) {
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
+  return us > 0 ? static_cast<std::uint64_t>(us) : 0;
+}
 
 // Queries read from one TCP connection and not yet answered (or answers not
 // yet written): beyond this the connection is not read until some drain, so
@@ -1016,6 +1029,7 @@ void Core::fail(const std::shared_ptr<Pending>& p, std::string_view why) {
   if (p->done) return;
   p->done = true;
   ++counters_.failed;
+  if (!p->relay) counters_.answered(micros_since(p->start));
   unsigned suppressed = 0;
   if (fail_log_.allow(Clock::now(), suppressed)) {
     log_->warn("event=query qname={} qtype={} action=servfail{} reason=\"{}\" ms={} suppressed={}", p->qname,
@@ -1072,6 +1086,7 @@ void Core::on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r) {
 void Core::release(const std::shared_ptr<Pending>& p, std::vector<std::uint8_t> answer, std::size_t learned) {
   if (p->done) return;
   p->done = true;
+  if (!p->relay) counters_.answered(micros_since(p->start));
   if (log_->should_log(spdlog::level::debug)) {
     const auto h = read_header(answer);
     log_->debug("event=query qname={} qtype={} action={} rcode={} learned={} us={}", p->qname, p->qtype,

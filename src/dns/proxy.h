@@ -3,6 +3,7 @@
 // by the untrusted sandbox: every read is bounds-checked (message.h).
 #pragma once
 
+#include <array>
 #include <boost/asio/io_context.hpp>
 #include <chrono>
 #include <cstddef>
@@ -113,9 +114,19 @@ struct ProxyOptions {
 // inflight: forwarded queries not answered yet (a gauge, not a counter; at
 // most max_inflight).
 // relayed: queries of Docker's forwarder sent on to the relay target.
+// answer_*: how long the sandbox waited for the answer to a forwarded query,
+// from its arrival to the answer's release (after the learned addresses were
+// in the kernel) or to egressd's SERVFAIL; one count per bucket of
+// kAnswerBucketsUs (the last one counts the rest), not cumulative.
+inline constexpr std::array<std::uint64_t, 12> kAnswerBucketsUs = {
+    250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 1000000, 5000000};
 struct ProxyCounters {
   std::uint64_t forwarded = 0, refused = 0, failed = 0, malformed = 0, relayed = 0;
   std::uint64_t inflight = 0;
+  std::array<std::uint64_t, kAnswerBucketsUs.size() + 1> answer_buckets{};
+  std::uint64_t answer_count = 0, answer_sum_us = 0;
+  // Records one answer that took `us` microseconds.
+  void answered(std::uint64_t us);
 };
 
 // Single-threaded: every call, and every PolicyHooks call it makes, runs on

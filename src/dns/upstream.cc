@@ -194,7 +194,7 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
       // Without the mark nftables treats our upstream traffic like the
       // sandbox's. Still send: the ruleset decides. Needs CAP_NET_ADMIN.
       const int err = errno;
-      log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", mark, std::strerror(err));
+      log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", mark, errno_text(err));
       mark_warned = true;
     }
   }

@@ -10,23 +10,18 @@
 #include <cstdlib>
 #include <optional>
 
+#include "control/protocol.h"
+#include "control/reply_text.h"
+
 namespace egressd::harbor {
 
 using Json = nlohmann::json;
+using control::field;
+using control::text;
 
 namespace {
 
 bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-
-std::string text(const Json& j) {
-  if (j.is_null()) return "-";
-  if (j.is_string()) return j.get<std::string>();
-  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
-}
-
-std::string field(const Json& obj, const char* key) {
-  return obj.is_object() && obj.contains(key) ? text(obj[key]) : "-";
-}
 
 std::string plural(std::size_t n, const char* one, const char* many) {
   return std::to_string(n) + " " + (n == 1 ? one : many);
@@ -86,15 +81,20 @@ std::vector<std::string> egressd_run_argv(const std::string& egressd, const Entr
 }
 
 Json apply_request(Verb verb, const std::vector<std::string>& targets) {
+  control::ApplyRequest req;
   switch (verb) {
     case Verb::allow_all:
-      return {{"cmd", "apply"}, {"mode", "public"}};
+      req.mode = Mode::public_;
+      break;
     case Verb::deny_all:
-      return {{"cmd", "apply"}, {"mode", "no-network"}};
+      req.mode = Mode::no_network;
+      break;
     case Verb::allow:
+      req.mode = Mode::allowlist;
+      req.allow = targets;
       break;
   }
-  return {{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", targets}};
+  return req;
 }
 
 std::string describe_apply(const Json& r) {
@@ -110,33 +110,23 @@ std::string describe_apply(const Json& r) {
     line += n == 0 ? ", no entries: all egress denied" : ", " + plural(n, "entry", "entries");
   }
   line += " (generation " + field(r, "generation");
-  if (r.contains("duration_us") && r["duration_us"].is_number()) {
-    char ms[32];
-    std::snprintf(ms, sizeof(ms), "%.2f", r["duration_us"].get<double>() / 1000.0);
-    line += std::string(", ") + ms + " ms";
-  }
+  if (auto ms = control::duration_ms(r)) line += ", " + *ms + " ms";
   line += ")\n";
   // Exact names the switch could not resolve: still allowed, learned when the sandbox asks.
   if (r.contains("unresolved") && r["unresolved"].is_array() && !r["unresolved"].empty()) {
-    std::string hosts;
-    for (const auto& h : r["unresolved"]) hosts += (hosts.empty() ? "" : ", ") + text(h);
-    line += "unresolved: " + hosts + " (allowed; reachable once they resolve)\n";
+    line += "unresolved: " + control::join(r["unresolved"], ", ") + " (allowed; reachable once they resolve)\n";
   }
   return line;
 }
 
 std::string describe_status(const Json& r) {
   const Json counters = r.value("counters", Json::object());
-  auto traffic = [&](const std::string& what) {
-    return field(counters, (what + "_packets").c_str()) + " packets, " + field(counters, (what + "_bytes").c_str()) +
-           " bytes";
-  };
   std::string out;
   out += "mode:        " + field(r, "mode") + "\n";
   out += "phase:       " + field(r, "phase") + "\n";
   out += "generation:  " + field(r, "generation") + "\n";
-  out += "allowed:     " + traffic("allowed") + "\n";
-  out += "denied:      " + traffic("denied") + "\n";
+  out += "allowed:     " + control::traffic(counters, "allowed") + "\n";
+  out += "denied:      " + control::traffic(counters, "denied") + "\n";
   const Json entries = r.value("entries", Json::array());
   if (!entries.is_array() || entries.empty()) {
     out += std::string("entries:     none") + (field(r, "mode") == "allowlist" ? " (all egress denied)" : "") + "\n";

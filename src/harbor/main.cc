@@ -37,10 +37,10 @@
 #include <vector>
 
 #include "control/client.h"
+#include "control/protocol.h"
+#include "control/reply_text.h"
 #include "egressd/unique_fd.h"
 #include "harbor/harbor.h"
-#include "nft/compile.h"
-#include "nft/netlink.h"
 
 namespace {
 
@@ -49,12 +49,10 @@ using egressd::control::Client;
 using Json = nlohmann::json;
 namespace harbor = egressd::harbor;
 
-constexpr int kExitOk = 0, kExitRuntime = 1, kExitInvalid = 2;
+using egressd::control::kExitInvalid;
+using egressd::control::kExitOk;
+using egressd::control::kExitRuntime;
 constexpr auto kTimeout = std::chrono::seconds(30);
-
-// Reply codes that blame the request (exit 2), as in egressctl.
-const std::set<std::string> kInvalidInputCodes = {"invalid_request", "unknown_phase", "invalid_policy",
-                                                  "unknown_command", "request_too_large"};
 
 constexpr const char* kUsage =
     "Usage: network-policy allow-all | deny-all | allow [TARGET...] | show [--json] | rules\n"
@@ -81,31 +79,19 @@ std::variant<Client, int> connect() {
   auto client = Client::connect(socket);
   if (client) return std::move(*client);
   const auto& err = client.error();
-  const std::string prefix = "cannot connect to " + socket + ": ";
-  const std::string reason = err.message.rfind(prefix, 0) == 0 ? err.message.substr(prefix.size()) : err.message;
-  std::cerr << "network-policy: cannot reach egressd at " << socket << ": " << reason << '\n';
+  std::cerr << "network-policy: cannot reach egressd at " << socket << ": "
+            << egressd::control::unreachable_reason(err, socket) << '\n';
   return err.kind == ErrorKind::invalid ? kExitInvalid : kExitRuntime;
 }
 
 // Turns what came back into an Outcome, printing any error.
 Outcome interpret(const egressd::Result<Json>& reply) {
-  if (!reply) {
-    std::cerr << "network-policy: error: " << reply.error().message << '\n';
-    return {kExitRuntime, {}};
+  const auto out = egressd::control::outcome(reply);
+  if (out.exit_code != kExitOk) {
+    std::cerr << "network-policy: error: " << out.error << '\n';
+    return {out.exit_code, {}};
   }
-  const Json& r = *reply;
-  if (!r.is_object() || !r.contains("ok") || !r["ok"].is_boolean()) {
-    std::cerr << "network-policy: error: malformed reply from egressd\n";
-    return {kExitRuntime, {}};
-  }
-  if (!r["ok"].get<bool>()) {
-    const Json err = r.value("error", Json::object());
-    const std::string code = err.is_object() ? err.value("code", "internal") : "internal";
-    const std::string message = err.is_object() ? err.value("message", code) : code;
-    std::cerr << "network-policy: error: " << (message.empty() ? code : message) << '\n';
-    return {kInvalidInputCodes.count(code) ? kExitInvalid : kExitRuntime, r};
-  }
-  return {kExitOk, r};
+  return {kExitOk, *reply};
 }
 
 Outcome call(const Json& request) {
@@ -128,71 +114,26 @@ int cmd_apply(harbor::Verb verb, const std::vector<std::string>& targets) {
 }
 
 int cmd_show(bool json) {
-  Outcome o = call({{"cmd", "status"}});
+  const Outcome o = call(egressd::control::StatusRequest{});
   if (o.code != kExitOk) return o.code;
   if (json) {
-    o.reply.erase("ok");
-    std::cout << o.reply.dump(2, ' ', false, Json::error_handler_t::replace) << '\n';
+    std::cout << egressd::control::json_output(o.reply);
   } else {
     std::cout << harbor::describe_status(o.reply);
   }
   return kExitOk;
 }
 
-// `rules`: the daemon renders its ruleset when it has a `rules` command (reply field
-// "ruleset", nft text). Older daemons answer unknown_command; then print what can be known
-// without it: the status, and the kernel's table read back over netlink (chains, sets,
-// rules with their comments and counters) from this namespace.
+// `rules`: the nft text of the tables egressd keeps in the kernel, with their counters, as
+// egressd renders them (`egressctl rules`; reply field "ruleset").
 int cmd_rules() {
-  auto c = connect();
-  if (std::holds_alternative<int>(c)) return std::get<int>(c);
-  auto reply = std::get<Client>(c).call({{"cmd", "rules"}}, kTimeout);
-  const bool unsupported = reply && reply->is_object() && reply->contains("error") &&
-                           (*reply)["error"].is_object() &&
-                           (*reply)["error"].value("code", "") == "unknown_command";
-  if (!unsupported) {
-    const Outcome o = interpret(reply);
-    if (o.code != kExitOk) return o.code;
-    if (!o.reply.contains("ruleset") || !o.reply["ruleset"].is_string()) {
-      std::cerr << "network-policy: error: egressd's rules reply has no \"ruleset\" text\n";
-      return kExitRuntime;
-    }
-    std::cout << o.reply["ruleset"].get<std::string>();
-    return kExitOk;
-  }
-  const Outcome st = call({{"cmd", "status"}});
-  if (st.code != kExitOk) return st.code;
-  std::cerr << "network-policy: this egressd cannot print its nft ruleset yet (no \"rules\" control command);\n"
-               "network-policy: showing the policy in force and the kernel's table as read over netlink\n";
-  std::cout << "# policy in force\n" << harbor::describe_status(st.reply);
-  auto kernel = egressd::nft::open_kernel();
-  if (!kernel) {
-    std::cerr << "network-policy: error: " << kernel.error().message << '\n';
+  const Outcome o = call(egressd::control::RulesRequest{});
+  if (o.code != kExitOk) return o.code;
+  if (!o.reply.contains("ruleset") || !o.reply["ruleset"].is_string()) {
+    std::cerr << "network-policy: error: egressd's rules reply has no \"ruleset\" text\n";
     return kExitRuntime;
   }
-  auto table = (*kernel)->read_table(egressd::nft::kTableName, egressd::nft::Family::inet);
-  if (!table) {
-    std::cerr << "network-policy: error: " << table.error().message << '\n';
-    return kExitRuntime;
-  }
-  if (!table->has_value()) {
-    std::cout << "# kernel: no table inet " << egressd::nft::kTableName << " in this network namespace\n";
-    return kExitRuntime;
-  }
-  const auto& t = **table;
-  std::cout << "# kernel: table inet " << egressd::nft::kTableName;
-  if (!t.comment.empty()) std::cout << " (comment \"" << t.comment << "\")";
-  std::cout << "\n";
-  for (const auto& s : t.sets) std::cout << "set " << s << "\n";
-  for (const auto& c : t.chains) {
-    std::cout << "chain " << c << "\n";
-    for (const auto& r : t.rules) {
-      if (r.chain != c) continue;
-      std::cout << "  rule handle " << r.handle << ": " << r.packets << " packets, " << r.bytes << " bytes";
-      if (!r.comment.empty()) std::cout << "  # " << r.comment;
-      std::cout << "\n";
-    }
-  }
+  std::cout << o.reply["ruleset"].get<std::string>();
   return kExitOk;
 }
 
@@ -232,7 +173,7 @@ std::string own_dir() {
     ::execv(c[0], c.data());
   }
   const int err = errno;
-  std::cerr << who << ": cannot run " << argv[0] << ": " << std::strerror(err) << '\n';
+  std::cerr << who << ": cannot run " << argv[0] << ": " << egressd::errno_text(err) << '\n';
   std::exit(err == ENOENT ? 127 : 126);
 }
 
@@ -267,7 +208,7 @@ int entrypoint(const std::vector<std::string>& args) {
   // A ready file left by an earlier run of this container must not pass the healthcheck
   // before this egressd has its policy in the kernel.
   if (::unlink(harbor::kReadyFile) != 0 && errno != ENOENT) {
-    std::cerr << kWho << ": cannot remove stale " << harbor::kReadyFile << ": " << std::strerror(errno) << '\n';
+    std::cerr << kWho << ": cannot remove stale " << harbor::kReadyFile << ": " << egressd::errno_text(errno) << '\n';
     return kExitRuntime;
   }
   // egressd's DNS proxy listens on port 53 when it may: an unprivileged process of the
@@ -304,7 +245,7 @@ int egressd_init(const std::vector<std::string>& args) {
   const std::string dir = "/tmp/egressd-init";
   const std::string ready = dir + "/ready";
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    std::cerr << kWho << ": cannot create " << dir << ": " << std::strerror(errno) << '\n';
+    std::cerr << kWho << ": cannot create " << dir << ": " << egressd::errno_text(errno) << '\n';
     return kExitRuntime;
   }
   ::unlink(ready.c_str());
@@ -316,19 +257,19 @@ int egressd_init(const std::vector<std::string>& args) {
   // Watch the directory before the child can create the file, so the event cannot be missed.
   const egressd::UniqueFd in(::inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
   if (!in.ok() || ::inotify_add_watch(in.get(), dir.c_str(), IN_CREATE | IN_MOVED_TO | IN_CLOSE_WRITE) < 0) {
-    std::cerr << kWho << ": inotify on " << dir << ": " << std::strerror(errno) << '\n';
+    std::cerr << kWho << ": inotify on " << dir << ": " << egressd::errno_text(errno) << '\n';
     return kExitRuntime;
   }
   const pid_t pid = ::fork();
   if (pid < 0) {
-    std::cerr << kWho << ": fork: " << std::strerror(errno) << '\n';
+    std::cerr << kWho << ": fork: " << egressd::errno_text(errno) << '\n';
     return kExitRuntime;
   }
   if (pid == 0) exec_or_die(argv, false, kWho);
   // glibc 2.36 declares pidfd_open without C linkage for C++; the raw syscall avoids that.
   const egressd::UniqueFd pfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   if (!pfd.ok()) {
-    std::cerr << kWho << ": pidfd_open: " << std::strerror(errno) << '\n';
+    std::cerr << kWho << ": pidfd_open: " << egressd::errno_text(errno) << '\n';
     ::kill(pid, SIGKILL);
     return kExitRuntime;
   }

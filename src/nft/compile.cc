@@ -26,6 +26,9 @@ constexpr std::uint8_t kMldListenerDone = 132;
 constexpr std::uint8_t kMld2ListenerReport = 143;
 
 StmtVerdict accept() { return {VerdictKind::accept, ""}; }
+// A rule that only counts IPv4 packets: no verdict, every packet goes on to
+// the next rule.
+Rule count_v4(const char* comment) { return {{MatchMetaNfproto{4}, StmtCounter{}}, comment}; }
 StmtVerdict to_pass() { return {VerdictKind::goto_, "pass"}; }
 StmtVerdict to_deny() { return {VerdictKind::goto_, "deny"}; }
 
@@ -164,7 +167,8 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // phase: Docker's resolver forwards from the host when the host's own
     // resolver is on loopback, where egressd cannot see it.
     for (const auto& [set, type] : lo_sets) {
-      c.rules.push_back({{MatchDaddrSet{set, type}, StmtCounter{}, to_deny()}, ""});
+      c.rules.push_back({{MatchDaddrSet{set, type}, StmtCounter{}, to_deny()},
+                         type == SetType::ipv4_addr ? kLoUpstreamDeny4 : kLoUpstreamDeny6});
     }
   }
   // Loopback, only where it is loopback: the device is `lo` (SO_BINDTODEVICE
@@ -188,7 +192,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // unspecified address, before the address is the namespace's own.
   c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
   // Class 1: nothing leaves with a source address that is not the namespace's.
+  // The IPv4 packets it denies are the difference of the two counters around
+  // it (it has one lookup for both families; status splits its count).
+  c.rules.push_back(count_v4(kCountV4AtSaddrCheck));
   c.rules.push_back({{MatchFibAddrType{false, AddrType::local, true}, StmtCounter{}, to_deny()}, ""});
+  c.rules.push_back(count_v4(kCountV4PastSaddrCheck));
   if (policy.enforce.inbound_replies) {
     // Replies on flows that arrived from outside (chain input marks them):
     // conntrack state the sandbox made itself never counts as inbound.
@@ -211,7 +219,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // accepted or sent to `deny`: allowed = the counters of this chain - deny's
   // counters (the early denies above count here and in deny). Both chains
   // outlive switches (only `active` and inline chains are rewritten), so
-  // status counts across switches at no cost to a switch.
+  // status counts across switches at no cost to a switch. The IPv4 ones are
+  // counted apart, just before.
+  c.rules.push_back(count_v4(kCountV4Decided));
   c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::jump, "active"}}, ""});
   return c;
 }
@@ -287,6 +297,9 @@ Chain deny_chain(const Policy& policy) {
   for (std::uint8_t t : {kMldListenerReport, kMldListenerDone, kMld2ListenerReport}) {
     c.rules.push_back({{MatchLinkIcmpv6{t, 1}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   }
+  // Every IPv4 packet that reaches deny passes here (the MLD rules above
+  // match IPv6 only).
+  c.rules.push_back(count_v4(kCountV4Denied));
   // Rate-limited in the kernel: a flood of denied packets costs egressd at
   // most kLogRate messages a second (the rest are still denied, unlogged).
   if (policy.enforce.log_group != 0) {

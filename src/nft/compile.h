@@ -115,6 +115,18 @@ inline constexpr const char* kLoUpstreamSet6 = "lo_upstream6";
 inline constexpr const char* kOnlinkSet6 = "onlink6";
 // The netdev chain every egress base chain jumps to.
 inline constexpr const char* kEgressCheckChain = "egress_check";
+// Comments of the count-only `meta nfproto ipv4 counter` rules that split
+// status's traffic counters by family (IPv6 = the rest: every packet in an
+// inet chain is one or the other). In chain output, around the forged-source
+// deny (its packets: at - past) and before `counter jump active`; in chain
+// deny, ahead of its verdicts. They never end a packet's way through a chain.
+inline constexpr const char* kCountV4AtSaddrCheck = "ipv4 at saddr check";
+inline constexpr const char* kCountV4PastSaddrCheck = "ipv4 past saddr check";
+inline constexpr const char* kCountV4Decided = "ipv4 decided";
+inline constexpr const char* kCountV4Denied = "ipv4 denied";
+// Comments of the two class-4 denies (a loopback upstream), one per family.
+inline constexpr const char* kLoUpstreamDeny4 = "ipv4 to loopback upstream";
+inline constexpr const char* kLoUpstreamDeny6 = "ipv6 to loopback upstream";
 
 struct CompileOptions {
   // Port of the DNS proxy on loopback; 0 = no proxy, no DNS redirect, no

@@ -67,6 +67,9 @@ struct MatchMetaMark { std::uint32_t value; bool negate = false; };
 struct MatchMetaPriority { std::uint32_t value; };
 // meta protocol arp (the frame's ethertype; netdev chains)
 struct MatchMetaProtocolArp {};
+// meta nfproto ipv4|ipv6 (family 4 or 6): the packet's family in an inet
+// chain; every packet there is one or the other.
+struct MatchMetaNfproto { std::uint8_t family; };
 // ct direction reply
 struct MatchCtDirectionReply {};
 // ct direction original
@@ -107,8 +110,13 @@ struct MatchSocketMark { std::uint32_t value; };
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
 struct MatchIpv4SourceRoute { bool strict; };
-// counter (anonymous; packets/bytes read back for status)
-struct StmtCounter {};
+// counter (anonymous; packets/bytes read back for status). `listed`: the
+// values were read from the kernel (`egressctl rules`), and the text shows
+// them as `nft list` does; egressd never sends them (a new counter starts at 0).
+struct StmtCounter {
+  bool listed = false;
+  std::uint64_t packets = 0, bytes = 0;
+};
 // limit rate N/second [burst B packets]: matches while under the rate, so the
 // statements after it in the rule run at most that often (nft omits the
 // default burst 5 when listing).
@@ -131,6 +139,7 @@ enum class VerdictKind { accept, drop, jump, goto_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
+                          MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,

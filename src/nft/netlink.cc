@@ -414,6 +414,9 @@ class RuleBuilder {
     const std::uint16_t arp = htons(0x0806);  // ETH_P_ARP, in the frame's byte order
     cmp(NFT_CMP_EQ, &arp, sizeof arp);
   }
+  // The same two expressions as the dependency nft puts before `ip daddr`,
+  // and like it they stand for the family for the rest of the rule.
+  void operator()(const MatchMetaNfproto& m) { nfproto(m.family); }
   void operator()(const MatchCtDirectionReply&) {
     ct_load(NFT_CT_DIRECTION);
     cmp_u8(IP_CT_DIR_REPLY);
@@ -969,7 +972,10 @@ class NetlinkKernel final : public Kernel {
           a.family = key_family(type);
           a.prefix_len = static_cast<std::uint8_t>(n * 8);
           std::memcpy(a.bytes.data(), key, n);
-          out.push_back({a, a, 0});
+          // The timeout the element was added with (ms), as `nft list` shows it.
+          const std::uint64_t timeout =
+              nftnl_set_elem_is_set(e, NFTNL_SET_ELEM_TIMEOUT) ? nftnl_set_elem_get_u64(e, NFTNL_SET_ELEM_TIMEOUT) : 0;
+          out.push_back({a, a, timeout});
         }
         nftnl_set_elems_iter_destroy(it);
       });

@@ -67,7 +67,7 @@ class Kernel {
     return out;
   }
   // The elements of set `set` of table inet `table` (hash sets: from == to,
-  // no timeouts reported). Error when the set does not exist.
+  // timeout_ms as added, 0 for none). Error when the set does not exist.
   virtual Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType type) {
     (void)table, (void)set, (void)type;
     return Error::runtime("reading set elements: not supported");

@@ -62,6 +62,21 @@ std::string addr_text(const IpPrefix& a) {
   return p.to_string();
 }
 
+// A duration as nft(8) lists it: days, hours, minutes, seconds and
+// milliseconds, the zero ones left out ("1m10s", "40s", "1s500ms").
+std::string duration_text(std::uint64_t ms) {
+  std::string s;
+  const std::pair<std::uint64_t, const char*> units[] = {
+      {86'400'000, "d"}, {3'600'000, "h"}, {60'000, "m"}, {1'000, "s"}, {1, "ms"}};
+  for (const auto& [size, name] : units) {
+    if (ms >= size) {
+      s += std::to_string(ms / size) + name;
+      ms %= size;
+    }
+  }
+  return s;
+}
+
 std::string elem_text(const Set& set, const SetElem& e) {
   std::string s;
   if (!set.interval) {
@@ -76,7 +91,7 @@ std::string elem_text(const Set& set, const SetElem& e) {
       s = addr_text(e.from) + "-" + addr_text(e.to);
     }
   }
-  if (e.timeout_ms != 0) s += " timeout " + std::to_string(e.timeout_ms) + "ms";
+  if (e.timeout_ms != 0) s += " timeout " + duration_text(e.timeout_ms);
   return s;
 }
 
@@ -108,6 +123,9 @@ struct StmtText {
   }
   std::string operator()(const MatchMetaPriority& m) const { return "meta priority " + priority_text(m.value); }
   std::string operator()(const MatchMetaProtocolArp&) const { return "meta protocol arp"; }
+  std::string operator()(const MatchMetaNfproto& m) const {
+    return m.family == 4 ? "meta nfproto ipv4" : "meta nfproto ipv6";
+  }
   std::string operator()(const MatchCtDirectionReply&) const { return "ct direction reply"; }
   std::string operator()(const MatchCtDirectionOriginal&) const { return "ct direction original"; }
   std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }
@@ -138,7 +156,10 @@ struct StmtText {
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }
-  std::string operator()(const StmtCounter&) const { return "counter"; }
+  std::string operator()(const StmtCounter& c) const {
+    if (!c.listed) return "counter";
+    return "counter packets " + std::to_string(c.packets) + " bytes " + std::to_string(c.bytes);
+  }
   std::string operator()(const StmtLimit& s) const {
     std::string t = "limit rate " + std::to_string(s.per_second) + "/second";
     if (s.burst != 5) t += " burst " + std::to_string(s.burst) + " packets";

@@ -1,4 +1,6 @@
-// Policy files (DESIGN §2): YAML (and so JSON) into a validated Policy.
+// Policy files (DESIGN §2): YAML (and so JSON) into a validated Policy; also
+// AgentCompass's env-params object, which is JSON too, and the format detection of
+// parse_policy_document (egressd/policy_input.h).
 //
 // Strict on purpose: a policy file is a security boundary, so anything we do
 // not understand is an error with its file:line:col, never a default. A typo'd
@@ -21,13 +23,19 @@
 #include <yaml-cpp/yaml.h>
 
 #include "egressd/policy.h"
+#include "egressd/policy_input.h"
 #include "egressd/unique_fd.h"
+#include "policy/diagnostics.h"
 
 namespace egressd {
 
 namespace {
 
 using YAML::Node;
+using policy_detail::did_you_mean;
+using policy_detail::is_network_key;
+using policy_detail::join;
+using policy_detail::quote;
 
 // Upper bound for dns.min_ttl and dns.max_ttl. Learned addresses stay in the kernel sets at
 // least this long; beyond a day they would outlive their DNS records by far,
@@ -40,19 +48,6 @@ constexpr std::size_t kMaxPolicyBytes = 4u << 20;
 
 constexpr std::string_view kModes = "public, no-network, allowlist";
 
-std::string quote(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-      out += '?';  // keep messages one line; the position points at the culprit
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-  return out;
-}
-
 std::string_view type_name(const Node& n) {
   switch (n.Type()) {
     case YAML::NodeType::Null: return "empty";
@@ -62,49 +57,6 @@ std::string_view type_name(const Node& n) {
     case YAML::NodeType::Undefined: break;
   }
   return "undefined";
-}
-
-std::string join(std::initializer_list<std::string_view> words) {
-  std::string out;
-  for (std::string_view w : words) {
-    if (!out.empty()) out += ", ";
-    out += w;
-  }
-  return out;
-}
-
-std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-// " (did you mean "x"?)" for a near miss, else empty. Case differences count
-// as near: "Allowlist" → "allowlist".
-template <class Words>
-std::string did_you_mean(std::string_view got, const Words& candidates) {
-  std::string lower(got);
-  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  std::string_view best;
-  std::size_t best_d = 3;  // suggest only within 2 edits
-  for (std::string_view c : candidates) {
-    const std::size_t d = edit_distance(lower, c);
-    if (d < best_d && c != got) {
-      best_d = d;
-      best = c;
-    }
-  }
-  if (best.empty()) return {};
-  return " (did you mean " + quote(best) + "?)";
 }
 
 // yaml-cpp's messages are terse; add the fix for the mistakes people make.
@@ -167,7 +119,11 @@ class Parser {
  public:
   explicit Parser(std::string_view file) : file_(file) {}
 
-  Result<Policy> parse(std::string_view text) {
+  // What the document is read as: an egressd policy, AgentCompass env-params, or
+  // whichever of the two its top level says (parse_policy_document's rule).
+  enum class Want { egressd, env_params, detect };
+
+  Result<PolicyDocument> parse(std::string_view text, Want want) {
     std::vector<Node> docs;
     try {
       const std::string input(text);
@@ -179,7 +135,7 @@ class Parser {
       return err(e.mark, yaml_reason(e.msg));
     }
     try {
-      return parse_docs(docs);
+      return parse_docs(docs, want);
     } catch (const YAML::Exception& e) {
       // Not expected once the document loaded; kept so a yaml-cpp surprise
       // still becomes an error naming the file instead of an abort.
@@ -418,9 +374,8 @@ class Parser {
     auto s = scalar(v, k, "network mode");
     if (!s) return s.error();
     if (auto m = parse_mode(*s)) return *m;
-    static constexpr std::string_view names[] = {"public", "no-network", "allowlist"};
     return err(v.Mark(), "unknown network mode " + quote(*s) + ": modes are lower-case: " + std::string(kModes) +
-                             did_you_mean(*s, names));
+                             did_you_mean(*s, {"public", "no-network", "allowlist"}));
   }
 
   Result<std::vector<Entry>> allowed_hosts(const Node& v, const Node& k) const {
@@ -442,10 +397,11 @@ class Parser {
     return out;
   }
 
-  Result<Phase> phase(const std::string& name, const Node& v, const Node& k) const {
+  // A phase: a mode, or a map with network_mode and allowed_hosts. `label` names it in
+  // messages ("phase \"agent\"", "run_network_policy").
+  Result<Phase> phase(const std::string& name, const std::string& label, const Node& v, const Node& k) const {
     Phase p;
     p.name = name;
-    const std::string label = "phase " + quote(name);
     if (v.IsNull()) {
       return err(k.Mark(), label + " has no network mode: give one of " + std::string(kModes));
     }
@@ -512,14 +468,95 @@ class Parser {
         return err(k.Mark(), "duplicate phase " + quote(name) + " (first defined at line " +
                                  std::to_string(it->second) + ")");
       }
-      auto p = phase(name, kv.second, k);
+      auto p = phase(name, "phase " + quote(name), kv.second, k);
       if (!p) return p.error();
       out.push_back(std::move(p).value());
     }
     return {};
   }
 
-  Result<Policy> parse_docs(const std::vector<Node>& docs) const {
+  // env-params keys: AgentCompass's setup, run and verifier policies, in phase order.
+  static constexpr std::string_view kEnvParamsKeys[] = {"network_policy", "run_network_policy",
+                                                         "verifier_network_policy"};
+
+  static bool looks_like_env_params(const Node& root) {
+    if (!root.IsMap() || root["phases"]) return false;
+    for (std::string_view k : kEnvParamsKeys) {
+      if (root[std::string(k)]) return true;
+    }
+    return false;
+  }
+
+  // AgentCompass env-params: network_policy (the setup policy), run_network_policy and
+  // verifier_network_policy, each a mode or {network_mode, allowed_hosts}. An omitted or
+  // null run/verifier policy inherits the setup policy; with no network_policy the setup
+  // is public (no restriction, as with no env-params at all). Other keys of the object are
+  // the environment's own parameters and are ignored, except ones that are about the
+  // network, which are errors (a misspelt "run_network_polcy" must not leave the run open).
+  Result<PolicyDocument> env_params(const Node& root) const {
+    if (!root.IsMap()) {
+      return err(root.Mark(), "env-params must be a JSON object with network_policy, run_network_policy or "
+                              "verifier_network_policy, not " + std::string(type_name(root)));
+    }
+    std::optional<Node> keys[3];
+    std::optional<Node> values[3];
+    std::unordered_map<std::string, int> seen;
+    for (const auto& kv : root) {
+      const Node& key = kv.first;
+      if (!key.IsScalar()) return err(key.Mark(), "keys must be plain names, not " + std::string(type_name(key)));
+      const std::string& name = key.Scalar();
+      std::size_t i = 0;
+      while (i < 3 && kEnvParamsKeys[i] != name) ++i;
+      if (i == 3) {
+        if (is_network_key(name, {"network_policy", "run_network_policy", "verifier_network_policy"})) {
+          return err(key.Mark(), "unknown network key " + quote(name) +
+                                     " in env-params: the network keys are network_policy, run_network_policy, "
+                                     "verifier_network_policy" +
+                                     did_you_mean(name, {"network_policy", "run_network_policy",
+                                                         "verifier_network_policy"}));
+        }
+        continue;
+      }
+      if (auto [it, fresh] = seen.emplace(name, key.Mark().line + 1); !fresh) {
+        return err(key.Mark(), "duplicate key " + quote(name) + " (first given at line " +
+                                   std::to_string(it->second) + ")");
+      }
+      keys[i].emplace(key);
+      values[i].emplace(kv.second);
+    }
+    if (seen.empty()) {
+      return err(root.Mark(), "env-params has none of network_policy, run_network_policy, verifier_network_policy");
+    }
+    static const char* const kPhases[] = {"setup", "run", "verifier"};
+    PolicyDocument doc;
+    doc.format = PolicyFormat::env_params;
+    for (std::size_t i = 0; i < 3; ++i) {
+      const std::string field(kEnvParamsKeys[i]);
+      if (!values[i] || values[i]->IsNull()) {
+        if (i == 0) {
+          Phase setup;
+          setup.name = kPhases[0];
+          setup.mode = Mode::public_;
+          doc.policy.phases.push_back(std::move(setup));
+          doc.origins.push_back("default public: no network_policy");
+        } else {
+          Phase inherited = doc.policy.phases.front();
+          inherited.name = kPhases[i];
+          doc.policy.phases.push_back(std::move(inherited));
+          doc.origins.push_back("inherits setup (" + doc.origins.front() + ")");
+        }
+        continue;
+      }
+      auto ph = phase(kPhases[i], field, *values[i], *keys[i]);
+      if (!ph) return ph.error();
+      doc.policy.phases.push_back(std::move(ph).value());
+      doc.origins.push_back(field);
+    }
+    doc.policy.initial_phase = kPhases[0];
+    return doc;
+  }
+
+  Result<PolicyDocument> parse_docs(const std::vector<Node>& docs, Want want) const {
     for (std::size_t i = 1; i < docs.size(); ++i) {
       // A second document would be ignored by a reader that takes the first:
       // exactly the silent surprise this parser exists to prevent.
@@ -527,6 +564,19 @@ class Parser {
         return err(docs[i].Mark(), "only one YAML document is allowed; this is a second one (after \"---\")");
       }
     }
+    if (want == Want::env_params || (want == Want::detect && !docs.empty() && looks_like_env_params(docs[0]))) {
+      if (docs.empty() || docs[0].IsNull()) return err(YAML::Mark(), "env-params is empty");
+      return env_params(docs[0]);
+    }
+    auto policy = egressd_policy(docs);
+    if (!policy) return policy.error();
+    PolicyDocument doc;
+    doc.policy = std::move(policy).value();
+    doc.origins.resize(doc.policy.phases.size());
+    return doc;
+  }
+
+  Result<Policy> egressd_policy(const std::vector<Node>& docs) const {
     if (docs.empty() || docs[0].IsNull()) {
       return err(YAML::Mark(), "the policy is empty: it needs at least a phases map");
     }
@@ -583,10 +633,43 @@ class Parser {
 }  // namespace
 
 Result<Policy> parse_policy(std::string_view text, std::string_view filename) {
-  return Parser(filename).parse(text);
+  auto doc = Parser(filename).parse(text, Parser::Want::egressd);
+  if (!doc) return doc.error();
+  return std::move(doc->policy);
+}
+
+Result<PolicyDocument> parse_env_params(std::string_view text, std::string_view filename) {
+  return Parser(filename).parse(text, Parser::Want::env_params);
+}
+
+std::string_view to_string(PolicyFormat format) {
+  switch (format) {
+    case PolicyFormat::egressd: return "egressd policy";
+    case PolicyFormat::harbor_task: return "Harbor task.toml";
+    case PolicyFormat::env_params: return "AgentCompass env-params";
+  }
+  return "unknown format";
+}
+
+Result<PolicyDocument> parse_policy_document(std::string_view text, std::string_view filename) {
+  // The extension decides TOML: TOML and YAML overlap too little to sniff safely ("a = 1"
+  // is both), and a task.toml is always named so.
+  constexpr std::string_view kToml = ".toml";
+  if (filename.size() >= kToml.size()) {
+    std::string ext(filename.substr(filename.size() - kToml.size()));
+    for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (ext == kToml) return parse_harbor_task(text, filename);
+  }
+  return Parser(filename).parse(text, Parser::Want::detect);
 }
 
 Result<Policy> load_policy_file(const std::string& path) {
+  auto doc = load_policy_document(path);
+  if (!doc) return doc.error();
+  return std::move(doc->policy);
+}
+
+Result<PolicyDocument> load_policy_document(const std::string& path) {
   // A file the user named on the command line: failing to read it is bad
   // input (exit 2), not a runtime failure, hence invalid-kind.
   const auto invalid_errno = [&path](std::string_view what, int e) {
@@ -610,7 +693,7 @@ Result<Policy> load_policy_file(const std::string& path) {
       return Error::invalid(path + ": policy file is larger than 4 MiB; is this the right file?");
     }
   }
-  return parse_policy(text, path);
+  return parse_policy_document(text, path);
 }
 
 }  // namespace egressd

@@ -4,8 +4,8 @@
 
 namespace egressd {
 
-Error errno_error(const std::string& what, int err) {
-  return Error::runtime(what + ": " + std::strerror(err));
-}
+std::string errno_text(int err) { return std::strerror(err); }
+
+Error errno_error(const std::string& what, int err) { return Error::runtime(what + ": " + errno_text(err)); }
 
 }  // namespace egressd

@@ -69,6 +69,9 @@ TASK_IMAGE = "localhost/egressd-docker-task:latest"
 HARBOR_READY = "/tmp/harbor-docker-egress-control-sidecar.ready"
 HARBOR_SIDECAR = "harbor-docker-egress-control-sidecar"
 ECHO_PORT, HTTP_PORT, SINK_PORT = 7, 80, 9
+# A UDP echo port above 1024: what uid 65534 can still bind where the task container has
+# net.ipv4.ip_unprivileged_port_start=1024 (container/compose.yaml sets it).
+HIGH_ECHO_PORT = 7007
 # Docker's embedded resolver, as every container on a user-defined network sees it.
 DOCKER_DNS = "127.0.0.11"
 TASK_MOUNT = "/egt"  # tests/docker inside task containers (taskprobe.py)
@@ -586,7 +589,7 @@ class Session:
     def _start_servers(self):
         addrs = [a for n in self.networks.values() for a in n.plan.servers]
         p = subprocess.Popen([sys.executable, str(labmod.HERE / "labserver.py"), "--tcp", f"{ECHO_PORT},{HTTP_PORT}",
-                              "--udp", str(ECHO_PORT), *addrs], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              "--udp", f"{ECHO_PORT},{HIGH_ECHO_PORT}", *addrs], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, preexec_fn=_pdeathsig)
         self.procs.append(p)
         if labmod._read_line(p, 10.0, "labserver") != "READY":

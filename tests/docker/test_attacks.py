@@ -170,11 +170,19 @@ def test_ipv6_forged_inbound_flow(sandboxes, topology, mode):
     """On an IPv6 network (docker network create --ipv6), uid 65534 binds a UDP socket to a
     denied server's address with IPV6_FREEBIND (no capability needed) and sends itself one
     datagram over loopback; conntrack then takes what the task sends to that server for the
-    reply direction of an inbound flow. No two-way UDP may follow."""
+    reply direction of an inbound flow. No two-way UDP may follow. The server's port is above
+    1024, so the attack starts in every topology, also where the task's unprivileged ports
+    begin at 1024 (container/compose.yaml)."""
     sb = shared(sandboxes, topology, mode, network="v6")
-    r = sb.probe("forged-flow", V6.server_b6, str(dockerlab.ECHO_PORT), user=NOBODY)
+    # The server does echo on that port (so "no echo" below means egressd stopped it).
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+        s.settimeout(2.0)
+        s.sendto(b"ping", (V6.server_b6, dockerlab.HIGH_ECHO_PORT))
+        assert s.recv(64) == b"ping", "the lab's echo server did not answer on the high port"
+    r = sb.probe("forged-flow", V6.server_b6, str(dockerlab.HIGH_ECHO_PORT), user=NOBODY)
     assert r.get("forge") is None, f"the attack could not even start: {r}"
-    assert not r["echo"], f"uid 65534 exchanged UDP with denied [{V6.server_b6}]:7 in {mode}: {r}"
+    assert not r["echo"], \
+        f"uid 65534 exchanged UDP with denied [{V6.server_b6}]:{dockerlab.HIGH_ECHO_PORT} in {mode}: {r}"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -17,24 +17,35 @@ CXX=${CXX:-clang++}
 
 # target -> the core sources it links (besides tests/fuzz/<target>.cc).
 policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
+# Every policy reader: parse_policy_document dispatches to the YAML and TOML readers.
+readers_srcs="src/policy/diagnostics.cc src/policy/policy_file.cc src/policy/harbor_task.cc"
 nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
-daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/daemon/sandbox.cc src/daemon/sandbox_tamper.cc src/nft/read_async.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/control/dispatch.cc src/daemon/sandbox.cc src/daemon/sandbox_control.cc src/daemon/sandbox_tamper.cc src/nft/read_async.cc src/daemon/sandbox_rules.cc src/daemon/sandbox_metrics.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+pin_srcs="src/policy/result.cc src/policy/ip.cc src/pin/verdict.cc src/pin/decide.cc"
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"
-  [policy_fuzz]="$policy_srcs src/policy/policy_file.cc $nft_srcs"
+  [policy_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
+  [harbor_task_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
   [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc src/dns/upstream.cc src/dns/proxy.cc"
   [control_request_fuzz]="$daemon_srcs"
   [control_server_fuzz]="$daemon_srcs src/control/server.cc"
+  [tls_hello_fuzz]="$pin_srcs src/pin/tls_hello.cc"
+  [http_head_fuzz]="$pin_srcs src/pin/http_head.cc"
+  [quic_initial_fuzz]="$pin_srcs src/pin/tls_hello.cc src/pin/quic_initial.cc"
 )
 declare -A libs=(
   [entry_fuzz]=""
   [policy_fuzz]="yaml-cpp"
+  [harbor_task_fuzz]="yaml-cpp"
   [dns_message_fuzz]="spdlog fmt"
   [control_request_fuzz]="spdlog fmt"
   [control_server_fuzz]="spdlog fmt"
+  [tls_hello_fuzz]=""
+  [http_head_fuzz]=""
+  [quic_initial_fuzz]="nettle"
 )
 targets=("$@")
-((${#targets[@]})) || targets=(entry_fuzz policy_fuzz dns_message_fuzz control_request_fuzz control_server_fuzz)
+((${#targets[@]})) || targets=(entry_fuzz policy_fuzz harbor_task_fuzz dns_message_fuzz control_request_fuzz control_server_fuzz tls_hello_fuzz http_head_fuzz quic_initial_fuzz)
 
 # -O1 keeps the code fast enough to fuzz and the stacks readable; assertions
 # stay on (Result::value() on an error is a bug the fuzzer should see), and
@@ -43,10 +54,17 @@ targets=("$@")
 # Boost 1.74's asio only looks for <experimental/coroutine> under clang; clang
 # 14 has C++20 coroutines with libstdc++'s <coroutine>, so say so. clang 14
 # cannot emit -fsanitize=function checks in coroutines ("Cannot represent a
-# difference across sections"), so that one check of UBSan is off.
+# difference across sections"), so that one check of UBSan is off. toml++ is compiled in
+# header-only (TOML_HEADER_ONLY=1) rather than linked from Debian's shared library, so its
+# parser is instrumented too and the fuzzer can steer through it. Its internal assertions
+# are compiled out as in Debian's library (NDEBUG, g++): toml++ 3.3.0 asserts an assumption
+# that a malformed table header such as "[[)x" breaks (parse_key, parser.inl:3037), where
+# the library egressd links reports the TOML syntax error instead; that error path is what
+# the fuzzer must exercise (corpus/harbor_task/regress-toml-parse-key-assert).
 sanitize="-fsanitize=address,undefined -fno-sanitize=function -fno-sanitize-recover=all -fno-omit-frame-pointer"
 cxxflags="-std=c++20 -g -O1 -D_GLIBCXX_ASSERTIONS $sanitize -fsanitize=fuzzer-no-link \
-  -DSPDLOG_FMT_EXTERNAL -DBOOST_ASIO_NO_DEPRECATED -DBOOST_ASIO_HAS_CO_AWAIT=1 $(pkg-config --cflags spdlog fmt yaml-cpp) \
+  -DSPDLOG_FMT_EXTERNAL -DBOOST_ASIO_NO_DEPRECATED -DBOOST_ASIO_HAS_CO_AWAIT=1 -DTOML_HEADER_ONLY=1 '-DTOML_ASSERT(expr)=static_assert(true)' \
+  $(pkg-config --cflags spdlog fmt yaml-cpp) \
   -I$root/include -I$root/src -I$root/tests/fuzz"
 
 ninja_file=$out/build.ninja

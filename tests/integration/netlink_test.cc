@@ -390,6 +390,8 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
         {{MatchDaddrSet{"s4", SetType::ipv4_addr}, StmtVerdict{VerdictKind::jump, "sub"}}, ""},
         {{MatchDaddrSet{"s6", SetType::ipv6_addr}, StmtVerdict{VerdictKind::goto_, "sub"}}, ""},
         {{MatchL4Proto{6}, StmtRejectTcpReset{}}, ""},
+        {{MatchMetaNfproto{4}, StmtCounter{}}, "ipv4 only"},
+        {{MatchMetaNfproto{6}, StmtCounter{}}, ""},
         {{StmtRejectAdminProhibited{}}, std::string(127, 'c')},
     };
     t.chains.push_back(out);

@@ -510,7 +510,7 @@ BIND_TO_DEVICE = textwrap.dedent(r'''
 
 
 @pytest.mark.parametrize("who", ["nobody", "docker"])
-@pytest.mark.parametrize("dst", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize("dst", ["127.0.0.1", "::1", "::ffff:127.0.0.1"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_loopback_destinations_do_not_leave_eth0(lab, egressd, mode, dst, who):
     egressd(POLICY, phase=MODES[mode])

@@ -94,6 +94,13 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
                              "ip6 saddr :: icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 ip6 daddr ff02::/16 goto pass");
   REQUIRE(dad != text.end());
   CHECK(dad < forged);
+  // The IPv4 share of each counted place is counted by rules that only count (status by
+  // family): around the forged-source deny, and just before `counter jump active`.
+  CHECK(*(forged - 1) == "meta nfproto ipv4 counter comment \"ipv4 at saddr check\"");
+  CHECK(*(forged + 1) == "meta nfproto ipv4 counter comment \"ipv4 past saddr check\"");
+  CHECK(text[text.size() - 2] == "meta nfproto ipv4 counter comment \"ipv4 decided\"");
+  CHECK(has("ip daddr @lo_upstream4 counter goto deny comment \"ipv4 to loopback upstream\""));
+  CHECK(has("ip6 daddr @lo_upstream6 counter goto deny comment \"ipv6 to loopback upstream\""));
   CHECK(has("oif \"lo\" ct direction reply ct status ! confirmed accept"));
   // Neighbour discovery only to link-local, multicast and on-link (class 6).
   CHECK(has("icmpv6 type nd-neighbor-advert ip6 hoplimit 255 ip6 daddr fe80::/10 goto pass"));
@@ -203,25 +210,27 @@ TEST_CASE("inbound replies can be turned off; drop replaces reject; log group is
   const Table t = build_table(p, nullptr, named(p, "verifier", 1), CompileOptions{});
   for (const auto& r : find_chain(t, "output")->rules) CHECK(render_rule(r) != "ct direction reply accept");
   const Chain* deny = find_chain(t, "deny");
-  REQUIRE(deny->rules.size() == 5);
-  CHECK(render_rule(deny->rules[3]) == "limit rate 100/second burst 50 packets log group 9");
-  CHECK(render_rule(deny->rules[4]) == "counter drop");
+  REQUIRE(deny->rules.size() == 6);
+  CHECK(render_rule(deny->rules[4]) == "limit rate 100/second burst 50 packets log group 9");
+  CHECK(render_rule(deny->rules[5]) == "counter drop");
 }
 
 TEST_CASE("reject: TCP gets a reset, everything else admin-prohibited") {
   const Policy p = three_phases();
   const Table t = build_table(p, nullptr, named(p, "verifier", 1), CompileOptions{});
   const Chain* deny = find_chain(t, "deny");
-  REQUIRE(deny->rules.size() == 6);
+  REQUIRE(deny->rules.size() == 7);
   // The kernel's own MLD reports (link-local, hop limit 1) first: dropped and
   // counted, never logged, never answered.
   CHECK(render_rule(deny->rules[0]) == "icmpv6 type mld-listener-report ip6 hoplimit 1 counter drop");
   CHECK(render_rule(deny->rules[1]) == "icmpv6 type mld-listener-done ip6 hoplimit 1 counter drop");
   CHECK(render_rule(deny->rules[2]) == "icmpv6 type mld2-listener-report ip6 hoplimit 1 counter drop");
+  // Every IPv4 packet denied is counted apart (status and metrics by family).
+  CHECK(render_rule(deny->rules[3]) == "meta nfproto ipv4 counter comment \"ipv4 denied\"");
   // Logging is on by default, rate-limited in the kernel.
-  CHECK(render_rule(deny->rules[3]) == "limit rate 100/second burst 50 packets log group 1985");
-  CHECK(render_rule(deny->rules[4]) == "meta l4proto tcp counter reject with tcp reset");
-  CHECK(render_rule(deny->rules[5]) == "counter reject with icmpx admin-prohibited");
+  CHECK(render_rule(deny->rules[4]) == "limit rate 100/second burst 50 packets log group 1985");
+  CHECK(render_rule(deny->rules[5]) == "meta l4proto tcp counter reject with tcp reset");
+  CHECK(render_rule(deny->rules[6]) == "counter reject with icmpx admin-prohibited");
 }
 
 TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd's own mark") {
@@ -259,8 +268,8 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
                       "meta mark set 0x00000000 accept",
                       "ip daddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe accept",
                       "ip6 daddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe accept",
-                      "ip daddr @lo_upstream4 counter goto deny",
-                      "ip6 daddr @lo_upstream6 counter goto deny",
+                      "ip daddr @lo_upstream4 counter goto deny comment \"ipv4 to loopback upstream\"",
+                      "ip6 daddr @lo_upstream6 counter goto deny comment \"ipv6 to loopback upstream\"",
                   });
   CHECK(find_set(t, "upstream4")->elems.at(0).from.to_string() == "192.0.2.1");
   CHECK(find_set(t, "upstream6")->elems.at(0).from.to_string() == "2001:db8::53");

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "control/client.h"
+#include "control/dispatch.h"
 
 using egressd::Error;
 using nlohmann::json;
@@ -50,4 +51,174 @@ TEST_CASE("default_socket_path honours EGRESSD_SOCKET") {
   CHECK(control::default_socket_path() == "/tmp/x/ctl.sock");
   if (saved) setenv("EGRESSD_SOCKET", keep.c_str(), 1);
   else unsetenv("EGRESSD_SOCKET");
+}
+
+// ---- typed requests and replies ----
+
+namespace {
+
+// decode(to_json(x)) == x, and the JSON is what docs/protocol.md shows.
+template <class T>
+void round_trips(const T& value, const char* wire) {
+  const json j = value;
+  CAPTURE(j.dump());
+  CHECK(j == json::parse(wire));
+  auto back = control::decode<T>(j);
+  REQUIRE(std::holds_alternative<T>(back));
+  CHECK(std::get<T>(back) == value);
+  CHECK(j.get<T>() == value);  // the throwing from_json agrees
+}
+
+template <class T>
+void reply_round_trips(const T& value, const char* wire) {
+  const json j = value;
+  CAPTURE(j.dump());
+  CHECK(j == json::parse(wire));
+  CHECK(j.get<T>() == value);
+}
+
+// The error a request decodes to (the request must not decode).
+template <class T>
+control::ErrorReply decode_error(const json& j) {
+  auto r = control::decode<T>(j);
+  REQUIRE(std::holds_alternative<control::ErrorReply>(r));
+  return std::get<control::ErrorReply>(r);
+}
+
+}  // namespace
+
+TEST_CASE("every request round-trips through its JSON") {
+  round_trips(control::PingRequest{}, R"({"cmd":"ping"})");
+  round_trips(control::StatusRequest{}, R"({"cmd":"status"})");
+  round_trips(control::CapabilitiesRequest{}, R"({"cmd":"capabilities"})");
+  round_trips(control::ApplyRequest{"agent", std::nullopt, std::nullopt}, R"({"cmd":"apply","phase":"agent"})");
+  round_trips(control::ApplyRequest{std::nullopt, egressd::Mode::no_network, std::nullopt},
+              R"({"cmd":"apply","mode":"no-network"})");
+  round_trips(control::ApplyRequest{std::nullopt, egressd::Mode::allowlist,
+                                    std::vector<std::string>{"pypi.org", "192.0.2.0/24"}},
+              R"({"cmd":"apply","mode":"allowlist","allow":["pypi.org","192.0.2.0/24"]})");
+  round_trips(control::ApplyRequest{std::nullopt, egressd::Mode::allowlist, std::vector<std::string>{}},
+              R"({"cmd":"apply","mode":"allowlist","allow":[]})");
+  round_trips(control::ExplainRequest{"198.51.100.11:443", std::nullopt},
+              R"({"cmd":"explain","target":"198.51.100.11:443"})");
+  round_trips(control::ExplainRequest{"files.pythonhosted.org", "agent"},
+              R"({"cmd":"explain","target":"files.pythonhosted.org","phase":"agent"})");
+  round_trips(control::DeniedRequest{}, R"({"cmd":"denied"})");
+  round_trips(control::DeniedRequest{0, 100, 20000}, R"({"cmd":"denied","since":0,"limit":100,"wait_ms":20000})");
+  round_trips(control::HostsRequest{}, R"({"cmd":"hosts"})");
+  round_trips(control::HostsRequest{"environment"}, R"({"cmd":"hosts","phase":"environment"})");
+}
+
+TEST_CASE("every reply the daemon builds round-trips through its JSON") {
+  reply_round_trips(control::ErrorReply{"unknown_phase", "unknown phase \"x\""},
+                    R"({"ok":false,"error":{"code":"unknown_phase","message":"unknown phase \"x\""}})");
+  reply_round_trips(control::ApplyReply{"agent", "allowlist", 8, 412,
+                                        {{"hostname", 2}, {"ipv4", 0}, {"ipv4-cidr", 1}, {"ipv6", 0},
+                                         {"ipv6-cidr", 0}, {"wildcard", 0}},
+                                        {"gone.example"}},
+                    R"({"duration_us":412,"entries":{"hostname":2,"ipv4":0,"ipv4-cidr":1,"ipv6":0,"ipv6-cidr":0,)"
+                    R"("wildcard":0},"generation":8,"mode":"allowlist","phase":"agent","unresolved":["gone.example"]})");
+  reply_round_trips(control::CapabilitiesReply{{{"disable_internet", true}, {"network_allowlist", false}}},
+                    R"({"capabilities":{"disable_internet":true,"network_allowlist":false}})");
+  reply_round_trips(control::DeniedReply{{json::parse(R"({"id":7,"kind":"dns","dst":null})")}, 7},
+                    R"({"last_id":7,"records":[{"dst":null,"id":7,"kind":"dns"}]})");
+  reply_round_trips(control::DeniedReply{}, R"({"last_id":0,"records":[]})");
+  reply_round_trips(
+      control::HostsReply{{{"environment", "pypi.org", 2, 0, {"198.51.100.7"}, "2026-11-30T20:10:01.002Z",
+                            "2026-11-30T20:12:44.310Z"}}},
+      R"({"hosts":[{"addresses":["198.51.100.7"],"first":"2026-11-30T20:10:01.002Z",)"
+      R"("last":"2026-11-30T20:12:44.310Z","name":"pypi.org","phase":"environment","refused":0,"resolved":2}]})");
+  reply_round_trips(control::HostsReply{}, R"({"hosts":[]})");
+}
+
+TEST_CASE("a request that does not decode names its culprit, checked in the documented order") {
+  struct Case {
+    json req;
+    const char* code;
+    const char* message;
+  };
+  const Case apply_cases[] = {
+      {{{"cmd", "apply"}, {"phase", "agent"}, {"force", true}}, "invalid_request",
+       "unknown field \"force\" for command apply"},
+      {{{"cmd", "apply"}}, "invalid_request", "apply takes either \"phase\" or \"mode\" (with optional \"allow\")"},
+      {{{"cmd", "apply"}, {"phase", "agent"}, {"mode", "public"}}, "invalid_request",
+       "apply takes either \"phase\" or \"mode\" (with optional \"allow\")"},
+      {{{"cmd", "apply"}, {"phase", 3}}, "invalid_request", "\"phase\" must be a string"},
+      {{{"cmd", "apply"}, {"phase", "agent"}, {"allow", json::array()}}, "invalid_request",
+       "\"allow\" goes with \"mode\", not \"phase\""},
+      {{{"cmd", "apply"}, {"mode", 1}}, "invalid_request", "\"mode\" must be a string"},
+      {{{"cmd", "apply"}, {"mode", "Allowlist"}, {"allow", 5}}, "invalid_policy",
+       "unknown mode \"Allowlist\" (modes: public, no-network, allowlist)"},
+      {{{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", "pypi.org"}}, "invalid_request",
+       "\"allow\" must be an array of strings"},
+      {{{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", {"pypi.org", 7}}}, "invalid_request",
+       "\"allow\" must be an array of strings"},
+  };
+  for (const auto& c : apply_cases) {
+    CAPTURE(c.req.dump());
+    CHECK(decode_error<control::ApplyRequest>(c.req) == control::ErrorReply{c.code, c.message});
+  }
+  CHECK(decode_error<control::PingRequest>({{"cmd", "ping"}, {"n", 1}}) ==
+        control::ErrorReply{"invalid_request", "unknown field \"n\" for command ping"});
+  CHECK(decode_error<control::ExplainRequest>({{"cmd", "explain"}}).message ==
+        "explain needs a string \"target\" (a hostname, IP or IP:port)");
+  const auto bad_target = decode_error<control::ExplainRequest>({{"cmd", "explain"}, {"target", "*.example.org"}});
+  CHECK(bad_target.code == "invalid_request");
+  CHECK(bad_target.message.find("*.example.org") != std::string::npos);
+  CHECK(decode_error<control::ExplainRequest>({{"cmd", "explain"}, {"target", "pypi.org"}, {"phase", 1}}).message ==
+        "\"phase\" must be a string");
+  CHECK(decode_error<control::DeniedRequest>({{"cmd", "denied"}, {"wait_ms", 60001}}).message ==
+        "\"wait_ms\" must be an integer from 0 to 60000");
+  CHECK(decode_error<control::DeniedRequest>({{"cmd", "denied"}, {"since", -1}}).message ==
+        "\"since\" must be an integer from 0 to 18446744073709551615");
+  CHECK(decode_error<control::DeniedRequest>({{"cmd", "denied"}, {"limit", 1.5}}).message ==
+        "\"limit\" must be an integer from 0 to 1000000");
+  CHECK(decode_error<control::HostsRequest>({{"cmd", "hosts"}, {"phase", false}}).message ==
+        "\"phase\" must be a string");
+  CHECK_THROWS_AS(json({{"cmd", "hosts"}, {"x", 1}}).get<control::HostsRequest>(), control::RequestError);
+}
+
+TEST_CASE("reply_line puts ok first, then the other keys sorted, one line") {
+  CHECK(control::reply_line(control::ok_reply({{"phase", "agent"}, {"generation", 8}, {"entries", {{"z", 1}, {"a", 2}}}})) ==
+        "{\"ok\":true,\"entries\":{\"a\":2,\"z\":1},\"generation\":8,\"phase\":\"agent\"}\n");
+  CHECK(control::reply_line(control::error_reply("internal", "x")) ==
+        "{\"ok\":false,\"error\":{\"code\":\"internal\",\"message\":\"x\"}}\n");
+  CHECK(control::reply_line(control::error_reply("invalid_request", "bad \xff byte")) ==
+        "{\"ok\":false,\"error\":{\"code\":\"invalid_request\",\"message\":\"bad \xef\xbf\xbd byte\"}}\n");
+  CHECK(control::reply_line(json::array({1})) == "[1]\n");
+}
+
+TEST_CASE("the dispatch table routes by command and answers what it does not know") {
+  control::Dispatcher d;
+  std::vector<std::string> seen;
+  d.add<control::PingRequest>([&](const control::PingRequest&, control::Reply reply) {
+    seen.push_back("ping");
+    reply(control::ok_reply());
+  });
+  d.add<control::HostsRequest>([&](const control::HostsRequest& req, control::Reply reply) {
+    seen.push_back("hosts " + req.phase.value_or("-"));
+    reply(control::ok_reply(json(control::HostsReply{})));
+  });
+  CHECK(d.commands() == std::vector<std::string>{"ping", "hosts"});
+  auto call = [&](const json& req) {
+    std::optional<json> out;
+    d.handle(req, [&](json r) {
+      REQUIRE_FALSE(out.has_value());
+      out = std::move(r);
+    });
+    REQUIRE(out.has_value());
+    return *out;
+  };
+  CHECK(call({{"cmd", "ping"}}) == json::parse(R"({"ok":true})"));
+  CHECK(call({{"cmd", "hosts"}, {"phase", "agent"}}) == json::parse(R"({"ok":true,"hosts":[]})"));
+  CHECK(seen == std::vector<std::string>{"ping", "hosts agent"});
+
+  // A request that does not decode never reaches its handler.
+  CHECK(call({{"cmd", "hosts"}, {"phase", 1}}) == control::error_reply("invalid_request", "\"phase\" must be a string"));
+  CHECK(call({{"cmd", "reboot"}}) ==
+        control::error_reply("unknown_command", "unknown command \"reboot\" (commands: ping, hosts)"));
+  CHECK(call({{"cmd", 1}}) == control::error_reply("invalid_request", "\"cmd\" must be a string, got number"));
+  CHECK(call({{"phase", "x"}}) == control::error_reply("invalid_request", "request has no \"cmd\" field"));
+  CHECK(call(json::array()) == control::error_reply("invalid_request", "request must be a JSON object, got array"));
+  CHECK(seen.size() == 2);
 }

@@ -49,6 +49,9 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchDaddr{ip("192.0.2.9")}) == "ip daddr 192.0.2.9");
   CHECK(one(MatchDaddr{ip("2001:DB8::9")}) == "ip6 daddr 2001:db8::9");
   CHECK(one(StmtCounter{}) == "counter");
+  // Values read back from the kernel (egressctl rules), as `nft list` prints them.
+  CHECK(one(StmtCounter{true, 12, 3456}) == "counter packets 12 bytes 3456");
+  CHECK(one(StmtCounter{true, 0, 0}) == "counter packets 0 bytes 0");
   CHECK(one(StmtLog{100}) == "log group 100");
   CHECK(one(StmtLimit{100, 50}) == "limit rate 100/second burst 50 packets");
   CHECK(one(StmtLimit{20}) == "limit rate 20/second");  // nft omits the default burst 5
@@ -83,6 +86,8 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchIpv6RoutingHeader{}) == "exthdr rt exists");
   CHECK(one(MatchIpv4SourceRoute{false}) == "ip option lsrr exists");
   CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");
+  CHECK(one(MatchMetaNfproto{4}) == "meta nfproto ipv4");
+  CHECK(one(MatchMetaNfproto{6}) == "meta nfproto ipv6");
   auto pfx = [](const char* a, int len) {
     IpPrefix p = ip(a);
     p.prefix_len = static_cast<std::uint8_t>(len);
@@ -143,7 +148,7 @@ TEST_CASE("sets: type, flags, elements four to a line") {
         "\tset d4 {\n"
         "\t\ttype ipv4_addr\n"
         "\t\tflags timeout\n"
-        "\t\telements = { 198.18.0.1 timeout 30000ms }\n"
+        "\t\telements = { 198.18.0.1 timeout 30s }\n"
         "\t}\n"
         "\n"
         "\tset n4 {\n"
@@ -158,6 +163,15 @@ TEST_CASE("sets: type, flags, elements four to a line") {
         "\t\telements = { 2001:db8::/32 }\n"
         "\t}\n"
         "}\n");
+}
+
+TEST_CASE("element timeouts as nft lists them") {
+  Set s{"t", SetType::ipv4_addr, false, true, {addr("192.0.2.1", 40'000), addr("192.0.2.2", 70'000),
+                                               addr("192.0.2.3", 1'500), addr("192.0.2.4", 90'061'001)}};
+  Table t;
+  t.sets.push_back(s);
+  CHECK(render_table(t).find("elements = { 192.0.2.1 timeout 40s, 192.0.2.2 timeout 1m10s, "
+                             "192.0.2.3 timeout 1s500ms, 192.0.2.4 timeout 1d1h1m1s1ms }") != std::string::npos);
 }
 
 TEST_CASE("input and netdev egress base chains") {

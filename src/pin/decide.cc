@@ -1,0 +1,119 @@
+#include "pin/decide.h"
+
+#include <algorithm>
+#include <array>
+
+namespace egressd::pin {
+namespace {
+
+bool is_tchar(std::uint8_t c) {
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return true;
+  return std::string_view("!#$%&'*+-.^_`|~").find(static_cast<char>(c)) != std::string_view::npos;
+}
+
+// RFC 9110 §9, RFC 4918 (WebDAV), RFC 5789 (PATCH), RFC 3253: methods a
+// server may take without an "HTTP/" on the line (HTTP/0.9 style).
+constexpr std::array<std::string_view, 24> kMethods = {
+    "GET",       "HEAD",   "POST",       "PUT",       "DELETE", "CONNECT", "OPTIONS", "TRACE",
+    "PATCH",     "PROPFIND", "PROPPATCH", "MKCOL",   "COPY",   "MOVE",    "LOCK",    "UNLOCK",
+    "REPORT",    "SEARCH", "MKCALENDAR", "CHECKOUT", "MERGE",  "UPDATE",  "LABEL",   "PRI"};
+
+bool has_http_slash(std::string_view line) {
+  for (std::size_t i = 0; i + 5 <= line.size(); ++i) {
+    auto up = [&](std::size_t j) {
+      char c = line[i + j];
+      return c >= 'a' && c <= 'z' ? static_cast<char>(c - 'a' + 'A') : c;
+    };
+    if (up(0) == 'H' && up(1) == 'T' && up(2) == 'T' && up(3) == 'P' && line[i + 4] == '/') return true;
+  }
+  return false;
+}
+
+std::string endpoint(const IpPrefix& dst, std::uint16_t port) {
+  const std::string a = dst.to_string();
+  return (dst.family == 6 ? "[" + a + "]" : a) + ":" + std::to_string(port);
+}
+
+std::string learned_list(const std::vector<std::string>& names) {
+  if (names.empty()) return "no name";
+  // Bounded: an address shared by many names must not make a huge line.
+  constexpr std::size_t kShown = 4;
+  std::string out;
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) {
+    if (i) out += ", ";
+    out += names[i];
+  }
+  if (names.size() > kShown) out += " (+" + std::to_string(names.size() - kShown) + " more)";
+  return out;
+}
+
+}  // namespace
+
+std::string_view to_string(TcpKind kind) {
+  switch (kind) {
+    case TcpKind::tls: return "tls";
+    case TcpKind::http: return "http";
+    case TcpKind::other: return "other";
+    case TcpKind::need_more: return "need-more";
+  }
+  return "?";
+}
+
+TcpKind classify_tcp(Bytes stream) {
+  const Bytes in = stream.first(std::min(stream.size(), kMaxInspect));
+  const bool capped = stream.size() >= kMaxInspect;
+  if (in.empty()) return TcpKind::need_more;
+  if (in[0] == 22) return TcpKind::tls;
+  if ((in[0] & 0x80) != 0) {
+    // SSLv2-format ClientHello: 2-byte length with the top bit, then type 1.
+    if (in.size() < 3) return TcpKind::need_more;
+    return in[2] == 1 ? TcpKind::tls : TcpKind::other;
+  }
+  std::size_t pos = 0;
+  while (pos < in.size() && (in[pos] == '\r' || in[pos] == '\n' || in[pos] == ' ' || in[pos] == '\t')) ++pos;
+  if (pos == in.size()) return capped ? TcpKind::other : TcpKind::need_more;
+  const std::size_t start = pos;
+  while (pos < in.size() && is_tchar(in[pos])) ++pos;
+  if (pos == start) return TcpKind::other;
+  if (pos == in.size()) return capped ? TcpKind::other : TcpKind::need_more;
+  if (in[pos] != ' ' && in[pos] != '\t') return TcpKind::other;
+  const std::string_view text(reinterpret_cast<const char*>(in.data()), in.size());
+  const std::string_view method = text.substr(start, pos - start);
+  if (std::find(kMethods.begin(), kMethods.end(), method) != kMethods.end()) return TcpKind::http;
+  const auto lf = text.find('\n', pos);
+  if (lf == std::string_view::npos) return capped ? TcpKind::http : TcpKind::need_more;
+  return has_http_slash(text.substr(pos, lf - pos)) ? TcpKind::http : TcpKind::other;
+}
+
+Decision decide(PinProto proto, const Parse& parse, const IpPrefix& dst, std::uint16_t port, const PinFacts& facts) {
+  Decision d;
+  if (parse.verdict == Verdict::need_more) return d;
+  const std::string_view p = proto == PinProto::tls ? "tls" : proto == PinProto::quic ? "quic" : "http";
+  const std::string_view what = proto == PinProto::http ? "host" : "sni";
+  std::string head;
+  if (parse.verdict == Verdict::invalid) {
+    head = std::string(p) + " unparseable (" + parse.reason + ")";
+  } else if (!parse.name) {
+    head = std::string(p) + " without " + std::string(what);
+  } else {
+    d.name = *parse.name;
+    head = std::string(p) + " " + std::string(what) + " " + d.name + (parse.ech ? " (ech outer)" : "");
+  }
+  head += " to " + endpoint(dst, port);
+  const std::vector<std::string> learned = facts.names_for(dst);
+  if (parse.verdict == Verdict::complete && parse.name) {
+    const Entry* e = facts.allowed(d.name);
+    const bool pinned = std::find(learned.begin(), learned.end(), d.name) != learned.end();
+    if (e && pinned) {
+      d.kind = Decision::Kind::admit;
+      d.entry = e->text;
+      d.reason = head + "; allowed by " + e->text;
+      return d;
+    }
+  }
+  d.kind = Decision::Kind::reset;
+  d.reason = head + "; address learned for " + learned_list(learned);
+  return d;
+}
+
+}  // namespace egressd::pin

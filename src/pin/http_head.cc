@@ -1,0 +1,202 @@
+#include "pin/http_head.h"
+
+#include <algorithm>
+
+#include "egressd/policy.h"
+
+namespace egressd::pin {
+namespace {
+
+constexpr std::string_view kH2Preface = "PRI * HTTP/2.0";
+
+bool is_tchar(char c) {
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return true;
+  return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+bool is_token(std::string_view s) { return !s.empty() && std::all_of(s.begin(), s.end(), is_tchar); }
+
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           auto low = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+           return low(x) == low(y);
+         });
+}
+
+// host [":" port] as in a Host header or a URI authority (no userinfo).
+// Empty text: nullopt name, no error. An IPv6 literal comes back without
+// brackets, compressed.
+struct Host {
+  bool ok = false;
+  std::optional<std::string> name;
+};
+
+Host parse_host(std::string_view v) {
+  Host h;
+  if (v.empty()) {
+    h.ok = true;
+    return h;
+  }
+  std::string_view host = v, port;
+  if (v.front() == '[') {
+    const auto close = v.find(']');
+    if (close == std::string_view::npos) return h;
+    host = v.substr(1, close - 1);
+    std::string_view rest = v.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') return h;
+      port = rest.substr(1);
+    }
+    const auto ip = parse_ip(host);
+    if (!ip || ip->family != 6) return h;
+    h.name = ip->to_string();
+  } else {
+    if (const auto colon = v.find(':'); colon != std::string_view::npos) {
+      host = v.substr(0, colon);
+      port = v.substr(colon + 1);
+    }
+    h.name = normalize_name(host);
+    if (!h.name) return h;
+  }
+  if (port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return h;
+  }
+  h.ok = true;
+  return h;
+}
+
+}  // namespace
+
+Parse parse_http_head(Bytes stream) {
+  const Bytes in = stream.first(std::min(stream.size(), kMaxInspect));
+  const std::string_view s(reinterpret_cast<const char*>(in.data()), in.size());
+  auto more_or_too_large = [&] {
+    if (stream.size() >= kMaxInspect) return Parse::invalid("request head larger than 16384 bytes");
+    return Parse::more(stream.size());
+  };
+
+  // RFC 9112 §2.2: servers SHOULD ignore at least one empty line before the
+  // request line; they ignore any number, so do we.
+  std::size_t pos = 0;
+  while (pos < s.size()) {
+    if (s[pos] == '\n') {
+      ++pos;
+    } else if (s[pos] == '\r') {
+      if (pos + 1 == s.size()) return more_or_too_large();
+      if (s[pos + 1] != '\n') return Parse::invalid("bare CR before the request line");
+      pos += 2;
+    } else {
+      break;
+    }
+  }
+  const std::string_view rest = s.substr(pos);
+  // The HTTP/2 prior-knowledge preface: its frames name the host in
+  // HPACK-coded :authority, which is not parsed; refused as a whole.
+  if (rest.starts_with(kH2Preface.substr(0, std::min(rest.size(), kH2Preface.size())))) {
+    if (rest.size() >= kH2Preface.size()) return Parse::invalid("h2c preface");
+    return more_or_too_large();
+  }
+
+  // The end of the head: an empty line, CRLF or bare LF terminated.
+  std::size_t end = std::string_view::npos;
+  for (std::size_t i = s.find('\n', pos); i != std::string_view::npos; i = s.find('\n', i + 1)) {
+    if (i + 1 < s.size() && s[i + 1] == '\n') {
+      end = i + 1;
+      break;
+    }
+    if (i + 2 < s.size() && s[i + 1] == '\r' && s[i + 2] == '\n') {
+      end = i + 2;
+      break;
+    }
+  }
+  if (end == std::string_view::npos) return more_or_too_large();
+
+  // Lines of the head, each without its LF and one CR before it; any other
+  // CR is refused (servers disagree on bare CRs, so they could disagree with
+  // us on where a Host line starts).
+  std::string_view head = s.substr(pos, end - pos);
+  std::optional<std::string> authority_name;
+  bool have_authority = false;
+  std::optional<std::string> host_name;
+  bool have_host = false;
+  bool first = true;
+  while (!head.empty()) {
+    const auto lf = head.find('\n');
+    std::string_view line = head.substr(0, lf);
+    head = lf == std::string_view::npos ? std::string_view{} : head.substr(lf + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.find('\r') != std::string_view::npos) return Parse::invalid("bare CR in the request head");
+    if (line.empty()) break;  // the empty line ending the head
+    if (first) {
+      first = false;
+      if (line.front() == ' ' || line.front() == '\t') return Parse::invalid("whitespace before the request line");
+      const auto sp1 = line.find(' ');
+      if (sp1 == std::string_view::npos) return Parse::invalid("malformed request line");
+      const auto sp2 = line.find(' ', sp1 + 1);
+      if (sp2 == std::string_view::npos) return Parse::invalid("request line without a version (HTTP/0.9)");
+      const std::string_view method = line.substr(0, sp1);
+      const std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+      const std::string_view version = line.substr(sp2 + 1);
+      if (!is_token(method)) return Parse::invalid("malformed request method");
+      if (target.empty() || !std::all_of(target.begin(), target.end(), [](char c) { return c > 0x20 && c < 0x7f; })) {
+        return Parse::invalid("malformed request target");
+      }
+      if (version.size() != 8 || !version.starts_with("HTTP/1.") || version[7] < '0' || version[7] > '9') {
+        return Parse::invalid("request version is not HTTP/1.x");
+      }
+      std::string_view authority;
+      if (method == "CONNECT") {
+        authority = target;  // authority-form, RFC 9112 §3.2.3
+        have_authority = true;
+      } else if (const auto scheme_end = target.find("://"); target.front() != '/' && target != "*" &&
+                                                             scheme_end != std::string_view::npos) {
+        // absolute-form, RFC 9112 §3.2.2: the authority, not Host, names the
+        // host to the origin server.
+        const std::string_view scheme = target.substr(0, scheme_end);
+        if (!iequals(scheme, "http") && !iequals(scheme, "https")) {
+          return Parse::invalid("request target scheme is not http or https");
+        }
+        authority = target.substr(scheme_end + 3);
+        authority = authority.substr(0, authority.find_first_of("/?#"));
+        have_authority = true;
+      } else if (target.front() != '/' && target != "*") {
+        return Parse::invalid("malformed request target");
+      }
+      if (have_authority) {
+        // userinfo ("http://allowed.test@other.test/") hides the host from
+        // a reader that stops at the first name.
+        if (authority.find('@') != std::string_view::npos) return Parse::invalid("userinfo in the request target");
+        Host h = parse_host(authority);
+        if (!h.ok || !h.name) return Parse::invalid("malformed request target authority");
+        authority_name = std::move(h.name);
+      }
+      continue;
+    }
+    // RFC 9112 §5.2: obs-fold is obsolete; a server may join the line to the
+    // one before or refuse it, so its meaning is not ours to guess.
+    if (line.front() == ' ' || line.front() == '\t') return Parse::invalid("obs-fold line in the request head");
+    const auto colon = line.find(':');
+    if (colon == std::string_view::npos) return Parse::invalid("header line without a colon");
+    const std::string_view field = line.substr(0, colon);
+    // RFC 9112 §5.1: whitespace between name and colon MUST be rejected.
+    if (!is_token(field)) return Parse::invalid("malformed header field name");
+    if (!iequals(field, "host")) continue;
+    if (have_host) return Parse::invalid("duplicate Host header");
+    have_host = true;
+    std::string_view value = line.substr(colon + 1);
+    while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+    while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+    Host h = parse_host(value);
+    if (!h.ok) return Parse::invalid("malformed Host header");
+    host_name = std::move(h.name);
+  }
+  if (have_authority) {
+    // A client MUST send Host equal to the authority (RFC 9112 §3.2.2); a
+    // server behind a proxy-ish front might route by either.
+    if (have_host && host_name != authority_name) return Parse::invalid("Host differs from the request target authority");
+    return Parse::complete_with(std::move(authority_name));
+  }
+  return Parse::complete_with(std::move(host_name));
+}
+
+}  // namespace egressd::pin

@@ -1,0 +1,214 @@
+"""What users type reaches egressd's validators as typed, and the harnesses' policy files are
+read as the harnesses read them (issue 18, items 1, 2 and 5), through the real binaries.
+
+- Every --allow (egressd check and run, egressctl apply, network-policy allow) arrives at the
+  entry validator exactly as typed: no argument-parser list expansion ("[a,b]"), no dropped
+  pieces. egressctl's documented comma form still splits, keeping empty pieces.
+- egressd check prints the plan of a Harbor task.toml or AgentCompass env-params file
+  (format, then per phase: mode, where it came from, every entry); render and run take them.
+
+egressctl and network-policy send their entries to the daemon, whose validator is the one
+that judges them; here a stand-in socket records the request they send, so what is checked
+is the text that leaves the client. The run test uses the lab (a real egressd in a namespace).
+"""
+import json
+import os
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+import lab as labmod
+
+DATA = labmod.REPO_ROOT / "tests/unit/data"
+
+
+def egressd(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(labmod.egressd_binary()), *args], capture_output=True, text=True, timeout=30,
+                          env=env)
+
+
+def network_policy_binary() -> Path:
+    return labmod.egressd_binary().parent / "network-policy"
+
+
+class RecordingSocket:
+    """A Unix socket that answers every request line with a canned apply reply and keeps the
+    requests it got, as parsed JSON."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.requests = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(4)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                if b"\n" not in buf:
+                    continue
+                self.requests.append(json.loads(buf.split(b"\n", 1)[0]))
+                reply = {"ok": True, "phase": "inline", "mode": "allowlist", "generation": 2, "entries": {},
+                         "unresolved": [], "duration_us": 10}
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    r = RecordingSocket(tmp_path / "egressd.sock")
+    yield r
+    r.close()
+
+
+# --- item 5: --allow verbatim ----------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", ["[2001:db8::1]", "[a.com,b.com]", "[]"])
+def test_egressd_check_allow_rejects_brackets_as_typed(raw):
+    cp = egressd("check", "--allow", raw)
+    assert cp.returncode == 2, cp.stdout
+    assert cp.stdout == ""
+    assert cp.stderr == f'error: entry "{raw}": brackets are not allowed: write IPv6 addresses bare ' \
+                        f"(e.g. 2001:db8::1), without a port\n"
+
+
+@pytest.mark.parametrize("raw,reason", [
+    ("", "the entry is empty"),
+    ("a.com,b.com", 'contains ","'),
+    ("{}", 'contains "{"'),
+    ("%%", 'contains "%"'),
+])
+def test_egressd_check_allow_other_raw_forms_reach_the_validator(raw, reason):
+    cp = egressd("check", "--allow", raw)
+    assert cp.returncode == 2
+    assert cp.stderr.startswith(f'error: entry "{raw}": ') and reason in cp.stderr, cp.stderr
+
+
+def test_egressd_check_allow_normalizes_what_it_accepts():
+    cp = egressd("check", "--allow", " PyPI.org. ", "--allow", "2001:DB8::1", "--allow=-x.org")
+    assert cp.returncode == 2  # "-x.org" reached the validator: a label may not start with "-"
+    assert 'entry "-x.org"' in cp.stderr
+    cp = egressd("check", "--allow", " PyPI.org. ", "--allow", "2001:DB8::1", "--allow", "*.Example.com")
+    assert (cp.returncode, cp.stdout) == (0, "pypi.org\n2001:db8::1\n*.example.com\n")
+
+
+def test_egressd_check_allow_takes_one_value_each():
+    cp = egressd("check", "--allow", "a.org", "b.org")
+    assert cp.returncode == 2
+    assert "b.org" in cp.stderr
+
+
+def test_egressd_run_allow_rejects_brackets_before_touching_anything(tmp_path):
+    sock = tmp_path / "egressd.sock"
+    cp = egressd("run", "--socket", str(sock), "--phase", "allowlist", "--allow", "[2001:db8::1]",
+                 "--ready-file", str(tmp_path / "ready"))
+    assert cp.returncode == 2
+    assert 'entry "[2001:db8::1]": brackets are not allowed' in cp.stderr
+    assert not sock.exists() and not (tmp_path / "ready").exists()
+
+
+def test_egressctl_apply_allow_sends_entries_as_typed(recorder):
+    ctl = str(labmod.egressctl_binary())
+    cp = subprocess.run([ctl, "--socket", str(recorder.path), "apply", "--mode", "allowlist",
+                         "--allow", "[2001:db8::1]", "--allow", "[a.com,b.com]", "--allow", " PyPI.org. "],
+                        capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    # The documented comma form splits "[a.com,b.com]" into two pieces, each as typed: the
+    # daemon's validator then refuses both for their brackets.
+    assert recorder.requests[-1]["allow"] == ["[2001:db8::1]", "[a.com", "b.com]", " PyPI.org. "]
+
+
+def test_egressctl_apply_allow_keeps_empty_comma_pieces(recorder):
+    ctl = str(labmod.egressctl_binary())
+    cp = subprocess.run([ctl, "--socket", str(recorder.path), "apply", "--mode", "allowlist",
+                         "--allow", "a.org,,b.org", "--allow", ""], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    assert recorder.requests[-1]["allow"] == ["a.org", "", "b.org", ""]
+
+
+def test_network_policy_allow_sends_targets_as_typed(recorder):
+    env = dict(os.environ, EGRESSD_SOCKET=str(recorder.path))
+    cp = subprocess.run([str(network_policy_binary()), "allow", "[2001:db8::1]", "[a.com,b.com]", "-x.org"],
+                        capture_output=True, text=True, timeout=30, env=env)
+    assert cp.returncode == 0, cp.stderr
+    assert recorder.requests[-1] == {"cmd": "apply", "mode": "allowlist",
+                                     "allow": ["[2001:db8::1]", "[a.com,b.com]", "-x.org"]}
+
+
+# --- items 1 and 2: the harnesses' files ------------------------------------------------------
+
+def test_check_prints_the_plan_of_a_harbor_task():
+    cp = egressd("check", "--config", str(DATA / "harbor/network-policy-docs.toml"))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == (
+        "format: Harbor task.toml\n"
+        "phase environment: public  <- [environment]\n"
+        "phase agent: allowlist, 2 entries (2 hostname)  <- [agent]\n"
+        "    pypi.org\n"
+        "    api.openai.com\n"
+        "phase verifier: no-network  <- [verifier]\n"
+        "initial phase: environment\n")
+
+
+def test_check_prints_the_plan_of_env_params():
+    cp = egressd("check", "--config", str(DATA / "env-params/setup-only.json"))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == (
+        "format: AgentCompass env-params\n"
+        "phase setup: allowlist, 1 entry (1 hostname)  <- network_policy\n"
+        "    pypi.org\n"
+        "phase run: allowlist, 1 entry (1 hostname)  <- inherits setup (network_policy)\n"
+        "    pypi.org\n"
+        "phase verifier: allowlist, 1 entry (1 hostname)  <- inherits setup (network_policy)\n"
+        "    pypi.org\n"
+        "initial phase: setup\n")
+
+
+def test_check_reports_a_harbor_error_with_its_position(tmp_path):
+    task = tmp_path / "task.toml"
+    task.write_text('[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org:443"]\n')
+    cp = egressd("check", "--config", str(task))
+    assert cp.returncode == 2
+    assert cp.stderr == f'error: {task}:3:18: entry "pypi.org:443": ports are not allowed: use the host alone\n'
+
+
+def test_render_takes_a_harbor_step_phase():
+    cp = egressd("render", "--config", str(DATA / "harbor/multi-step-docs.toml"), "--phase", "step-implement-agent")
+    assert cp.returncode == 0, cp.stderr
+    assert "table inet egressd" in cp.stdout
+
+
+def test_run_enforces_a_harbor_task(lab, egressd_binaries):
+    """`egressd run --config task.toml`: the phases of the task, switched by name, enforced."""
+    allowed, other = labmod.SERVERS_V4[0], labmod.SERVERS_V4[1]
+    task = lab.write_config('[environment]\nnetwork_mode = "public"\n'
+                            '[agent]\nnetwork_mode = "allowlist"\n'
+                            f'allowed_hosts = ["{allowed}"]\n'
+                            '[verifier]\nnetwork_mode = "no-network"\n', "task.toml")
+    d = lab.egressd(task)
+    assert d.status()["phase"] == "environment"
+    assert lab.tcp_connect(other, 7) == "ok"
+    assert d.ctl("apply", "agent")[0] == 0
+    assert (d.status()["phase"], d.status()["mode"]) == ("agent", "allowlist")
+    assert lab.tcp_connect(allowed, 7) == "ok"
+    assert lab.tcp_connect(other, 7) != "ok"
+    assert d.ctl("apply", "verifier")[0] == 0
+    assert d.status()["mode"] == "no-network"
+    assert lab.tcp_connect(allowed, 7) != "ok"

@@ -1,0 +1,103 @@
+// HTTP/1.x request head parser (src/pin/http_head.h): Host rules, leading
+// empty lines, absolute-form, h2c preface, splits and the size cap.
+#include <doctest/doctest.h>
+
+#include "pin/http_head.h"
+
+using namespace egressd::pin;
+
+namespace {
+
+Parse parse(std::string_view s) { return parse_http_head(as_bytes(s)); }
+
+std::string name_of(std::string_view s) {
+  const Parse p = parse(s);
+  if (p.verdict == Verdict::invalid) return "invalid: " + p.reason;
+  if (p.verdict == Verdict::need_more) return "need more";
+  return p.name ? *p.name : "no name";
+}
+
+}  // namespace
+
+TEST_CASE("the Host header names the host; port, case and trailing dot dropped") {
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "allowed.test");
+  CHECK(name_of("GET /x?y HTTP/1.1\r\nUser-Agent: t\r\nhOsT:Allowed.Test.:8080  \r\nAccept: */*\r\n\r\n") ==
+        "allowed.test");
+  CHECK(name_of("GET / HTTP/1.0\nHost: allowed.test\n\n") == "allowed.test");  // bare LF endings
+  CHECK(name_of("OPTIONS * HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "allowed.test");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: [2001:DB8::1]:80\r\n\r\n") == "2001:db8::1");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: 203.0.113.10\r\n\r\n") == "203.0.113.10");
+  // The body that may follow the head is not looked at.
+  CHECK(name_of("POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 5\r\n\r\nHost:") == "allowed.test");
+}
+
+TEST_CASE("leading empty lines are tolerated, as servers do") {
+  CHECK(name_of("\r\n\r\nGET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "allowed.test");
+  CHECK(name_of("\n\r\n\nGET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "allowed.test");
+  CHECK(name_of("\r\n") == "need more");
+  CHECK(name_of(" GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "invalid: whitespace before the request line");
+  CHECK(name_of("\rGET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "invalid: bare CR before the request line");
+}
+
+TEST_CASE("absolute-form and CONNECT: the target's authority names the host") {
+  CHECK(name_of("GET http://allowed.test:8080/p HTTP/1.1\r\nHost: allowed.test:8080\r\n\r\n") == "allowed.test");
+  CHECK(name_of("GET HTTP://Allowed.Test HTTP/1.1\r\n\r\n") == "allowed.test");
+  CHECK(name_of("GET https://allowed.test?q HTTP/1.1\r\n\r\n") == "allowed.test");
+  CHECK(name_of("CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n") == "allowed.test");
+  CHECK(name_of("GET http://allowed.test/ HTTP/1.1\r\nHost: same-ip.test\r\n\r\n") ==
+        "invalid: Host differs from the request target authority");
+  CHECK(name_of("GET http://allowed.test@same-ip.test/ HTTP/1.1\r\nHost: same-ip.test\r\n\r\n") ==
+        "invalid: userinfo in the request target");
+  CHECK(name_of("GET ftp://allowed.test/ HTTP/1.1\r\n\r\n") == "invalid: request target scheme is not http or https");
+  CHECK(name_of("GET http:/// HTTP/1.1\r\n\r\n") == "invalid: malformed request target authority");
+}
+
+TEST_CASE("a missing or empty Host is complete with no name; a duplicate or folded one is invalid") {
+  CHECK(name_of("GET / HTTP/1.1\r\nAccept: */*\r\n\r\n") == "no name");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost:\r\n\r\n") == "no name");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed.test\r\nHOST: same-ip.test\r\n\r\n") ==
+        "invalid: duplicate Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed.test\r\nHost: allowed.test\r\n\r\n") ==
+        "invalid: duplicate Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost:\r\n allowed.test\r\n\r\n") == "invalid: obs-fold line in the request head");
+  CHECK(name_of("GET / HTTP/1.1\r\nX-A: 1\r\n\tHost: same-ip.test\r\nHost: allowed.test\r\n\r\n") ==
+        "invalid: obs-fold line in the request head");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost : allowed.test\r\n\r\n") == "invalid: malformed header field name");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed.test same-ip.test\r\n\r\n") == "invalid: malformed Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed.test:80x\r\n\r\n") == "invalid: malformed Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: [allowed.test]\r\n\r\n") == "invalid: malformed Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: allowed%2etest\r\n\r\n") == "invalid: malformed Host header");
+  CHECK(name_of("GET / HTTP/1.1\r\nHost: a\rb\r\n\r\n") == "invalid: bare CR in the request head");
+  CHECK(name_of("GET / HTTP/1.1\r\nno colon here\r\n\r\n") == "invalid: header line without a colon");
+}
+
+TEST_CASE("the HTTP/2 cleartext preface and non-HTTP/1.x versions are invalid") {
+  CHECK(name_of("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") == "invalid: h2c preface");
+  CHECK(name_of("PRI * HTTP/2.0") == "invalid: h2c preface");
+  CHECK(name_of("\r\nPRI * HTTP/2.0\r\n") == "invalid: h2c preface");
+  CHECK(name_of("PRI * HT") == "need more");
+  CHECK(name_of("GET /\r\n\r\n") == "invalid: request line without a version (HTTP/0.9)");
+  CHECK(name_of("GET / HTTP/2.0\r\nHost: allowed.test\r\n\r\n") == "invalid: request version is not HTTP/1.x");
+  CHECK(name_of("GET / RTSP/1.0\r\nHost: allowed.test\r\n\r\n") == "invalid: request version is not HTTP/1.x");
+  CHECK(name_of("GET  / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "invalid: malformed request target");
+  CHECK(name_of("G(T / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == "invalid: malformed request method");
+}
+
+TEST_CASE("the head is waited for until its empty line, at every split") {
+  const std::string req = "\r\nGET /index.html HTTP/1.1\r\nHost: allowed.test\r\nUser-Agent: curl/7.88\r\n\r\n";
+  for (std::size_t k = 0; k < req.size(); ++k) {
+    const Parse p = parse(std::string_view(req).substr(0, k));
+    REQUIRE_MESSAGE(p.verdict == Verdict::need_more, "prefix " << k);
+    CHECK(p.buffered == k);
+  }
+  CHECK(name_of(req) == "allowed.test");
+}
+
+TEST_CASE("a head of 16 KiB without its end is invalid") {
+  std::string req = "GET / HTTP/1.1\r\nHost: allowed.test\r\n";
+  while (req.size() < kMaxInspect - 100) req += "X-Filler: " + std::string(80, 'a') + "\r\n";
+  CHECK(name_of(req) == "need more");
+  while (req.size() < kMaxInspect + 100) req += "X-Filler: " + std::string(80, 'a') + "\r\n";
+  CHECK(name_of(req) == "invalid: request head larger than 16384 bytes");
+  CHECK(name_of(std::string(kMaxInspect, '\n')) == "invalid: request head larger than 16384 bytes");
+}
