@@ -229,3 +229,25 @@ def test_no_reader_fails_closed_and_a_restart_decides_new_flows(lab, egressd, se
     learn(lab)
     assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
     assert_reset(tls(lab, V4, "same-ip.test"), "tls with sni same-ip.test after a restart")
+
+
+def test_a_switch_to_a_phase_without_the_name_cuts_the_admitted_flow(lab, pinned):
+    s = connect(lab, V4, TLS_PORT)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    t = ctx.wrap_socket(s, server_hostname="allowed.test")
+    t.sendall(b"one")
+    assert t.recv(100) == b"tls:one"
+    rc, _, err = pinned.ctl("apply", "elsewhere")
+    assert rc == 0, err
+
+    def more():
+        t.sendall(b"two")
+        data = t.recv(100)
+        if not data:
+            raise ConnectionResetError
+        return data
+    kind, _ = outcome(more)
+    assert kind != "ok", "the admitted flow survived a switch to a phase that does not allow its name"
+    t.close()
