@@ -9,7 +9,15 @@
 //
 // Not thread-safe: one NetlinkKernel per network namespace, used from one
 // thread (the daemon's event loop).
+//
+// Over 1,300 lines because it is the one translation of nft::model into
+// libnftnl objects and back: tables, chains, sets, elements, every rule
+// expression egressd uses, the batch with its per-message acks, and the dumps
+// that read a table back (with interrupted-dump retries). Keeping the two
+// directions together keeps them symmetric: what is written is read back by
+// the code next to it.
 #include "nft/netlink.h"
+#include "nft/read_async.h"
 
 #include <arpa/inet.h>
 #include <endian.h>
@@ -830,28 +838,13 @@ std::uint32_t now_seq() {
 constexpr int kDumpInterrupted = EINTR;
 constexpr int kReadAttempts = 32;
 
-// read_table's whole-table retries are bounded in time instead: another
-// process committing switch after switch back to back (measured: up to 31
-// retries on an idle 2-core machine) can keep a fixed number of immediate
-// retries failing, because each retry starts right behind the commit that
-// spoiled the last one. After a few immediate retries, each waits a random
-// pause growing to 2 ms, which lands the next read in a gap between commits.
-constexpr auto kReadDeadline = std::chrono::seconds(2);
-constexpr int kReadImmediateRetries = 4;
-
-void read_backoff(int attempt) {
-  if (attempt < kReadImmediateRetries) return;
-  const int shift = std::min(attempt - kReadImmediateRetries, 5);
-  const long max_us = std::min(2000L, 60L << shift);
-  // A cheap per-thread xorshift: the jitter only has to differ from the
-  // writer's rhythm, not be unpredictable.
-  thread_local std::uint64_t x = 0x9e3779b97f4a7c15ull ^ static_cast<std::uint64_t>(now_seq());
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  timespec ts{0, static_cast<long>(x % static_cast<std::uint64_t>(max_us + 1)) * 1000L};
-  nanosleep(&ts, nullptr);
-}
+// read_table's whole-table attempts are bounded in time instead (see
+// nft/read_async.h): another process committing switch after switch back to
+// back (measured: up to 31 retries on an idle 2-core machine) can keep a fixed
+// number of immediate retries failing, because each retry starts right
+// behind the commit that spoiled the last one. Within one attempt, each dump
+// is tried this often before the attempt counts as spoiled.
+constexpr int kDumpTriesPerAttempt = 2;
 
 class NetlinkKernel final : public Kernel {
  public:
@@ -894,36 +887,73 @@ class NetlinkKernel final : public Kernel {
   // DNS-learned elements move it many thousand times a second without
   // changing anything read here.
   Result<std::optional<TableInfo>> read_table(const std::string& name, Family family) override {
-    family_ = nfproto(family);
-    const std::string what = "table " + std::string(to_string(family)) + " " + name;
     const auto deadline = std::chrono::steady_clock::now() + kReadDeadline;
     for (int attempt = 0; attempt == 0 || std::chrono::steady_clock::now() < deadline; ++attempt) {
-      read_backoff(attempt);
-      TableInfo info;
-      std::uint64_t table_before = 0, table_after = 0;
-      int err = get_table(name, table_before, &info.comment, &info.flags);
-      if (err == ENOENT) return std::optional<TableInfo>{};
-      if (err != 0) return errno_error("get " + what, err);
-      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_)) != 0) return errno_error("list chains of " + what, err);
-      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_)) != 0) return errno_error("list sets of " + what, err);
-      if ((err = dump_rules(name, info.rules)) != 0) return errno_error("list rules of " + what, err);
-      if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_after_)) != 0) return errno_error("list chains of " + what, err);
-      if ((err = dump_objects(NFT_MSG_GETSET, name, sets_after_)) != 0) return errno_error("list sets of " + what, err);
-      err = get_table(name, table_after, nullptr);
-      if (err == ENOENT) continue;  // deleted meanwhile: the next attempt says so
-      if (err != 0) return errno_error("get " + what, err);
-      if (table_before != table_after || chains_ != chains_after_ || sets_ != sets_after_) continue;
-      // A chain that came and went between the two chain dumps (an inline
-      // policy switched to and away from) can still show up in the rules.
-      const bool rules_match_chains = std::all_of(info.rules.begin(), info.rules.end(), [&](const RuleInfo& r) {
-        return std::any_of(chains_.begin(), chains_.end(), [&](const Object& c) { return c.name == r.chain; });
-      });
-      if (!rules_match_chains) continue;
-      for (const auto& c : chains_) info.chains.push_back(c.name);
-      for (const auto& s : sets_) info.sets.push_back(s.name);
-      return std::optional<TableInfo>{std::move(info)};
+      if (const auto pause = read_retry_pause(attempt); pause.count() > 0) {
+        timespec ts{0, static_cast<long>(pause.count()) * 1000L};
+        nanosleep(&ts, nullptr);
+      }
+      bool interfered = false;
+      auto read = read_table_once(name, family, interfered);
+      if (!interfered) return read;
     }
-    return Error::runtime("read " + what + ": its chains and sets kept changing during the read");
+    return read_table_gave_up(name, family);
+  }
+
+  Result<std::optional<TableInfo>> read_table_once(const std::string& name, Family family, bool& interfered) override {
+    interfered = false;
+    family_ = nfproto(family);
+    const std::string what = "table " + std::string(to_string(family)) + " " + name;
+    auto spoiled = [&]() -> Result<std::optional<TableInfo>> {
+      interfered = true;
+      return std::optional<TableInfo>{};
+    };
+    TableInfo info;
+    std::uint64_t table_before = 0, table_after = 0;
+    int err = get_table(name, table_before, &info.comment, &info.flags);
+    if (err == ENOENT) return std::optional<TableInfo>{};
+    if (err != 0) return errno_error("get " + what, err);
+    if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_)) == kDumpInterrupted) return spoiled();
+    if (err != 0) return errno_error("list chains of " + what, err);
+    if ((err = dump_objects(NFT_MSG_GETSET, name, sets_)) == kDumpInterrupted) return spoiled();
+    if (err != 0) return errno_error("list sets of " + what, err);
+    if ((err = dump_rules(name, info.rules)) == kDumpInterrupted) return spoiled();
+    if (err != 0) return errno_error("list rules of " + what, err);
+    if ((err = dump_objects(NFT_MSG_GETCHAIN, name, chains_after_)) == kDumpInterrupted) return spoiled();
+    if (err != 0) return errno_error("list chains of " + what, err);
+    if ((err = dump_objects(NFT_MSG_GETSET, name, sets_after_)) == kDumpInterrupted) return spoiled();
+    if (err != 0) return errno_error("list sets of " + what, err);
+    err = get_table(name, table_after, nullptr);
+    if (err == ENOENT) return spoiled();  // deleted meanwhile: the next attempt says so
+    if (err != 0) return errno_error("get " + what, err);
+    if (table_before != table_after || chains_ != chains_after_ || sets_ != sets_after_) return spoiled();
+    // A chain that came and went between the two chain dumps (an inline
+    // policy switched to and away from) can still show up in the rules.
+    const bool rules_match_chains = std::all_of(info.rules.begin(), info.rules.end(), [&](const RuleInfo& r) {
+      return std::any_of(chains_.begin(), chains_.end(), [&](const Object& c) { return c.name == r.chain; });
+    });
+    if (!rules_match_chains) return spoiled();
+    for (const auto& c : chains_) info.chains.push_back(c.name);
+    for (const auto& s : sets_) info.sets.push_back(s.name);
+    return std::optional<TableInfo>{std::move(info)};
+  }
+
+  Result<std::vector<RuleInfo>> read_chain_once(const std::string& name, Family family, const std::string& chain,
+                                                bool& interfered) override {
+    interfered = false;
+    family_ = nfproto(family);
+    std::vector<RuleInfo> rules;
+    const int err = dump_rules(name, rules, &chain);
+    if (err == kDumpInterrupted) {
+      interfered = true;
+      return rules;
+    }
+    // A missing table or chain: the kernel's filtered dump has nothing (or
+    // says ENOENT).
+    if (err == ENOENT) return std::vector<RuleInfo>{};
+    if (err != 0) return errno_error("list rules of chain " + chain + " of table " + std::string(to_string(family)) +
+                                         " " + name, err);
+    return rules;
   }
 
   Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType type) override {
@@ -1164,12 +1194,13 @@ class NetlinkKernel final : public Kernel {
   // A dump of one kind of object of table inet `table`, restarted (with
   // `reset` first) while commits interrupt it.
   int dump(std::uint16_t type, std::uint16_t table_attr, const std::string& table, const std::function<void()>& reset,
-           const OnMsg& on_msg) {
+           const OnMsg& on_msg, const std::string* chain = nullptr) {
     int err = kDumpInterrupted;
-    for (int attempt = 0; attempt < kReadAttempts && err == kDumpInterrupted; ++attempt) {
+    for (int attempt = 0; attempt < kDumpTriesPerAttempt && err == kDumpInterrupted; ++attempt) {
       reset();
       nlmsghdr* req = request(type, family_, NLM_F_DUMP);
       mnl_attr_put_strz(req, table_attr, table.c_str());  // the kernel may filter by it; we filter too
+      if (chain != nullptr) mnl_attr_put_strz(req, NFTA_RULE_CHAIN, chain->c_str());
       err = talk(req, on_msg);
     }
     return err;
@@ -1220,7 +1251,9 @@ class NetlinkKernel final : public Kernel {
     });
   }
 
-  int dump_rules(const std::string& name, std::vector<RuleInfo>& out) {
+  // Every rule of the table, or (`chain` given) of that chain only: the
+  // kernel filters the dump by it.
+  int dump_rules(const std::string& name, std::vector<RuleInfo>& out, const std::string* chain = nullptr) {
     return dump(NFT_MSG_GETRULE, NFTA_RULE_TABLE, name, [&] { out.clear(); }, [&](const nlmsghdr* nlh) {
       auto r = checked<NftRule>(nftnl_rule_alloc());
       if (nftnl_rule_nlmsg_parse(nlh, r.get()) < 0) return;
@@ -1228,6 +1261,7 @@ class NetlinkKernel final : public Kernel {
       if (table == nullptr || name != table) return;
       RuleInfo ri;
       ri.chain = nftnl_rule_get_str(r.get(), NFTNL_RULE_CHAIN);
+      if (chain != nullptr && ri.chain != *chain) return;
       ri.handle = nftnl_rule_get_u64(r.get(), NFTNL_RULE_HANDLE);
       std::uint32_t len = 0;
       const void* ud = nftnl_rule_get_data(r.get(), NFTNL_RULE_USERDATA, &len);
@@ -1241,7 +1275,7 @@ class NetlinkKernel final : public Kernel {
         return 0;
       }, &ri);
       out.push_back(std::move(ri));
-    });
+    }, chain);
   }
 
   std::uint32_t portid() const override { return mnl_socket_get_portid(sock_.get()); }
