@@ -7,8 +7,9 @@
 //
 // Users: the nftables change monitor (daemon/tamper_guard), the NFLOG reader
 // (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
-// watch (daemon/netwatch). Not yet ported: nft/netlink.cc (batches, and the
-// table reads), daemon/sockdiag (runs on a thread of its own).
+// watch (daemon/netwatch), and the flow reaper's sock_diag dumps and
+// SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
+// Not yet ported: nft/netlink.cc (batches, and the table reads).
 //
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
