@@ -10,6 +10,12 @@
 // watch (daemon/netwatch). Not yet ported: nft/netlink.cc (batches, and the
 // table reads), daemon/sockdiag (runs on a thread of its own).
 //
+// Shutdown: stop() (also run by the destructor) marks the state the receive
+// coroutine shares (it outlives the Transport until the coroutine ends) and
+// cancels its wait. The coroutine checks the mark after every resumption, so
+// a wait that completed just before stop() (queued, no longer cancellable)
+// ends it too, before any handler: owners' handlers may capture `this`.
+//
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
 #pragma once

@@ -8,8 +8,10 @@
 // and ip(8); exits 77 (skip) with the reason otherwise.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -28,6 +30,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
+#include "audit/nflog.h"
+#include "daemon/ctforget.h"
 #include "daemon/sandbox.h"
 #include "daemon/tamper_guard.h"
 #include "nft/compile.h"
@@ -1354,3 +1358,73 @@ TEST_CASE("transport: the receive loop hands over each notification, reports ENO
   CHECK(tables.size() == seen);
 }
 
+// ---- the conntrack forgetter and the NFLOG reader, destroyed with work pending ----
+
+TEST_CASE("conntrack forgetter: one flush per turn; destroyed with a flush posted, it sends nothing") {
+  TestNetns ns;
+  boost::asio::io_context io;
+  dns::FlowTuple t;
+  t.src = *parse_ip("192.0.2.2");
+  t.dst = *parse_ip("192.0.2.1");
+  t.sport = 40001;
+  t.dport = 53;
+  auto f = ns.in_netns([&] { return daemon::ConntrackForgetter::open(io); });
+  REQUIRE_MESSAGE(f.ok(), (f.ok() ? "" : f.error().message));
+  (*f)->forget(t);
+  (*f)->forget(t);
+  CHECK((*f)->sent() == 0);  // on the next turn
+  settle(io);
+  CHECK((*f)->sent() == 2);
+
+  io.restart();  // out of work after the flush
+  (*f)->forget(t);
+  f->reset();  // the posted flush finds it gone
+  bool ran = false;
+  boost::asio::post(io, [&] { ran = true; });
+  settle(io);
+  CHECK(ran);
+}
+
+TEST_CASE("nflog reader: hands over a logged packet; destroyed with a packet queued and its wait done, no callback") {
+  TestNetns ns;
+  REQUIRE(ns.exec("ip link set lo up").status == 0);
+  REQUIRE(ns.exec("ip addr add 192.0.2.1/32 dev lo").status == 0);  // so the probes stay in the namespace
+  ns.nft_load("table inet t {\n chain o {\n  type filter hook output priority 0;\n  udp dport 9 log group 7\n }\n}\n");
+  boost::asio::io_context io;
+  std::vector<audit::LoggedPacket> got;
+  auto r = ns.in_netns([&] { return audit::NflogReader::open(io, 7, [&](const audit::LoggedPacket& p) { got.push_back(p); }); });
+  REQUIRE_MESSAGE(r.ok(), (r.ok() ? "" : r.error().message));
+  auto probe = [&] {
+    ns.in_netns([] {
+      const int s = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      REQUIRE(s >= 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(9);
+      to.sin_addr.s_addr = htonl(0xc0000201u);  // 192.0.2.1
+      const ssize_t n = ::sendto(s, "x", 1, 0, reinterpret_cast<const sockaddr*>(&to), sizeof to);
+      ::close(s);
+      REQUIRE(n == 1);
+      return 0;
+    });
+  };
+
+  probe();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (got.empty() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+  REQUIRE(got.size() == 1);
+  CHECK(got[0].proto == 17);
+  CHECK(got[0].dst.to_string() == "192.0.2.1");
+  CHECK(got[0].port == 9);
+  CHECK((*r)->stats().packets == 1);
+
+  // The log message is queued on the socket before sendto returns (one
+  // packet per message); the reader's wait completes on the next poll of the
+  // kernel, behind the handler that destroys the reader.
+  settle(io);
+  probe();
+  boost::asio::post(io, [&] { r->reset(); });
+  settle(io);
+  CHECK(!*r);
+  CHECK(got.size() == 1);
+}
