@@ -12,6 +12,12 @@
 // SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
 // No other code in egressd opens a netlink socket.
 //
+// Shutdown: stop() (also run by the destructor) marks the state the receive
+// coroutine shares (it outlives the Transport until the coroutine ends) and
+// cancels its wait. The coroutine checks the mark after every resumption, so
+// a wait that completed just before stop() (queued, no longer cancellable)
+// ends it too, before any handler: owners' handlers may capture `this`.
+//
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
 #pragma once
