@@ -23,6 +23,7 @@
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
+#include "egressd/clock.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 #include "nft/compile.h"
@@ -107,6 +108,9 @@ struct SandboxOptions {
   // Runs `fn` after `delay` on the event loop (`denied` long-poll). Empty:
   // a `denied` request never waits (tests).
   std::function<void(std::chrono::milliseconds delay, std::function<void()> fn)> run_after;
+  // The time learned addresses expire by (steady) and denied records and name
+  // attribution are stamped with (wall). Default: the real clocks.
+  TimeSource clock;
 };
 
 class Sandbox : public dns::PolicyHooks {

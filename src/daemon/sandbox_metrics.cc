@@ -127,7 +127,7 @@ std::string Sandbox::metrics_text() {
   }
 
   std::uint64_t live = 0;
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   for (const auto& [name, addrs] : learned_) {
     for (const auto& a : addrs) live += a.expires > now ? 1 : 0;
   }
