@@ -528,7 +528,8 @@ TEST_CASE("learned addresses expire by the sandbox's clock; denied records carry
   sb.attach_proxy(&proxy);
   REQUIRE(sb.start("agent").ok());
   auto state_of = [&](const std::string& entry) {
-    for (const auto& e : sb.status()["entries"])
+    const json st = sb.status();
+    for (const auto& e : st["entries"])
       if (e["entry"] == entry) return e["state"].get<std::string>();
     return std::string("absent");
   };
