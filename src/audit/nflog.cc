@@ -8,13 +8,12 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
-#include <boost/asio/post.hpp>
-#include <boost/asio/posix/stream_descriptor.hpp>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <vector>
 
-#include "egressd/unique_fd.h"
+#include "nft/transport.h"
 
 namespace egressd::audit {
 
@@ -133,12 +132,13 @@ std::optional<std::span<const std::uint8_t>> nflog_payload(std::span<const std::
 
 namespace {
 
-Status configure(int fd, std::uint16_t group) {
+// Binds `group` to the transport's socket (NFULNL_CFG_CMD_BIND) with full
+// packet copies up to kCopyRange, one packet per message.
+Status configure(nft::Transport& t, std::uint16_t group) {
   std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
   nlmsghdr* nlh = mnl_nlmsg_put_header(buf.data());
   nlh->nlmsg_type = (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG;
   nlh->nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK;
-  nlh->nlmsg_seq = 1;
   auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
   nfg->nfgen_family = AF_UNSPEC;
   nfg->version = NFNETLINK_V0;
@@ -152,135 +152,68 @@ Status configure(int fd, std::uint16_t group) {
   // One packet per message, sent at once: the default (100 packets or 1 s)
   // would hold a denial back from `denied --follow` for up to a second.
   mnl_attr_put_u32(nlh, NFULA_CFG_QTHRESH, htonl(1));
-  sockaddr_nl kernel{};
-  kernel.nl_family = AF_NETLINK;
-  if (::sendto(fd, nlh, nlh->nlmsg_len, 0, reinterpret_cast<sockaddr*>(&kernel), sizeof kernel) < 0) {
-    return errno_error("nflog: cannot send the bind request for group " + std::to_string(group), errno);
+  // Bounded: a kernel without nfnetlink_log must not hang start-up.
+  const int err = t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
+  if (err == ETIMEDOUT) {
+    return errno_error("nflog: no answer to the bind request for group " + std::to_string(group), EAGAIN);
   }
-  // The socket has a receive timeout here: a kernel without nfnetlink_log
-  // must not hang start-up.
-  const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
-  if (n < 0) return errno_error("nflog: no answer to the bind request for group " + std::to_string(group), errno);
-  if (mnl_cb_run(buf.data(), static_cast<std::size_t>(n), 1, 0, nullptr, nullptr) < 0) {
-    const int err = errno;
-    if (err == EBUSY) {
-      return Error::runtime("nflog: group " + std::to_string(group) +
-                            " is already bound by another listener in this network namespace");
-    }
-    return errno_error("nflog: cannot bind group " + std::to_string(group), err);
+  if (err == EBUSY) {
+    return Error::runtime("nflog: group " + std::to_string(group) +
+                          " is already bound by another listener in this network namespace");
   }
+  if (err != 0) return errno_error("nflog: cannot bind group " + std::to_string(group), err);
   return {};
 }
 
-class Reader : public NflogReader, public std::enable_shared_from_this<Reader> {
+class Reader : public NflogReader {
  public:
-  Reader(asio::io_context& io, int fd, std::function<void(const LoggedPacket&)> on_packet)
-      : sd_(io, fd), on_packet_(std::move(on_packet)), buf_(1 << 16) {}
+  Reader(std::unique_ptr<nft::Transport> t, std::function<void(const LoggedPacket&)> on_packet)
+      : t_(std::move(t)), on_packet_(std::move(on_packet)) {}
 
+  // Bounded per turn (the transport's) so a log flood cannot starve control requests.
+  void start() {
+    nft::Transport::Handlers h;
+    h.message = [this](const nlmsghdr* nlh) { handle(nlh); };
+    h.overrun = [this] { ++stats_.overruns; };  // messages lost; the next read continues after them
+    t_->start(std::move(h));
+  }
   NflogStats stats() const override { return stats_; }
-  void close() override {
-    closed_ = true;
-    boost::system::error_code ec;
-    sd_.close(ec);
-  }
-
-  void wait() {
-    if (closed_) return;
-    sd_.async_wait(asio::posix::stream_descriptor::wait_read,
-                   [self = shared_from_this()](const boost::system::error_code& ec) {
-                     if (ec || self->closed_) return;
-                     self->drain();
-                   });
-  }
+  void close() override { t_->stop(); }
 
  private:
-  void drain() {
-    // Bounded per turn so a log flood cannot starve control requests.
-    for (int i = 0; i < 256 && !closed_; ++i) {
-      const ssize_t n = ::recv(sd_.native_handle(), buf_.data(), buf_.size(), MSG_DONTWAIT);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno == ENOBUFS) {
-          ++stats_.overruns;  // messages lost; the next read continues after them
-          continue;
-        }
-        break;  // EAGAIN (drained) or an error the next wait reports
-      }
-      handle(std::span<const std::uint8_t>(buf_.data(), static_cast<std::size_t>(n)));
-    }
-    wait();
-  }
-
-  void handle(std::span<const std::uint8_t> data) {
-    std::size_t off = 0;
-    while (off + NLMSG_HDRLEN <= data.size()) {
-      const std::uint32_t len = host32(data, off);
-      if (len < NLMSG_HDRLEN || len > data.size() - off) {
-        ++stats_.unparsable;
-        return;
-      }
-      auto msg = data.subspan(off, len);
-      const std::uint16_t type = host16(msg, 4);
-      if (type == ((NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET)) {
-        auto payload = nflog_payload(msg);
-        auto pkt = payload ? parse_ip_packet(*payload) : std::nullopt;
-        if (pkt) {
-          ++stats_.packets;
-          on_packet_(*pkt);
-          if (closed_) return;
-        } else {
-          ++stats_.unparsable;
-        }
-      }
-      off += NLMSG_ALIGN(len);
+  void handle(const nlmsghdr* nlh) {
+    if (nlh->nlmsg_type != ((NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET)) return;
+    auto msg = std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(nlh), nlh->nlmsg_len);
+    auto payload = nflog_payload(msg);
+    auto pkt = payload ? parse_ip_packet(*payload) : std::nullopt;
+    if (pkt) {
+      ++stats_.packets;
+      on_packet_(*pkt);
+    } else {
+      ++stats_.unparsable;
     }
   }
 
-  asio::posix::stream_descriptor sd_;
+  std::unique_ptr<nft::Transport> t_;  // stops its receive loop when destroyed
   std::function<void(const LoggedPacket&)> on_packet_;
-  std::vector<std::uint8_t> buf_;
   NflogStats stats_;
-  bool closed_ = false;
-};
-
-// Owns the shared reader for the caller; closing on destruction ends the
-// pending wait (which holds the other reference).
-class Handle : public NflogReader {
- public:
-  explicit Handle(std::shared_ptr<Reader> r) : r_(std::move(r)) {}
-  ~Handle() override { r_->close(); }
-  NflogStats stats() const override { return r_->stats(); }
-  void close() override { r_->close(); }
-
- private:
-  std::shared_ptr<Reader> r_;
 };
 
 }  // namespace
 
 Result<std::unique_ptr<NflogReader>> NflogReader::open(asio::io_context& io, std::uint16_t group,
                                                        std::function<void(const LoggedPacket&)> on_packet) {
-  UniqueFd fd(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_NETFILTER));
-  if (!fd.ok()) return errno_error("nflog: cannot open a netfilter netlink socket", errno);
-  sockaddr_nl local{};
-  local.nl_family = AF_NETLINK;
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&local), sizeof local) != 0) {
-    return errno_error("nflog: cannot bind the netlink socket", errno);
-  }
-  timeval tv{1, 0};
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  if (auto s = configure(fd.get(), group); !s) return s.error();
-  timeval none{0, 0};
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
+  nft::TransportOptions o;
+  o.protocol = NETLINK_NETFILTER;
   // Room for bursts between event-loop turns (the kernel rate limit bounds them).
-  int rcvbuf = 1 << 20;
-  if (::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUFFORCE, &rcvbuf, sizeof rcvbuf) != 0) {
-    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
-  }
-  ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) | O_NONBLOCK);
-  auto r = std::make_shared<Reader>(io, fd.release(), std::move(on_packet));
-  r->wait();
-  return std::unique_ptr<NflogReader>(std::make_unique<Handle>(std::move(r)));
+  o.rcvbuf = 1 << 20;
+  o.what = "nflog";
+  auto t = nft::Transport::open(io, std::move(o));
+  if (!t) return t.error();
+  if (auto s = configure(**t, group); !s) return s.error();
+  auto r = std::make_unique<Reader>(std::move(*t), std::move(on_packet));
+  r->start();
+  return std::unique_ptr<NflogReader>(std::move(r));
 }
 
 }  // namespace egressd::audit

@@ -23,14 +23,12 @@ constexpr std::size_t kMaxBatch = 32 * 1024;
 }  // namespace
 
 Result<std::unique_ptr<ConntrackForgetter>> ConntrackForgetter::open(boost::asio::io_context& io) {
-  UniqueFd fd(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_NETFILTER));
-  if (fd.get() < 0) return errno_error("conntrack netlink socket", errno);
-  sockaddr_nl sa{};
-  sa.nl_family = AF_NETLINK;
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
-    return errno_error("conntrack netlink bind", errno);
-  }
-  return std::unique_ptr<ConntrackForgetter>(new ConntrackForgetter(io, std::move(fd)));
+  nft::TransportOptions o;
+  o.protocol = NETLINK_NETFILTER;
+  o.what = "conntrack netlink";
+  auto t = nft::Transport::open(io, std::move(o));
+  if (!t) return t.error();
+  return std::unique_ptr<ConntrackForgetter>(new ConntrackForgetter(io, std::move(*t)));
 }
 
 void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
@@ -67,7 +65,7 @@ void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns
 
 void ConntrackForgetter::forget(const dns::FlowTuple& t) {
   if (t.src.family != t.dst.family || (t.src.family != 4 && t.src.family != 6)) return;
-  append_delete(batch_, t, seq_++);
+  append_delete(batch_, t, t_->next_seq());
   ++pending_;
   if (batch_.size() >= kMaxBatch) {
     flush();
@@ -83,29 +81,19 @@ void ConntrackForgetter::forget(const dns::FlowTuple& t) {
 void ConntrackForgetter::flush() {
   scheduled_ = false;
   if (batch_.empty()) return;
-  sockaddr_nl kernel{};
-  kernel.nl_family = AF_NETLINK;
-  const ssize_t n = ::sendto(fd_.get(), batch_.data(), batch_.size(), 0, reinterpret_cast<sockaddr*>(&kernel),
-                             sizeof kernel);
-  if (n < 0) {
-    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", errno_text(errno));
+  if (const int err = t_->send(batch_.data(), batch_.size()); err != 0) {
+    module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", errno_text(err));
   }
   sent_ += pending_;
   pending_ = 0;
-  // The kernel handled the batch inside sendto; its error reports (ENOENT
+  // The kernel handled the batch inside the send; its error reports (ENOENT
   // for flows already gone) are queued now. Read them, so the socket's
   // buffer never fills.
-  alignas(4) std::uint8_t rbuf[8192];
-  for (;;) {
-    const ssize_t r = ::recv(fd_.get(), rbuf, sizeof rbuf, MSG_DONTWAIT);
-    if (r <= 0) break;
-    int len = static_cast<int>(r);
-    for (auto* h = reinterpret_cast<nlmsghdr*>(rbuf); mnl_nlmsg_ok(h, len); h = mnl_nlmsg_next(h, &len)) {
-      if (h->nlmsg_type != NLMSG_ERROR) continue;
-      const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(h));
-      if (e->error != 0 && e->error != -ENOENT) ++failed_;
-    }
-  }
+  t_->read_queued([this](const nlmsghdr* h) {
+    if (h->nlmsg_type != NLMSG_ERROR || h->nlmsg_len < NLMSG_LENGTH(sizeof(nlmsgerr))) return;
+    const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(h));
+    if (e->error != 0 && e->error != -ENOENT) ++failed_;
+  });
   batch_.clear();
 }
 

@@ -19,7 +19,7 @@
 
 #include "dns/upstream.h"
 #include "egressd/result.h"
-#include "egressd/unique_fd.h"
+#include "nft/transport.h"
 
 namespace egressd::daemon {
 
@@ -41,14 +41,13 @@ class ConntrackForgetter {
   static void append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq);
 
  private:
-  ConntrackForgetter(boost::asio::io_context& io, UniqueFd fd) : io_(io), fd_(std::move(fd)) {}
+  ConntrackForgetter(boost::asio::io_context& io, std::unique_ptr<nft::Transport> t) : io_(io), t_(std::move(t)) {}
   void flush();
 
   boost::asio::io_context& io_;
-  UniqueFd fd_;
+  std::unique_ptr<nft::Transport> t_;
   std::vector<std::uint8_t> batch_;
   bool scheduled_ = false;
-  std::uint32_t seq_ = 1;
   std::uint64_t sent_ = 0, failed_ = 0, pending_ = 0;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 

@@ -1,6 +1,12 @@
 // `egressd run`: join the namespace, install or adopt the policy, serve the
 // control socket until SIGTERM/SIGINT. The policy stays in the kernel when
 // egressd exits or dies (fail closed) unless --cleanup-on-exit is given.
+//
+// Over 500 lines because it is the wiring of one process: the namespace
+// join, the policy, the Sandbox, the DNS proxy, the tamper guard, NFLOG, the
+// interface watch, the flow reaper, the control server, the metrics file and
+// the shutdown order, each a few dozen lines; the per-sandbox logic itself
+// lives in sandbox*.cc.
 #include <fcntl.h>
 #include <malloc.h>
 #include <sched.h>
@@ -168,7 +174,7 @@ Status check_metrics_file(const std::string& path) {
 }
 
 // `--metrics-file`: every interval the metrics text is built on the event
-// loop (tens of microseconds: one dump of the table's rules) and written by a
+// loop (tens of microseconds: two chain dumps, retried on timers) and written by a
 // thread of its own, so a slow disk never holds up a switch or a DNS answer.
 // A write still running when the next is due makes that one skip.
 class MetricsFile {
@@ -186,34 +192,43 @@ class MetricsFile {
     schedule();
     return {};
   }
-  void close() { timer_.cancel(); }
+  void close() {
+    closed_ = true;
+    timer_.cancel();
+  }
 
  private:
   void schedule() {
+    if (closed_) return;
     timer_.expires_after(interval_);
     timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec) return;
       tick();
-      schedule();
     });
   }
+  // The text is built from the counted chains read as status reads them
+  // (retries on the loop's timers); the next tick is scheduled once it is
+  // built, so one build at a time. Pending work is destroyed with the loop,
+  // never run after this object is gone (the loop stops first).
   void tick() {
     const auto t0 = std::chrono::steady_clock::now();
-    std::string text = sandbox_.metrics_text();
-    const auto us =
-        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-    if (busy_.exchange(true)) {
-      spdlog::get("egressd")->debug("metrics file write still running; this one skipped");
-      return;
-    }
-    spdlog::get("egressd")->trace("metrics text built us={} bytes={}", us, text.size());
-    boost::asio::post(writer_, [this, text = std::move(text)] {
-      auto s = write_atomically(path_, text);
-      // Said once when writes start failing and once when they work again.
-      if (!s && !failing_) spdlog::get("egressd")->warn("metrics file not written: {}", s.error().message);
-      if (s && failing_) spdlog::get("egressd")->info("metrics file written again path={}", path_);
-      failing_ = !s;
-      busy_ = false;
+    sandbox_.metrics_text([this, t0](std::string text) {
+      schedule();
+      const auto us =
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+      if (busy_.exchange(true)) {
+        spdlog::get("egressd")->debug("metrics file write still running; this one skipped");
+        return;
+      }
+      spdlog::get("egressd")->trace("metrics text built us={} bytes={}", us, text.size());
+      boost::asio::post(writer_, [this, text = std::move(text)] {
+        auto s = write_atomically(path_, text);
+        // Said once when writes start failing and once when they work again.
+        if (!s && !failing_) spdlog::get("egressd")->warn("metrics file not written: {}", s.error().message);
+        if (s && failing_) spdlog::get("egressd")->info("metrics file written again path={}", path_);
+        failing_ = !s;
+        busy_ = false;
+      });
     });
   }
 
@@ -223,6 +238,7 @@ class MetricsFile {
   boost::asio::steady_timer timer_;
   boost::asio::thread_pool writer_{1};
   std::atomic<bool> busy_{false};
+  bool closed_ = false;   // loop only
   bool failing_ = false;  // writer thread only
 };
 
@@ -335,6 +351,11 @@ int cmd_run(const RunArgs& a) {
       if (!ec) fn();
     });
   };
+  // The inline state file is written here, off the loop; one thread, so
+  // writes land in order. Joined after the loop ends (nothing written is lost).
+  boost::asio::thread_pool file_writer(1);
+  opts.write_off_loop = [&file_writer](std::function<void()> fn) { boost::asio::post(file_writer, std::move(fn)); };
+  opts.executor = io.get_executor();
   opts.denied.capacity = a.denied_records;
   opts.names.max_entries = a.names;
   Sandbox sandbox(std::move(opts), std::move(*kernel), caps);
@@ -504,6 +525,7 @@ int cmd_run(const RunArgs& a) {
   }
   trim_when_idle();
   io.run();
+  file_writer.join();
   if (!a.ready_file.empty()) ::unlink(a.ready_file.c_str());
   return exit_code;
 }

@@ -3,7 +3,6 @@
 #include <libmnl/libmnl.h>
 #include <linux/if.h>
 #include <linux/rtnetlink.h>
-#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -19,8 +18,6 @@ namespace {
 
 constexpr int kReplyTimeoutMs = 2000;
 constexpr int kDumpAttempts = 8;
-// One datagram of a dump or a burst of notifications.
-constexpr std::size_t kBufSize = 32 * 1024;
 
 // Attributes of one message, indexed by type (up to `max`).
 std::vector<const nlattr*> attrs(const nlmsghdr* nlh, std::size_t header, std::uint16_t max) {
@@ -89,115 +86,62 @@ std::optional<IpPrefix> parse_onlink6_route(const nlmsghdr* nlh, const std::vect
 }
 
 Result<NetWatch> NetWatch::open() {
-  UniqueFd events(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_ROUTE));
-  if (!events.ok()) return errno_error("open rtnetlink socket", errno);
-  sockaddr_nl addr{};
-  addr.nl_family = AF_NETLINK;
-  addr.nl_groups = RTMGRP_LINK | RTMGRP_IPV6_ROUTE;
-  if (::bind(events.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) < 0) {
-    return errno_error("subscribe to rtnetlink link and route changes", errno);
-  }
-  UniqueFd requests(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_ROUTE));
-  if (!requests.ok()) return errno_error("open rtnetlink socket", errno);
-  sockaddr_nl any{};
-  any.nl_family = AF_NETLINK;
-  if (::bind(requests.get(), reinterpret_cast<const sockaddr*>(&any), sizeof any) < 0) {
-    return errno_error("bind rtnetlink socket", errno);
-  }
-  return NetWatch(std::move(events), std::move(requests));
+  nft::TransportOptions ev;
+  ev.protocol = NETLINK_ROUTE;
+  ev.groups = {RTNLGRP_LINK, RTNLGRP_IPV6_ROUTE};
+  ev.what = "rtnetlink (link and route changes)";
+  auto events = nft::Transport::open(std::move(ev));
+  if (!events) return events.error();
+  nft::TransportOptions rq;
+  rq.protocol = NETLINK_ROUTE;
+  rq.what = "rtnetlink";
+  auto requests = nft::Transport::open(std::move(rq));
+  if (!requests) return requests.error();
+  return NetWatch(std::move(*events), std::move(*requests));
 }
 
 Result<bool> NetWatch::drain() {
-  std::vector<char> buf(kBufSize);
   bool relevant = false;
-  for (;;) {
-    const ssize_t n = ::recv(events_.get(), buf.data(), buf.size(), MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == ENOBUFS) {  // notifications lost: dump to find out
+  const auto q = events_->read_queued([&](const nlmsghdr* nlh) {
+    switch (nlh->nlmsg_type) {
+      case RTM_NEWLINK:
+      case RTM_DELLINK:
+      case RTM_NEWROUTE:
+      case RTM_DELROUTE:
         relevant = true;
-        continue;
-      }
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return relevant;
-      return errno_error("read rtnetlink notifications", errno);
+        break;
+      default:
+        break;
     }
-    int rest = static_cast<int>(n);
-    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(buf.data()); mnl_nlmsg_ok(nlh, rest);
-         nlh = mnl_nlmsg_next(nlh, &rest)) {
-      switch (nlh->nlmsg_type) {
-        case RTM_NEWLINK:
-        case RTM_DELLINK:
-        case RTM_NEWROUTE:
-        case RTM_DELROUTE:
-          relevant = true;
-          break;
-        default:
-          break;
-      }
-    }
-  }
+  });
+  if (q.error != 0) return errno_error("read rtnetlink notifications", q.error);
+  return relevant || q.overrun;  // notifications lost: dump to find out
 }
 
-Status NetWatch::dump_request(std::uint16_t type, std::uint8_t family,
+Status NetWatch::dump_request(std::uint16_t type, std::uint8_t family, const std::function<void()>& reset,
                               const std::function<void(const nlmsghdr*)>& on_msg) {
-  std::vector<char> buf(kBufSize);
   for (int attempt = 0; attempt < kDumpAttempts; ++attempt) {
-    // Anything left from an abandoned exchange goes first.
-    while (::recv(requests_.get(), buf.data(), buf.size(), MSG_DONTWAIT) > 0) {
-    }
+    reset();
     char req[NLMSG_SPACE(sizeof(rtgenmsg)) + 64] = {};
     nlmsghdr* nlh = mnl_nlmsg_put_header(req);
     nlh->nlmsg_type = type;
     nlh->nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-    const std::uint32_t seq = nlh->nlmsg_seq = seq_++;
     // rtgenmsg is enough for a dump (the kernel reads only the family).
     auto* g = static_cast<rtgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(rtgenmsg)));
     g->rtgen_family = family;
-    const sockaddr_nl kernel{AF_NETLINK, 0, 0, 0};
-    if (::sendto(requests_.get(), nlh, nlh->nlmsg_len, 0, reinterpret_cast<const sockaddr*>(&kernel), sizeof kernel) < 0) {
-      return errno_error("rtnetlink dump request", errno);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReplyTimeoutMs);
-    bool interrupted = false, done = false;
-    while (!done) {
-      const ssize_t n = ::recv(requests_.get(), buf.data(), buf.size(), MSG_DONTWAIT);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno == ENOBUFS) {
-          interrupted = true;
-          break;
-        }
-        if (errno != EAGAIN && errno != EWOULDBLOCK) return errno_error("rtnetlink dump", errno);
-        const auto left =
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        if (left.count() <= 0) return Error::runtime("rtnetlink dump: no answer within 2 s");
-        pollfd p{requests_.get(), POLLIN, 0};
-        if (::poll(&p, 1, static_cast<int>(left.count())) < 0 && errno != EINTR) return errno_error("poll", errno);
-        continue;
-      }
-      int rest = static_cast<int>(n);
-      for (auto* m = reinterpret_cast<const nlmsghdr*>(buf.data()); mnl_nlmsg_ok(m, rest); m = mnl_nlmsg_next(m, &rest)) {
-        if (m->nlmsg_seq != seq) continue;
-        if (m->nlmsg_flags & NLM_F_DUMP_INTR) interrupted = true;
-        if (m->nlmsg_type == NLMSG_DONE) {
-          done = true;
-          break;
-        }
-        if (m->nlmsg_type == NLMSG_ERROR) {
-          const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(m));
-          return errno_error("rtnetlink dump", -e->error);
-        }
-        on_msg(m);
-      }
-    }
-    if (!interrupted) return {};
+    // A dump interrupted by a change (or whose replies were lost) is
+    // started over, from `reset`.
+    const int err = requests_->request(nlh, on_msg, std::chrono::milliseconds(kReplyTimeoutMs));
+    if (err == 0) return {};
+    if (err == ETIMEDOUT) return Error::runtime("rtnetlink dump: no answer within 2 s");
+    if (err != EINTR) return errno_error("rtnetlink dump", err);
   }
   return Error::runtime("rtnetlink dump: interrupted by changes " + std::to_string(kDumpAttempts) + " times");
 }
 
 Result<NetworkView> NetWatch::dump() {
   std::vector<LinkInfo> links;
-  auto st = dump_request(RTM_GETLINK, AF_UNSPEC, [&](const nlmsghdr* nlh) {
+  auto st = dump_request(RTM_GETLINK, AF_UNSPEC, [&] { links.clear(); }, [&](const nlmsghdr* nlh) {
     if (auto l = parse_link(nlh)) links.push_back(std::move(*l));
   });
   if (!st) return st.error().wrap("list interfaces");
@@ -210,7 +154,7 @@ Result<NetworkView> NetWatch::dump() {
       view.interfaces.push_back(l.name);
     }
   }
-  st = dump_request(RTM_GETROUTE, AF_INET6, [&](const nlmsghdr* nlh) {
+  st = dump_request(RTM_GETROUTE, AF_INET6, [&] { view.onlink6.clear(); }, [&](const nlmsghdr* nlh) {
     if (auto p = parse_onlink6_route(nlh, loopbacks)) view.onlink6.push_back(*p);
   });
   if (!st) return st.error().wrap("list IPv6 routes");

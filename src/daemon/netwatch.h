@@ -7,11 +7,10 @@
 // Kept small on purpose: the message parsing is pure (parse_link,
 // parse_onlink6_route, tested on hand-built messages), and NetWatch only owns
 // two sockets: one subscribed to RTMGRP_LINK and RTMGRP_IPV6_ROUTE that says
-// "something changed", one for dumps. It does not track state from the
+// "something changed", one for dumps (both nft::Transport, without its
+// receive loop: the daemon waits on fd()). It does not track state from the
 // notifications; every change is answered with a fresh dump (changes are rare,
-// and a lost notification, ENOBUFS, then costs nothing). When the netlink
-// receive loops are unified into one transport, the two sockets become
-// requests to it and the parsing stays as it is.
+// and a lost notification, ENOBUFS, then costs nothing).
 //
 // Not thread-safe: used from the daemon's event loop.
 #pragma once
@@ -20,13 +19,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "egressd/policy.h"
 #include "egressd/result.h"
-#include "egressd/unique_fd.h"
+#include "nft/transport.h"
 
 namespace egressd::daemon {
 
@@ -60,7 +60,7 @@ class NetWatch {
   static Result<NetWatch> open();
 
   // Readable when notifications are queued (for the event loop).
-  int fd() const { return events_.get(); }
+  int fd() const { return events_->fd(); }
 
   // Reads every queued notification without blocking. True when one of them
   // may change the view (a link, or an IPv6 route) or some were lost
@@ -71,14 +71,16 @@ class NetWatch {
   Result<NetworkView> dump();
 
  private:
-  NetWatch(UniqueFd events, UniqueFd requests) : events_(std::move(events)), requests_(std::move(requests)) {}
+  NetWatch(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> requests)
+      : events_(std::move(events)), requests_(std::move(requests)) {}
   // Sends one dump request and hands each reply message to on_msg until
-  // NLMSG_DONE; a dump interrupted by a change is started over.
-  Status dump_request(std::uint16_t type, std::uint8_t family, const std::function<void(const nlmsghdr*)>& on_msg);
+  // NLMSG_DONE; a dump interrupted by a change is started over (`reset`
+  // first, each time).
+  Status dump_request(std::uint16_t type, std::uint8_t family, const std::function<void()>& reset,
+                      const std::function<void(const nlmsghdr*)>& on_msg);
 
-  UniqueFd events_;
-  UniqueFd requests_;
-  std::uint32_t seq_ = 1;
+  std::unique_ptr<nft::Transport> events_;    // subscribed to link and IPv6 route changes
+  std::unique_ptr<nft::Transport> requests_;  // dumps
 };
 
 }  // namespace egressd::daemon

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <cassert>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +17,7 @@
 #include "daemon/audit_log.h"
 #include "egressd/module_logger.h"
 #include "dns/message.h"
+#include "nft/read_async.h"
 
 namespace egressd::daemon {
 
@@ -837,6 +841,29 @@ void Sandbox::flush_learned() {
 }
 
 json Sandbox::status() {
+  auto output = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "output");
+  auto deny = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+  return status_from(output, deny);
+}
+
+void Sandbox::status(std::function<void(json)> done) {
+  if (!opts_.executor) return done(status());
+  // Only the two counted chains are read (each one dump), and their retries
+  // pause on the loop's timers. The sandbox outlives the loop's work
+  // (daemon.cc destroys the loop's pending handlers, this one among them,
+  // before anything they point at).
+  boost::asio::co_spawn(
+      opts_.executor,
+      [this, done = std::move(done)]() -> boost::asio::awaitable<void> {
+        auto output = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "output");
+        auto deny = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+        done(status_from(output, deny));
+      },
+      boost::asio::detached);
+}
+
+json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
+                          const Result<std::vector<nft::RuleInfo>>& deny) {
   const Phase& ph = active_phase();
   json entries = json::array();
   const auto now = opts_.clock.steady();
@@ -869,7 +896,7 @@ json Sandbox::status() {
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }
-  const Traffic t = traffic();
+  const Traffic t = traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
   json by_family = json::object();
   for (int f : {0, 1}) {
     const auto& c = t.family[f];
@@ -909,32 +936,39 @@ json Sandbox::status() {
 }
 
 Sandbox::Traffic Sandbox::traffic() {
+  auto output = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "output");
+  auto deny = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+  return traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
+}
+
+Sandbox::Traffic Sandbox::traffic_from(const std::vector<nft::RuleInfo>* output,
+                                       const std::vector<nft::RuleInfo>* deny) {
   // Cumulative across switches: `counter jump active` in chain output sees
   // every packet the policy decides; what `deny` did not take was allowed
   // (the chains are dumped one after the other, hence the clamps). The early
   // denies in output count there and in deny. By family: the IPv4 share of
   // each is counted by count-only rules (nft/compile.h), IPv6 is the rest.
+  // A chain that could not be read counts nothing.
   struct Pb {
     std::uint64_t p = 0, b = 0;
     void add(const nft::RuleInfo& r) { p += r.packets, b += r.bytes; }
   };
   auto sub = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
   Pb decided, denied, lo4, at4, past4, jump4, denied4;
-  if (auto info = kernel_->read_table(nft::kTableName, nft::Family::inet); info && info->has_value()) {
-    for (const auto& r : (*info)->rules) {
-      if (r.chain == "deny") {
-        (r.comment == nft::kCountV4Denied ? denied4 : denied).add(r);
-      } else if (r.chain == "output") {
-        if (r.comment == nft::kCountV4AtSaddrCheck) {
-          at4.add(r);
-        } else if (r.comment == nft::kCountV4PastSaddrCheck) {
-          past4.add(r);
-        } else if (r.comment == nft::kCountV4Decided) {
-          jump4.add(r);
-        } else {
-          decided.add(r);
-          if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);
-        }
+  if (deny != nullptr) {
+    for (const auto& r : *deny) (r.comment == nft::kCountV4Denied ? denied4 : denied).add(r);
+  }
+  if (output != nullptr) {
+    for (const auto& r : *output) {
+      if (r.comment == nft::kCountV4AtSaddrCheck) {
+        at4.add(r);
+      } else if (r.comment == nft::kCountV4PastSaddrCheck) {
+        past4.add(r);
+      } else if (r.comment == nft::kCountV4Decided) {
+        jump4.add(r);
+      } else {
+        decided.add(r);
+        if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);
       }
     }
   }
@@ -964,8 +998,13 @@ void Sandbox::save_inline_state() {
   json entries = json::array();
   for (const auto& e : inline_->entries) entries.push_back(e.text);
   const json j{{"generation", state_.generation}, {"mode", to_string(inline_->mode)}, {"allow", entries}};
-  if (auto s = write_atomically(opts_.state_file, j.dump() + "\n"); !s) {
-    log()->warn("inline policy not saved for adoption: {}", s.error().message);
+  auto write = [path = opts_.state_file, text = j.dump() + "\n", lg = log()] {
+    if (auto s = write_atomically(path, text); !s) lg->warn("inline policy not saved for adoption: {}", s.error().message);
+  };
+  if (opts_.write_off_loop) {
+    opts_.write_off_loop(std::move(write));
+  } else {
+    write();
   }
 }
 

@@ -6,6 +6,9 @@
 #pragma once
 
 #include <array>
+#include <boost/asio/any_io_executor.hpp>
+#include <utility>  // before awaitable.hpp: Boost 1.74 uses std::exchange without it
+#include <boost/asio/awaitable.hpp>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -108,6 +111,13 @@ struct SandboxOptions {
   // Runs `fn` after `delay` on the event loop (`denied` long-poll). Empty:
   // a `denied` request never waits (tests).
   std::function<void(std::chrono::milliseconds delay, std::function<void()> fn)> run_after;
+  // Runs `fn` off the event loop, in order (the inline state file: a slow
+  // disk must not hold up DNS answers). Empty: at once (tests).
+  std::function<void(std::function<void()> fn)> write_off_loop;
+  // The event loop's executor: table reads that have to be retried (a
+  // commit by anyone spoils one) pause on its timers instead of sleeping
+  // (status, verification). Empty: they sleep (tests, one-shot tools).
+  boost::asio::any_io_executor executor;
   // The time learned addresses expire by (steady) and denied records and name
   // attribution are stamped with (wall). Default: the real clocks.
   TimeSource clock;
@@ -141,7 +151,11 @@ class Sandbox : public dns::PolicyHooks {
   // Synchronous form for requests that complete at once (tests, no proxy).
   nlohmann::json handle(const nlohmann::json& request);
 
+  // The status reply's fields. The counters are the kernel's: read
+  // synchronously here, or without holding up the loop by the callback form
+  // (with SandboxOptions::executor; `done` is called once, maybe later).
   nlohmann::json status();
+  void status(std::function<void(nlohmann::json)> done);
   // Resolves the exact hostnames of the phase in force and learns their
   // addresses (start-up; `apply` does this itself before switching).
   void preresolve_active();
@@ -191,6 +205,8 @@ class Sandbox : public dns::PolicyHooks {
   // comment in each chain. Empty when it matches. Set elements are not
   // compared (learned ones come and go).
   Result<std::vector<std::string>> verify_table();
+  // The same, the reads' retries pausing on the coroutine's executor's timers.
+  boost::asio::awaitable<Result<std::vector<std::string>>> verify_table_async();
   // The netlink portid egressd's own nftables changes carry.
   std::uint32_t kernel_portid() const { return kernel_->portid(); }
   // The namespace's ruleset generation (moved by every commit, anyone's).
@@ -215,10 +231,12 @@ class Sandbox : public dns::PolicyHooks {
   // The counters of this sandbox in the Prometheus text format (the
   // `metrics` request; sandbox_metrics.cc). Reads the kernel's counters.
   std::string metrics_text();
+  // The same, with the table reads' retries on the loop's timers.
+  void metrics_text(std::function<void(std::string)> done);
   // Tables inet and netdev egressd as nft text, with the kernel's counters
   // and learned elements (the `rules` request; sandbox_rules.cc). Error when
   // the kernel cannot be read or its tables differ from the phase in force.
-  Result<std::string> ruleset_text();
+  boost::asio::awaitable<Result<std::string>> ruleset_text();
   const audit::NameIndex& names() const { return names_; }
   const audit::DeniedLog& denied() const { return denied_; }
 
@@ -291,6 +309,13 @@ class Sandbox : public dns::PolicyHooks {
   bool started_ = false;  // start() ran: changes go to the kernel at once
   void save_inline_state();
   std::optional<Phase> load_inline_state(std::uint64_t generation);
+  // status() around the reads of chains output and deny (an error: counters 0).
+  nlohmann::json status_from(const Result<std::vector<nft::RuleInfo>>& output,
+                             const Result<std::vector<nft::RuleInfo>>& deny);
+  // verify_table's comparisons, one table read each.
+  std::vector<std::string> compare_inet(const std::optional<nft::TableInfo>& read);
+  void compare_netdev(const std::optional<nft::TableInfo>& read, const nft::Table& want,
+                      std::vector<std::string>& diffs);
 
   // src/daemon/sandbox_audit.cc: `denied` and `hosts` requests.
   void denied_request(const control::DeniedRequest& req, control::Reply reply);
@@ -312,8 +337,10 @@ class Sandbox : public dns::PolicyHooks {
     Counts family[2];
   };
   Traffic traffic();
+  std::string metrics_text_from(const Traffic& t);
+  static Traffic traffic_from(const std::vector<nft::RuleInfo>* output, const std::vector<nft::RuleInfo>* deny);
   // src/daemon/sandbox_rules.cc and sandbox_metrics.cc.
-  nlohmann::json rules_reply();
+  void rules(std::function<void(nlohmann::json)> reply);
   static std::string request_label(const std::string& cmd);
   void count_request(const std::string& command, const nlohmann::json& reply);
   std::uint64_t switches_ = 0, switch_failures_ = 0;

@@ -18,7 +18,7 @@ control::Dispatcher Sandbox::command_table() {
     reply(control::ok_reply());
   });
   d.add<control::StatusRequest>([this](const control::StatusRequest&, control::Reply reply) {
-    reply(control::ok_reply(status()));
+    status([reply](json j) { reply(control::ok_reply(std::move(j))); });
   });
   d.add<control::CapabilitiesRequest>([this](const control::CapabilitiesRequest&, control::Reply reply) {
     reply(control::ok_reply(json(control::CapabilitiesReply{caps_.to_json().get<std::map<std::string, bool>>()})));
@@ -31,9 +31,9 @@ control::Dispatcher Sandbox::command_table() {
       [this](const control::DeniedRequest& req, control::Reply reply) { denied_request(req, std::move(reply)); });
   d.add<control::HostsRequest>(
       [this](const control::HostsRequest& req, control::Reply reply) { reply(hosts_reply(req)); });
-  d.add<control::RulesRequest>([this](const control::RulesRequest&, control::Reply reply) { reply(rules_reply()); });
+  d.add<control::RulesRequest>([this](const control::RulesRequest&, control::Reply reply) { rules(std::move(reply)); });
   d.add<control::MetricsRequest>([this](const control::MetricsRequest&, control::Reply reply) {
-    reply(control::ok_reply({{"text", metrics_text()}}));
+    metrics_text([reply](std::string text) { reply(control::ok_reply({{"text", std::move(text)}})); });
   });
   return d;
 }

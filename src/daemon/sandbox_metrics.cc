@@ -7,6 +7,11 @@
 
 #include "daemon/sandbox.h"
 
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+
+#include "nft/read_async.h"
+
 namespace egressd::daemon {
 
 namespace {
@@ -73,7 +78,23 @@ void Sandbox::count_request(const std::string& command, const json& reply) {
   ++requests_[{command, result}];
 }
 
-std::string Sandbox::metrics_text() {
+std::string Sandbox::metrics_text() { return metrics_text_from(traffic()); }
+
+void Sandbox::metrics_text(std::function<void(std::string)> done) {
+  if (!opts_.executor) return done(metrics_text());
+  // The two counted chains are read as status reads them: retries pause on
+  // the loop's timers (the sandbox outlives the loop's pending work).
+  boost::asio::co_spawn(
+      opts_.executor,
+      [this, done = std::move(done)]() -> boost::asio::awaitable<void> {
+        auto output = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "output");
+        auto deny = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "deny");
+        done(metrics_text_from(traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr)));
+      },
+      boost::asio::detached);
+}
+
+std::string Sandbox::metrics_text_from(const Traffic& t) {
   Writer w;
   w.family("egressd_switches_total", "counter", "Phase switches the kernel acknowledged since egressd started.");
   w.sample("egressd_switches_total", switches_);
@@ -85,7 +106,6 @@ std::string Sandbox::metrics_text() {
   w.sample("egressd_phase_info", std::uint64_t{1},
            "phase=\"" + label(state_.phase) + "\",mode=\"" + label(std::string(to_string(state_.mode))) + "\"");
 
-  const Traffic t = traffic();
   w.family("egressd_packets_total", "counter",
            "Packets the policy decided in chain output, by verdict and family; kept in the kernel across switches "
            "and restarts.");

@@ -13,6 +13,13 @@
 #include "control/protocol.h"
 #include "daemon/sandbox.h"
 
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <optional>
+
+#include "nft/read_async.h"
+
 namespace egressd::daemon {
 
 namespace {
@@ -51,43 +58,63 @@ void fill_from_kernel(nft::Table& table, const nft::TableInfo& info) {
 
 }  // namespace
 
-Result<std::string> Sandbox::ruleset_text() {
-  auto diffs = verify_table();
-  if (!diffs) return diffs.error().wrap("cannot read egressd's tables");
+// A coroutine: the table reads' retries pause on the loop's timers. Each
+// read is followed by synchronous work only, so a switch between two reads
+// is caught by the verification of the first (ask again).
+boost::asio::awaitable<Result<std::string>> Sandbox::ruleset_text() {
+  auto diffs = co_await verify_table_async();
+  if (!diffs) co_return diffs.error().wrap("cannot read egressd's tables");
   if (!diffs->empty()) {
     std::string what;
     for (const auto& d : *diffs) what += (what.empty() ? "" : "; ") + d;
-    return Error::runtime("the kernel's tables differ from the phase in force (" + what +
-                          "); egressd restores them when it notices (tamper detection): ask again");
+    co_return Error::runtime("the kernel's tables differ from the phase in force (" + what +
+                             "); egressd restores them when it notices (tamper detection): ask again");
   }
+  const std::uint64_t generation = state_.generation;
+  auto info = co_await nft::read_table_async(*kernel_, nft::kTableName, nft::Family::inet);
+  if (!info) co_return info.error();
+  if (!info->has_value()) co_return Error::runtime("table inet egressd vanished while being read: ask again");
+  if (state_.generation != generation) co_return Error::runtime("the phase switched while the table was read: ask again");
   const Phase& phase = active_phase();
   nft::Table inet = nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile);
-  auto info = kernel_->read_table(nft::kTableName, nft::Family::inet);
-  if (!info) return info.error();
-  if (!info->has_value()) return Error::runtime("table inet egressd vanished while being read: ask again");
   for (auto& set : inet.sets) {
     if (!set.timeout) continue;
     auto elems = kernel_->read_set_elems(nft::kTableName, set.name, set.type);
-    if (!elems) return elems.error();
+    if (!elems) co_return elems.error();
     std::sort(elems->begin(), elems->end(), elem_less);  // nft lists hash sets sorted too
     set.elems = std::move(*elems);
   }
   fill_from_kernel(inet, **info);
   std::string text = nft::render_table(inet);
-  if (auto netdev = nft::build_netdev_table(state_, opts_.compile)) {
-    auto nd = kernel_->read_table(nft::kTableName, nft::Family::netdev);
-    if (!nd) return nd.error();
-    if (!nd->has_value()) return Error::runtime("table netdev egressd vanished while being read: ask again");
+  if (nft::build_netdev_table(state_, opts_.compile)) {
+    auto nd = co_await nft::read_table_async(*kernel_, nft::kTableName, nft::Family::netdev);
+    if (!nd) co_return nd.error();
+    if (!nd->has_value()) co_return Error::runtime("table netdev egressd vanished while being read: ask again");
+    auto netdev = nft::build_netdev_table(state_, opts_.compile);  // the interfaces may have changed meanwhile
+    if (!netdev) co_return Error::runtime("table netdev egressd is no longer kept: ask again");
     fill_from_kernel(*netdev, **nd);
     text += nft::render_table(*netdev);
   }
-  return text;
+  co_return text;
 }
 
-json Sandbox::rules_reply() {
-  auto text = ruleset_text();
-  if (!text) return control::error_reply(text.error(), "kernel_error");
-  return control::ok_reply({{"ruleset", *text}});
+void Sandbox::rules(std::function<void(json)> reply) {
+  // Without the daemon's loop (tests, one-shot tools) the reads run on a
+  // private one, here and now.
+  std::optional<boost::asio::io_context> own;
+  if (!opts_.executor) own.emplace();
+  boost::asio::co_spawn(
+      own ? own->get_executor() : opts_.executor,
+      [this, reply = std::move(reply)]() -> boost::asio::awaitable<void> {
+        auto text = co_await ruleset_text();
+        if (!text) {
+          reply(control::error_reply(text.error(), "kernel_error"));
+        } else {
+          reply(control::ok_reply({{"ruleset", *text}}));
+        }
+      },
+      boost::asio::detached);
+  if (own) own->run();
 }
 
 }  // namespace egressd::daemon

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "daemon/sandbox.h"
+#include "nft/read_async.h"
 
 namespace egressd::daemon {
 
@@ -71,31 +72,55 @@ void compare_table(const std::string& what, const nft::TableInfo& info, const nf
 
 }  // namespace
 
-Result<std::vector<std::string>> Sandbox::verify_table() {
-  auto read = kernel_->read_table(nft::kTableName, nft::Family::inet);
-  if (!read) return read.error();
+std::vector<std::string> Sandbox::compare_inet(const std::optional<nft::TableInfo>& read) {
   std::vector<std::string> diffs;
-  if (!read->has_value()) {
+  if (!read.has_value()) {
     diffs.push_back("table inet egressd missing");
   } else {
     const Phase& phase = active_phase();
     const nft::Table want = nft::build_table(opts_.policy, state_.is_inline ? &phase : nullptr, state_, opts_.compile);
-    compare_table("table inet egressd", **read, want, diffs);
+    compare_table("table inet egressd", *read, want, diffs);
   }
-  // The netdev table is compared with the interfaces the watcher last
-  // reported: one that vanished since is dropped from the table by the
-  // watcher's update (never a difference here), one that appeared is added
-  // by it.
+  return diffs;
+}
+
+void Sandbox::compare_netdev(const std::optional<nft::TableInfo>& read, const nft::Table& want,
+                             std::vector<std::string>& diffs) {
+  if (!read.has_value()) {
+    diffs.push_back("table netdev egressd missing");
+  } else {
+    compare_table("table netdev egressd", *read, want, diffs);
+  }
+}
+
+// Each table is compared with the phase in force right after its read (the
+// async form may pause between the two reads, and a switch may run then).
+// The netdev table is compared with the interfaces the watcher last
+// reported: one that vanished since is dropped from the table by the
+// watcher's update (never a difference here), one that appeared is added
+// by it.
+Result<std::vector<std::string>> Sandbox::verify_table() {
+  auto read = kernel_->read_table(nft::kTableName, nft::Family::inet);
+  if (!read) return read.error();
+  std::vector<std::string> diffs = compare_inet(*read);
   if (const auto want = nft::build_netdev_table(state_, opts_.compile)) {
     auto nd = kernel_->read_table(nft::kTableName, nft::Family::netdev);
     if (!nd) return nd.error();
-    if (!nd->has_value()) {
-      diffs.push_back("table netdev egressd missing");
-    } else {
-      compare_table("table netdev egressd", **nd, *want, diffs);
-    }
+    compare_netdev(*nd, *want, diffs);
   }
   return diffs;
+}
+
+boost::asio::awaitable<Result<std::vector<std::string>>> Sandbox::verify_table_async() {
+  auto read = co_await nft::read_table_async(*kernel_, nft::kTableName, nft::Family::inet);
+  if (!read) co_return read.error();
+  std::vector<std::string> diffs = compare_inet(*read);
+  if (nft::build_netdev_table(state_, opts_.compile)) {
+    auto nd = co_await nft::read_table_async(*kernel_, nft::kTableName, nft::Family::netdev);
+    if (!nd) co_return nd.error();
+    if (const auto want = nft::build_netdev_table(state_, opts_.compile)) compare_netdev(*nd, *want, diffs);
+  }
+  co_return diffs;
 }
 
 }  // namespace egressd::daemon

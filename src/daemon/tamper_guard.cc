@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include "daemon/audit_log.h"
 #include "egressd/module_logger.h"
@@ -36,19 +39,23 @@ std::int64_t us_since(Clock::time_point t0) {
 
 Result<std::unique_ptr<TamperGuard>> TamperGuard::open(boost::asio::io_context& io, Sandbox& sandbox,
                                                         TamperGuardOptions opts) {
-  auto sock = nft::MonitorSocket::open(opts.rcvbuf);
+  nft::TransportOptions to;
+  to.protocol = NETLINK_NETFILTER;
+  to.groups = {NFNLGRP_NFTABLES};
+  to.rcvbuf = opts.rcvbuf;
+  to.what = "nftables monitor";
+  auto sock = nft::Transport::open(io, std::move(to));
   if (!sock) return sock.error();
   return std::unique_ptr<TamperGuard>(new TamperGuard(io, sandbox, std::move(*sock), opts));
 }
 
-TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, nft::MonitorSocket sock,
+TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<nft::Transport> sock,
                          TamperGuardOptions opts)
     : io_(io),
       sandbox_(sandbox),
       sock_(std::move(sock)),
       opts_(opts),
       tracker_(nft::kTableName, {sandbox.kernel_portid()}),
-      sd_(io, sock_.fd()),
       verify_timer_(io),
       retry_timer_(io),
       tokens_(static_cast<double>(opts.log_burst)),
@@ -60,115 +67,113 @@ void TamperGuard::close() {
   if (closed_) return;
   closed_ = true;
   *alive_ = false;
-  boost::system::error_code ec;
-  sd_.cancel(ec);
-  (void)sd_.release();  // the fd belongs to sock_
+  sock_->stop();
   verify_timer_.cancel();
   retry_timer_.cancel();
 }
 
 void TamperGuard::start() {
   log()->info("watching table inet {} for changes by others (portid={}, own portid={}, rcvbuf={}, verify every {} ms)",
-              nft::kTableName, sock_.portid(), sandbox_.kernel_portid(), sock_.rcvbuf(),
+              nft::kTableName, sock_->portid(), sandbox_.kernel_portid(), sock_->rcvbuf(),
               opts_.verify_interval.count());
-  wait_readable();
+  nft::Transport::Handlers h;
+  h.message = [this](const nlmsghdr* nlh) { on_message(nlh); };
+  h.overrun = [this] { turn_.overrun = true; };
+  h.error = [this](const Error& e) {
+    log()->error("nftables events: {}; verifying the table instead", e.message);
+    turn_.overrun = true;
+  };
+  h.turn_done = [this] { on_turn_done(); };
+  sock_->start(std::move(h), kDatagramsPerWakeup);
   if (opts_.verify_interval.count() > 0) {
     verify_timer_.expires_after(opts_.verify_interval);
     verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-      if (!ec && *alive) on_verify_timer();
+      if (!ec && *alive) spawn(on_verify_timer());
     });
   }
 }
 
-void TamperGuard::wait_readable() {
-  if (closed_) return;
-  sd_.async_wait(boost::asio::posix::stream_descriptor::wait_read,
-                 [this, alive = alive_](const boost::system::error_code& ec) {
-                   if (ec || !*alive) return;
-                   on_readable();
-                 });
+void TamperGuard::on_message(const nlmsghdr* nlh) {
+  if (!turn_.started) {
+    turn_.started = true;
+    turn_.t_event = Clock::now();
+  }
+  if (auto t = tracker_.feed(nlh)) {
+    ++turn_.found_total;
+    // Bounded: a loop of tamperers between two reads costs one restore
+    // and a few lines, not a list.
+    if (turn_.found.size() < 16) turn_.found.push_back(std::move(*t));
+  }
 }
 
-void TamperGuard::on_readable() {
-  const auto t_event = Clock::now();
-  std::vector<nft::Tamper> found;
-  std::size_t found_total = 0;
-  auto r = sock_.read(
-      [&](const nlmsghdr* nlh) {
-        if (auto t = tracker_.feed(nlh)) {
-          ++found_total;
-          // Bounded: a loop of tamperers between two reads costs one restore
-          // and a few lines, not a list.
-          if (found.size() < 16) found.push_back(std::move(*t));
-        }
-      },
-      kDatagramsPerWakeup);
-  if (!r) {
-    log()->error("nftables events: {}; verifying the table instead", r.error().message);
-  }
-  const bool overrun = !r || r->overrun;
-  if (overrun) {
+void TamperGuard::on_turn_done() {
+  Turn turn = std::exchange(turn_, Turn{});
+  const auto t_event = turn.started ? turn.t_event : Clock::now();
+  if (turn.overrun) {
     tracker_.reset();
     ++overruns_;
   }
 
-  if (found_total > 0) {
-    tampers_ += found_total;
+  if (turn.found_total > 0) {
+    tampers_ += turn.found_total;
     // restore_us counts from reading the events to the kernel's ack.
     auto restored = restore();
     Result<std::int64_t> timed = restored ? Result<std::int64_t>(us_since(t_event)) : restored;
-    for (const auto& t : found) log_tamper(t, timed);
-    if (found_total > found.size()) suppressed_ += found_total - found.size();
+    for (const auto& t : turn.found) log_tamper(t, timed);
+    if (turn.found_total > turn.found.size()) suppressed_ += turn.found_total - turn.found.size();
   }
-  if (overrun) {
+  if (turn.overrun) {
     // Some notifications are gone: the table may have been changed by
-    // anyone, also after a tamper just restored. Re-dump it and compare;
-    // restore only when it differs (egressd's own big switch can overrun the
-    // buffer and must not cause a rebuild, which would cause the next overrun).
-    auto diffs = sandbox_.verify_table();
-    json f{{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_.rcvbuf()}};
-    if (!diffs) {
-      f["error"] = diffs.error().message;
-      audit_event("monitor_overrun", f, spdlog::level::err);
-      schedule_retry();
-    } else if (diffs->empty()) {
-      // Nothing to repair: rate-limited like tamper lines (a flood of changes
-      // to other tables can overrun the socket on every wakeup).
-      f["differences"] = json::array();
-      f["restored"] = false;
-      if (take_log_token()) audit_event("monitor_overrun", f, spdlog::level::warn);
-    } else {
-      ++tampers_;
-      auto restored = restore();
-      f["differences"] = *diffs;
-      f["restored"] = restored.ok();
-      if (restored) f["restore_us"] = us_since(t_event);
-      if (!restored) f["error"] = restored.error().message;
-      audit_event("monitor_overrun", f, spdlog::level::warn);
-    }
+    // anyone, also after a tamper just restored. Re-dump it and compare
+    // (off this handler: the read may have to wait out commits by others).
+    spawn(check_after_overrun(t_event, {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_->rcvbuf()}}));
     if (opts_.grow_rcvbuf) {
-      const int now = sock_.rcvbuf() / 2;  // the kernel reports twice what was set
+      const int now = sock_->rcvbuf() / 2;  // the kernel reports twice what was set
       if (now > 0 && now < kMaxRcvbuf) {
         int want = std::min(now * 2, kMaxRcvbuf);
-        if (setsockopt(sock_.fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
-          (void)setsockopt(sock_.fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
+        if (setsockopt(sock_->fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
+          (void)setsockopt(sock_->fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
         }
       }
     }
   }
+}
 
-  if (r && r->more) {
-    // More queued: read on after other handlers had their turn.
-    boost::asio::post(io_, [this, alive = alive_] {
-      if (*alive) on_readable();
-    });
+boost::asio::awaitable<void> TamperGuard::check_after_overrun(Clock::time_point t_event, json f) {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
+  // Restore only when it differs (egressd's own big switch can overrun the
+  // buffer and must not cause a rebuild, which would cause the next overrun).
+  if (!diffs) {
+    f["error"] = diffs.error().message;
+    audit_event("monitor_overrun", f, spdlog::level::err);
+    schedule_retry();
+  } else if (diffs->empty()) {
+    // Nothing to repair: rate-limited like tamper lines (a flood of changes
+    // to other tables can overrun the socket on every wakeup).
+    f["differences"] = json::array();
+    f["restored"] = false;
+    if (take_log_token()) audit_event("monitor_overrun", f, spdlog::level::warn);
   } else {
-    wait_readable();
+    ++tampers_;
+    auto restored = restore();
+    f["differences"] = *diffs;
+    f["restored"] = restored.ok();
+    if (restored) f["restore_us"] = us_since(t_event);
+    if (!restored) f["error"] = restored.error().message;
+    audit_event("monitor_overrun", f, spdlog::level::warn);
   }
 }
 
-void TamperGuard::on_verify_timer() {
-  auto diffs = sandbox_.verify_table();
+void TamperGuard::spawn(boost::asio::awaitable<void> work) {
+  boost::asio::co_spawn(io_, std::move(work), boost::asio::detached);
+}
+
+boost::asio::awaitable<void> TamperGuard::on_verify_timer() {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
   if (!diffs) {
     log()->warn("verification of table inet {} failed: {}", nft::kTableName, diffs.error().message);
   } else if (!diffs->empty()) {
@@ -193,20 +198,19 @@ void TamperGuard::on_verify_timer() {
   }
   verify_timer_.expires_after(opts_.verify_interval);
   verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (!ec && *alive) on_verify_timer();
+    if (!ec && *alive) spawn(on_verify_timer());
   });
 }
 
 Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
   if (closed_) return apply();
-  int group = NFNLGRP_NFTABLES;
   const auto before = sandbox_.kernel_generation();
-  if (!before || setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_DROP_MEMBERSHIP, &group, sizeof group) < 0) {
+  if (!before || sock_->leave(NFNLGRP_NFTABLES) != 0) {
     return apply();  // heard, as any batch
   }
   Status st = apply();
-  const bool rejoined = setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &group, sizeof group) == 0;
-  const int rejoin_errno = errno;
+  const int rejoin_errno = sock_->join(NFNLGRP_NFTABLES);
+  const bool rejoined = rejoin_errno == 0;
   const auto after = sandbox_.kernel_generation();
   // Our batch moved the generation by one if it committed, else not at all.
   const std::uint32_t expected = *before + (st ? 1u : 0u);
@@ -226,10 +230,9 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
   boost::asio::post(io_, [this, alive = alive_, rejoined, what] {
     if (!*alive || closed_) return;
     if (!rejoined) {
-      int g = NFNLGRP_NFTABLES;
-      if (setsockopt(sock_.fd(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &g, sizeof g) < 0) {
+      if (const int err = sock_->join(NFNLGRP_NFTABLES); err != 0) {
         log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
-                     errno_text(errno), opts_.verify_interval.count());
+                     errno_text(err), opts_.verify_interval.count());
       }
     }
     ++tampers_;
@@ -261,19 +264,24 @@ void TamperGuard::schedule_retry() {
   retry_delay_ = retry_delay_.count() == 0 ? kFirstRetry : std::min(retry_delay_ * 2, kMaxRetry);
   retry_timer_.expires_after(retry_delay_);
   retry_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (ec || !*alive) return;
-    auto diffs = sandbox_.verify_table();
-    if (diffs && diffs->empty()) {
-      retry_delay_ = std::chrono::milliseconds{0};
-      return;
-    }
-    if (auto r = restore(); r) {
-      audit_event("tamper", {{"what", "restore retried"}, {"found_by", "retry"}, {"restored", true},
-                             {"restore_us", *r}, {"phase", sandbox_.state().phase},
-                             {"generation", sandbox_.state().generation}},
-                  spdlog::level::warn);
-    }
+    if (!ec && *alive) spawn(retry_restore());
   });
+}
+
+boost::asio::awaitable<void> TamperGuard::retry_restore() {
+  auto alive = alive_;
+  auto diffs = co_await sandbox_.verify_table_async();
+  if (!*alive) co_return;
+  if (diffs && diffs->empty()) {
+    retry_delay_ = std::chrono::milliseconds{0};
+    co_return;
+  }
+  if (auto r = restore(); r) {
+    audit_event("tamper", {{"what", "restore retried"}, {"found_by", "retry"}, {"restored", true},
+                           {"restore_us", *r}, {"phase", sandbox_.state().phase},
+                           {"generation", sandbox_.state().generation}},
+                spdlog::level::warn);
+  }
 }
 
 bool TamperGuard::take_log_token() {

@@ -27,8 +27,9 @@
 // Not thread-safe: runs on the daemon's event loop.
 #pragma once
 
+#include <utility>  // before awaitable.hpp: Boost 1.74 uses std::exchange without it
+#include <boost/asio/awaitable.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
 #include <functional>
@@ -37,6 +38,7 @@
 #include "daemon/sandbox.h"
 #include "egressd/result.h"
 #include "nft/monitor.h"
+#include "nft/transport.h"
 
 namespace egressd::daemon {
 
@@ -76,10 +78,19 @@ class TamperGuard {
   std::uint64_t restores() const { return restores_; }
 
  private:
-  TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, nft::MonitorSocket sock, TamperGuardOptions opts);
-  void wait_readable();
-  void on_readable();
-  void on_verify_timer();
+  TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<nft::Transport> sock,
+              TamperGuardOptions opts);
+  // The transport's receive loop: each message, then the end of each turn
+  // (restore, log, re-dump after an overrun).
+  void on_message(const nlmsghdr* nlh);
+  void on_turn_done();
+  // Coroutines, started by spawn() on the loop; each checks alive_ after
+  // every wait (the guard may be gone by then).
+  boost::asio::awaitable<void> on_verify_timer();
+  // `f`: the monitor_overrun event's fields known when the overrun was read.
+  boost::asio::awaitable<void> check_after_overrun(std::chrono::steady_clock::time_point t_event, nlohmann::json f);
+  boost::asio::awaitable<void> retry_restore();
+  void spawn(boost::asio::awaitable<void> work);
   // Restores the table; returns the time it took (us) or the error.
   Result<std::int64_t> restore();
   void schedule_retry();
@@ -88,10 +99,17 @@ class TamperGuard {
 
   boost::asio::io_context& io_;
   Sandbox& sandbox_;
-  nft::MonitorSocket sock_;
+  std::unique_ptr<nft::Transport> sock_;
   TamperGuardOptions opts_;
   nft::ChangeTracker tracker_;
-  boost::asio::posix::stream_descriptor sd_;
+  // What the current turn of the receive loop found.
+  struct Turn {
+    bool started = false;
+    std::chrono::steady_clock::time_point t_event;
+    std::vector<nft::Tamper> found;
+    std::size_t found_total = 0;
+    bool overrun = false;
+  } turn_;
   boost::asio::steady_timer verify_timer_;
   boost::asio::steady_timer retry_timer_;
   std::chrono::milliseconds retry_delay_{0};

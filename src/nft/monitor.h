@@ -1,7 +1,8 @@
 // nf_tables change notifications (multicast group NFNLGRP_NFTABLES): who
 // changed what, grouped per transaction, and whether it touched egressd's
-// table. The socket (MonitorSocket) is apart from the logic (ChangeTracker),
-// so the logic is tested on hand-built messages without root.
+// table. The socket (an nft::Transport subscribed to NFNLGRP_NFTABLES, see
+// daemon/tamper_guard) is apart from the logic (ChangeTracker), so the logic
+// is tested on hand-built messages without root.
 //
 // What the kernel sends (net/netfilter/nf_tables_api.c, checked on 6.1 and
 // 6.18): at the commit of each transaction, one message per object changed
@@ -25,7 +26,6 @@
 #include <vector>
 
 #include "egressd/result.h"
-#include "egressd/unique_fd.h"
 
 namespace egressd::nft {
 
@@ -106,36 +106,6 @@ class ChangeTracker {
   std::string table_;
   std::vector<std::uint32_t> own_;
   TableChanges pending_;
-};
-
-// A NETLINK_NETFILTER socket in the current network namespace subscribed to
-// NFNLGRP_NFTABLES.
-class MonitorSocket {
- public:
-  // rcvbuf: receive buffer in bytes (SO_RCVBUFFORCE, else SO_RCVBUF capped by
-  // net.core.rmem_max); 0 keeps the kernel default. Error names the step.
-  static Result<MonitorSocket> open(int rcvbuf);
-
-  int fd() const { return fd_.get(); }
-  std::uint32_t portid() const { return portid_; }
-  int rcvbuf() const;  // as the kernel reports it (twice what was set)
-
-  struct ReadResult {
-    std::size_t messages = 0;
-    bool overrun = false;  // ENOBUFS: notifications were lost
-    bool more = false;     // stopped at max_datagrams with more queued
-  };
-  // Reads queued datagrams without blocking, at most max_datagrams, and hands
-  // each message to on_msg. Errors other than EAGAIN/ENOBUFS are returned.
-  Result<ReadResult> read(const std::function<void(const nlmsghdr*)>& on_msg, std::size_t max_datagrams);
-
- private:
-  MonitorSocket(UniqueFd fd, std::uint32_t portid) : fd_(std::move(fd)), portid_(portid), buf_(kBufSize) {}
-  static constexpr std::size_t kBufSize = 65536 + 4096;  // one notification skb (NLMSG_GOODSIZE-sized) fits
-
-  UniqueFd fd_;
-  std::uint32_t portid_ = 0;
-  std::vector<char> buf_;
 };
 
 }  // namespace egressd::nft

@@ -44,6 +44,28 @@ class Kernel {
   // Reads table `family` `name` (chains, sets, rules with comments and
   // counters); nullopt when it does not exist.
   virtual Result<std::optional<TableInfo>> read_table(const std::string& name, Family family) = 0;
+  // One attempt of read_table, never waiting: sets `interfered` (and returns
+  // nothing useful) when commits by anyone spoiled it; the caller tries again
+  // after a pause (nft/read_async.h).
+  virtual Result<std::optional<TableInfo>> read_table_once(const std::string& name, Family family, bool& interfered) {
+    interfered = false;
+    return read_table(name, family);
+  }
+  // The rules of chain `chain` of table `family` `name`, one dump (cheaper
+  // than read_table when only counters matter): empty when the table or the
+  // chain does not exist; `interfered` when a commit by anyone spoiled it.
+  virtual Result<std::vector<RuleInfo>> read_chain_once(const std::string& name, Family family,
+                                                        const std::string& chain, bool& interfered) {
+    auto table = read_table_once(name, family, interfered);
+    if (!table) return table.error();
+    std::vector<RuleInfo> out;
+    if (*table) {
+      for (auto& r : (*table)->rules) {
+        if (r.chain == chain) out.push_back(std::move(r));
+      }
+    }
+    return out;
+  }
   // The elements of set `set` of table inet `table` (hash sets: from == to,
   // timeout_ms as added, 0 for none). Error when the set does not exist.
   virtual Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType type) {

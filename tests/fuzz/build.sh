@@ -20,7 +20,7 @@ policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
 # Every policy reader: parse_policy_document dispatches to the YAML and TOML readers.
 readers_srcs="src/policy/diagnostics.cc src/policy/policy_file.cc src/policy/harbor_task.cc"
 nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
-daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/control/dispatch.cc src/daemon/sandbox.cc src/daemon/sandbox_control.cc src/daemon/sandbox_tamper.cc src/daemon/sandbox_rules.cc src/daemon/sandbox_metrics.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
+daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/control/dispatch.cc src/daemon/sandbox.cc src/daemon/sandbox_control.cc src/daemon/sandbox_tamper.cc src/nft/read_async.cc src/daemon/sandbox_rules.cc src/daemon/sandbox_metrics.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
 pin_srcs="src/policy/result.cc src/policy/ip.cc src/pin/verdict.cc src/pin/decide.cc"
 declare -A srcs=(
   [entry_fuzz]="$policy_srcs"

@@ -31,7 +31,14 @@
 #include "daemon/sandbox.h"
 #include "daemon/tamper_guard.h"
 #include "nft/compile.h"
+#include "nft/monitor.h"
 #include "nft/netlink.h"
+#include "nft/transport.h"
+
+#include <libmnl/libmnl.h>
+#include <linux/netfilter.h>
+#include <linux/netfilter/nf_tables.h>
+#include <linux/netfilter/nfnetlink.h>
 
 using namespace egressd;
 using namespace egressd::nft;
@@ -1083,4 +1090,92 @@ TEST_CASE("the verification timer undoes a change the change events did not show
   CHECK((*guard)->tampers() == 1);
   CHECK(ns.listing() == installed);
   (*guard)->close();
+}
+
+// ---- nft::Transport (src/nft/transport.h) over real netlink ----
+
+TEST_CASE("transport: a multi-part dump, an ack, and the kernel's error for a request") {
+  const Policy p = make_policy({"192.0.2.1"});
+  const Table t = build_table(p, nullptr, named_state(p, "agent", 1), {});
+  TestNetns ns;
+  auto k = ns.kernel();
+  REQUIRE(apply_table(*k, t).ok());
+  boost::asio::io_context io;
+  auto tr = ns.in_netns([&] { return Transport::open(io, {}); });
+  REQUIRE_MESSAGE(tr.ok(), (tr.ok() ? "" : tr.error().message));
+  CHECK((*tr)->portid() != 0);
+
+  std::vector<char> buf(4096);
+  auto request = [&](std::uint16_t type, std::uint16_t flags, const char* table) {
+    nlmsghdr* nlh = mnl_nlmsg_put_header(buf.data());
+    nlh->nlmsg_type = static_cast<std::uint16_t>((NFNL_SUBSYS_NFTABLES << 8) | type);
+    nlh->nlmsg_flags = static_cast<std::uint16_t>(NLM_F_REQUEST | flags);
+    auto* g = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
+    g->nfgen_family = NFPROTO_INET;
+    g->version = NFNETLINK_V0;
+    if (table != nullptr) mnl_attr_put_strz(nlh, NFTA_TABLE_NAME, table);
+    return nlh;
+  };
+
+  // Every rule of the table: more replies than fit one datagram, all handed over.
+  std::size_t nrules = 0;
+  for (const auto& c : t.chains) nrules += c.rules.size();
+  std::size_t got = 0;
+  int err = (*tr)->request(request(NFT_MSG_GETRULE, NLM_F_DUMP, "egressd"), [&](const nlmsghdr* nlh) {
+    if (NFNL_MSG_TYPE(nlh->nlmsg_type) == NFT_MSG_NEWRULE) ++got;
+  });
+  CHECK(err == 0);
+  CHECK(got == nrules);
+
+  // A get with an ack: the table's one reply, then the ack.
+  std::size_t tables = 0;
+  err = (*tr)->request(request(NFT_MSG_GETTABLE, NLM_F_ACK, "egressd"), [&](const nlmsghdr*) { ++tables; });
+  CHECK(err == 0);
+  CHECK(tables == 1);
+  // The kernel's error, as a positive errno.
+  err = (*tr)->request(request(NFT_MSG_GETTABLE, NLM_F_ACK, "no-such-table"), [&](const nlmsghdr*) {});
+  CHECK(err == ENOENT);
+}
+
+TEST_CASE("transport: the receive loop hands over each notification, reports ENOBUFS, and stops on destruction") {
+  TestNetns ns;
+  boost::asio::io_context io;
+  TransportOptions o;
+  o.groups = {NFNLGRP_NFTABLES};
+  o.rcvbuf = 4096;  // the kernel's minimum is about this: easy to overrun
+  auto tr = ns.in_netns([&] { return Transport::open(io, o); });
+  REQUIRE_MESSAGE(tr.ok(), (tr.ok() ? "" : tr.error().message));
+  std::vector<std::string> tables;
+  std::size_t overruns = 0, turns = 0;
+  Transport::Handlers h;
+  h.message = [&](const nlmsghdr* nlh) {
+    if (auto ev = parse_event(nlh); ev && !ev->is_gen && ev->kind == ObjKind::table && ev->added) tables.push_back(ev->table);
+  };
+  h.overrun = [&] { ++overruns; };
+  h.turn_done = [&] { ++turns; };
+  (*tr)->start(std::move(h));
+  auto run_until = [&](const std::function<bool()>& done) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+    return done();
+  };
+
+  REQUIRE(ns.exec("nft add table inet probe1").status == 0);
+  CHECK(run_until([&] { return !tables.empty(); }));
+  CHECK(tables == std::vector<std::string>{"probe1"});
+  CHECK(turns >= 1);
+
+  // Far more notifications than a 4 KiB buffer holds, none read meanwhile.
+  std::string many;
+  for (int i = 0; i < 300; ++i) many += "add table inet t" + std::to_string(i) + "\n";
+  REQUIRE(ns.exec("sh -c 'printf \"" + std::regex_replace(many, std::regex("\n"), "\\n") + "\" | nft -i'").status == 0);
+  CHECK(run_until([&] { return overruns > 0; }));
+
+  // Destroyed with a wait pending and notifications queued: no handler runs.
+  const std::size_t seen = tables.size();
+  REQUIRE(ns.exec("nft add table inet probe2").status == 0);
+  tr->reset();
+  io.restart();
+  io.run_for(std::chrono::milliseconds(50));
+  CHECK(tables.size() == seen);
 }
