@@ -709,7 +709,7 @@ void Sandbox::guarded(const std::string& name, const IpPrefix& addr, const dns::
 }
 
 void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms) {
-  const auto expires = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto expires = opts_.clock.steady() + std::chrono::milliseconds(timeout_ms);
   auto& v = learned_[name];
   for (auto& a : v) {
     if (a.addr == addr) {
@@ -723,7 +723,7 @@ void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint6
     // At most one sweep a second: a full table of live entries would
     // otherwise cost a walk of every entry on every answer (the event loop
     // is single-threaded; a DNS flood must not stall switches and status).
-    const auto now = Clock::now();
+    const auto now = opts_.clock.steady();
     if (now < next_sweep_) return;
     next_sweep_ = now + std::chrono::seconds(1);
     for (auto it = learned_.begin(); it != learned_.end();) {
@@ -745,7 +745,7 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   if (target.mode != Mode::allowlist) return ops;
   const dns::NameMatcher& m = *facts.matcher;
   if (m.size() == 0) return ops;
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   const auto [s4, s6] = nft::learned_sets(chain);
   nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
   nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
@@ -798,8 +798,9 @@ void Sandbox::relay_targets(const std::vector<IpPrefix>& targets, const std::str
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
   ++dns_refused_;
-  names_.refused(state_.phase, qname);
-  if (denied_.add_dns(qname, state_.phase)) wake_denied_waiters();
+  const auto now = opts_.clock.wall();
+  names_.refused(state_.phase, qname, now);
+  if (denied_.add_dns(qname, state_.phase, now)) wake_denied_waiters();
   log()->debug("dns refused qname={} qtype={} phase={}", qname, qtype, state_.phase);
 }
 
@@ -811,7 +812,7 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     for (std::size_t i = 0; i < addrs.size(); ++i) {
       ips.push_back(addrs[i].addr);
       if (i + 1 == addrs.size() || addrs[i + 1].qname != addrs[i].qname) {
-        names_.observe(state_.phase, addrs[i].qname, ips);
+        names_.observe(state_.phase, addrs[i].qname, ips, opts_.clock.wall());
         ips.clear();
       }
     }
@@ -913,7 +914,7 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
                           const Result<std::vector<nft::RuleInfo>>& deny) {
   const Phase& ph = active_phase();
   json entries = json::array();
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   auto live = [&](const std::string& name) {
     auto it = learned_.find(name);
     if (it == learned_.end()) return false;

@@ -26,6 +26,7 @@
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
+#include "egressd/clock.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 #include "nft/compile.h"
@@ -117,6 +118,9 @@ struct SandboxOptions {
   // commit by anyone spoils one) pause on its timers instead of sleeping
   // (status, verification). Empty: they sleep (tests, one-shot tools).
   boost::asio::any_io_executor executor;
+  // The time learned addresses expire by (steady) and denied records and name
+  // attribution are stamped with (wall). Default: the real clocks.
+  TimeSource clock;
 };
 
 class Sandbox : public dns::PolicyHooks {

@@ -65,7 +65,7 @@ sanitize="-fsanitize=address,undefined -fno-sanitize=function -fno-sanitize-reco
 cxxflags="-std=c++20 -g -O1 -D_GLIBCXX_ASSERTIONS $sanitize -fsanitize=fuzzer-no-link \
   -DSPDLOG_FMT_EXTERNAL -DBOOST_ASIO_NO_DEPRECATED -DBOOST_ASIO_HAS_CO_AWAIT=1 -DTOML_HEADER_ONLY=1 '-DTOML_ASSERT(expr)=static_assert(true)' \
   $(pkg-config --cflags spdlog fmt yaml-cpp) \
-  -I$root/include -I$root/src -I$root/tests/fuzz"
+  -I$root/include -I$root/src -I$root/tests/fuzz -I$root/tests"
 
 ninja_file=$out/build.ninja
 {
