@@ -169,6 +169,7 @@ class Reader : public NflogReader {
  public:
   Reader(std::unique_ptr<nft::Transport> t, std::function<void(const LoggedPacket&)> on_packet)
       : t_(std::move(t)), on_packet_(std::move(on_packet)) {}
+  ~Reader() override { close(); }  // first: the handlers below use on_packet_ and stats_
 
   // Bounded per turn (the transport's) so a log flood cannot starve control requests.
   void start() {
@@ -194,7 +195,7 @@ class Reader : public NflogReader {
     }
   }
 
-  std::unique_ptr<nft::Transport> t_;  // stops its receive loop when destroyed
+  std::unique_ptr<nft::Transport> t_;
   std::function<void(const LoggedPacket&)> on_packet_;
   NflogStats stats_;
 };

@@ -49,6 +49,13 @@ struct NflogStats {
 
 // Receives the log messages of one NFLOG group on the event loop and calls
 // `on_packet` for each parsed packet (on the io_context's thread).
+//
+// Shutdown: close() (also run by the destructor) stops the nft::Transport's
+// receive loop, the reader's only pending work. That coroutine holds the
+// transport's state, not the reader, and ends at its next resumption without
+// a callback: when its wait is cancelled, and also when the wait had
+// completed before close() (then queued, no longer cancellable). So the
+// reader may be destroyed with a receive pending and the loop run on.
 class NflogReader {
  public:
   // Binds group `group` in the current network namespace. Runtime error when

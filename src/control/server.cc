@@ -1,3 +1,12 @@
+// The control socket (DESIGN §3 "Control protocol"): a Unix stream socket,
+// one request per line, one reply per request.
+//
+// Over 500 lines because the socket file is part of the security boundary and
+// is kept whole here: binding with the right owner and mode, refusing to clear
+// anything that is not a stale socket, peer credentials checked per
+// connection, limits on line length and connections, and the watch that
+// re-creates the file when someone removes or replaces it. Splitting the file
+// handling from the sessions would split one invariant across two files.
 #include "control/server.h"
 #include "egressd/module_logger.h"
 #include "egressd/unique_fd.h"

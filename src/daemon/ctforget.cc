@@ -73,8 +73,8 @@ void ConntrackForgetter::forget(const dns::FlowTuple& t) {
   }
   if (scheduled_) return;
   scheduled_ = true;
-  boost::asio::post(io_, [this, alive = alive_] {
-    if (*alive) flush();
+  boost::asio::post(io_, [this, stop = stop_.get_token()] {
+    if (!stop.stop_requested()) flush();
   });
 }
 

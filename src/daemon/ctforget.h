@@ -10,11 +10,17 @@
 // proxy, and denied by the output chain (EPERM). After a burst of a few
 // thousand queries that was one sandbox query in ten.
 //
+// Shutdown: the destructor requests the forgetter's stop (a std::stop_source);
+// a flush already posted carries a std::stop_token of it (the stop state is
+// shared, not the forgetter's) and returns without touching the forgetter.
+// Queued deletions not yet sent are dropped. The io_context may run on after.
+//
 // Not thread-safe: owned and driven by one event loop.
 #pragma once
 
 #include <boost/asio/io_context.hpp>
 #include <memory>
+#include <stop_token>
 #include <vector>
 
 #include "dns/upstream.h"
@@ -49,10 +55,11 @@ class ConntrackForgetter {
   std::vector<std::uint8_t> batch_;
   bool scheduled_ = false;
   std::uint64_t sent_ = 0, failed_ = 0, pending_ = 0;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // Requested by the destructor; its tokens outlive the forgetter in the flush it posted.
+  std::stop_source stop_;
 
  public:
-  ~ConntrackForgetter() { *alive_ = false; }
+  ~ConntrackForgetter() { stop_.request_stop(); }
 };
 
 }  // namespace egressd::daemon

@@ -7,6 +7,10 @@
 #include <algorithm>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <cassert>
 #include <cstdio>
@@ -15,6 +19,7 @@
 
 #include "control/protocol.h"
 #include "daemon/audit_log.h"
+#include "egressd/async_callback.h"
 #include "egressd/module_logger.h"
 #include "dns/message.h"
 #include "nft/read_async.h"
@@ -569,58 +574,101 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
 
 void Sandbox::enqueue_apply(ApplyJob job) {
   applies_.push_back(std::move(job));
-  if (!applying_) run_next_apply();
+  if (!applying_) run_applies();
 }
 
-void Sandbox::run_next_apply() {
-  if (applies_.empty()) {
-    applying_ = false;
-    return;
-  }
+void Sandbox::run_applies() {
   applying_ = true;
-  auto job = std::make_shared<ApplyJob>(std::move(applies_.front()));
-  applies_.pop_front();
-  job->facts = facts(*job->target);
-  std::vector<std::string> names;
-  if (proxy_ != nullptr && job->target->mode == Mode::allowlist) names = job->facts->hostnames;
-  if (names.empty()) {
-    finish_apply(std::move(*job), {});
-    return;
+  while (!applies_.empty()) {
+    ApplyJob job = std::move(applies_.front());
+    applies_.pop_front();
+    job.facts = facts(*job.target);
+    std::vector<std::string> names;
+    if (proxy_ != nullptr && job.target->mode == Mode::allowlist) names = job.facts->hostnames;
+    if (names.empty()) {
+      finish_apply(std::move(job), {});
+      continue;
+    }
+    // Without the loop's executor (tests, one-shot tools) the job runs to
+    // its end here, on a private io_context: the proxy must then answer on
+    // this thread (a fake one does, at once).
+    std::optional<boost::asio::io_context> own;
+    if (!opts_.executor) own.emplace();
+    boost::asio::co_spawn(own ? own->get_executor() : opts_.executor, apply_job(std::move(job), std::move(names)),
+                          [](std::exception_ptr e) {
+                            if (e) std::rethrow_exception(e);  // out of the loop's run(), as from a callback
+                          });
+    if (own) own->run();
+    return;  // apply_job runs the rest of the queue
   }
-  // Pre-resolution: the phase's exact hostnames, A and AAAA, all at once.
-  // Failures are reported in the reply, never fatal.
-  struct Round {
-    std::size_t remaining;
-    std::vector<std::string> unresolved;
-  };
-  auto round = std::make_shared<Round>(Round{names.size(), {}});
+  applying_ = false;
+}
+
+boost::asio::awaitable<void> Sandbox::apply_job(ApplyJob job, std::vector<std::string> names) {
+  std::vector<std::string> unresolved = co_await preresolve(std::move(names));
+  finish_apply(std::move(job), std::move(unresolved));
+  run_applies();
+}
+
+namespace {
+
+// Proxy::resolve as an asio operation, void(Result<std::vector<Learned>>).
+template <class CompletionToken>
+auto async_resolve(dns::Proxy& proxy, const std::string& name, const boost::asio::any_io_executor& ex,
+                   CompletionToken&& token) {
+  using Done = std::function<void(Result<std::vector<dns::Learned>>)>;
+  return async_from_callback<Result<std::vector<dns::Learned>>>(
+      ex, std::forward<CompletionToken>(token), [&proxy, name](Done done) { proxy.resolve(name, std::move(done)); });
+}
+
+}  // namespace
+
+boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector<std::string> names) {
+  // The phase's exact hostnames, A and AAAA, all at once, each in a
+  // coroutine of its own; this one waits on a timer that the last to end
+  // cancels. No deadline of its own: each resolve ends within the upstream's
+  // budget. Failures are reported in the reply, never fatal.
+  const auto ex = co_await boost::asio::this_coro::executor;
+  std::vector<std::string> unresolved;
+  std::size_t remaining = names.size();
+  boost::asio::steady_timer all_done(ex, boost::asio::steady_timer::time_point::max());
   for (const auto& name : names) {
-    proxy_->resolve(name, [this, job, round, name](Result<std::vector<dns::Learned>> r) {
-      if (!r || r->empty()) {
-        round->unresolved.push_back(name);
-        log()->warn("pre-resolution name={} failed: {}", name, r ? "no addresses" : r.error().message);
-      } else {
-        for (const auto& l : *r) {
-          // Pre-resolution asks for exact hostnames only.
-          if (auto g = dns::guard_for(l.addr, true, opts_.policy.dns.private_answers)) {
-            guarded(name, l.addr, *g, true);
-            continue;
+    // The references are to this frame, which outlives every child: it
+    // resumes only when the last one has ended.
+    boost::asio::co_spawn(
+        ex,
+        [this, &ex, &unresolved, &remaining, &all_done, name]() -> boost::asio::awaitable<void> {
+          auto r = co_await async_resolve(*proxy_, name, ex, boost::asio::use_awaitable);
+          if (!r || r->empty()) {
+            unresolved.push_back(name);
+            log()->warn("pre-resolution name={} failed: {}", name, r ? "no addresses" : r.error().message);
+          } else {
+            for (const auto& l : *r) {
+              // Pre-resolution asks for exact hostnames only.
+              if (auto g = dns::guard_for(l.addr, true, opts_.policy.dns.private_answers)) {
+                guarded(name, l.addr, *g, true);
+                continue;
+              }
+              remember(name, l.addr, learn_timeout_ms(l.ttl));
+            }
           }
-          remember(name, l.addr, learn_timeout_ms(l.ttl));
-        }
-      }
-      if (--round->remaining == 0) {
-        std::sort(round->unresolved.begin(), round->unresolved.end());
-        finish_apply(std::move(*job), std::move(round->unresolved));
-      }
-    });
+          if (--remaining == 0) all_done.cancel();
+        },
+        [](std::exception_ptr e) {
+          if (e) std::rethrow_exception(e);
+        });
   }
+  while (remaining > 0) {
+    boost::system::error_code ec;
+    co_await all_done.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
+  }
+  std::sort(unresolved.begin(), unresolved.end());
+  co_return unresolved;
 }
 
 void Sandbox::finish_apply(ApplyJob job, std::vector<std::string> unresolved) {
   auto r = switch_to(job.target, std::move(job.facts), job.is_inline, std::move(unresolved));
   job.reply(r ? control::ok_reply(*r) : control::error_reply(r.error(), "invalid_policy"));
-  run_next_apply();
 }
 
 void Sandbox::preresolve_active() {
@@ -664,7 +712,7 @@ void Sandbox::guarded(const std::string& name, const IpPrefix& addr, const dns::
 }
 
 void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms) {
-  const auto expires = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto expires = opts_.clock.steady() + std::chrono::milliseconds(timeout_ms);
   auto& v = learned_[name];
   for (auto& a : v) {
     if (a.addr == addr) {
@@ -678,7 +726,7 @@ void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint6
     // At most one sweep a second: a full table of live entries would
     // otherwise cost a walk of every entry on every answer (the event loop
     // is single-threaded; a DNS flood must not stall switches and status).
-    const auto now = Clock::now();
+    const auto now = opts_.clock.steady();
     if (now < next_sweep_) return;
     next_sweep_ = now + std::chrono::seconds(1);
     for (auto it = learned_.begin(); it != learned_.end();) {
@@ -700,7 +748,7 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   if (target.mode != Mode::allowlist) return ops;
   const dns::NameMatcher& m = *facts.matcher;
   if (m.size() == 0) return ops;
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   const auto [s4, s6] = nft::learned_sets(chain);
   nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
   nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
@@ -753,8 +801,9 @@ void Sandbox::relay_targets(const std::vector<IpPrefix>& targets, const std::str
 
 void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
   ++dns_refused_;
-  names_.refused(state_.phase, qname);
-  if (denied_.add_dns(qname, state_.phase)) wake_denied_waiters();
+  const auto now = opts_.clock.wall();
+  names_.refused(state_.phase, qname, now);
+  if (denied_.add_dns(qname, state_.phase, now)) wake_denied_waiters();
   log()->debug("dns refused qname={} qtype={} phase={}", qname, qtype, state_.phase);
 }
 
@@ -766,7 +815,7 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     for (std::size_t i = 0; i < addrs.size(); ++i) {
       ips.push_back(addrs[i].addr);
       if (i + 1 == addrs.size() || addrs[i + 1].qname != addrs[i].qname) {
-        names_.observe(state_.phase, addrs[i].qname, ips);
+        names_.observe(state_.phase, addrs[i].qname, ips, opts_.clock.wall());
         ips.clear();
       }
     }
@@ -868,7 +917,7 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
                           const Result<std::vector<nft::RuleInfo>>& deny) {
   const Phase& ph = active_phase();
   json entries = json::array();
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   auto live = [&](const std::string& name) {
     auto it = learned_.find(name);
     if (it == learned_.end()) return false;

@@ -26,6 +26,7 @@
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
+#include "egressd/clock.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 #include "nft/compile.h"
@@ -117,6 +118,9 @@ struct SandboxOptions {
   // commit by anyone spoils one) pause on its timers instead of sleeping
   // (status, verification). Empty: they sleep (tests, one-shot tools).
   boost::asio::any_io_executor executor;
+  // The time learned addresses expire by (steady) and denied records and name
+  // attribution are stamped with (wall). Default: the real clocks.
+  TimeSource clock;
 };
 
 class Sandbox : public dns::PolicyHooks {
@@ -285,7 +289,15 @@ class Sandbox : public dns::PolicyHooks {
   // The reply to an `explain` request (src/daemon/sandbox_explain.cc).
   nlohmann::json explain_reply(const control::ExplainRequest& req) const;
   void enqueue_apply(ApplyJob job);
-  void run_next_apply();
+  // Runs the queued applies in order, one at a time: one with nothing to
+  // pre-resolve at once, one with hostnames as a coroutine (apply_job) that
+  // runs the rest of the queue when it ends.
+  void run_applies();
+  boost::asio::awaitable<void> apply_job(ApplyJob job, std::vector<std::string> names);
+  // Resolves `names` concurrently, remembering their addresses; returns the
+  // names that got none, sorted.
+  boost::asio::awaitable<std::vector<std::string>> preresolve(std::vector<std::string> names);
+  // The switch and its reply.
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
   void flush_learned();
   // Elements for `target`'s learned sets: every remembered address whose name

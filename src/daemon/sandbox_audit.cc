@@ -29,7 +29,7 @@ json denied_reply(const std::vector<const audit::DeniedRecord*>& recs, std::uint
 
 void Sandbox::denied_packet(const audit::LoggedPacket& pkt) {
   const bool fresh = denied_.add_packet(pkt.proto, pkt.dst, pkt.port, state_.phase,
-                                        [&] { return names_.names_for(pkt.dst); });
+                                        [&] { return names_.names_for(pkt.dst); }, opts_.clock.wall());
   if (fresh) wake_denied_waiters();
 }
 

@@ -30,7 +30,7 @@ nlohmann::json Sandbox::explain_reply(const control::ExplainRequest& req) const 
     phase = &active_phase();
   }
 
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   audit::LearnedView live;
   for (const auto& [name, addrs] : learned_) {
     for (const auto& a : addrs) {

@@ -147,7 +147,7 @@ std::string Sandbox::metrics_text_from(const Traffic& t) {
   }
 
   std::uint64_t live = 0;
-  const auto now = Clock::now();
+  const auto now = opts_.clock.steady();
   for (const auto& [name, addrs] : learned_) {
     for (const auto& a : addrs) live += a.expires > now ? 1 : 0;
   }

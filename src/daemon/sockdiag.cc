@@ -1,6 +1,6 @@
 #include "daemon/sockdiag.h"
 
-#include "egressd/unique_fd.h"
+#include "nft/transport.h"
 
 #include <arpa/inet.h>
 #include <linux/inet_diag.h>
@@ -8,12 +8,12 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -67,47 +67,34 @@ IpPrefix to_prefix(int family, const __be32* addr) {
 }
 
 // Dumps sockets of one family/protocol in `states`; calls `fn` per message.
-Status dump(int fd, int family, int proto, std::uint32_t states, const std::function<void(const inet_diag_msg&)>& fn) {
-  const Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, family, proto, states);
-  if (::send(fd, &r, sizeof r, 0) < 0) return errno_error("sock_diag dump request", errno);
-  std::vector<char> buf(1 << 16);
-  for (;;) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 2000) <= 0) return Error::runtime("sock_diag dump: no answer within 2 s");
-    const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_error("sock_diag dump", errno);
-    }
-    int len = static_cast<int>(n);
-    for (auto* h = reinterpret_cast<nlmsghdr*>(buf.data()); NLMSG_OK(h, len); h = NLMSG_NEXT(h, len)) {
-      if (h->nlmsg_type == NLMSG_DONE) return {};
-      if (h->nlmsg_type == NLMSG_ERROR) {
-        const auto* e = static_cast<const nlmsgerr*>(NLMSG_DATA(h));
-        return errno_error("sock_diag dump", -e->error);
-      }
-      if (h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) continue;
-      fn(*static_cast<const inet_diag_msg*>(NLMSG_DATA(h)));
+// A dump that lost messages (EINTR from the transport) is taken again: the
+// callers collect into fresh containers per attempt.
+Status dump(nft::Transport& t, int family, int proto, std::uint32_t states,
+            const std::function<void(const inet_diag_msg&)>& fn) {
+  int err = EINTR;
+  for (int attempt = 0; attempt < 3 && err == EINTR; ++attempt) {
+    Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 0, family, proto, states);
+    std::vector<inet_diag_msg> got;
+    err = t.request(&r.nlh, [&](const nlmsghdr* h) {
+      if (h->nlmsg_len >= NLMSG_LENGTH(sizeof(inet_diag_msg))) got.push_back(*static_cast<const inet_diag_msg*>(NLMSG_DATA(h)));
+    }, std::chrono::milliseconds(2000));
+    if (err == 0) {
+      for (const auto& m : got) fn(m);
+      return {};
     }
   }
+  if (err == ETIMEDOUT) return Error::runtime("sock_diag dump: no answer within 2 s");
+  return errno_error("sock_diag dump", err);
 }
 
-Status destroy(int fd, int family, int proto, const inet_diag_msg& m) {
-  Request r = make_request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, family, proto, ~0u);
+Status destroy(nft::Transport& t, int family, int proto, const inet_diag_msg& m) {
+  Request r = make_request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 0, family, proto, ~0u);
   r.req.id = m.id;
-  if (::send(fd, &r, sizeof r, 0) < 0) return errno_error("SOCK_DESTROY", errno);
-  char buf[512];
-  pollfd p{fd, POLLIN, 0};
-  if (::poll(&p, 1, 2000) <= 0) return Error::runtime("SOCK_DESTROY: no ack within 2 s");
-  const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-  if (n < 0) return errno_error("SOCK_DESTROY", errno);
-  const auto* h = reinterpret_cast<const nlmsghdr*>(buf);
-  if (h->nlmsg_type == NLMSG_ERROR) {
-    const auto* e = static_cast<const nlmsgerr*>(NLMSG_DATA(h));
-    // ENOENT: the socket closed meanwhile, nothing to do.
-    if (e->error != 0 && e->error != -ENOENT) return errno_error("SOCK_DESTROY", -e->error);
-  }
-  return {};
+  const int err = t.request(&r.nlh, [](const nlmsghdr*) {}, std::chrono::milliseconds(2000));
+  // ENOENT: the socket closed meanwhile, nothing to do.
+  if (err == 0 || err == ENOENT) return {};
+  if (err == ETIMEDOUT) return Error::runtime("SOCK_DESTROY: no ack within 2 s");
+  return errno_error("SOCK_DESTROY", err);
 }
 
 constexpr std::uint32_t state_bit(int s) { return 1u << s; }
@@ -115,13 +102,16 @@ constexpr std::uint32_t state_bit(int s) { return 1u << s; }
 }  // namespace
 
 Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
-  const UniqueFd s(::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG));
-  if (!s.ok()) return errno_error("sock_diag socket", errno);
+  // Opened per call on the reaper's thread (in the sandbox's namespace),
+  // without an event loop: requests only.
+  auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
+  if (!t) return t.error();
+  nft::Transport& s = **t;
   int destroyed = 0;
   for (int family : {AF_INET, AF_INET6}) {
     // Listening ports tell accepted (inbound) connections from outbound ones.
     std::set<std::uint16_t> listen_ports;
-    if (auto st = dump(s.get(), family, IPPROTO_TCP, state_bit(TCP_LISTEN),
+    if (auto st = dump(s, family, IPPROTO_TCP, state_bit(TCP_LISTEN),
                        [&](const inet_diag_msg& m) { listen_ports.insert(ntohs(m.id.idiag_sport)); });
         !st) {
       return st.error();
@@ -131,7 +121,7 @@ Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
                                        ? ~(state_bit(TCP_LISTEN) | state_bit(TCP_CLOSE) | state_bit(TCP_TIME_WAIT))
                                        : state_bit(TCP_ESTABLISHED);  // connected UDP sockets
       std::vector<inet_diag_msg> victims;
-      auto st = dump(s.get(), family, proto, states, [&](const inet_diag_msg& m) {
+      auto st = dump(s, family, proto, states, [&](const inet_diag_msg& m) {
         FlowInfo f;
         f.dst = to_prefix(m.idiag_family, m.id.idiag_dst);
         f.dport = ntohs(m.id.idiag_dport);
@@ -141,7 +131,7 @@ Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
       });
       if (!st) return st.error();
       for (const auto& m : victims) {
-        if (auto d = destroy(s.get(), family, proto, m); !d) return d.error();
+        if (auto d = destroy(s, family, proto, m); !d) return d.error();
         ++destroyed;
       }
     }

@@ -11,6 +11,8 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include "daemon/audit_log.h"
@@ -64,10 +66,11 @@ TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::uni
 TamperGuard::~TamperGuard() { close(); }
 
 void TamperGuard::close() {
-  if (closed_) return;
-  closed_ = true;
-  *alive_ = false;
-  sock_->stop();
+  if (stop_.stop_requested()) return;
+  // First: whatever resumes after this (a wait that completed before the
+  // cancels below, a coroutine back from a table read) sees it and returns.
+  stop_.request_stop();
+  sock_->stop();  // no message handler runs after this
   verify_timer_.cancel();
   retry_timer_.cancel();
 }
@@ -87,9 +90,7 @@ void TamperGuard::start() {
   sock_->start(std::move(h), kDatagramsPerWakeup);
   if (opts_.verify_interval.count() > 0) {
     verify_timer_.expires_after(opts_.verify_interval);
-    verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-      if (!ec && *alive) spawn(on_verify_timer());
-    });
+    spawn(verify_loop(stop_.get_token()));
   }
 }
 
@@ -126,7 +127,8 @@ void TamperGuard::on_turn_done() {
     // Some notifications are gone: the table may have been changed by
     // anyone, also after a tamper just restored. Re-dump it and compare
     // (off this handler: the read may have to wait out commits by others).
-    spawn(check_after_overrun(t_event, {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_->rcvbuf()}}));
+    spawn(check_after_overrun(stop_.get_token(), t_event,
+                              {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_->rcvbuf()}}));
     if (opts_.grow_rcvbuf) {
       const int now = sock_->rcvbuf() / 2;  // the kernel reports twice what was set
       if (now > 0 && now < kMaxRcvbuf) {
@@ -139,10 +141,11 @@ void TamperGuard::on_turn_done() {
   }
 }
 
-boost::asio::awaitable<void> TamperGuard::check_after_overrun(Clock::time_point t_event, json f) {
-  auto alive = alive_;
+boost::asio::awaitable<void> TamperGuard::check_after_overrun(std::stop_token stop, Clock::time_point t_event,
+                                                              json f) {
+  if (stop.stop_requested()) co_return;
   auto diffs = co_await sandbox_.verify_table_async();
-  if (!*alive) co_return;
+  if (stop.stop_requested()) co_return;
   // Restore only when it differs (egressd's own big switch can overrun the
   // buffer and must not cause a rebuild, which would cause the next overrun).
   if (!diffs) {
@@ -170,40 +173,42 @@ void TamperGuard::spawn(boost::asio::awaitable<void> work) {
   boost::asio::co_spawn(io_, std::move(work), boost::asio::detached);
 }
 
-boost::asio::awaitable<void> TamperGuard::on_verify_timer() {
-  auto alive = alive_;
-  auto diffs = co_await sandbox_.verify_table_async();
-  if (!*alive) co_return;
-  if (!diffs) {
-    log()->warn("verification of table inet {} failed: {}", nft::kTableName, diffs.error().message);
-  } else if (!diffs->empty()) {
-    ++tampers_;
-    const auto t0 = Clock::now();
-    auto restored = restore();
-    std::string what;
-    for (const auto& d : *diffs) what += (what.empty() ? "" : ", ") + d;
-    Result<std::int64_t> timed = restored ? Result<std::int64_t>(us_since(t0)) : restored;
-    json f{{"what", what}, {"found_by", "verification"}, {"by_pid", nullptr}, {"by_comm", nullptr}};
-    if (!take_log_token()) {
-      ++suppressed_;
-    } else {
-      f["restored"] = timed.ok();
-      if (timed) f["restore_us"] = *timed;
-      if (!timed) f["error"] = timed.error().message;
-      f["phase"] = sandbox_.state().phase;
-      f["generation"] = sandbox_.state().generation;
-      f["suppressed"] = std::exchange(suppressed_, 0);
-      audit_event("tamper", f, spdlog::level::warn);
+boost::asio::awaitable<void> TamperGuard::verify_loop(std::stop_token stop) {
+  for (;;) {
+    if (stop.stop_requested()) co_return;
+    boost::system::error_code ec;
+    co_await verify_timer_.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
+    if (ec || stop.stop_requested()) co_return;  // operation_aborted: closed
+    auto diffs = co_await sandbox_.verify_table_async();
+    if (stop.stop_requested()) co_return;
+    if (!diffs) {
+      log()->warn("verification of table inet {} failed: {}", nft::kTableName, diffs.error().message);
+    } else if (!diffs->empty()) {
+      ++tampers_;
+      const auto t0 = Clock::now();
+      auto restored = restore();
+      std::string what;
+      for (const auto& d : *diffs) what += (what.empty() ? "" : ", ") + d;
+      Result<std::int64_t> timed = restored ? Result<std::int64_t>(us_since(t0)) : restored;
+      json f{{"what", what}, {"found_by", "verification"}, {"by_pid", nullptr}, {"by_comm", nullptr}};
+      if (!take_log_token()) {
+        ++suppressed_;
+      } else {
+        f["restored"] = timed.ok();
+        if (timed) f["restore_us"] = *timed;
+        if (!timed) f["error"] = timed.error().message;
+        f["phase"] = sandbox_.state().phase;
+        f["generation"] = sandbox_.state().generation;
+        f["suppressed"] = std::exchange(suppressed_, 0);
+        audit_event("tamper", f, spdlog::level::warn);
+      }
     }
+    verify_timer_.expires_after(opts_.verify_interval);
   }
-  verify_timer_.expires_after(opts_.verify_interval);
-  verify_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (!ec && *alive) spawn(on_verify_timer());
-  });
 }
 
 Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
-  if (closed_) return apply();
+  if (stop_.stop_requested()) return apply();
   const auto before = sandbox_.kernel_generation();
   if (!before || sock_->leave(NFNLGRP_NFTABLES) != 0) {
     return apply();  // heard, as any batch
@@ -227,25 +232,30 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
   }
   // The caller is in the middle of a switch: repair on the next turn of the
   // loop, against the phase then in force.
-  boost::asio::post(io_, [this, alive = alive_, rejoined, what] {
-    if (!*alive || closed_) return;
-    if (!rejoined) {
-      if (const int err = sock_->join(NFNLGRP_NFTABLES); err != 0) {
-        log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
-                     errno_text(err), opts_.verify_interval.count());
-      }
-    }
-    ++tampers_;
-    const auto t0 = Clock::now();
-    auto restored = restore();
-    json f{{"what", what}, {"found_by", "generation"}, {"by_pid", nullptr}, {"by_comm", nullptr},
-           {"restored", restored.ok()}, {"phase", sandbox_.state().phase},
-           {"generation", sandbox_.state().generation}};
-    if (restored) f["restore_us"] = us_since(t0);
-    if (!restored) f["error"] = restored.error().message;
-    audit_event("tamper", f, spdlog::level::warn);
-  });
+  spawn(repair_after_unheard(stop_.get_token(), rejoined, std::move(what)));
   return st;
+}
+
+boost::asio::awaitable<void> TamperGuard::repair_after_unheard(std::stop_token stop, bool rejoined, std::string what) {
+  // The next turn of the loop, whichever way co_spawn starts a coroutine
+  // (the executor is the frame's: the guard may be gone by then).
+  co_await boost::asio::post(co_await boost::asio::this_coro::executor, boost::asio::use_awaitable);
+  if (stop.stop_requested()) co_return;
+  if (!rejoined) {
+    if (const int err = sock_->join(NFNLGRP_NFTABLES); err != 0) {
+      log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
+                   errno_text(err), opts_.verify_interval.count());
+    }
+  }
+  ++tampers_;
+  const auto t0 = Clock::now();
+  auto restored = restore();
+  json f{{"what", what}, {"found_by", "generation"}, {"by_pid", nullptr}, {"by_comm", nullptr},
+         {"restored", restored.ok()}, {"phase", sandbox_.state().phase},
+         {"generation", sandbox_.state().generation}};
+  if (restored) f["restore_us"] = us_since(t0);
+  if (!restored) f["error"] = restored.error().message;
+  audit_event("tamper", f, spdlog::level::warn);
 }
 
 Result<std::int64_t> TamperGuard::restore() {
@@ -262,16 +272,19 @@ Result<std::int64_t> TamperGuard::restore() {
 
 void TamperGuard::schedule_retry() {
   retry_delay_ = retry_delay_.count() == 0 ? kFirstRetry : std::min(retry_delay_ * 2, kMaxRetry);
-  retry_timer_.expires_after(retry_delay_);
-  retry_timer_.async_wait([this, alive = alive_](const boost::system::error_code& ec) {
-    if (!ec && *alive) spawn(retry_restore());
+  retry_timer_.expires_after(retry_delay_);  // cancels a wait already pending: this one replaces it
+  retry_timer_.async_wait([this, stop = stop_.get_token()](const boost::system::error_code& ec) {
+    // operation_aborted: re-armed (the newer wait retries) or closed. A wait
+    // that had completed before close() comes here without an error: `stop` tells.
+    if (ec || stop.stop_requested()) return;
+    spawn(retry_restore(stop));
   });
 }
 
-boost::asio::awaitable<void> TamperGuard::retry_restore() {
-  auto alive = alive_;
+boost::asio::awaitable<void> TamperGuard::retry_restore(std::stop_token stop) {
+  if (stop.stop_requested()) co_return;
   auto diffs = co_await sandbox_.verify_table_async();
-  if (!*alive) co_return;
+  if (stop.stop_requested()) co_return;
   if (diffs && diffs->empty()) {
     retry_delay_ = std::chrono::milliseconds{0};
     co_return;

@@ -24,6 +24,20 @@
 // fail open), and at most `log_burst` tamper lines, then one per
 // `log_refill`; the suppressed count goes into the next line.
 //
+// Shutdown: close() (also run by the destructor) requests the guard's stop
+// (a std::stop_source), stops the transport's receive loop and cancels both
+// timers. The work the guard leaves on the loop is one coroutine per activity
+// (the verification loop; a re-dump after an overrun; a retried restore; the
+// repair after an unheard batch), each started with co_spawn and a detached
+// completion, and the retry timer's handler. Each carries a std::stop_token
+// (the stop state is shared, not the guard's) and checks it before it first
+// touches the guard and after every wait, and a cancelled wait
+// (operation_aborted) ends it too. The token, not the error code alone: a
+// wait that completed just before close() is already queued and resumes
+// without an error. So nothing runs against the guard once close() returned,
+// and the guard may be destroyed while work is pending; the loop runs that
+// work to its (immediate) end afterwards, or its io_context destroys it.
+//
 // Not thread-safe: runs on the daemon's event loop.
 #pragma once
 
@@ -34,6 +48,8 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <stop_token>
+#include <string>
 
 #include "daemon/sandbox.h"
 #include "egressd/result.h"
@@ -65,6 +81,8 @@ class TamperGuard {
   ~TamperGuard();
 
   void start();
+  // Stops watching; no handler or coroutine of the guard runs after this
+  // returns (see "Shutdown" above). Idempotent.
   void close();
   // Another netlink socket of egressd's own whose nftables changes are not
   // tampering (the sandbox's kernel socket is known from the start).
@@ -84,12 +102,18 @@ class TamperGuard {
   // (restore, log, re-dump after an overrun).
   void on_message(const nlmsghdr* nlh);
   void on_turn_done();
-  // Coroutines, started by spawn() on the loop; each checks alive_ after
-  // every wait (the guard may be gone by then).
-  boost::asio::awaitable<void> on_verify_timer();
+  // Coroutines, started by spawn() on the loop; `stop` is stop_'s token,
+  // checked before the guard is first touched and after every wait (the
+  // guard may be gone by then).
+  // Every verify_interval (verify_timer_ armed by start()) until closed.
+  boost::asio::awaitable<void> verify_loop(std::stop_token stop);
   // `f`: the monitor_overrun event's fields known when the overrun was read.
-  boost::asio::awaitable<void> check_after_overrun(std::chrono::steady_clock::time_point t_event, nlohmann::json f);
-  boost::asio::awaitable<void> retry_restore();
+  boost::asio::awaitable<void> check_after_overrun(std::stop_token stop, std::chrono::steady_clock::time_point t_event,
+                                                   nlohmann::json f);
+  boost::asio::awaitable<void> retry_restore(std::stop_token stop);
+  // The restore after an unheard batch that others committed during, on the
+  // next turn of the loop (the caller is in the middle of a switch).
+  boost::asio::awaitable<void> repair_after_unheard(std::stop_token stop, bool rejoined, std::string what);
   void spawn(boost::asio::awaitable<void> work);
   // Restores the table; returns the time it took (us) or the error.
   Result<std::int64_t> restore();
@@ -113,8 +137,8 @@ class TamperGuard {
   boost::asio::steady_timer verify_timer_;
   boost::asio::steady_timer retry_timer_;
   std::chrono::milliseconds retry_delay_{0};
-  bool closed_ = false;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // Requested by close(); its tokens outlive the guard in the work it left.
+  std::stop_source stop_;
   // log rate limit (token bucket)
   double tokens_;
   std::chrono::steady_clock::time_point tokens_at_;

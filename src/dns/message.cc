@@ -1,3 +1,12 @@
+// DNS wire format (RFC 1035 and the parts of 6891 egressd needs): the
+// bounds-checked reader for what the sandbox sends and the upstream answers,
+// and the writers for what egressd sends.
+//
+// Over 500 lines because every parse of untrusted bytes is in this one file
+// (fuzzed as a unit by tests/fuzz/dns_message_fuzz.cc): header, names with
+// compression, questions, records, answers, TTL capping, 0x20 case handling
+// and the learn guards. Each function checks its own offsets; nothing outside
+// reads a raw packet.
 #include "dns/message.h"
 
 #include <algorithm>

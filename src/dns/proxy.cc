@@ -356,15 +356,17 @@ class Core : public std::enable_shared_from_this<Core> {
   awaitable<void> accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc);
   void answer_local(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, Rcode rcode);
   void forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client);
-  // Sends `query` upstream, registered as in flight (when a local upstream
-  // could relay it back) under `key` for as long as `p` lives.
-  void send_upstream(Upstream& up, const std::vector<std::uint8_t>& query, std::size_t question_end,
-                     const std::shared_ptr<Pending>& p, AnswerCallback done);
+  // One forwarded (or, with p->relay, relayed) query: its exchange with the
+  // upstream (the relay target), then the answer or SERVFAIL to the client.
+  // The upstream is looked up when the coroutine starts: one closed or
+  // replaced meanwhile abandons the query, as it abandons those in flight.
+  awaitable<void> exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query);
   void relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, InFlight& entry);
-  void on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r);
+  void on_upstream(const std::shared_ptr<Pending>& p, Answer r);
   // The client's view of an upstream answer: its ID and question bytes, TTLs
   // capped, no OPT unless it sent one. Error when the answer cannot be walked.
-  Result<std::vector<std::uint8_t>> client_view(const Pending& p, Bytes answer, std::size_t answer_question_end);
+  Result<std::vector<std::uint8_t>> client_view(const Pending& p, std::vector<std::uint8_t> answer,
+                                                std::size_t answer_question_end);
   void release(const std::shared_ptr<Pending>& p, std::vector<std::uint8_t> answer, std::size_t learned);
   void fail(const std::shared_ptr<Pending>& p, std::string_view why);
   void servfail_now(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, std::string_view why);
@@ -967,18 +969,21 @@ void Core::forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, cons
   // our random ID and case, and nothing else the sandbox wrote.
   std::array<std::uint8_t, kCaseBits> bits;
   upstream_->random_case(bits);
-  const ForwardQuery fq = build_forward_query(q, msg, upstream_->random_id(), bits);
-  send_upstream(*upstream_, fq.wire, fq.question_end, p,
-                [p](Result<Bytes> r) { p->core->on_upstream(p, std::move(r)); });
-}
-
-void Core::send_upstream(Upstream& up, const std::vector<std::uint8_t>& query, std::size_t question_end,
-                         const std::shared_ptr<Pending>& p, AnswerCallback done) {
-  if (loop_watch_ && p) {
-    p->key.assign(reinterpret_cast<const char*>(query.data()) + kHeaderSize, question_end - kHeaderSize);
+  ForwardQuery fq = build_forward_query(q, msg, upstream_->random_id(), bits);
+  // Registered as in flight (when a local upstream could relay it back)
+  // under its question bytes for as long as `p` lives.
+  if (loop_watch_) {
+    p->key.assign(reinterpret_cast<const char*>(fq.wire.data()) + kHeaderSize, fq.question_end - kHeaderSize);
     ++inflight_q_[p->key].queries;
   }
-  up.send(query, std::move(done));
+  asio::co_spawn(io_, exchange(std::move(p), std::move(fq.wire)), log_exception);
+}
+
+awaitable<void> Core::exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query) {
+  Upstream* up = p->relay ? relay_.get() : upstream_.get();
+  if (closed_ || up == nullptr) co_return;
+  Answer a = co_await up->async_exchange(query, false, use_awaitable);
+  on_upstream(p, std::move(a));
 }
 
 void Core::unregister(const std::string& key) {
@@ -1021,8 +1026,8 @@ void Core::relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const 
   ++counters_.relayed;
   // The copy's question bytes are egressd's own, 0x20 case included: kept,
   // so the target must echo them and the forwarder gets them back as sent.
-  const ForwardQuery fq = build_forward_query(q, msg, relay_->random_id());
-  relay_->send(fq.wire, [p](Result<Bytes> r) { p->core->on_upstream(p, std::move(r)); });
+  ForwardQuery fq = build_forward_query(q, msg, relay_->random_id());
+  asio::co_spawn(io_, exchange(std::move(p), std::move(fq.wire)), log_exception);
 }
 
 void Core::fail(const std::shared_ptr<Pending>& p, std::string_view why) {
@@ -1039,22 +1044,23 @@ void Core::fail(const std::shared_ptr<Pending>& p, std::string_view why) {
   reply(p->client, make_local_answer(p->prefix, p->header, p->prefix.size(), Rcode::servfail));
 }
 
-Result<std::vector<std::uint8_t>> Core::client_view(const Pending& p, Bytes answer, std::size_t answer_question_end) {
-  std::vector<std::uint8_t> out(answer.begin(), answer.end());
+Result<std::vector<std::uint8_t>> Core::client_view(const Pending& p, std::vector<std::uint8_t> out,
+                                                     std::size_t answer_question_end) {
   restore_client_view(out, answer_question_end, p.header.id, Bytes(p.prefix).subspan(kHeaderSize));
   if (Status st = cap_ttls(out, opts_.max_ttl); !st.ok()) return st.error();
   if (!p.client_edns) strip_trailing_opt(out);
   return out;
 }
 
-void Core::on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r) {
+void Core::on_upstream(const std::shared_ptr<Pending>& p, Answer r) {
   if (closed_) return;
   if (!r) return fail(p, r.error().message);
-  const Bytes answer = *r;
+  std::vector<std::uint8_t>& answer = *r;
   if (p->relay) {
     // Docker's forwarder gets the target's answer; egressd learns from it
     // only when it comes back as the answer to its own query.
-    auto out = client_view(*p, answer, question_end(answer));
+    const std::size_t qend = question_end(answer);
+    auto out = client_view(*p, std::move(answer), qend);
     if (!out) return fail(p, "bad relayed answer: " + out.error().message);
     return release(p, std::move(*out), 0);
   }
@@ -1063,7 +1069,7 @@ void Core::on_upstream(const std::shared_ptr<Pending>& p, Result<Bytes> r) {
   if (parsed->question.name != p->qname || parsed->question.qtype != p->qtype) {
     return fail(p, "upstream answered another question");
   }
-  auto out = client_view(*p, answer, parsed->question_end);
+  auto out = client_view(*p, std::move(answer), parsed->question_end);
   if (!out) return fail(p, "bad upstream answer: " + out.error().message);
   if (parsed->header.rcode() != Rcode::noerror || parsed->addresses.empty()) {
     release(p, std::move(*out), 0);
@@ -1138,9 +1144,9 @@ void Core::start_probe() {
   log_->info("event=forwarder_probe upstream={} qname={}", local->to_string(), name);
   // Over TCP: a forwarder relays a TCP query over TCP, and the redirected
   // connection tells (SO_ORIGINAL_DST) where it was going.
-  probe_->upstream->send(
-      q.value(),
-      [self = shared_from_this()](Result<Bytes>) {
+  probe_->upstream->async_exchange(
+      q.value(), true,
+      [self = shared_from_this()](Answer) {
         if (self->closed_ || !self->probe_ || self->probe_->answered) return;
         self->probe_->answered = true;
         // A copy that races egressd's probe has until the grace ends to show.
@@ -1148,8 +1154,7 @@ void Core::start_probe() {
         self->probe_timer_.async_wait([self](const error_code& ec) {
           if (!ec && !self->closed_) self->finish_probe();
         });
-      },
-      true);
+      });
 }
 
 void Core::probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client) {
@@ -1313,7 +1318,7 @@ void Core::resolve(const std::string& raw, std::function<void(Result<std::vector
           std::string(reinterpret_cast<const char*>(queries[i].data()) + kHeaderSize, qend - kHeaderSize));
       ++inflight_q_[reg->key].queries;
     }
-    upstream_->send(queries[i], [st, type, finish, reg, max_ttl = opts_.max_ttl](Result<Bytes> r) {
+    upstream_->async_exchange(queries[i], false, [st, type, finish, reg, max_ttl = opts_.max_ttl](Answer r) {
       State& s = *st;
       if (!r) {
         s.errors += std::string(" ") + type + ": " + r.error().message;

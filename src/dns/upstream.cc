@@ -202,10 +202,10 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
 
 // One query from send() to done(): its tries, one at a time.
 struct Exchange : std::enable_shared_from_this<Exchange> {
-  Exchange(std::shared_ptr<Upstream::Impl> i, AnswerCallback d) : impl(std::move(i)), done(std::move(d)) {}
+  Exchange(std::shared_ptr<Upstream::Impl> i, Upstream::AnswerCallback d) : impl(std::move(i)), done(std::move(d)) {}
 
   std::shared_ptr<Upstream::Impl> impl;
-  AnswerCallback done;
+  Upstream::AnswerCallback done;
   std::vector<std::uint8_t> out;  // 2-byte TCP length prefix, then the query
   std::uint16_t id = 0;
   std::size_t question_len = 0;  // bytes [12, 12 + question_len) must come back
@@ -283,11 +283,14 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     impl->unlink(this);
     close_sockets();
     --impl->pending;
-    AnswerCallback cb = std::move(done);
+    Upstream::AnswerCallback cb = std::move(done);
     done = nullptr;
     if (impl->closed) return;
     impl->last_failure = r ? UpstreamFailure::none : failure;
-    cb(std::move(r));
+    if (!r) return cb(r.error());
+    // The one copy of the answer: out of the shared receive buffer (or the
+    // TCP buffer), into what the caller keeps.
+    cb(std::vector<std::uint8_t>(r->begin(), r->end()));
   }
 
   // Starts the next try of the schedule, or fails the query.
@@ -630,6 +633,8 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
 Upstream::Upstream(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Upstream::~Upstream() { impl_->close(); }
+
+asio::io_context::executor_type Upstream::executor() const { return impl_->io.get_executor(); }
 
 void Upstream::send(Bytes query, AnswerCallback done, bool tcp) {
   Impl& s = *impl_;

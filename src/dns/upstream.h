@@ -21,7 +21,7 @@
 // over the servers, TCP on truncation, skipping a server that answers
 // SERVFAIL/REFUSED/NOTIMP) is done here with the same schedule.
 //
-// Single-threaded: every call, and every callback, runs on the thread that
+// Single-threaded: every call, and every completion, runs on the thread that
 // runs the io_context.
 #pragma once
 
@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "dns/message.h"
+#include "egressd/async_callback.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 
@@ -78,8 +79,10 @@ struct UpstreamOptions {
   std::chrono::milliseconds timeout{1500};
 };
 
-// The answer bytes are valid only during the call.
-using AnswerCallback = std::function<void(Result<Bytes>)>;
+// An exchange's outcome: the answer's bytes (owned: a coroutine reads them
+// after it resumes, when the receive buffer already holds another answer),
+// or why there is none.
+using Answer = Result<std::vector<std::uint8_t>>;
 
 // Why a query failed, for logs and counters.
 enum class UpstreamFailure {
@@ -106,15 +109,30 @@ class Upstream {
   // and question go on the wire unchanged. Tries the usable servers in
   // order, over UDP (TCP when an answer is truncated, or from the start with
   // `tcp`), each try on a new socket; a try times out after timeout /
-  // (servers * 3), the second round after twice that. Calls `done` exactly
-  // once: with an answer that echoes the query's ID and question bytes, or
-  // with a runtime error naming the server and the reason (failure() tells
-  // which). `done` may run before send returns (no usable server, a query
-  // that is not a message).
-  void send(Bytes query, AnswerCallback done, bool tcp = false);
+  // (servers * 3), the second round after twice that. Completes exactly
+  // once, with signature void(Answer): an answer that echoes the query's ID
+  // and question bytes, or a runtime error naming the server and the reason
+  // (last_failure() tells which, until the next exchange completes). Never
+  // completes inside this call: an immediate failure (no usable server, a
+  // query that is not a message) is posted to the handler's executor. When
+  // the Upstream is destroyed first, the handler is destroyed uncalled (a
+  // coroutine waiting on it is unwound, never resumed). `query` is copied
+  // when the operation is initiated (with use_awaitable: when awaited).
+  //
+  //   Answer a = co_await upstream.async_exchange(q, false, boost::asio::use_awaitable);
+  //
+  // The signature is one Result rather than (error_code, bytes): the error a
+  // caller logs and counts is a message naming the server and the reason
+  // (a mismatched 0x20 echo, SERVFAIL from every server), which an
+  // error_code cannot carry, and a Result cannot be read without checking.
+  template <class CompletionToken>
+  auto async_exchange(Bytes query, bool tcp, CompletionToken&& token) {
+    return async_from_callback<Answer>(executor(), std::forward<CompletionToken>(token),
+                                       [this, query, tcp](AnswerCallback done) { send(query, std::move(done), tcp); });
+  }
 
-  // What made the last failed `done` fail (for the caller's logs), valid
-  // inside the callback only.
+  // What made the last failed exchange fail (for the caller's logs), valid
+  // when its completion runs, until the next one completes.
   UpstreamFailure last_failure() const;
 
   // Excludes servers()[i] from every later try (`usable` false), with the
@@ -140,7 +158,12 @@ class Upstream {
  private:
   struct Impl;
   friend struct Exchange;
+  using AnswerCallback = std::function<void(Answer)>;
   explicit Upstream(std::shared_ptr<Impl> impl);
+  boost::asio::io_context::executor_type executor() const;
+  // The initiation of async_exchange: calls `done` exactly once, maybe
+  // before it returns; destroys it uncalled when the Upstream goes first.
+  void send(Bytes query, AnswerCallback done, bool tcp);
   std::shared_ptr<Impl> impl_;
 };
 

@@ -1,3 +1,11 @@
+// The ruleset egressd programs, built from a policy (DESIGN §1, §4).
+//
+// Over 500 lines on purpose: every chain of the inet and netdev tables
+// (output, input, pass, deny, active, dns_redirect, the per-phase chains and
+// the egress checks) and the table comment's secrets are built here, next to
+// each other, so a reviewer reads the whole ruleset's logic in one place and
+// rules/*.nft (the goldens) change together with it. The pieces are small
+// functions, one per chain.
 #include "nft/compile.h"
 
 #include <algorithm>

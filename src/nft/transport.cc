@@ -207,6 +207,54 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
 
 std::uint32_t Transport::next_seq() { return impl_->seq++; }
 
+std::uint32_t Transport::reserve_seq(std::uint32_t n) {
+  const std::uint32_t first = impl_->seq;
+  impl_->seq += n;
+  return first;
+}
+
+void Transport::drain() { impl_->drain(); }
+
+Transport::Collected Transport::collect(const OnMessage& on_msg, const std::function<bool()>& complete,
+                                        const std::function<bool(bool overrun)>& nothing_more_coming,
+                                        std::chrono::milliseconds timeout) {
+  Impl& s = *impl_;
+  Collected c;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!(c.complete = complete())) {
+    const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ENOBUFS) {
+        c.overrun = true;
+        continue;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        c.error = errno;
+        return c;
+      }
+      if (nothing_more_coming(c.overrun)) return c;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        c.error = ETIMEDOUT;
+        return c;
+      }
+      pollfd p{s.fd.get(), POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) < 0 && errno != EINTR) {
+        c.error = errno;
+        return c;
+      }
+      continue;
+    }
+    int rest = static_cast<int>(n);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
+         nlh = mnl_nlmsg_next(nlh, &rest)) {
+      on_msg(nlh);
+    }
+  }
+  return c;
+}
+
 int Transport::send(const void* data, std::size_t len) {
   const sockaddr_nl kernel{AF_NETLINK, 0, 0, 0};
   ssize_t sent;

@@ -5,10 +5,18 @@
 // coroutine) that hands each message to one handler and reports ENOBUFS to
 // its owner, who knows what to re-read.
 //
-// Users: the nftables change monitor (daemon/tamper_guard), the NFLOG reader
+// Users: NetlinkKernel (nft/netlink.cc: batches and their acks, table
+// reads), the nftables change monitor (daemon/tamper_guard), the NFLOG reader
 // (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
-// watch (daemon/netwatch). Not yet ported: nft/netlink.cc (batches, and the
-// table reads), daemon/sockdiag (runs on a thread of its own).
+// watch (daemon/netwatch), and the flow reaper's sock_diag dumps and
+// SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
+// No other code in egressd opens a netlink socket.
+//
+// Shutdown: stop() (also run by the destructor) marks the state the receive
+// coroutine shares (it outlives the Transport until the coroutine ends) and
+// cancels its wait. The coroutine checks the mark after every resumption, so
+// a wait that completed just before stop() (queued, no longer cancellable)
+// ends it too, before any handler: owners' handlers may capture `this`.
 //
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.
@@ -88,9 +96,13 @@ class Transport {
   int request(nlmsghdr* req, const OnMessage& on_reply,
               std::chrono::milliseconds timeout = std::chrono::milliseconds(1000));
 
-  // ---- batches without acks (ctnetlink deletes) ----
+  // ---- batches (nf_tables transactions, ctnetlink deletes) ----
   // The next sequence number, for messages the caller builds itself.
   std::uint32_t next_seq();
+  // `n` consecutive sequence numbers for a batch; returns the first.
+  std::uint32_t reserve_seq(std::uint32_t n);
+  // Drops whatever an earlier, abandoned exchange left queued.
+  void drain();
   // Sends `len` bytes (one or more whole messages) as one datagram: 0 or
   // errno. The kernel handles it inside the call.
   int send(const void* data, std::size_t len);
@@ -100,6 +112,19 @@ class Transport {
     int error = 0;         // a receive error other than EAGAIN/ENOBUFS
   };
   Queued read_queued(const OnMessage& on_msg);
+  // Reads the replies to what was sent, handing each message to `on_msg`,
+  // until `complete()` holds (checked after each datagram). While nothing is
+  // queued it waits for more, up to `timeout` in all, unless
+  // `nothing_more_coming(overrun)` says the kernel will send no more (it
+  // answers inside sendmsg, so everything is normally queued already).
+  // Not while the receive loop runs.
+  struct Collected {
+    bool complete = false;
+    bool overrun = false;  // ENOBUFS: some replies were lost
+    int error = 0;         // a receive error (errno), or ETIMEDOUT
+  };
+  Collected collect(const OnMessage& on_msg, const std::function<bool()>& complete,
+                    const std::function<bool(bool overrun)>& nothing_more_coming, std::chrono::milliseconds timeout);
 
   // ---- receive loop ----
   // Starts reading on the event loop: every message goes to h.message, at

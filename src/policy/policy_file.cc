@@ -5,6 +5,11 @@
 // Strict on purpose: a policy file is a security boundary, so anything we do
 // not understand is an error with its file:line:col, never a default. A typo'd
 // key silently ignored would weaken the policy without anyone noticing.
+//
+// Over 500 lines because each of the three input shapes (the YAML/JSON
+// policy, AgentCompass's env-params and the format detection) needs its own
+// strict reader with positions in its errors; they share the diagnostics
+// and the validation of entries and phases here.
 #include <fcntl.h>
 #include <unistd.h>
 

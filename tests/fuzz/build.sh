@@ -1,102 +1,42 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang (libFuzzer + ASan + UBSan) into
-# build-fuzz/ (or $FUZZ_BUILD_DIR). Not part of the meson build: meson's
-# compiler is g++, and these need clang's -fsanitize=fuzzer. The core sources
-# a target needs are compiled directly (with coverage instrumentation);
-# Debian's shared libraries (yaml-cpp, spdlog, fmt, ...) are linked as they
-# are, uninstrumented. This script writes a ninja file, so rebuilds are
-# incremental and parallel.
+# Builds the libFuzzer targets with clang (libFuzzer + ASan + UBSan) into build-fuzz/ (or
+# $FUZZ_BUILD_DIR): a meson build directory configured with -Dfuzz=true, -O1 -g. The
+# targets and the layers each links are listed in tests/fuzz/meson.build, the flags in the
+# top meson.build (get_option('fuzz')). Every layer's library is compiled instrumented;
+# Debian's shared libraries (yaml-cpp, spdlog, fmt, ...) are linked as they are,
+# uninstrumented; toml++ is compiled in header-only.
 #   tests/fuzz/build.sh                  # all targets; prints their paths
 #   tests/fuzz/build.sh entry_fuzz       # one target
-# Run them with scripts/fuzz; by hand, see tests/fuzz/README.md.
+# Each target is linked to build-fuzz/<target> as well. Run them with scripts/fuzz; by
+# hand, see tests/fuzz/README.md. Environment: CXX (default clang++; read when build-fuzz/
+# is configured), NINJA_ARGS (e.g. -j1).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${FUZZ_BUILD_DIR:-$root/build-fuzz}
-mkdir -p "$out"
-CXX=${CXX:-clang++}
-
-# target -> the core sources it links (besides tests/fuzz/<target>.cc).
-policy_srcs="src/policy/result.cc src/policy/ip.cc src/policy/entry.cc"
-# Every policy reader: parse_policy_document dispatches to the YAML and TOML readers.
-readers_srcs="src/policy/diagnostics.cc src/policy/policy_file.cc src/policy/harbor_task.cc"
-nft_srcs="src/nft/model.cc src/nft/compile.cc src/nft/render.cc"
-daemon_srcs="$policy_srcs $nft_srcs src/dns/message.cc src/dns/matcher.cc src/control/protocol.cc src/control/dispatch.cc src/daemon/sandbox.cc src/daemon/sandbox_control.cc src/daemon/sandbox_tamper.cc src/nft/read_async.cc src/daemon/sandbox_rules.cc src/daemon/sandbox_metrics.cc src/daemon/audit_log.cc src/daemon/sandbox_explain.cc src/audit/explain.cc src/audit/names.cc src/audit/denied.cc src/audit/suggest.cc src/daemon/sandbox_audit.cc"
-pin_srcs="src/policy/result.cc src/policy/ip.cc src/pin/verdict.cc src/pin/decide.cc"
-declare -A srcs=(
-  [entry_fuzz]="$policy_srcs"
-  [policy_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
-  [harbor_task_fuzz]="$policy_srcs $readers_srcs $nft_srcs"
-  [dns_message_fuzz]="src/policy/result.cc src/policy/ip.cc src/dns/message.cc src/dns/upstream.cc src/dns/proxy.cc"
-  [control_request_fuzz]="$daemon_srcs"
-  [control_server_fuzz]="$daemon_srcs src/control/server.cc"
-  [tls_hello_fuzz]="$pin_srcs src/pin/tls_hello.cc"
-  [http_head_fuzz]="$pin_srcs src/pin/http_head.cc"
-  [quic_initial_fuzz]="$pin_srcs src/pin/tls_hello.cc src/pin/quic_initial.cc"
-)
-declare -A libs=(
-  [entry_fuzz]=""
-  [policy_fuzz]="yaml-cpp"
-  [harbor_task_fuzz]="yaml-cpp"
-  [dns_message_fuzz]="spdlog fmt"
-  [control_request_fuzz]="spdlog fmt"
-  [control_server_fuzz]="spdlog fmt"
-  [tls_hello_fuzz]=""
-  [http_head_fuzz]=""
-  [quic_initial_fuzz]="nettle"
-)
+# Every tests/fuzz/*_fuzz.cc is a target (tests/fuzz/meson.build says what each links).
+all=()
+for f in "$root"/tests/fuzz/*_fuzz.cc; do
+  f=${f##*/}
+  all+=("${f%.cc}")
+done
 targets=("$@")
-((${#targets[@]})) || targets=(entry_fuzz policy_fuzz harbor_task_fuzz dns_message_fuzz control_request_fuzz control_server_fuzz tls_hello_fuzz http_head_fuzz quic_initial_fuzz)
+((${#targets[@]})) || targets=("${all[@]}")
+for t in "${targets[@]}"; do
+  [[ -f $root/tests/fuzz/$t.cc ]] || { echo "tests/fuzz/build.sh: no target $t" >&2; exit 2; }
+done
 
-# -O1 keeps the code fast enough to fuzz and the stacks readable; assertions
-# stay on (Result::value() on an error is a bug the fuzzer should see), and
-# libstdc++'s assertions bounds-check operator[] of strings and vectors.
-# Every sanitizer report aborts, so libFuzzer stops and saves the input.
-# Boost 1.74's asio only looks for <experimental/coroutine> under clang; clang
-# 14 has C++20 coroutines with libstdc++'s <coroutine>, so say so. clang 14
-# cannot emit -fsanitize=function checks in coroutines ("Cannot represent a
-# difference across sections"), so that one check of UBSan is off. toml++ is compiled in
-# header-only (TOML_HEADER_ONLY=1) rather than linked from Debian's shared library, so its
-# parser is instrumented too and the fuzzer can steer through it. Its internal assertions
-# are compiled out as in Debian's library (NDEBUG, g++): toml++ 3.3.0 asserts an assumption
-# that a malformed table header such as "[[)x" breaks (parse_key, parser.inl:3037), where
-# the library egressd links reports the TOML syntax error instead; that error path is what
-# the fuzzer must exercise (corpus/harbor_task/regress-toml-parse-key-assert).
-sanitize="-fsanitize=address,undefined -fno-sanitize=function -fno-sanitize-recover=all -fno-omit-frame-pointer"
-cxxflags="-std=c++20 -g -O1 -D_GLIBCXX_ASSERTIONS $sanitize -fsanitize=fuzzer-no-link \
-  -DSPDLOG_FMT_EXTERNAL -DBOOST_ASIO_NO_DEPRECATED -DBOOST_ASIO_HAS_CO_AWAIT=1 -DTOML_HEADER_ONLY=1 '-DTOML_ASSERT(expr)=static_assert(true)' \
-  $(pkg-config --cflags spdlog fmt yaml-cpp) \
-  -I$root/include -I$root/src -I$root/tests/fuzz"
-
-ninja_file=$out/build.ninja
-{
-  echo "# Generated by tests/fuzz/build.sh; do not edit."
-  echo "cxx = $CXX"
-  echo "cxxflags = $cxxflags"
-  echo "ldflags = $sanitize -fsanitize=fuzzer -pthread"
-  echo "rule cxx"
-  echo "  command = \$cxx \$cxxflags -MMD -MF \$out.d -c \$in -o \$out"
-  echo "  depfile = \$out.d"
-  echo "  deps = gcc"
-  echo "  description = CXX \$out"
-  echo "rule link"
-  echo "  command = \$cxx \$in -o \$out \$ldflags \$libs"
-  echo "  description = LINK \$out"
-  declare -A seen=()
-  for t in "${targets[@]}"; do
-    [[ -v "srcs[$t]" ]] || { echo "tests/fuzz/build.sh: no target $t" >&2; exit 2; }
-    objs=()
-    for s in tests/fuzz/$t.cc ${srcs[$t]}; do
-      o=obj/${s//\//_}.o
-      objs+=("$o")
-      [[ -v "seen[$o]" ]] && continue
-      seen[$o]=1
-      echo "build $o: cxx $root/$s"
-    done
-    echo "build $t: link ${objs[*]}"
-    l=${libs[$t]}
-    echo "  libs = ${l:+$(pkg-config --libs $l)}"
-  done
-} >"$ninja_file.tmp"
-mv "$ninja_file.tmp" "$ninja_file"
-ninja -C "$out" ${NINJA_ARGS:-} "${targets[@]}" >&2
-for t in "${targets[@]}"; do echo "$out/$t"; done
+if [[ ! -f $out/meson-private/coredata.dat ]]; then
+  # A build-fuzz/ from the hand-written ninja file this script wrote before: drop its
+  # build files and binaries, keep what scripts/fuzz found (corpus/, artifacts/, logs/).
+  if [[ -f $out/build.ninja ]] && grep -q '^# Generated by tests/fuzz/build.sh' "$out/build.ninja"; then
+    rm -rf "${out:?}/obj" "$out/build.ninja" "$out/.ninja_log" "$out/.ninja_deps"
+    for t in "${all[@]}"; do rm -f "${out:?}/$t"; done
+  fi
+  CXX=${CXX:-clang++} meson setup "$out" "$root" -Dfuzz=true -Doptimization=1 -Ddebug=true \
+    -Db_ndebug=false >&2
+fi
+ninja -C "$out" ${NINJA_ARGS:-} "${targets[@]/#/tests/fuzz/}" >&2
+for t in "${targets[@]}"; do
+  ln -sfn "tests/fuzz/$t" "$out/$t"
+  echo "$out/$t"
+done

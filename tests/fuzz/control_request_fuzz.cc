@@ -36,7 +36,8 @@
 
 #include "control/protocol.h"
 #include "daemon/sandbox.h"
-#include "fake_kernel.h"
+#include "support/fake_kernel.h"
+#include "support/fake_proxy.h"
 #include "fuzz_check.h"
 
 using namespace egressd;
@@ -53,39 +54,12 @@ const std::set<std::string> kCodes = {"invalid_request", "request_too_large", "u
 // Resolutions complete when the harness says so. Names containing "fail"
 // fail; names starting with "lo" resolve to loopback (the rebinding guard
 // must keep it out); others get a documentation address.
-class FakeProxy : public dns::Proxy {
- public:
-  std::deque<std::pair<std::string, std::function<void(Result<std::vector<dns::Learned>>)>>> pending;
-
-  void set_forwarder(dns::ForwarderOptions) override {}
-  void serve(std::uint32_t) override {}
-  std::uint16_t port() const override { return 53; }
-  bool port_fell_back() const override { return false; }
-  dns::ProxyCounters counters() const override { return {}; }
-  void resolve(const std::string& name, std::function<void(Result<std::vector<dns::Learned>>)> done) override {
-    pending.emplace_back(name, std::move(done));
-  }
-  void close() override {}
-
-  void complete_all() {
-    while (!pending.empty()) {
-      auto [name, done] = std::move(pending.front());
-      pending.pop_front();
-      if (name.find("fail") != std::string::npos) {
-        done(Error::runtime("dns: SERVFAIL (fake)"));
-        continue;
-      }
-      std::vector<dns::Learned> out;
-      const auto h = static_cast<std::uint8_t>(std::hash<std::string>{}(name));
-      IpPrefix a4{4, {198, 51, 100, h}, 32};
-      if (name.rfind("lo", 0) == 0) a4.bytes = {127, 0, 0, 1};
-      out.push_back({name, a4, static_cast<std::uint32_t>(h)});
-      IpPrefix a6{6, {0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, h}, 128};
-      out.push_back({name, a6, 0x80000000u});
-      done(std::move(out));
-    }
-  }
-};
+testing::FakeProxy make_proxy() {
+  testing::FakeProxy p;
+  p.deferred = true;
+  p.answer = testing::FakeProxy::synthesised;
+  return p;
+}
 
 Phase phase(const std::string& name, Mode mode, std::vector<std::string> entries = {}) {
   auto p = make_inline_phase(name, mode, entries);
@@ -139,7 +113,7 @@ void check_shape(const json& r) {
   FUZZ_CHECK(line.find('\n') == std::string::npos);
 }
 
-void check_kernel_state(const fuzz::FakeKernel& k, const daemon::Sandbox& sb) {
+void check_kernel_state(const testing::FakeKernel& k, const daemon::Sandbox& sb) {
   FUZZ_CHECK(k.table.has_value());
   for (const auto& r : k.table->rules) {
     // The state rule is the one with the comment: outside public, per-packet
@@ -171,9 +145,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  auto kernel_owned = std::make_unique<fuzz::FakeKernel>();
-  fuzz::FakeKernel& kernel = *kernel_owned;
-  FakeProxy proxy;
+  auto kernel_owned = std::make_unique<testing::FakeKernel>();
+  testing::FakeKernel& kernel = *kernel_owned;
+  testing::FakeProxy proxy = make_proxy();
   std::vector<std::uint64_t> switched;  // generations reported to after_switch
   daemon::SandboxOptions opts;
   opts.policy = policy();
@@ -195,7 +169,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (!line.empty() && line.front() == '#') {
       const std::string_view d = line.substr(1);
       if (d == "fail") {
-        kernel.fail_next = true;
+        kernel.fail_next = Error::runtime("add rule active: No buffer space available (injected)");
       } else if (d == "hold") {
         hold = true;
       } else if (d.rfind("decide ", 0) == 0) {

@@ -37,7 +37,7 @@
 
 #include "control/server.h"
 #include "daemon/sandbox.h"
-#include "fake_kernel.h"
+#include "support/fake_kernel.h"
 #include "fuzz_check.h"
 
 using namespace egressd;
@@ -89,7 +89,7 @@ struct World {
   void reset_sandbox() {
     daemon::SandboxOptions so;
     so.policy = policy();
-    sandbox = std::make_unique<daemon::Sandbox>(std::move(so), std::make_unique<fuzz::FakeKernel>(),
+    sandbox = std::make_unique<daemon::Sandbox>(std::move(so), std::make_unique<testing::FakeKernel>(),
                                                 daemon::Capabilities{true, true, true, true, true, true, true, true});
     FUZZ_CHECK(sandbox->start("environment").ok());
   }

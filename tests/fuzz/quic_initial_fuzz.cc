@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../unit/pin_support.h"
+#include "support/pin_support.h"
 #include "pin/quic_initial.h"
 #include "pin_fuzz_common.h"
 

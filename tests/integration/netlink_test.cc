@@ -8,8 +8,10 @@
 // and ip(8); exits 77 (skip) with the reason otherwise.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -28,6 +30,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
+#include "audit/nflog.h"
+#include "daemon/ctforget.h"
 #include "daemon/sandbox.h"
 #include "daemon/tamper_guard.h"
 #include "nft/compile.h"
@@ -1092,6 +1096,180 @@ TEST_CASE("the verification timer undoes a change the change events did not show
   (*guard)->close();
 }
 
+// ---- shutdown with work pending (the guard's stop token, not liveness flags) ----
+
+namespace {
+
+// The real kernel, refusing every batch while `refuse` is set (a restore that
+// fails, so the guard schedules a retry).
+class RefusingKernel final : public Kernel {
+ public:
+  explicit RefusingKernel(std::unique_ptr<Kernel> real) : real_(std::move(real)) {}
+  bool refuse = false;
+  int refused = 0, applied = 0;
+  Status apply(const Change& ch) override {
+    if (refuse) {
+      ++refused;
+      return Error::runtime("refused by the test");
+    }
+    ++applied;
+    return real_->apply(ch);
+  }
+  Result<std::optional<TableInfo>> read_table(const std::string& name, Family f) override {
+    return real_->read_table(name, f);
+  }
+  Result<std::vector<SetElem>> read_set_elems(const std::string& table, const std::string& set, SetType t) override {
+    return real_->read_set_elems(table, set, t);
+  }
+  std::uint32_t portid() const override { return real_->portid(); }
+  Result<std::uint32_t> generation() override { return real_->generation(); }
+
+ private:
+  std::unique_ptr<Kernel> real_;
+};
+
+// Runs every handler that is ready, until none is. Afterwards the next handler
+// posted runs only after the loop has polled the kernel for completions (asio
+// queues those behind it): a wait that completes then is queued, not
+// cancellable, when that handler runs.
+void settle(boost::asio::io_context& io) {
+  for (int i = 0; i < 100 && io.poll() > 0; ++i) {
+  }
+}
+
+bool has_accept_rule(const TestNetns& ns) {
+  return ns.exec("nft list chain inet egressd output").out.find("\t\taccept\n") != std::string::npos;
+}
+
+// A rule added to egressd's output chain from `k`.
+void add_accept_rule(Kernel& k) {
+  Change ch{kTableName, {}};
+  ch.ops.push_back(OpAddRule{"output", Rule{{StmtVerdict{VerdictKind::accept, ""}}, ""}});
+  const Status st = k.apply(ch);
+  REQUIRE_MESSAGE(st.ok(), (st.ok() ? "" : st.error().message));
+}
+
+}  // namespace
+
+TEST_CASE("a tamper guard destroyed with a repair posted runs none of it, and the loop runs on") {
+  TestNetns ns;
+  auto racing_owned = std::make_unique<RacingKernel>(ns.kernel(), ns.kernel());
+  RacingKernel& racing = *racing_owned;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("environment", Mode::public_, {}));
+  p.initial_phase = "environment";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), std::move(racing_owned), daemon::Capabilities{true, true, true, true, true});
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, {}); });
+  REQUIRE(guard.ok());
+  sb.set_large_batch_runner([g = guard->get()](const std::function<Status()>& apply) { return g->apply_unheard(apply); });
+  REQUIRE(sb.start("environment").ok());
+  (*guard)->start();
+  settle(io);
+
+  // A commit by others inside an unheard batch: the guard leaves its repair
+  // for the next turn of the loop; it is destroyed before that turn.
+  racing.race_after_next = Change{kTableName, {}};
+  const std::string next_set = "il" + std::to_string(sb.state().generation + 1) + "_d4";
+  racing.race_after_next->ops.push_back(
+      OpAddElems{next_set, SetType::ipv4_addr, false, {{v4(0xcb007163u), v4(0xcb007163u), 600000}}});
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", many_addresses(1000, 0)}})["ok"] == true);
+  sb.set_large_batch_runner({});
+  guard->reset();
+  settle(io);
+  bool ran = false;
+  io.restart();  // out of work once the guard is gone
+  boost::asio::post(io, [&] { ran = true; });
+  settle(io);
+  CHECK(ran);
+  // No repair ran: the foreign element is still there.
+  CHECK(ns.exec("nft list set inet egressd " + next_set).out.find("203.0.113.99") != std::string::npos);
+}
+
+TEST_CASE("a tamper guard destroyed after its verification timer fired, before the loop ran it, verifies nothing") {
+  TestNetns ns;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
+  p.initial_phase = "agent";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), ns.kernel(), daemon::Capabilities{true, true, true, true, true});
+  daemon::TamperGuardOptions go;
+  go.verify_interval = std::chrono::milliseconds(30);
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
+  REQUIRE(guard.ok());
+  REQUIRE(sb.start("agent").ok());
+  const auto armed = std::chrono::steady_clock::now();
+  (*guard)->start();
+  settle(io);  // the verification loop waits on its timer
+  // A change the events do not show (from a socket the guard counts as its
+  // own): only the verification would undo it.
+  auto blind = ns.kernel();
+  (*guard)->add_own_portid(blind->portid());
+  add_accept_rule(*blind);
+  REQUIRE(has_accept_rule(ns));
+
+  // The timer is due; the loop has not looked. Destroyed from the handler
+  // that runs before its (already queued, no longer cancellable) completion.
+  std::this_thread::sleep_until(armed + go.verify_interval + std::chrono::milliseconds(20));
+  boost::asio::post(io, [&] { guard->reset(); });
+  const auto end = std::chrono::steady_clock::now() + 3 * go.verify_interval;
+  while (std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+  CHECK(!*guard);
+  CHECK(has_accept_rule(ns));  // nothing verified or restored after the guard was gone
+}
+
+TEST_CASE("a tamper guard destroyed with a restore retry pending retries nothing") {
+  TestNetns ns;
+  auto refusing_owned = std::make_unique<RefusingKernel>(ns.kernel());
+  RefusingKernel& kernel = *refusing_owned;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
+  p.initial_phase = "agent";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), std::move(refusing_owned), daemon::Capabilities{true, true, true, true, true});
+  daemon::TamperGuardOptions go;
+  go.verify_interval = std::chrono::milliseconds(0);
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
+  REQUIRE(guard.ok());
+  REQUIRE(sb.start("agent").ok());
+  (*guard)->start();
+  settle(io);
+
+  // Tampering the guard hears; its restore is refused, so it schedules a
+  // retry (refused too while `refuse` stays set: each schedules the next).
+  kernel.refuse = true;
+  auto other = ns.kernel();
+  add_accept_rule(*other);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (kernel.refused == 0 && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+  REQUIRE(kernel.refused >= 1);
+  CHECK((*guard)->tampers() == 1);
+  settle(io);
+
+  // The first retry waits 10 ms: likely due by now, its completion queued
+  // behind the handler that destroys the guard (or else still waiting, and
+  // cancelled). A retry after that would be let through.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  boost::asio::post(io, [&] {
+    kernel.refuse = false;
+    guard->reset();
+  });
+  const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (std::chrono::steady_clock::now() < stop) io.run_for(std::chrono::milliseconds(5));
+  CHECK(!*guard);
+  CHECK(kernel.applied == 1);  // start's batch only: no retried restore
+  CHECK(has_accept_rule(ns));
+}
+
 // ---- nft::Transport (src/nft/transport.h) over real netlink ----
 
 TEST_CASE("transport: a multi-part dump, an ack, and the kernel's error for a request") {
@@ -1178,4 +1356,75 @@ TEST_CASE("transport: the receive loop hands over each notification, reports ENO
   io.restart();
   io.run_for(std::chrono::milliseconds(50));
   CHECK(tables.size() == seen);
+}
+
+// ---- the conntrack forgetter and the NFLOG reader, destroyed with work pending ----
+
+TEST_CASE("conntrack forgetter: one flush per turn; destroyed with a flush posted, it sends nothing") {
+  TestNetns ns;
+  boost::asio::io_context io;
+  dns::FlowTuple t;
+  t.src = *parse_ip("192.0.2.2");
+  t.dst = *parse_ip("192.0.2.1");
+  t.sport = 40001;
+  t.dport = 53;
+  auto f = ns.in_netns([&] { return daemon::ConntrackForgetter::open(io); });
+  REQUIRE_MESSAGE(f.ok(), (f.ok() ? "" : f.error().message));
+  (*f)->forget(t);
+  (*f)->forget(t);
+  CHECK((*f)->sent() == 0);  // on the next turn
+  settle(io);
+  CHECK((*f)->sent() == 2);
+
+  io.restart();  // out of work after the flush
+  (*f)->forget(t);
+  f->reset();  // the posted flush finds it gone
+  bool ran = false;
+  boost::asio::post(io, [&] { ran = true; });
+  settle(io);
+  CHECK(ran);
+}
+
+TEST_CASE("nflog reader: hands over a logged packet; destroyed with a packet queued and its wait done, no callback") {
+  TestNetns ns;
+  REQUIRE(ns.exec("ip link set lo up").status == 0);
+  REQUIRE(ns.exec("ip addr add 192.0.2.1/32 dev lo").status == 0);  // so the probes stay in the namespace
+  ns.nft_load("table inet t {\n chain o {\n  type filter hook output priority 0;\n  udp dport 9 log group 7\n }\n}\n");
+  boost::asio::io_context io;
+  std::vector<audit::LoggedPacket> got;
+  auto r = ns.in_netns([&] { return audit::NflogReader::open(io, 7, [&](const audit::LoggedPacket& p) { got.push_back(p); }); });
+  REQUIRE_MESSAGE(r.ok(), (r.ok() ? "" : r.error().message));
+  auto probe = [&] {
+    ns.in_netns([] {
+      const int s = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      REQUIRE(s >= 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(9);
+      to.sin_addr.s_addr = htonl(0xc0000201u);  // 192.0.2.1
+      const ssize_t n = ::sendto(s, "x", 1, 0, reinterpret_cast<const sockaddr*>(&to), sizeof to);
+      ::close(s);
+      REQUIRE(n == 1);
+      return 0;
+    });
+  };
+
+  probe();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (got.empty() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+  REQUIRE(got.size() == 1);
+  CHECK(got[0].proto == 17);
+  CHECK(got[0].dst.to_string() == "192.0.2.1");
+  CHECK(got[0].port == 9);
+  CHECK((*r)->stats().packets == 1);
+
+  // The log message is queued on the socket before sendto returns (one
+  // packet per message); the reader's wait completes on the next poll of the
+  // kernel, behind the handler that destroys the reader.
+  settle(io);
+  probe();
+  boost::asio::post(io, [&] { r->reset(); });
+  settle(io);
+  CHECK(!*r);
+  CHECK(got.size() == 1);
 }

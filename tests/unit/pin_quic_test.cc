@@ -7,7 +7,7 @@
 
 #include "data/quic_rfc_vectors.h"
 #include "pin/quic_initial.h"
-#include "pin_support.h"
+#include "support/pin_support.h"
 
 using namespace egressd::pin;
 using pintest::Buf;

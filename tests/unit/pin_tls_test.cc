@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "pin/tls_hello.h"
-#include "pin_support.h"
+#include "support/pin_support.h"
 
 using namespace egressd::pin;
 using pintest::Buf;

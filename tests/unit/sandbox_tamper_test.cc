@@ -8,68 +8,14 @@
 #include <algorithm>
 
 #include "daemon/sandbox.h"
+#include "support/fake_kernel.h"
 
 using namespace egressd;
 using namespace egressd::daemon;
 
 namespace {
 
-// Keeps chains, sets and rule comments the way the kernel would after each batch.
-class StructKernel : public nft::Kernel {
- public:
-  std::optional<nft::TableInfo> table;   // inet egressd
-  std::optional<nft::TableInfo> netdev;  // netdev egressd
-  std::vector<nft::Change> applied;
-
-  Status apply(const nft::Change& ch) override {
-    applied.push_back(ch);
-    auto t = table, n = netdev;
-    auto of = [&](nft::Family f) -> std::optional<nft::TableInfo>& { return f == nft::Family::netdev ? n : t; };
-    for (const auto& op : ch.ops) {
-      if (auto* add = std::get_if<nft::OpAddTable>(&op)) {
-        if (add->table.name != "egressd") continue;  // capability probes
-        auto& x = of(add->table.family);
-        if (x) return Error::runtime("add table egressd: File exists");
-        x.emplace();
-        x->comment = add->table.comment;
-        for (const auto& s : add->table.sets) x->sets.push_back(s.name);
-        for (const auto& c : add->table.chains) {
-          x->chains.push_back(c.name);
-          for (const auto& r : c.rules) x->rules.push_back({c.name, 0, r.comment, 0, 0});
-        }
-      } else if (auto* en = std::get_if<nft::OpEnsureTable>(&op)) {
-        auto& x = of(en->family);
-        if (!x) x.emplace();
-        x->flags = 0;
-      } else if (auto* del = std::get_if<nft::OpDeleteTable>(&op)) {
-        if (del->name != "egressd") continue;
-        auto& x = of(del->family);
-        if (!x) return Error::runtime("delete table egressd: No such file or directory");
-        x.reset();
-      } else if (auto* as = std::get_if<nft::OpAddSet>(&op)) {
-        t->sets.push_back(as->set.name);
-      } else if (auto* ds = std::get_if<nft::OpDeleteSet>(&op)) {
-        std::erase(t->sets, ds->name);
-      } else if (auto* ac = std::get_if<nft::OpAddChain>(&op)) {
-        auto& x = of(ac->family);
-        x->chains.push_back(ac->chain.name);
-        for (const auto& r : ac->chain.rules) x->rules.push_back({ac->chain.name, 0, r.comment, 0, 0});
-      } else if (auto* dc = std::get_if<nft::OpDeleteChain>(&op)) {
-        std::erase(of(dc->family)->chains, dc->name);
-      } else if (auto* fl = std::get_if<nft::OpFlushChain>(&op)) {
-        std::erase_if(of(fl->family)->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
-      } else if (auto* ar = std::get_if<nft::OpAddRule>(&op)) {
-        of(ar->family)->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
-      }
-    }
-    table = t;
-    netdev = n;
-    return {};
-  }
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override {
-    return f == nft::Family::netdev ? netdev : table;
-  }
-};
+using StructKernel = testing::FakeKernel;
 
 Phase phase(std::string name, Mode mode, std::vector<std::string> entries = {}) {
   auto p = make_inline_phase(name, mode, entries);

@@ -7,6 +7,9 @@
 #include <cstdio>
 
 #include "daemon/sandbox.h"
+#include "support/clock.h"
+#include "support/fake_kernel.h"
+#include "support/fake_proxy.h"
 
 using namespace egressd;
 using namespace egressd::daemon;
@@ -14,58 +17,8 @@ using nlohmann::json;
 
 namespace {
 
-// Remembers what was applied and answers read_table from it, like the kernel
-// would for the parts the Sandbox reads (table comment, rule comments).
-class FakeKernel : public nft::Kernel {
- public:
-  std::vector<nft::Change> applied;
-  std::optional<nft::TableInfo> table;   // inet egressd
-  std::optional<nft::TableInfo> netdev;  // netdev egressd
-  std::optional<Error> fail_next;
-
-  std::optional<nft::TableInfo>& of(nft::Family f) { return f == nft::Family::netdev ? netdev : table; }
-
-  Status apply(const nft::Change& ch) override {
-    if (fail_next) {
-      Error e = *fail_next;
-      fail_next.reset();
-      return e;
-    }
-    applied.push_back(ch);
-    for (const auto& op : ch.ops) {
-      if (auto* add = std::get_if<nft::OpAddTable>(&op)) {
-        if (add->table.name != "egressd") continue;  // capability probes
-        nft::TableInfo info;
-        info.comment = add->table.comment;
-        for (const auto& st : add->table.sets) info.sets.push_back(st.name);
-        for (const auto& c : add->table.chains) {
-          info.chains.push_back(c.name);
-          for (const auto& r : c.rules) info.rules.push_back({c.name, 0, r.comment, 0, 0});
-        }
-        of(add->table.family) = info;
-      } else if (auto* del = std::get_if<nft::OpDeleteTable>(&op)) {
-        if (del->name == "egressd") of(del->family).reset();
-      } else if (auto* en = std::get_if<nft::OpEnsureTable>(&op)) {
-        if (en->name == "egressd" && !of(en->family)) of(en->family).emplace();
-      } else if (auto* fl = std::get_if<nft::OpFlushChain>(&op)) {
-        std::erase_if(of(fl->family)->rules, [&](const nft::RuleInfo& r) { return r.chain == fl->name; });
-      } else if (auto* ar = std::get_if<nft::OpAddRule>(&op)) {
-        of(ar->family)->rules.push_back({ar->chain, 0, ar->rule.comment, 0, 0});
-      } else if (auto* ac = std::get_if<nft::OpAddChain>(&op)) {
-        of(ac->family)->chains.push_back(ac->chain.name);
-        for (const auto& r : ac->chain.rules) of(ac->family)->rules.push_back({ac->chain.name, 0, r.comment, 0, 0});
-      } else if (auto* dc = std::get_if<nft::OpDeleteChain>(&op)) {
-        std::erase(of(dc->family)->chains, dc->name);
-      }
-    }
-    return {};
-  }
-  Result<std::optional<nft::TableInfo>> read_table(const std::string&, nft::Family f) override { return of(f); }
-  std::map<std::string, std::vector<nft::SetElem>> elems;  // by set name (rules reads the learned sets)
-  Result<std::vector<nft::SetElem>> read_set_elems(const std::string&, const std::string& set, nft::SetType) override {
-    return elems[set];
-  }
-};
+using testing::FakeKernel;
+using testing::FakeProxy;
 
 Phase phase(std::string name, Mode mode, std::vector<std::string> entries = {}) {
   auto p = make_inline_phase(name, mode, entries);
@@ -437,26 +390,6 @@ TEST_CASE("a policy needing IPv6 is refused when the namespace has none") {
 
 namespace {
 
-class FakeProxy : public dns::Proxy {
- public:
-  std::map<std::string, std::vector<std::string>> answers;  // name -> addresses (ttl 5)
-  std::vector<std::string> asked;
-  void set_forwarder(dns::ForwarderOptions) override {}
-  void serve(std::uint32_t) override {}
-  std::uint16_t port() const override { return 53; }
-  bool port_fell_back() const override { return false; }
-  dns::ProxyCounters counters() const override { return {7, 3, 1, 0}; }
-  void resolve(const std::string& name, std::function<void(Result<std::vector<dns::Learned>>)> done) override {
-    asked.push_back(name);
-    auto it = answers.find(name);
-    if (it == answers.end()) return done(Error::runtime("resolve " + name + ": NXDOMAIN"));
-    std::vector<dns::Learned> out;
-    for (const auto& a : it->second) out.push_back({name, *parse_ip(a), 5});
-    done(out);
-  }
-  void close() override {}
-};
-
 dns::Learned learned(const std::string& name, const std::string& addr, std::uint32_t ttl) {
   return {name, *parse_ip(addr), ttl};
 }
@@ -555,6 +488,9 @@ TEST_CASE("apply pre-resolves exact hostnames into the new phase in the same bat
   Fixture f(p);
   FakeProxy proxy;
   proxy.answers["pypi.org"] = {"198.51.100.20", "2001:db8::20"};
+  proxy.stats.forwarded = 7;
+  proxy.stats.refused = 3;
+  proxy.stats.failed = 1;
   f.sb->attach_proxy(&proxy);
   REQUIRE(f.sb->start("environment").ok());
   std::optional<json> reply;
@@ -576,6 +512,53 @@ TEST_CASE("apply pre-resolves exact hostnames into the new phase in the same bat
     if (e["entry"] == "gone.test") CHECK(e["state"] == "unresolved");
   }
   CHECK(saw_resolved);
+}
+
+TEST_CASE("learned addresses expire by the sandbox's clock; denied records carry its wall time") {
+  using namespace std::chrono_literals;
+  testing::ManualClock clock;
+  auto k = std::make_unique<FakeKernel>();
+  FakeKernel* kernel = k.get();
+  SandboxOptions o;
+  o.policy = dns_policy();
+  o.policy.dns.min_ttl_s = 30;
+  o.clock = clock.source();
+  Sandbox sb(std::move(o), std::move(k), all_caps());
+  FakeProxy proxy;  // answers nothing: only what is learned below counts
+  sb.attach_proxy(&proxy);
+  REQUIRE(sb.start("agent").ok());
+  auto state_of = [&](const std::string& entry) {
+    const json st = sb.status();
+    for (const auto& e : st["entries"])
+      if (e["entry"] == entry) return e["state"].get<std::string>();
+    return std::string("absent");
+  };
+  std::optional<Status> done;
+  sb.learn({learned("pypi.org", "198.51.100.40", 60)}, [&](Status s) { done = s; });
+  REQUIRE(done.has_value());
+  REQUIRE(done->ok());
+  CHECK(state_of("pypi.org") == "resolved");
+
+  // 60 s TTL + 10 s grace: 5 s are left after 65 s, and a switch carries exactly that.
+  clock.advance(65s);
+  CHECK(state_of("pypi.org") == "resolved");
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == true);
+  const auto* carried = elems_for(kernel->applied.back(), "ph_verifier_d4");
+  REQUIRE(carried != nullptr);
+  REQUIRE(carried->elems.size() == 1);
+  CHECK(carried->elems[0].from.to_string() == "198.51.100.40");
+  CHECK(carried->elems[0].timeout_ms == 5000);
+
+  // Once expired it is neither reported nor carried.
+  clock.advance(5s);
+  CHECK(state_of("pypi.org") == "unresolved");
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  CHECK(elems_for(kernel->applied.back(), "ph_agent_d4") == nullptr);
+
+  sb.refused("evil.test", 1);
+  const auto recs = sb.denied().since(0);
+  REQUIRE(recs.size() == 1);
+  CHECK(recs[0]->time == clock.wall);
 }
 
 TEST_CASE("addresses learned for a name follow it into the next phase that allows the name") {
