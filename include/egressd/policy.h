@@ -102,6 +102,10 @@ struct EnforceOptions {
   bool inbound_replies = true;
   // NFLOG group deny rules log to, for `egressctl denied` (0 = no logging).
   std::uint16_t log_group = kDefaultLogGroup;
+  // Hostname pinning in allowlist phases (docs/pinning.md): a flow to an
+  // address allowed only through learned names must present one of those
+  // names (TLS SNI, HTTP Host). Off: the address alone decides.
+  bool pin_names = true;
 };
 
 struct Phase {

@@ -31,16 +31,18 @@ std::string format_time(WallClock::time_point t) {
 nlohmann::json to_json(const DeniedRecord& r) {
   using nlohmann::json;
   const bool packet = r.kind == DeniedKind::packet;
-  return json{{"id", r.id},
-              {"time", format_time(r.time)},
-              {"last", format_time(r.last)},
-              {"kind", packet ? "packet" : "dns"},
-              {"proto", packet ? json(proto_name(r.proto)) : json(nullptr)},
-              {"dst", r.dst ? json(r.dst->to_string()) : json(nullptr)},
-              {"port", r.port ? json(*r.port) : json(nullptr)},
-              {"names", r.names},
-              {"phase", r.phase},
-              {"count", r.count}};
+  json j{{"id", r.id},
+         {"time", format_time(r.time)},
+         {"last", format_time(r.last)},
+         {"kind", packet ? "packet" : "dns"},
+         {"proto", packet ? json(proto_name(r.proto)) : json(nullptr)},
+         {"dst", r.dst ? json(r.dst->to_string()) : json(nullptr)},
+         {"port", r.port ? json(*r.port) : json(nullptr)},
+         {"names", r.names},
+         {"phase", r.phase},
+         {"count", r.count}};
+  if (!r.pin.empty()) j["pin"] = r.pin;
+  return j;
 }
 
 namespace {
@@ -100,6 +102,21 @@ bool DeniedLog::add_packet(std::uint8_t proto, const IpPrefix& dst, std::optiona
   r.port = port;
   r.phase = phase;
   std::string key = key_of(r);
+  return add(std::move(key), std::move(r), &names);
+}
+
+bool DeniedLog::add_pin_reset(const IpPrefix& dst, std::uint16_t port, const std::string& reason,
+                              const std::string& phase, const std::function<std::vector<std::string>()>& names,
+                              WallClock::time_point now) {
+  DeniedRecord r;
+  r.time = now;
+  r.kind = DeniedKind::packet;
+  r.proto = 6;
+  r.dst = dst;
+  r.port = port;
+  r.phase = phase;
+  r.pin = reason;
+  std::string key = key_of(r) + "\npin\n" + reason;
   return add(std::move(key), std::move(r), &names);
 }
 

@@ -41,6 +41,9 @@ struct DeniedRecord {
   std::vector<std::string> names;  // packet: names that resolved to dst; dns: the refused name
   std::string phase;
   std::uint64_t count = 1;
+  // packet: a flow hostname pinning reset, with decide()'s line ("tls sni
+  // same-ip.test to 203.0.113.10:443; address learned for allowed.test"); "" otherwise.
+  std::string pin;
 };
 
 // "tcp", "udp", "icmp", "ipv6-icmp", "sctp", "udplite", else the number as text.
@@ -59,6 +62,9 @@ class DeniedLog {
   bool add_packet(std::uint8_t proto, const IpPrefix& dst, std::optional<std::uint16_t> port,
                   const std::string& phase, const std::function<std::vector<std::string>()>& names,
                   WallClock::time_point now = WallClock::now());
+  // A flow hostname pinning reset: `reason` is decide()'s line.
+  bool add_pin_reset(const IpPrefix& dst, std::uint16_t port, const std::string& reason, const std::string& phase,
+                     const std::function<std::vector<std::string>()>& names, WallClock::time_point now = WallClock::now());
   // A refused DNS query for `name`. Returns true for a new record.
   bool add_dns(const std::string& name, const std::string& phase, WallClock::time_point now = WallClock::now());
 

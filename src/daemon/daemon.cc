@@ -29,6 +29,7 @@
 #include <sstream>
 
 #include "audit/nflog.h"
+#include "daemon/pinq.h"
 #include "control/protocol.h"
 #include "control/server.h"
 #include "daemon/audit_log.h"
@@ -44,6 +45,27 @@
 namespace egressd::daemon {
 
 namespace {
+
+// Hostname pinning's questions, answered by the sandbox (daemon/pinq.h).
+class SandboxPinJudge : public PinJudge, private pin::PinFacts {
+ public:
+  explicit SandboxPinJudge(Sandbox& sb) : sb_(sb) {}
+  const pin::PinFacts& pin_facts() const override { return *this; }
+  std::uint32_t pass_mark() const override { return sb_.compile_options().pass_mark; }
+  void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) override {
+    if (d.kind == pin::Decision::Kind::reset) {
+      spdlog::get("egressd")->info("pin reset: {}", d.reason);
+      sb_.pin_reset(dst, port, d.reason);
+    } else {
+      spdlog::get("egressd")->debug("pin admit: {}", d.reason);
+    }
+  }
+
+ private:
+  std::vector<std::string> names_for(const IpPrefix& addr) const override { return sb_.learned_names_for(addr); }
+  const Entry* allowed(std::string_view name) const override { return sb_.allowed_name(name); }
+  Sandbox& sb_;
+};
 
 // Joins the target network namespace. Must run before any socket that has to
 // live in the sandbox (netlink, DNS proxy) is created, and before any thread
@@ -449,6 +471,25 @@ int cmd_run(const RunArgs& a) {
     }
   }
 
+  // Hostname pinning: the reader of the queue chain pin sends TCP flows to
+  // (compile.h). Without it those flows get nowhere (no bypass): fail closed.
+  std::unique_ptr<SandboxPinJudge> pin_judge;
+  std::unique_ptr<PinQueue> pinq;
+  if (policy->enforce.pin_names) {
+    pin_judge = std::make_unique<SandboxPinJudge>(sandbox);
+    auto r = PinQueue::open(io, *pin_judge);
+    if (r) {
+      pinq = std::move(*r);
+      sandbox.attach_pin([q = pinq.get()] {
+        const PinStats s = q->stats();
+        return std::array<std::uint64_t, 3>{s.inspected, s.admitted, s.reset};
+      });
+    } else {
+      log->error("hostname pinning has no queue reader, so TCP flows to addresses allowed only by name "
+                 "cannot pass: {}", r.error().message);
+    }
+  }
+
   control::ServerOptions sopts;
   sopts.path = a.socket;
   sopts.allowed_uids.insert(a.allow_uids.begin(), a.allow_uids.end());
@@ -517,6 +558,7 @@ int cmd_run(const RunArgs& a) {
     if (metrics) metrics->close();
     if (proxy) proxy->close();
     if (nflog) nflog->close();
+    if (pinq) pinq->close();
     io.stop();
   });
   // Ready only once SIGTERM is handled: an orchestrator may stop us at once.

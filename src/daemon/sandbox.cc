@@ -65,6 +65,9 @@ nft::CompileOptions compile_options(const std::vector<std::string>& upstream, in
     // Bare addresses only (the policy loader accepts nothing else); port 53.
     if (auto ip = parse_ip(u)) o.upstreams.push_back(*ip);
   }
+  // The daemon runs the pinning queue reader (daemon/pinq); the policy's
+  // enforce.pin_names decides whether allowlist phases use it.
+  o.pin = true;
   return o;
 }
 
@@ -980,6 +983,14 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
   }
   if (inline_unknown_) j["entries_unknown"] = true;
   j["audit"] = audit_status();
+  // Hostname pinning (docs/pinning.md): flows the queue reader judged; null
+  // when the reader does not run (enforce.pin_names off, or no queue).
+  if (pin_counts_) {
+    const auto [inspected, admitted, reset] = pin_counts_();
+    j["pin"] = {{"inspected", inspected}, {"admitted", admitted}, {"reset", reset}};
+  } else {
+    j["pin"] = nullptr;
+  }
   return j;
 }
 

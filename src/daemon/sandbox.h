@@ -224,6 +224,15 @@ class Sandbox : public dns::PolicyHooks {
   void denied_packet(const audit::LoggedPacket& pkt);
   // The NFLOG reader whose counters status reports. Not owned; may be nullptr.
   void attach_nflog(audit::NflogReader* reader) { nflog_ = reader; }
+  // ---- hostname pinning (sandbox_pin.cc; the reader is daemon/pinq) ----
+  // The names learned through egressd for `addr` (one address) that are still live.
+  std::vector<std::string> learned_names_for(const IpPrefix& addr) const;
+  // The hostname/wildcard entry of the phase in force allowing `name`, or nullptr.
+  const Entry* allowed_name(std::string_view name) const;
+  // A flow pinning reset: a `denied` record carrying decide()'s line.
+  void pin_reset(const IpPrefix& dst, std::uint16_t port, const std::string& reason);
+  // Status counters of the reader: {inspected, admitted, reset}.
+  void attach_pin(std::function<std::array<std::uint64_t, 3>()> counts) { pin_counts_ = std::move(counts); }
   // Where `metrics` reads the tamper guard's counts (tampers seen, restores
   // done). Empty: those metrics are left out.
   void set_tamper_counts(std::function<std::pair<std::uint64_t, std::uint64_t>()> fn) { tamper_counts_ = std::move(fn); }
@@ -354,6 +363,7 @@ class Sandbox : public dns::PolicyHooks {
   std::uint64_t switches_ = 0, switch_failures_ = 0;
   std::map<std::pair<std::string, std::string>, std::uint64_t> requests_;  // (command, result) -> count
   std::function<std::pair<std::uint64_t, std::uint64_t>()> tamper_counts_;
+  std::function<std::array<std::uint64_t, 3>()> pin_counts_;  // empty: pinning not running
 
   SandboxOptions opts_;
   std::unique_ptr<nft::Kernel> kernel_;

@@ -164,6 +164,15 @@ std::string Sandbox::metrics_text_from(const Traffic& t) {
     w.sample("egressd_tamper_restores_total", restores);
   }
 
+  if (pin_counts_) {
+    const auto [inspected, admitted, reset] = pin_counts_();
+    w.family("egressd_pin_flows_total", "counter",
+             "Flows hostname pinning judged, by result (admitted, reset); inspected = admitted + reset + held.");
+    w.sample("egressd_pin_flows_total", inspected, "result=\"inspected\"");
+    w.sample("egressd_pin_flows_total", admitted, "result=\"admitted\"");
+    w.sample("egressd_pin_flows_total", reset, "result=\"reset\"");
+  }
+
   w.family("egressd_control_requests_total", "counter",
            "Control requests answered, by command and result (ok, or the error code).");
   for (const auto& [key, n] : requests_) {

@@ -50,6 +50,10 @@ bool is_loopback(const IpPrefix& a) {
   return (a.family == 4 && a.bytes[0] == 127) || (a.family == 6 && a == *parse_ip("::1"));
 }
 
+// Hostname pinning is on for the table: the policy asks for it and the
+// daemon runs the queue reader.
+bool pinning(const Policy& policy, const CompileOptions& opts) { return opts.pin && policy.enforce.pin_names; }
+
 struct PhaseSets {
   std::string a4, n4, a6, n6, d4, d6;
 };
@@ -91,7 +95,26 @@ std::vector<Set> phase_sets(const std::string& chain, const Phase& phase) {
   return out;
 }
 
-Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_t mark) {
+// Chain `pin` (see compile.h): TCP packets of undecided flows to addresses
+// allowed only through learned names.
+Chain pin_chain(const CompileOptions& opts) {
+  Chain c{kPinChain, std::nullopt, {}};
+  // The reader let a payload-less packet (an ACK, a FIN) go: it re-enters
+  // the hook (NF_REPEAT) carrying the pass mark, a secret the sandbox cannot
+  // set on its own packets (other than by guessing 32 bits).
+  c.rules.push_back({{MatchMetaMark{opts.pass_mark}, to_pass()}, ""});
+  // The reader refused the flow: the client gets a TCP reset at once.
+  c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kTcp}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
+  // The handshake passes as without pinning; the flow stays undecided (no ct mark).
+  c.rules.push_back({{MatchTcpFlagSyn{}, to_pass()}, ""});
+  // Everything else goes to the reader. No bypass: with no reader the
+  // kernel drops it (fail closed).
+  c.rules.push_back({{StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
+  return c;
+}
+
+Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_t mark, bool pin = false,
+                      std::uint32_t pass_mark = kPassMark) {
   Chain c{chain, std::nullopt, {}};
   switch (phase.mode) {
     case Mode::public_:
@@ -102,10 +125,28 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
       break;
     case Mode::allowlist: {
       const PhaseSets s = sets_for(chain);
+      // With pinning, a TCP flow that reaches a learned set (so no IP/CIDR
+      // entry allows its address) and is not yet decided (ct mark 0: every
+      // decided flow carries a phase's mark) goes to chain pin.
+      // The reader admits a flow by re-running the hook with the skb mark
+      // pin_admit_mark (the verdict cannot set the ct mark on kernels
+      // without CONFIG_NETFILTER_NETLINK_GLUE_CT): this rule gives the flow
+      // the phase's mark, so every later packet takes the fast path.
+      auto pinned = [&](const std::string& set, SetType type) {
+        if (!pin) return;
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
+      };
       for (const auto* set : {&s.a4, &s.n4, &s.d4}) {
+        if (set == &s.d4) pinned(*set, SetType::ipv4_addr);
         c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv4_addr}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()}, ""});
       }
       for (const auto* set : {&s.a6, &s.n6, &s.d6}) {
+        if (set == &s.d6) pinned(*set, SetType::ipv6_addr);
         c.rules.push_back({{MatchDaddrSet{*set, SetType::ipv6_addr}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()}, ""});
       }
       c.rules.push_back({{StmtVerdict{VerdictKind::goto_, "deny"}}, ""});
@@ -196,6 +237,13 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
                       accept()},
                      ""});
+  // Hostname pinning resets a flow after its handshake (chain pin): that
+  // reset comes from the remote address over `lo` in the reply direction of
+  // a confirmed TCP flow that is still undecided (ct mark 0). Nothing else a
+  // process sends looks like that but a packet to itself.
+  if (pinning(policy, opts)) {
+    c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
+  }
   // IPv6 duplicate address detection: a neighbour solicitation from the
   // unspecified address, before the address is the namespace's own.
   c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
@@ -262,6 +310,9 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
                       accept()},
                      ""});
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::dnat}, accept()}, ""});
+  if (pinning(policy, opts)) {  // hostname pinning's reset (see chain output)
+    c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
+  }
   c.rules.push_back({{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true},
                       StmtVerdict{VerdictKind::drop, ""}},
                      ""});
@@ -362,8 +413,11 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   t.chains.push_back(pass_chain(opts));
   t.chains.push_back(Chain{"active", std::nullopt, {}});
   t.chains.push_back(deny_chain(policy));
+  const bool pin = pinning(policy, opts);
+  if (pin) t.chains.push_back(pin_chain(opts));
   for (const auto& ph : policy.phases) {
-    t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt)));
+    t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,
+                                      opts.pass_mark));
   }
   t.chains.push_back(input_chain(policy, opts));
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
@@ -532,7 +586,7 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
     if (inline_phase->mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, *inline_phase)) t.sets.push_back(std::move(s));
     }
-    t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark));
+    t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pass_mark));
   }
   for (auto& c : t.chains) {
     if (c.name == "active") c.rules = active_rules(state);
@@ -576,7 +630,7 @@ std::optional<Table> build_netdev_table(const ActiveState& state, const CompileO
   return t;
 }
 
-Change build_switch(const Policy& /*policy*/, const Phase& target, const ActiveState& next,
+Change build_switch(const Policy& policy, const Phase& target, const ActiveState& next,
                     const ActiveState& prev, const CompileOptions& opts) {
   Change ch;
   ch.table = kTableName;
@@ -585,7 +639,7 @@ Change build_switch(const Policy& /*policy*/, const Phase& target, const ActiveS
     if (target.mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, target)) ch.ops.push_back(OpAddSet{std::move(s)});
     }
-    ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark)});
+    ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pass_mark)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
   for (auto& r : active_rules(next)) ch.ops.push_back(OpAddRule{"active", std::move(r)});

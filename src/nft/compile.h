@@ -101,6 +101,28 @@ inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 // answering) pass the block on loopback upstreams.
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 
+// Hostname pinning (docs/pinning.md). With CompileOptions::pin and the
+// policy's enforce.pin_names, in allowlist phases a TCP flow whose address is
+// in a learned set only (no IP/CIDR entry) and whose ct mark is still 0 goes
+// to chain `pin`: the handshake passes unmarked, every later packet goes to
+// nfnetlink_queue kPinQueueNum (no bypass: no reader, no traffic). The
+// reader's verdict re-runs the hook (NF_REPEAT) with an skb mark: the admit
+// mark (admitted: the phase chain sets the flow's ct mark to the phase's, and
+// the fast path takes every later packet), kPinResetMark (refused: chain pin
+// answers with a TCP reset), or, for a payload-less packet of an undecided
+// flow, the pass mark (passes, flow stays undecided). The verdict sets no ct
+// mark itself: NFQA_CT needs CONFIG_NETFILTER_NETLINK_GLUE_CT, which some
+// kernels lack (and then ignore it silently).
+inline constexpr const char* kPinChain = "pin";
+inline constexpr std::uint16_t kPinQueueNum = 16;
+// An skb mark only the reader's verdict sets on purpose; a sandbox that
+// sets it with SO_MARK only gets its own undecided flows reset.
+inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"
+// The skb mark of a packet the reader admitted: derived from the pass mark,
+// so as secret as it (a sandbox guessing it would skip only the name check,
+// never the address check before it).
+constexpr std::uint32_t pin_admit_mark(std::uint32_t pass_mark) { return ~pass_mark; }
+
 // The port egressd's DNS proxy listens on (127.0.0.1 and ::1 in the sandbox).
 inline constexpr std::uint16_t kDefaultDnsPort = 53;
 
@@ -142,6 +164,9 @@ struct CompileOptions {
   std::uint32_t mark_salt = kDefaultMarkSalt;
   // The kernel has the netdev egress hook: build table netdev egressd.
   bool netdev = true;
+  // The daemon runs the pinning queue reader: allowlist phases get the pin
+  // rules when the policy's enforce.pin_names is on.
+  bool pin = false;
 
   // What the namespace looks like now (not part of the staged digest):
   // non-loopback interface names (one egress chain each), on-link global

@@ -85,6 +85,9 @@ enum class CtStatusBit : std::uint32_t { confirmed = 0x8, dnat = 0x20 };
 struct MatchCtStatus { CtStatusBit bit; bool negate = false; };
 // ct mark value
 struct MatchCtMark { std::uint32_t value; };
+// tcp flags syn: the SYN bit is set (emits meta l4proto tcp + the flags
+// byte, masked, compared with zero).
+struct MatchTcpFlagSyn {};
 // meta l4proto <proto> (6 tcp, 17 udp)
 struct MatchL4Proto { std::uint8_t proto; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
@@ -135,16 +138,22 @@ struct StmtRedirect { std::uint16_t port; };
 struct StmtRejectTcpReset {};
 // reject with icmpx admin-prohibited
 struct StmtRejectAdminProhibited {};
+// queue num N: hands the packet to the nfnetlink_queue listener of queue N;
+// without the bypass flag, so with no listener the packet is dropped.
+// netlink.cc sends it as the xtables NFQUEUE target (nft_compat), which
+// every kernel with xt_NFQUEUE runs, nft_queue or not; nft lists it as
+// `queue num N` all the same.
+struct StmtQueue { std::uint16_t num; };
 enum class VerdictKind { accept, drop, jump, goto_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
-                          MatchCtMark, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtRedirect,
-                          StmtRejectTcpReset, StmtRejectAdminProhibited, StmtVerdict>;
+                          StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 
 struct Rule {
   std::vector<Stmt> stmts;

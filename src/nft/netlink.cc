@@ -28,6 +28,7 @@
 #include <linux/netfilter/nf_nat.h>
 #include <linux/netfilter/nf_tables.h>
 #include <linux/netfilter/nfnetlink.h>
+#include <linux/netfilter/xt_NFQUEUE.h>
 #include <linux/netlink.h>
 #include <netinet/in.h>
 #include <netinet/ip.h>
@@ -39,7 +40,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <functional>
 #include <string_view>
 
@@ -445,6 +448,12 @@ class RuleBuilder {
     ct_load(NFT_CT_MARK);
     cmp_u32(NFT_CMP_EQ, m.value);
   }
+  void operator()(const MatchTcpFlagSyn&) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(IPPROTO_TCP);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
+    bit_test_u8(0x02);                              // SYN
+  }
   void operator()(const MatchL4Proto& m) {
     meta(NFT_META_L4PROTO);
     cmp_u8(m.proto);
@@ -534,6 +543,23 @@ class RuleBuilder {
   void operator()(const StmtRejectAdminProhibited&) {
     reject(NFT_REJECT_ICMPX_UNREACH, NFT_REJECT_ICMPX_ADMIN_PROHIBITED);
   }
+  // The xtables NFQUEUE target, revision 3 (queue number, no flags: no
+  // bypass), through nft_compat: the kernel needs xt_NFQUEUE, not nft_queue
+  // (which some kernels lack; nft lists both as `queue num N`).
+  void operator()(const StmtQueue& q) {
+    xt_NFQ_info_v3 info{};
+    info.queuenum = q.num;
+    info.queues_total = 1;
+    auto e = expr("target");
+    nftnl_expr_set_str(e.get(), NFTNL_EXPR_TG_NAME, "NFQUEUE");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_TG_REV, 3);
+    // libnftnl takes ownership of the info blob and frees it with the expression.
+    void* blob = std::malloc(sizeof info);
+    if (blob == nullptr) throw std::bad_alloc();
+    std::memcpy(blob, &info, sizeof info);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_TG_INFO, blob, sizeof info);
+    add(std::move(e));
+  }
   void operator()(const StmtVerdict& v) {
     auto e = expr("immediate");
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_IMM_DREG, NFT_REG_VERDICT);
@@ -580,6 +606,18 @@ class RuleBuilder {
     nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
     add(std::move(e));
     cmp_u32(negate ? NFT_CMP_EQ : NFT_CMP_NEQ, 0);
+  }
+  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
+  void bit_test_u8(std::uint8_t bit) {
+    const std::uint8_t zero = 0;
+    auto e = expr("bitwise");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
+    add(std::move(e));
+    cmp(NFT_CMP_NEQ, &zero, sizeof zero);
   }
   // `exthdr rt exists`, `ip option lsrr exists`: a present-flag load of one
   // byte, compared with 1.

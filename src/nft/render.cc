@@ -133,6 +133,7 @@ struct StmtText {
     return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
   }
   std::string operator()(const MatchCtMark& m) const { return "ct mark " + hex32(m.value); }
+  std::string operator()(const MatchTcpFlagSyn&) const { return "tcp flags syn"; }
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);
@@ -172,6 +173,7 @@ struct StmtText {
   std::string operator()(const StmtRedirect& s) const { return "redirect to :" + std::to_string(s.port); }
   std::string operator()(const StmtRejectTcpReset&) const { return "reject with tcp reset"; }
   std::string operator()(const StmtRejectAdminProhibited&) const { return "reject with icmpx admin-prohibited"; }
+  std::string operator()(const StmtQueue& q) const { return "queue num " + std::to_string(q.num); }
   std::string operator()(const StmtVerdict& v) const {
     switch (v.kind) {
       case VerdictKind::accept: return "accept";

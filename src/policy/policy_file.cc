@@ -345,8 +345,14 @@ class Parser {
     if (!enforce.IsMap()) {
       return err(where(enforce, key), "enforce must be a map, not " + std::string(type_name(enforce)));
     }
-    return walk(enforce, {"deny", "inbound_replies", "log_group"}, "in enforce",
+    return walk(enforce, {"deny", "inbound_replies", "log_group", "pin_names"}, "in enforce",
                 [&](const std::string& name, const Node& k, const Node& v) -> Status {
+                  if (name == "pin_names") {
+                    auto b = boolean(v, k, "pin_names");
+                    if (!b) return b.error();
+                    out.pin_names = *b;
+                    return {};
+                  }
                   if (name == "deny") {
                     auto s = scalar(v, k, "deny");
                     if (!s) return s.error();

@@ -443,3 +443,51 @@ TEST_CASE("address elements are sorted and deduplicated") {
   REQUIRE(elems.size() == 2);
   CHECK(elems[0].from.to_string() == "192.0.2.1");
 }
+
+TEST_CASE("hostname pinning: learned-only TCP flows go to chain pin while undecided, IP entries never") {
+  Policy p = three_phases();
+  CompileOptions o;
+  o.pin = true;
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+  const Chain* pin = find_chain(t, "pin");
+  REQUIRE(pin != nullptr);
+  REQUIRE(pin->rules.size() == 4);
+  CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
+  CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
+  CHECK(render_rule(pin->rules[2]) == "tcp flags syn goto pass");
+  // No bypass: with no reader the packet is dropped.
+  CHECK(render_rule(pin->rules[3]) == "counter queue num 16");
+  const Chain* agent = find_chain(t, "ph_agent");
+  std::vector<std::string> rules;
+  for (const auto& r : agent->rules) rules.push_back(render_rule(r));
+  // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
+  // the learned set as before (flows decided under another phase).
+  REQUIRE(rules.size() == 11);
+  CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[2] ==
+        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
+        "0x45470002 goto pass");
+  CHECK(rules[3] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[4] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[8] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
+
+  // enforce.pin_names: false, or a daemon without the reader: none of it.
+  p.enforce.pin_names = false;
+  const Table off = build_table(p, nullptr, named(p, "agent", 1), o);
+  CHECK(find_chain(off, "pin") == nullptr);
+  CHECK(find_chain(off, "ph_agent")->rules.size() == 7);
+  p.enforce.pin_names = true;
+  CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin") == nullptr);
+  // An inline allowlist applied by a switch gets the same rules.
+  const Phase il = phase("inline", Mode::allowlist, {"example.org"});
+  const ActiveState next = make_state(p, il, 2, true);
+  const Change ch = build_switch(p, il, next, named(p, "agent", 1), o);
+  bool queued = false;
+  for (const auto& op : ch.ops) {
+    if (const auto* add = std::get_if<OpAddChain>(&op)) {
+      for (const auto& r : add->chain.rules) queued |= render_rule(r).ends_with("goto pin");
+    }
+  }
+  CHECK(queued);
+}

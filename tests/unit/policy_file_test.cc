@@ -253,6 +253,11 @@ TEST_CASE("enforce") {
   CHECK(reject("enforce: {log_group: -1}\nphases: {a: public}\n") ==
         "p.yaml:1:22: log_group must be a number from 0 to 65535, not \"-1\"");
   CHECK(reject("enforce: drop\nphases: {a: public}\n") == "p.yaml:1:10: enforce must be a map, not a string");
+  // Hostname pinning: on unless turned off.
+  CHECK(accept("phases: {a: public}\n").enforce.pin_names);
+  CHECK_FALSE(accept("enforce: {pin_names: false}\nphases: {a: public}\n").enforce.pin_names);
+  CHECK(reject("enforce: {pin_names: no}\nphases: {a: public}\n") ==
+        "p.yaml:1:22: pin_names must be true or false, not \"no\"");
 }
 
 TEST_CASE("YAML syntax errors carry their position") {
@@ -284,7 +289,7 @@ TEST_CASE("unknown keys at every level are errors that list the allowed keys") {
         "p.yaml:3:3: unknown key \"upstreams\" in dns: allowed keys are upstream, min_ttl, max_ttl, deny_answer, "
         "private_answers, observe_public (did you mean \"upstream\"?)");
   CHECK(reject("phases: {a: public}\nenforce:\n  log-group: 1\n") ==
-        "p.yaml:3:3: unknown key \"log-group\" in enforce: allowed keys are deny, inbound_replies, log_group "
+        "p.yaml:3:3: unknown key \"log-group\" in enforce: allowed keys are deny, inbound_replies, log_group, pin_names "
         "(did you mean \"log_group\"?)");
   CHECK(reject("phases:\n  agent:\n    network_mode: allowlist\n    allowed_host: [pypi.org]\n") ==
         "p.yaml:4:5: unknown key \"allowed_host\" in phase \"agent\": allowed keys are network_mode, "

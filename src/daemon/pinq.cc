@@ -1,0 +1,410 @@
+#include "daemon/pinq.h"
+
+#include <arpa/inet.h>
+#include <libmnl/libmnl.h>
+#include <linux/netfilter.h>
+#include <linux/netfilter/nfnetlink.h>
+#include <linux/netfilter/nfnetlink_queue.h>
+#include <sys/socket.h>
+
+#include <boost/asio/steady_timer.hpp>
+#include <cstring>
+
+#include "nft/compile.h"
+#include "nft/transport.h"
+#include "pin/http_head.h"
+#include "pin/tls_hello.h"
+
+namespace egressd::daemon {
+
+namespace asio = boost::asio;
+
+namespace {
+
+constexpr std::uint8_t kTcp = 6;
+constexpr int kMaxExtHeaders = 8;
+// Room for one whole packet: the kernel hands GSO packets over segmented.
+constexpr std::uint32_t kCopyRange = 0xffff;
+// Packets the kernel may hold for the reader before it drops new ones (no
+// fail-open flag: a full queue drops, it never bypasses the reader).
+constexpr std::uint32_t kQueueMaxLen = 4096;
+// How long a decided flow's answer is remembered for its stragglers.
+constexpr std::chrono::seconds kDecidedMemory{10};
+
+std::uint16_t be16(std::span<const std::uint8_t> b, std::size_t off) {
+  return static_cast<std::uint16_t>(b[off] << 8 | b[off + 1]);
+}
+std::uint32_t be32(std::span<const std::uint8_t> b, std::size_t off) {
+  return static_cast<std::uint32_t>(b[off]) << 24 | static_cast<std::uint32_t>(b[off + 1]) << 16 |
+         static_cast<std::uint32_t>(b[off + 2]) << 8 | b[off + 3];
+}
+
+IpPrefix addr(std::span<const std::uint8_t> b, std::size_t off, int family) {
+  IpPrefix p;
+  p.family = static_cast<std::uint8_t>(family);
+  p.prefix_len = family == 4 ? 32 : 128;
+  std::memcpy(p.bytes.data(), b.data() + off, family == 4 ? 4 : 16);
+  return p;
+}
+
+}  // namespace
+
+std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt) {
+  if (pkt.empty()) return std::nullopt;
+  TcpSegment s;
+  std::size_t off = 0, end = 0;
+  const int version = pkt[0] >> 4;
+  if (version == 4) {
+    if (pkt.size() < 20) return std::nullopt;
+    const std::size_t ihl = static_cast<std::size_t>(pkt[0] & 0x0f) * 4;
+    end = be16(pkt, 2);
+    if (ihl < 20 || end < ihl || end > pkt.size()) return std::nullopt;
+    if ((be16(pkt, 6) & 0x3fff) != 0) return std::nullopt;  // a fragment (MF or an offset)
+    if (pkt[9] != kTcp) return std::nullopt;
+    s.src = addr(pkt, 12, 4);
+    s.dst = addr(pkt, 16, 4);
+    off = ihl;
+  } else if (version == 6) {
+    if (pkt.size() < 40) return std::nullopt;
+    end = 40 + static_cast<std::size_t>(be16(pkt, 4));
+    if (end > pkt.size()) return std::nullopt;
+    s.src = addr(pkt, 8, 6);
+    s.dst = addr(pkt, 24, 6);
+    std::uint8_t nh = pkt[6];
+    off = 40;
+    for (int i = 0; i < kMaxExtHeaders && nh != kTcp; ++i) {
+      if (nh != 0 && nh != 43 && nh != 60) return std::nullopt;  // fragments, AH, anything else
+      if (off + 2 > end) return std::nullopt;
+      const std::uint8_t next = pkt[off];
+      off += (static_cast<std::size_t>(pkt[off + 1]) + 1) * 8;
+      nh = next;
+    }
+    if (nh != kTcp) return std::nullopt;
+  } else {
+    return std::nullopt;
+  }
+  if (off + 20 > end) return std::nullopt;
+  const std::size_t doff = static_cast<std::size_t>(pkt[off + 12] >> 4) * 4;
+  if (doff < 20 || off + doff > end) return std::nullopt;
+  s.sport = be16(pkt, off);
+  s.dport = be16(pkt, off + 2);
+  s.seq = be32(pkt, off + 4);
+  const std::uint8_t flags = pkt[off + 13];
+  s.fin = (flags & 0x01) != 0;
+  s.syn = (flags & 0x02) != 0;
+  s.rst = (flags & 0x04) != 0;
+  s.payload = pkt.subspan(off + doff, end - off - doff);
+  return s;
+}
+
+// ---- PinFlows -------------------------------------------------------------------------------
+
+std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
+  std::vector<std::uint8_t> out;
+  for (const auto& [offset, bytes] : f.segs) {
+    if (offset > out.size()) break;  // a gap: what follows it is not yet usable
+    const std::size_t skip = out.size() - offset;
+    if (skip < bytes.size()) out.insert(out.end(), bytes.begin() + static_cast<std::ptrdiff_t>(skip), bytes.end());
+    if (out.size() >= pin::kMaxInspect) {
+      out.resize(pin::kMaxInspect);
+      break;
+    }
+  }
+  return out;
+}
+
+std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now) {
+  std::vector<PinVerdict> out;
+  for (std::size_t i = 0; i < it->second.ids.size(); ++i) {
+    PinVerdict::Kind k = PinVerdict::Kind::admit;
+    // One reset answers the client; the rest of a refused flow's bytes go nowhere.
+    if (!admit) k = i == 0 ? PinVerdict::Kind::reset : PinVerdict::Kind::drop;
+    out.push_back({it->second.ids[i], k});
+  }
+  ++(admit ? stats_.admitted : stats_.reset);
+  decided_[it->first] = {admit, now};
+  flows_.erase(it);
+  stats_.held = flows_.size();
+  return out;
+}
+
+std::vector<PinVerdict> PinFlows::reset_flow(std::map<Key, Flow>::iterator it, const std::string& why,
+                                             Clock::time_point now) {
+  pin::Decision d;
+  d.kind = pin::Decision::Kind::reset;
+  d.reason = why;
+  judge_.pin_decided(d, it->second.dst, it->second.dport);
+  return finish(it, false, now);
+}
+
+std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const TcpSegment& seg, Clock::time_point now) {
+  const Key key{seg.dst.family, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+  if (auto d = decided_.find(key); d != decided_.end() && !flows_.contains(key)) {
+    // A straggler queued before its flow's mark was set, or a packet of a
+    // refused flow: the same answer.
+    if (d->second.admitted) return {{id, PinVerdict::Kind::admit}};
+    return {{id, seg.payload.empty() ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
+  }
+  auto it = flows_.find(key);
+  if (seg.payload.empty()) {
+    // An ACK, FIN or RST without data carries no name: it passes and the
+    // flow stays undecided (a held flow keeps its held packets). The
+    // handshake's ACK tells where the stream starts (ISN + 1), so a later
+    // segment that arrives first is not mistaken for the first bytes.
+    if (it == flows_.end() && !seg.rst && !seg.fin && starts_.size() < kMaxFlows) {
+      starts_.try_emplace(key, Start{seg.seq, now});
+    }
+    return {{id, PinVerdict::Kind::pass}};
+  }
+  if (it == flows_.end()) {
+    ++stats_.inspected;
+    std::uint32_t base = seg.seq;
+    if (auto st = starts_.find(key); st != starts_.end()) {
+      base = st->second.seq;
+      starts_.erase(st);
+    }
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}}).first;
+    stats_.held = flows_.size();
+    if (flows_.size() > kMaxFlows) {
+      it->second.ids.push_back(id);
+      return reset_flow(it, "too many flows held at once", now);
+    }
+  }
+  Flow& f = it->second;
+  f.ids.push_back(id);
+  // Sequence numbers relative to the first byte held (mod 2^32). A segment
+  // that starts before it (reordered) moves the start back.
+  std::uint32_t rel = seg.seq - f.base;
+  if (rel >= 0x80000000u) {
+    const std::uint32_t back = f.base - seg.seq;
+    if (back >= pin::kMaxInspect) return reset_flow(it, "tcp segments out of order beyond 16384 bytes", now);
+    std::map<std::uint32_t, std::vector<std::uint8_t>> moved;
+    for (auto& [o, b] : f.segs) moved.emplace(o + back, std::move(b));
+    f.segs = std::move(moved);
+    f.base = seg.seq;
+    rel = 0;
+  }
+  if (rel < pin::kMaxInspect) {
+    auto& slot = f.segs[rel];
+    // A retransmission may carry more than the first copy; keep the longer.
+    if (seg.payload.size() > slot.size()) slot.assign(seg.payload.begin(), seg.payload.end());
+  }
+  const std::vector<std::uint8_t> bytes = stream(f);
+  const pin::Bytes view(bytes.data(), bytes.size());
+  pin::PinProto proto = pin::PinProto::tls;
+  switch (pin::classify_tcp(view)) {
+    case pin::TcpKind::need_more:
+      if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
+      return {};
+    case pin::TcpKind::other:
+      // Not TLS, not HTTP: the address decides, as without pinning.
+      return finish(it, true, now);
+    case pin::TcpKind::tls: proto = pin::PinProto::tls; break;
+    case pin::TcpKind::http: proto = pin::PinProto::http; break;
+  }
+  const pin::Parse parse = proto == pin::PinProto::tls ? pin::parse_tls_client_hello(view) : pin::parse_http_head(view);
+  pin::Decision d = pin::decide(proto, parse, seg.dst, seg.dport, judge_.pin_facts());
+  if (d.kind == pin::Decision::Kind::need_more) {
+    if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
+    return {};
+  }
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
+  std::vector<PinVerdict> out;
+  for (auto it = flows_.begin(); it != flows_.end();) {
+    auto next = std::next(it);
+    if (now - it->second.started >= kHoldTime) {
+      auto v = reset_flow(it, "no decision within 2 seconds", now);
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    it = next;
+  }
+  std::erase_if(decided_, [&](const auto& kv) { return now - kv.second.at >= kDecidedMemory; });
+  std::erase_if(starts_, [&](const auto& kv) { return now - kv.second.at >= kDecidedMemory; });
+  return out;
+}
+
+std::optional<PinFlows::Clock::time_point> PinFlows::next_deadline() const {
+  std::optional<Clock::time_point> t;
+  for (const auto& [k, f] : flows_) {
+    if (!t || f.started + kHoldTime < *t) t = f.started + kHoldTime;
+  }
+  return t;
+}
+
+// ---- PinQueue -------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::uint16_t msg_type(std::uint8_t t) { return static_cast<std::uint16_t>(NFNL_SUBSYS_QUEUE << 8 | t); }
+
+nlmsghdr* put_queue_header(char* buf, std::uint8_t type, std::uint16_t flags) {
+  nlmsghdr* nlh = mnl_nlmsg_put_header(buf);
+  nlh->nlmsg_type = msg_type(type);
+  nlh->nlmsg_flags = flags;
+  auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
+  nfg->nfgen_family = AF_UNSPEC;
+  nfg->version = NFNETLINK_V0;
+  nfg->res_id = htons(nft::kPinQueueNum);
+  return nlh;
+}
+
+Status configure(nft::Transport& t) {
+  std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
+  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK);
+  nfqnl_msg_config_cmd cmd{};
+  cmd.command = NFQNL_CFG_CMD_BIND;
+  mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
+  nfqnl_msg_config_params params{};
+  params.copy_range = htonl(kCopyRange);
+  params.copy_mode = NFQNL_COPY_PACKET;
+  mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
+  mnl_attr_put_u32(nlh, NFQA_CFG_QUEUE_MAXLEN, htonl(kQueueMaxLen));
+  const int err = t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
+  const std::string q = "pinning queue " + std::to_string(nft::kPinQueueNum);
+  if (err == ETIMEDOUT) return errno_error(q + ": no answer to the bind request", EAGAIN);
+  if (err == EBUSY) return Error::runtime(q + " is already bound by another listener in this network namespace");
+  if (err != 0) return errno_error(q + ": cannot bind", err);
+  return {};
+}
+
+class Queue : public PinQueue {
+ public:
+  Queue(asio::io_context& io, std::unique_ptr<nft::Transport> t, PinJudge& judge)
+      : t_(std::move(t)), judge_(judge), flows_(judge), timer_(io) {}
+  ~Queue() override { close(); }
+
+  void start() {
+    nft::Transport::Handlers h;
+    h.message = [this](const nlmsghdr* nlh) { handle(nlh); };
+    // Packets lost to an overrun get no verdict: the kernel drops them when
+    // their flow's next packet is retransmitted and queued again.
+    h.overrun = [this] { ++errors_; };
+    h.turn_done = [this] { flush(); };
+    t_->start(std::move(h));
+  }
+  PinStats stats() const override {
+    PinStats s = flows_.stats();
+    s.errors += errors_;
+    return s;
+  }
+  void close() override {
+    if (closed_) return;
+    closed_ = true;
+    t_->stop();
+    timer_.cancel();
+  }
+
+ private:
+  void handle(const nlmsghdr* nlh) {
+    if (nlh->nlmsg_type == NLMSG_ERROR) {
+      const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(nlh));
+      if (e->error != 0) ++errors_;  // a verdict the kernel refused
+      return;
+    }
+    if (nlh->nlmsg_type != msg_type(NFQNL_MSG_PACKET)) return;
+    const nlattr* tb[NFQA_MAX + 1] = {};
+    if (mnl_attr_parse(nlh, sizeof(nfgenmsg), [](const nlattr* a, void* data) {
+          const int type = mnl_attr_get_type(a);
+          if (type >= 0 && type <= NFQA_MAX) static_cast<const nlattr**>(data)[type] = a;
+          return MNL_CB_OK;
+        }, tb) < 0 || tb[NFQA_PACKET_HDR] == nullptr ||
+        mnl_attr_get_payload_len(tb[NFQA_PACKET_HDR]) < sizeof(nfqnl_msg_packet_hdr)) {
+      ++errors_;
+      return;
+    }
+    const auto* ph = static_cast<const nfqnl_msg_packet_hdr*>(mnl_attr_get_payload(tb[NFQA_PACKET_HDR]));
+    const std::uint32_t id = ntohl(ph->packet_id);
+    std::optional<TcpSegment> seg;
+    // A packet cut short by the copy range cannot be judged: reset (fail closed).
+    if (tb[NFQA_PAYLOAD] != nullptr && tb[NFQA_CAP_LEN] == nullptr) {
+      seg = parse_tcp_packet({static_cast<const std::uint8_t*>(mnl_attr_get_payload(tb[NFQA_PAYLOAD])),
+                              mnl_attr_get_payload_len(tb[NFQA_PAYLOAD])});
+    }
+    if (!seg) {
+      ++errors_;
+      pending_.push_back({id, PinVerdict::Kind::drop});
+      return;
+    }
+    auto v = flows_.packet(id, *seg, PinFlows::Clock::now());
+    pending_.insert(pending_.end(), v.begin(), v.end());
+  }
+
+  // Sends the verdicts gathered this turn (several per datagram) and re-arms
+  // the hold timer.
+  void flush() {
+    if (closed_) return;
+    auto expired = flows_.expire(PinFlows::Clock::now());
+    pending_.insert(pending_.end(), expired.begin(), expired.end());
+    std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
+    std::size_t used = 0;
+    auto send = [&] {
+      if (used != 0 && t_->send(buf.data(), used) != 0) ++errors_;
+      used = 0;
+    };
+    const std::uint32_t pass_mark = judge_.pass_mark();
+    for (const PinVerdict& v : pending_) {
+      if (buf.size() - used < 256) send();
+      nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST);
+      nlh->nlmsg_seq = t_->next_seq();
+      nfqnl_msg_verdict_hdr vh{};
+      vh.id = htonl(v.packet_id);
+      vh.verdict = htonl(v.kind == PinVerdict::Kind::drop ? NF_DROP : NF_REPEAT);
+      mnl_attr_put(nlh, NFQA_VERDICT_HDR, sizeof vh, &vh);
+      switch (v.kind) {
+        case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pass_mark))); break;
+        case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
+        case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pass_mark)); break;
+        case PinVerdict::Kind::drop: break;
+      }
+      used += NLMSG_ALIGN(nlh->nlmsg_len);
+    }
+    send();
+    pending_.clear();
+    arm();
+  }
+
+  void arm() {
+    const auto next = flows_.next_deadline();
+    if (!next || (armed_ && *next >= armed_at_)) return;
+    armed_ = true;
+    armed_at_ = *next;
+    timer_.expires_at(*next);
+    timer_.async_wait([this](const boost::system::error_code& ec) {
+      armed_ = false;
+      if (ec || closed_) return;
+      flush();
+    });
+  }
+
+  std::unique_ptr<nft::Transport> t_;
+  PinJudge& judge_;
+  PinFlows flows_;
+  asio::steady_timer timer_;
+  bool armed_ = false;
+  PinFlows::Clock::time_point armed_at_{};
+  bool closed_ = false;
+  std::vector<PinVerdict> pending_;
+  std::uint64_t errors_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<PinQueue>> PinQueue::open(asio::io_context& io, PinJudge& judge) {
+  nft::TransportOptions o;
+  o.protocol = NETLINK_NETFILTER;
+  // Bursts of first packets between event-loop turns.
+  o.rcvbuf = 4 << 20;
+  o.what = "pinning queue";
+  auto t = nft::Transport::open(io, std::move(o));
+  if (!t) return t.error();
+  if (auto s = configure(**t); !s) return s.error();
+  auto q = std::make_unique<Queue>(io, std::move(*t), judge);
+  q->start();
+  return std::unique_ptr<PinQueue>(std::move(q));
+}
+
+}  // namespace egressd::daemon

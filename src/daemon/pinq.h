@@ -1,0 +1,145 @@
+// Hostname pinning's datapath half (docs/pinning.md, issue 16): the
+// nfnetlink_queue reader behind chain `pin` (nft/compile.h). The kernel
+// queues every packet of an undecided TCP flow to a learned-only address
+// after its handshake; the reader holds the flow's payload packets (no
+// verdict) until the classifier and parser of src/pin/ can judge the first
+// bytes, asks pin::decide, and answers every held packet at once:
+//   admit: NF_REPEAT with the skb mark nft::pin_admit_mark: the phase chain
+//          gives the flow the phase's ct mark, and every later packet of the
+//          flow never leaves the kernel (the fast path);
+//   reset: NF_REPEAT with the skb mark kPinResetMark: chain pin rejects it
+//          with a TCP reset, so the client learns at once;
+//   a payload-less packet (an ACK, a FIN) of a flow not yet decided:
+//          NF_REPEAT with the skb mark = the pass mark: it leaves, the flow
+//          stays undecided.
+// Bounded: kMaxInspect bytes or kHoldTime per flow, then reset; at most
+// kMaxFlows flows held at once (a new one beyond that is reset).
+//
+// PinFlows is the pure part (reassembly and decision, no sockets) so unit
+// tests drive it; PinQueue puts it on the shared netlink transport.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <array>
+#include <chrono>
+#include <tuple>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "egressd/policy.h"
+#include "egressd/result.h"
+#include "pin/decide.h"
+
+namespace egressd::daemon {
+
+// What the reader needs from the sandbox at the moment of a decision.
+class PinJudge {
+ public:
+  virtual ~PinJudge() = default;
+  // The learned names and the phase in force.
+  virtual const pin::PinFacts& pin_facts() const = 0;
+  // The table's pass mark (a secret; chain pin lets a packet carrying it go).
+  virtual std::uint32_t pass_mark() const = 0;
+  // Every admit and reset, for `denied`, status and logs.
+  virtual void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) = 0;
+};
+
+struct PinStats {
+  std::uint64_t inspected = 0;  // flows whose first payload reached the reader
+  std::uint64_t admitted = 0;   // ... admitted (a name that passes, or a protocol the address decides)
+  std::uint64_t reset = 0;      // ... reset (another name, no name, unparseable, too long, too slow)
+  std::uint64_t held = 0;       // flows held right now
+  std::uint64_t errors = 0;     // queue messages that did not parse, verdicts the kernel refused
+};
+
+// One IP packet as the queue delivered it, reduced to what reassembly needs.
+struct TcpSegment {
+  IpPrefix src, dst;  // single addresses
+  std::uint16_t sport = 0, dport = 0;
+  std::uint32_t seq = 0;
+  bool syn = false, fin = false, rst = false;
+  std::span<const std::uint8_t> payload;
+};
+// Parses an IPv4 or IPv6 TCP packet (IPv6 extension headers walked; a
+// fragment is refused). nullopt when it is anything else or truncated.
+std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt);
+
+inline constexpr std::chrono::milliseconds kHoldTime{2000};
+inline constexpr std::size_t kMaxFlows = 4096;
+
+// The verdict for one queued packet.
+struct PinVerdict {
+  enum class Kind { admit, reset, pass, drop };
+  std::uint32_t packet_id = 0;
+  Kind kind = Kind::drop;
+};
+
+class PinFlows {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit PinFlows(PinJudge& judge) : judge_(judge) {}
+  // One queued packet: returns the verdicts that can be given now (none
+  // while the flow's first bytes are still incomplete).
+  std::vector<PinVerdict> packet(std::uint32_t id, const TcpSegment& seg, Clock::time_point now);
+  // Flows held past kHoldTime: reset (their packets' verdicts).
+  std::vector<PinVerdict> expire(Clock::time_point now);
+  const PinStats& stats() const { return stats_; }
+  // When the oldest held flow runs out, if any.
+  std::optional<Clock::time_point> next_deadline() const;
+
+ private:
+  // family, source, destination, source port, destination port
+  using Key = std::tuple<std::uint8_t, std::array<std::uint8_t, 16>, std::array<std::uint8_t, 16>, std::uint16_t,
+                         std::uint16_t>;
+  struct Flow {
+    IpPrefix dst;
+    std::uint16_t dport = 0;
+    Clock::time_point started;
+    std::uint32_t base = 0;                            // sequence number of the first byte held
+    std::map<std::uint32_t, std::vector<std::uint8_t>> segs;  // offset from base -> bytes
+    std::vector<std::uint32_t> ids;                    // packets held, in arrival order
+  };
+  struct Decided {
+    bool admitted;
+    Clock::time_point at;
+  };
+  std::vector<PinVerdict> finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now);
+  std::vector<PinVerdict> reset_flow(std::map<Key, Flow>::iterator it, const std::string& why, Clock::time_point now);
+  // The contiguous bytes from the flow's start (at most kMaxInspect).
+  static std::vector<std::uint8_t> stream(const Flow& f);
+
+  PinJudge& judge_;
+  std::map<Key, Flow> flows_;
+  // Flows decided lately: a retransmission queued before the mark was set
+  // gets the same answer (a reset flow is never reconsidered).
+  std::map<Key, Decided> decided_;
+  // Where undecided flows' streams start, from their handshake ACK.
+  struct Start {
+    std::uint32_t seq;
+    Clock::time_point at;
+  };
+  std::map<Key, Start> starts_;
+  PinStats stats_;
+};
+
+// The reader on queue nft::kPinQueueNum of the current network namespace
+// (open it after joining the sandbox's, like NflogReader).
+class PinQueue {
+ public:
+  // Binds the queue (copy-packet mode). Runtime error when netlink fails or
+  // another listener holds the queue.
+  static Result<std::unique_ptr<PinQueue>> open(boost::asio::io_context& io, PinJudge& judge);
+  virtual ~PinQueue() = default;
+  virtual PinStats stats() const = 0;
+  // Stops reading (held packets stay without verdict: the kernel drops them
+  // when the socket closes). No callback after this returns.
+  virtual void close() = 0;
+};
+
+}  // namespace egressd::daemon
