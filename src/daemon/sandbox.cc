@@ -1,6 +1,7 @@
 #include "daemon/sandbox.h"
 
 #include <spdlog/spdlog.h>
+#include <set>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -623,24 +624,40 @@ auto async_resolve(dns::Proxy& proxy, const std::string& name, const boost::asio
 
 }  // namespace
 
+// A switch waits at most this long for its pre-resolution.
+constexpr std::chrono::seconds kPreresolveDeadline{3};
+
 boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector<std::string> names) {
   // The phase's exact hostnames, A and AAAA, all at once, each in a
-  // coroutine of its own; this one waits on a timer that the last to end
-  // cancels. No deadline of its own: each resolve ends within the upstream's
-  // budget. Failures are reported in the reply, never fatal.
+  // coroutine of its own, raced against kPreresolveDeadline: this one waits
+  // on a timer that either expires or is cancelled by the last resolve to
+  // end. Each resolve normally ends within the upstream's own budget (1.5 s
+  // by default); the deadline bounds a switch even if one never does. A name
+  // not answered by then is reported unresolved, and its late answer is
+  // dropped (the sandbox's own lookups learn it later). The children share
+  // `round`, not this frame, so they may outlive it. Failures are reported
+  // in the reply, never fatal.
+  struct Round {
+    Round(const boost::asio::any_io_executor& ex, std::size_t n) : remaining(n), all_done(ex) {}
+    std::size_t remaining;
+    bool over = false;
+    std::vector<std::string> failed;
+    std::set<std::string> pending;
+    boost::asio::steady_timer all_done;
+  };
   const auto ex = co_await boost::asio::this_coro::executor;
-  std::vector<std::string> unresolved;
-  std::size_t remaining = names.size();
-  boost::asio::steady_timer all_done(ex, boost::asio::steady_timer::time_point::max());
+  auto round = std::make_shared<Round>(ex, names.size());
+  round->pending.insert(names.begin(), names.end());
+  round->all_done.expires_after(kPreresolveDeadline);
   for (const auto& name : names) {
-    // The references are to this frame, which outlives every child: it
-    // resumes only when the last one has ended.
     boost::asio::co_spawn(
         ex,
-        [this, &ex, &unresolved, &remaining, &all_done, name]() -> boost::asio::awaitable<void> {
+        [this, ex, round, name]() -> boost::asio::awaitable<void> {
           auto r = co_await async_resolve(*proxy_, name, ex, boost::asio::use_awaitable);
+          if (round->over) co_return;  // the switch went ahead without it
+          round->pending.erase(name);
           if (!r || r->empty()) {
-            unresolved.push_back(name);
+            round->failed.push_back(name);
             log()->warn("pre-resolution name={} failed: {}", name, r ? "no addresses" : r.error().message);
           } else {
             for (const auto& l : *r) {
@@ -652,15 +669,21 @@ boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector
               remember(name, l.addr, learn_timeout_ms(l.ttl));
             }
           }
-          if (--remaining == 0) all_done.cancel();
+          if (--round->remaining == 0) round->all_done.cancel();
         },
         [](std::exception_ptr e) {
           if (e) std::rethrow_exception(e);
         });
   }
-  while (remaining > 0) {
+  if (round->remaining > 0) {
     boost::system::error_code ec;
-    co_await all_done.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
+    co_await round->all_done.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
+  }
+  round->over = true;
+  std::vector<std::string> unresolved = std::move(round->failed);
+  for (const auto& name : round->pending) {
+    log()->warn("pre-resolution name={} failed: no answer within {} s", name, kPreresolveDeadline.count());
+    unresolved.push_back(name);
   }
   std::sort(unresolved.begin(), unresolved.end());
   co_return unresolved;

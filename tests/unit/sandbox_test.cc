@@ -2,6 +2,8 @@
 // and "an invalid request changes nothing". Kernel-free.
 #include <doctest/doctest.h>
 
+#include <boost/asio/io_context.hpp>
+
 #include <time.h>
 
 #include <cstdio>
@@ -468,6 +470,39 @@ TEST_CASE("a kernel refusal to learn fails the answer (the client gets SERVFAIL,
   f.sb->learn({learned("pypi.org", "198.51.100.8", 60)}, [&](Status s) { done = s; });
   REQUIRE(done.has_value());
   CHECK_FALSE(done->ok());
+}
+
+TEST_CASE("a switch waits for pre-resolution at most 3 s; names not answered are unresolved, late answers dropped") {
+  // On an event loop, as in the daemon: the upstream never calls back in time.
+  boost::asio::io_context io;
+  Policy p = dns_policy();
+  p.phases[2] = phase("verifier", Mode::allowlist, {"pypi.org", "silent.test"});
+  auto k = std::make_unique<FakeKernel>();
+  SandboxOptions o;
+  o.policy = std::move(p);
+  o.executor = io.get_executor();
+  Sandbox sb(std::move(o), std::move(k), all_caps());
+  FakeProxy proxy;
+  proxy.deferred = true;
+  sb.attach_proxy(&proxy);
+  REQUIRE(sb.start("environment").ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<json> reply;
+  sb.handle({{"cmd", "apply"}, {"phase", "verifier"}}, [&](json r) { reply = r; });
+  while (!reply && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) io.run_one_for(std::chrono::milliseconds(100));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  REQUIRE(reply.has_value());
+  REQUIRE((*reply)["ok"] == true);
+  CHECK((*reply)["phase"] == "verifier");
+  CHECK((*reply)["unresolved"] == json::array({"pypi.org", "silent.test"}));
+  CHECK(waited >= std::chrono::seconds(3));
+  CHECK(waited < std::chrono::seconds(5));
+  // The answers arrive after the switch: they teach nothing.
+  proxy.answers["pypi.org"] = {"198.51.100.20"};
+  proxy.complete_all();
+  io.restart();
+  io.run_for(std::chrono::milliseconds(200));
+  CHECK(sb.status()["learned"] == json::array());
 }
 
 TEST_CASE("in public mode answers are only observed; nothing is inserted") {
