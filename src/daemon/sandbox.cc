@@ -1,3 +1,12 @@
+// Sandbox: everything egressd keeps for one network namespace (DESIGN §1).
+// This file has the phase machine: start and adopt, the apply queue with
+// its pre-resolution, switches, learning from DNS answers and the status.
+//
+// Over 1,000 lines because these share one invariant: the kernel's table,
+// state_ and the learned-address store change together, in one place, on
+// the loop. The concerns that do not touch it live beside it:
+// sandbox_control.cc (requests), sandbox_tamper.cc, sandbox_rules.cc,
+// sandbox_metrics.cc, sandbox_audit.cc, sandbox_explain.cc, sandbox_pin.cc.
 #include "daemon/sandbox.h"
 
 #include <spdlog/spdlog.h>

@@ -1,3 +1,12 @@
+// egressd's own upstream DNS client (DESIGN §1 "DNS proxy"; issue 14): one
+// Exchange per query, tried across the configured servers, UDP with a TCP
+// fallback on TC, a pool of disconnected UDP sockets so each query leaves
+// from a fresh port, 0x20 case and ID checks on every answer.
+//
+// Over 500 lines because the exchange is one state machine (tries, timers,
+// sockets, the answer checks) whose every transition is an integrity
+// property of issue 14; split across files, a reviewer could no longer see
+// that no path accepts an answer without the checks.
 #include "dns/upstream.h"
 
 #include <sys/random.h>
