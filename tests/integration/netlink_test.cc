@@ -997,6 +997,17 @@ std::vector<std::string> many_addresses(int n, int third_octet) {
   return out;
 }
 
+// A sandbox with one public phase whose posted work runs on `io`.
+daemon::SandboxOptions public_sandbox_options(boost::asio::io_context& io) {
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("environment", Mode::public_, {}));
+  p.initial_phase = "environment";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE("own large batches are not heard, and a commit by others meanwhile is still caught and undone") {
@@ -1004,12 +1015,7 @@ TEST_CASE("own large batches are not heard, and a commit by others meanwhile is 
   auto racing_owned = std::make_unique<RacingKernel>(ns.kernel(), ns.kernel());
   RacingKernel& racing = *racing_owned;
   boost::asio::io_context io;
-  daemon::SandboxOptions o;
-  Policy p;
-  p.phases.push_back(phase("environment", Mode::public_, {}));
-  p.initial_phase = "environment";
-  o.policy = p;
-  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::SandboxOptions o = public_sandbox_options(io);
   daemon::Sandbox sb(std::move(o), std::move(racing_owned), daemon::Capabilities{true, true, true, true, true});
   auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, {}); });  // its socket: in ns
   REQUIRE(guard.ok());
@@ -1156,12 +1162,7 @@ TEST_CASE("a tamper guard destroyed with a repair posted runs none of it, and th
   auto racing_owned = std::make_unique<RacingKernel>(ns.kernel(), ns.kernel());
   RacingKernel& racing = *racing_owned;
   boost::asio::io_context io;
-  daemon::SandboxOptions o;
-  Policy p;
-  p.phases.push_back(phase("environment", Mode::public_, {}));
-  p.initial_phase = "environment";
-  o.policy = p;
-  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::SandboxOptions o = public_sandbox_options(io);
   daemon::Sandbox sb(std::move(o), std::move(racing_owned), daemon::Capabilities{true, true, true, true, true});
   auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, {}); });
   REQUIRE(guard.ok());
