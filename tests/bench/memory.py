@@ -112,7 +112,8 @@ def idle_run(ns: lab.Netns, tmp: Path, procs: dp.Procs, n: int) -> dict:
     procs.stop(p)
     # The peer: nft -f of the same phase, rendered by egressd.
     script = tmp / f"{name}.nft"
-    script.write_text(lab.run([dp.EGRESSD, "render", "--config", policy, "--phase", "p"], timeout=60).stdout)
+    script.write_text(lab.nft_loadable(lab.run([dp.EGRESSD, "render", "--config", policy, "--phase", "p"],
+                                               timeout=60).stdout, lambda: ns))
     dp.nft(ns, "delete", "table", "inet", "egressd", check=False)
     return {"entries": n, "rss_kib": st["VmRSS"], "hwm_kib": st["VmHWM"], "nft_peak_kib": nft_peak_kib(ns, script)}
 

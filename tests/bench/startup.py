@@ -129,7 +129,8 @@ def main():
                        "agent": {"network_mode": "allowlist", "allowed_hosts": entries(a.entries) + ["*.bench.example"]},
                        "verifier": {"network_mode": "no-network"}}}))
         script = tmp / "environment.nft"
-        script.write_text(lab.run([dp.EGRESSD, "render", "--config", policy, "--phase", "environment"]).stdout)
+        script.write_text(lab.nft_loadable(
+            lab.run([dp.EGRESSD, "render", "--config", policy, "--phase", "environment"]).stdout, lambda: ns))
         # Alternate: egressd start, nft -f, so both see the same background load.
         for i in range(a.starts):
             r, ap_ = one_start(ns, tmp, policy, i)

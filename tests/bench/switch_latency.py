@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EGRESSD = os.environ.get("EGRESSD", str(ROOT / "build/src/egressd"))
+sys.path.insert(0, str(ROOT / "tests/integration"))
+from lab import nft_loadable  # noqa: E402  (pinning's `queue num` on kernels without nft_queue)
 REQUEST_MAX = 1 << 20  # the control socket's request line limit
 
 
@@ -186,8 +188,9 @@ def main():
             single = tmp / f"p{n}.yaml"
             single.write_text(json.dumps({"initial_phase": f"p{n}", "phases": {f"p{n}": phases[f"p{n}"]}}))
             script = tmp / f"p{n}.nft"
-            script.write_text(subprocess.run([EGRESSD, "render", "--config", str(single), "--phase", f"p{n}"],
-                                             check=True, capture_output=True, text=True).stdout)
+            script.write_text(nft_loadable(subprocess.run([EGRESSD, "render", "--config", str(single), "--phase",
+                                                           f"p{n}"], check=True, capture_output=True, text=True).stdout,
+                                           lambda: ns_n))
             nft = nft_load_times(ns_n, script, args.loads)
             results.append({
                 "entries": n,

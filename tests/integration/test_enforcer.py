@@ -416,18 +416,9 @@ def normalize_ruleset(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-_NFT_QUEUE: list[bool] = []
-
-
 def nft_loadable(lab, text: str) -> str:
-    """`text` as nft -f can load it here: on a kernel without nft_queue (CONFIG_NFT_QUEUE)
-    nft cannot load `queue num N` (egressd sends the xtables target instead), so the rule is
-    loaded as a commented drop that normalize_ruleset turns back."""
-    if not _NFT_QUEUE:
-        ns = lab.extra_netns("q")
-        rc, _, _ = lab.nft(ns, "-f", "-", input="table inet t { chain c { queue num 16 } }\n")
-        _NFT_QUEUE.append(rc == 0)
-    return text if _NFT_QUEUE[0] else text.replace("queue num 16", 'drop comment "pin-queue"')
+    """`text` as nft -f loads it on this kernel (see lab.nft_loadable)."""
+    return labmod.nft_loadable(text, lambda: lab.extra_netns("q"))
 
 
 def listing(lab, ns) -> str:
