@@ -6,6 +6,12 @@
 // control_server_fuzz.cc for that part). One Sandbox per input, so a line
 // sequence explores state: inline policies, named phases, learned addresses.
 //
+// The Sandbox runs on an io_context the harness drives, as the daemon's
+// loop does: after each line the ready handlers run (io_context::poll), then
+// the fake proxy answers every pending pre-resolution and they run again.
+// Nothing waits on a clock (a pre-resolution answered at once never meets
+// its 3 s deadline).
+//
 // Lines starting with '#' are harness directives, not requests:
 //   #fail               the next kernel batch fails (a kernel refusal)
 //   #hold               do not complete pre-resolutions after the next line
@@ -24,6 +30,7 @@
 //    first rule of chain `active`) parses back to the state in force;
 //  - replies to queued applies come in arrival order (increasing generations);
 //  - status always carries phase, mode, generation, entries and counters.
+#include <boost/asio/io_context.hpp>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -132,8 +139,9 @@ struct Slot {
   int replies = 0;
   json reply;
   std::string cmd;
-  // True while handle() runs: a reply then is synchronous. Kept here, not on
-  // the loop's stack, because a held apply replies after its line's iteration.
+  // True until the line's own handlers have run: a reply then is immediate
+  // (no pre-resolution answered). Kept here, not on the loop's stack,
+  // because a held apply replies after its line's iteration.
   bool sync = true;
 };
 
@@ -152,6 +160,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   daemon::SandboxOptions opts;
   opts.policy = policy();
   opts.after_switch = [&](std::shared_ptr<const Phase>, std::uint64_t gen) { switched.push_back(gen); };
+  boost::asio::io_context io;  // outlives the Sandbox: its handlers die after it
+  opts.executor = io.get_executor();
+  // Runs what is ready (restart: an io_context that ran out of work stops).
+  const auto drain = [&io] {
+    io.restart();
+    io.poll();
+  };
   daemon::Sandbox sb(std::move(opts), std::move(kernel_owned), {true, true, true, true, true, true, true, true});
   sb.attach_proxy(&proxy);
   FUZZ_CHECK(sb.start("environment").ok());
@@ -210,6 +225,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       slot.reply = std::move(r);
     });
+    drain();
     slot.sync = false;
     if (slot.replies == 1) {
       const json& r = slot.reply;
@@ -238,10 +254,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       check_kernel_state(kernel, sb);
     }
-    if (!hold) proxy.complete_all();
+    if (!hold) {
+      proxy.complete_all();
+      drain();
+    }
     hold = false;
   }
-  proxy.complete_all();
+  // Each queued apply asks its names once the one before it is done.
+  for (int round = 0; round < 64 && !proxy.pending.empty(); ++round) {
+    proxy.complete_all();
+    drain();
+  }
   for (const Slot& s : slots) FUZZ_CHECK(s.replies == 1);
   check_kernel_state(kernel, sb);
   return 0;
