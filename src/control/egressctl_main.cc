@@ -28,6 +28,7 @@ using namespace egressd::control;  // the protocol's types and the shared render
 
 struct Options {
   std::string socket = egressd::control::default_socket_path();
+  std::string sandbox;  // --sandbox: the agent's sandbox every command goes to
   double timeout_s = 30;
   bool json = false;
   // apply
@@ -41,6 +42,15 @@ struct Options {
   bool suggest = false;
   bool wildcards = false;
   std::string hosts_phase;
+  // sandbox add/remove/list (the agent's own commands)
+  std::string sb_name;
+  std::string sb_netns;
+  std::uint64_t sb_netns_pid = 0;
+  std::string sb_config;
+  std::string sb_socket;
+  std::vector<std::uint32_t> sb_allow_uids;
+  int sb_dns_port = -1;
+  bool sb_remove_policy = false;
 };
 
 void print_table(const std::vector<std::vector<std::string>>& rows) { std::cout << table(rows); }
@@ -164,7 +174,9 @@ int run(const Options& o, const Json& request, const std::function<int(const Jso
     return kExitRuntime;
   }
   const auto timeout = std::chrono::milliseconds(static_cast<long long>(o.timeout_s * 1000));
-  const auto reply = client->call(request, timeout);
+  Json req = request;
+  if (!o.sandbox.empty() && req.value("cmd", "").rfind("sandbox_", 0) != 0) req["sandbox"] = o.sandbox;
+  const auto reply = client->call(req, timeout);
   if (const Outcome out = outcome(reply); out.exit_code != kExitOk) {
     std::cerr << "error: " << out.error << '\n';
     return out.exit_code;
@@ -297,6 +309,67 @@ int cmd_hosts(const Options& o) {
   });
 }
 
+// sandbox add / remove / list: the agent's own commands.
+template <class Request>
+int checked_run(const Options& o, const Json& req, const std::function<int(const Json&)>& on_ok) {
+  // Checked as the agent checks it, so a mistake fails fast (exit 2) even with no agent.
+  auto typed = decode<Request>(req);
+  if (auto* err = std::get_if<ErrorReply>(&typed)) {
+    std::cerr << "error: " << err->message << '\n';
+    return exit_code_for(err->code);
+  }
+  return run(o, Json(std::get<Request>(typed)), on_ok);
+}
+
+int cmd_sandbox_add(const Options& o) {
+  Json req = {{"cmd", SandboxAddRequest::kCmd}, {"name", o.sb_name}};
+  if (!o.sb_netns.empty()) req["netns"] = o.sb_netns;
+  if (o.sb_netns_pid != 0) req["netns_pid"] = o.sb_netns_pid;
+  if (!o.sb_config.empty()) req["config"] = o.sb_config;
+  if (!o.phase.empty()) req["phase"] = o.phase;
+  if (!o.mode.empty()) req["mode"] = o.mode;
+  if (!o.allow.empty()) req["allow"] = o.allow;
+  if (!o.sb_socket.empty()) req["socket"] = o.sb_socket;
+  if (!o.sb_allow_uids.empty()) req["allow_uid"] = o.sb_allow_uids;
+  if (o.sb_dns_port >= 0) req["dns_port"] = o.sb_dns_port;
+  return checked_run<SandboxAddRequest>(o, req, [&](const Json& r) {
+    if (o.json) return print_json(r);
+    std::cout << "attached sandbox " << field(r, "name") << " (" << field(r, "netns") << "): phase "
+              << field(r, "phase") << " (" << field(r, "mode") << ") generation " << field(r, "generation") << '\n';
+    return kExitOk;
+  });
+}
+
+int cmd_sandbox_remove(const Options& o) {
+  Json req = {{"cmd", SandboxRemoveRequest::kCmd}, {"name", o.sb_name}};
+  if (o.sb_remove_policy) req["remove_policy"] = true;
+  return checked_run<SandboxRemoveRequest>(o, req, [&](const Json& r) {
+    if (o.json) return print_json(r);
+    std::cout << "removed sandbox " << field(r, "name") << "; its policy "
+              << (field(r, "policy") == "removed" ? "was deleted" : "stays in force") << '\n';
+    return kExitOk;
+  });
+}
+
+int cmd_sandbox_list(const Options& o) {
+  return checked_run<SandboxListRequest>(o, Json{{"cmd", SandboxListRequest::kCmd}}, [&](const Json& r) {
+    if (o.json) return print_json(r);
+    const Json list = r.value("sandboxes", Json::array());
+    if (list.empty()) {
+      std::cout << "no sandboxes attached\n";
+      return kExitOk;
+    }
+    std::vector<std::vector<std::string>> rows = {{"NAME", "NETNS", "PHASE", "MODE", "GENERATION", "SOCKET"}};
+    for (const auto& e : list) {
+      const std::string sock = field(e, "socket");
+      rows.push_back({field(e, "name"), field(e, "netns"), field(e, "phase"), field(e, "mode"),
+                      field(e, "generation"), sock.empty() ? "-" : sock});
+    }
+    print_table(rows);
+    return kExitOk;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -310,6 +383,8 @@ int main(int argc, char** argv) {
   });
   app.add_option("--socket", o.socket, "control socket of egressd ($EGRESSD_SOCKET, else /run/egressd/egressd.sock)")
       ->capture_default_str();
+  app.add_option("--sandbox", o.sandbox,
+                 "with egressd agent's socket: the sandbox the command is for (see `egressctl sandbox`)");
   app.add_option("--timeout", o.timeout_s, "seconds to wait for the reply")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 86400.0));
@@ -363,8 +438,41 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The agent's own commands (egressd agent).
+  CLI::App* sandbox = app.add_subcommand("sandbox", "attach, detach and list the sandboxes of egressd agent");
+  sandbox->require_subcommand(1);
+  CLI::App* sb_add = sandbox->add_subcommand("add", "attach a network namespace; returns once its policy is in force");
+  sb_add->add_option("NAME", o.sb_name, "the sandbox's name (A-Z a-z 0-9 _ . -)")->required();
+  auto* sb_ns = sb_add->add_option("--netns", o.sb_netns, "network namespace path (e.g. /run/netns/NAME)");
+  auto* sb_pid = sb_add->add_option("--netns-pid", o.sb_netns_pid,
+                                    "the network namespace of this process; the sandbox goes when it exits");
+  sb_ns->excludes(sb_pid);
+  auto* sb_config = sb_add->add_option("--config", o.sb_config, "policy file (as the agent reads it)");
+  auto* sb_phase = sb_add->add_option("--phase", o.phase, "initial phase of --config (default its initial_phase)");
+  auto* sb_mode = sb_add->add_option("--mode", o.mode, "without --config: start in public, no-network or allowlist");
+  auto* sb_allow = sb_add->add_option("--allow", o.allow, "allowlist entry of the built-in allowlist phase (repeatable)")
+                       ->allow_extra_args(false);
+  sb_config->excludes(sb_mode);
+  sb_phase->needs(sb_config);
+  sb_allow->excludes(sb_config);
+  sb_add->add_option("--socket", o.sb_socket, "a socket of the sandbox's own that speaks the sidecar protocol");
+  sb_add->add_option("--allow-uid", o.sb_allow_uids, "uid allowed on that socket besides root (repeatable)");
+  sb_add->add_option("--dns-port", o.sb_dns_port, "DNS proxy port in the sandbox (default 53); 0 = none")
+      ->check(CLI::Range(0, 65535));
+  sb_add->add_flag("--json", o.json, "print the reply as JSON");
+  CLI::App* sb_remove = sandbox->add_subcommand("remove", "detach a sandbox (its policy stays in force)");
+  sb_remove->add_option("NAME", o.sb_name, "the sandbox's name")->required();
+  bool keep_policy = false;  // the default; accepted so a script can say it
+  auto* keep = sb_remove->add_flag("--keep-policy", keep_policy, "keep the sandbox's tables in its namespace (the default)");
+  sb_remove->add_flag("--remove-policy", o.sb_remove_policy, "delete the sandbox's tables too")->excludes(keep);
+  sb_remove->add_flag("--json", o.json, "print the reply as JSON");
+  CLI::App* sb_list = sandbox->add_subcommand("list", "the sandboxes attached: name, namespace, phase, generation");
+  sb_list->add_flag("--json", o.json, "print the reply as JSON");
+
   try {
     app.parse(argc, argv);
+    if (sb_add->parsed() && o.sb_netns.empty() && o.sb_netns_pid == 0)
+      throw CLI::ValidationError("sandbox add", "give --netns PATH or --netns-pid PID");
     if (apply->parsed() && o.phase.empty() && o.mode.empty())
       throw CLI::ValidationError("apply", "give a PHASE or --mode MODE");
     if (apply->parsed() && allow->count() > 0 && !o.phase.empty())
@@ -374,6 +482,9 @@ int main(int argc, char** argv) {
     return rc == 0 ? kExitOk : kExitInvalid;
   }
   o.allow = split_commas(o.allow);
+  if (sb_add->parsed()) return cmd_sandbox_add(o);
+  if (sb_remove->parsed()) return cmd_sandbox_remove(o);
+  if (sb_list->parsed()) return cmd_sandbox_list(o);
   for (const auto& c : commands)
     if (c.sub->parsed()) return c.run(o);
   return kExitInvalid;  // unreachable: require_subcommand(1)

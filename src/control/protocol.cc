@@ -153,6 +153,111 @@ std::optional<ErrorReply> read(const Json& j, HostsRequest& out) {
   return read_string(j, "phase", out.phase);
 }
 
+bool valid_sandbox_name(std::string_view name) {
+  if (name.empty() || name.size() > 64 || name.front() == '.') return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                    c == '.' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+namespace {
+
+std::optional<ErrorReply> read_name(const Json& j, const char* cmd, std::string& out) {
+  auto it = j.find("name");
+  if (it == j.end() || !it->is_string()) return invalid(std::string(cmd) + " needs a string \"name\"");
+  out = it->get<std::string>();
+  if (!valid_sandbox_name(out))
+    return invalid("sandbox name \"" + out + "\" must be 1 to 64 of A-Z a-z 0-9 _ . - and not start with '.'");
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ErrorReply> read(const Json& j, SandboxAddRequest& out) {
+  if (auto e = unknown_field(j, SandboxAddRequest::kCmd,
+                             {"name", "netns", "netns_pid", "config", "phase", "mode", "allow", "socket", "allow_uid",
+                              "dns_port"}))
+    return e;
+  if (auto e = read_name(j, SandboxAddRequest::kCmd, out.name)) return e;
+  if (j.contains("netns") == j.contains("netns_pid"))
+    return invalid("sandbox_add takes either \"netns\" (a path) or \"netns_pid\"");
+  if (auto e = read_string(j, "netns", out.netns)) return e;
+  if (out.netns && out.netns->empty()) return invalid("\"netns\" is empty");
+  if (auto e = read_uint(j, "netns_pid", 4194304, out.netns_pid)) return e;
+  if (out.netns_pid && *out.netns_pid == 0) return invalid("\"netns_pid\" must be a process id, not 0");
+  if (j.contains("config") && j.contains("mode"))
+    return invalid("sandbox_add takes \"config\" (a policy file) or \"mode\" (built-in phases), not both");
+  if (auto e = read_string(j, "config", out.config)) return e;
+  if (auto e = read_string(j, "phase", out.phase)) return e;
+  if (out.phase && !out.config) return invalid("\"phase\" goes with \"config\"; without one, give \"mode\"");
+  if (j.contains("mode")) {
+    std::optional<std::string> mode;
+    if (auto e = read_string(j, "mode", mode)) return e;
+    out.mode = parse_mode(*mode);
+    if (!out.mode)
+      return ErrorReply{"invalid_policy", "unknown mode \"" + *mode + "\" (modes: public, no-network, allowlist)"};
+  }
+  if (auto it = j.find("allow"); it != j.end()) {
+    if (out.config) return invalid("\"allow\" goes with \"mode\", not \"config\" (put entries in the file)");
+    if (!it->is_array()) return invalid("\"allow\" must be an array of strings");
+    auto& allow = out.allow.emplace();
+    for (const auto& e : *it) {
+      if (!e.is_string()) return invalid("\"allow\" must be an array of strings");
+      allow.push_back(e.get<std::string>());
+    }
+  }
+  if (auto e = read_string(j, "socket", out.socket)) return e;
+  if (auto it = j.find("allow_uid"); it != j.end()) {
+    if (!it->is_array()) return invalid("\"allow_uid\" must be an array of uids");
+    auto& uids = out.allow_uid.emplace();
+    for (const auto& u : *it) {
+      if (!u.is_number_unsigned() || u.get<std::uint64_t>() > 0xfffffffeULL)
+        return invalid("\"allow_uid\" must be an array of uids");
+      uids.push_back(u.get<std::uint64_t>());
+    }
+  }
+  return read_uint(j, "dns_port", 65535, out.dns_port);
+}
+
+std::optional<ErrorReply> read(const Json& j, SandboxRemoveRequest& out) {
+  if (auto e = unknown_field(j, SandboxRemoveRequest::kCmd, {"name", "remove_policy"})) return e;
+  if (auto e = read_name(j, SandboxRemoveRequest::kCmd, out.name)) return e;
+  if (auto it = j.find("remove_policy"); it != j.end()) {
+    if (!it->is_boolean()) return invalid("\"remove_policy\" must be true or false");
+    out.remove_policy = it->get<bool>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ErrorReply> read(const Json& j, SandboxListRequest&) {
+  return unknown_field(j, SandboxListRequest::kCmd, {});
+}
+
+void to_json(Json& j, const SandboxAddRequest& r) {
+  j = with_cmd(SandboxAddRequest::kCmd);
+  j["name"] = r.name;
+  if (r.netns) j["netns"] = *r.netns;
+  if (r.netns_pid) j["netns_pid"] = *r.netns_pid;
+  if (r.config) j["config"] = *r.config;
+  if (r.phase) j["phase"] = *r.phase;
+  if (r.mode) j["mode"] = std::string(to_string(*r.mode));
+  if (r.allow) j["allow"] = *r.allow;
+  if (r.socket) j["socket"] = *r.socket;
+  if (r.allow_uid) j["allow_uid"] = *r.allow_uid;
+  if (r.dns_port) j["dns_port"] = *r.dns_port;
+}
+
+void to_json(Json& j, const SandboxRemoveRequest& r) {
+  j = with_cmd(SandboxRemoveRequest::kCmd);
+  j["name"] = r.name;
+  if (r.remove_policy) j["remove_policy"] = *r.remove_policy;
+}
+
+void to_json(Json& j, const SandboxListRequest&) { j = with_cmd(SandboxListRequest::kCmd); }
+
 void to_json(Json& j, const PingRequest&) { j = with_cmd(PingRequest::kCmd); }
 void to_json(Json& j, const StatusRequest&) { j = with_cmd(StatusRequest::kCmd); }
 void to_json(Json& j, const CapabilitiesRequest&) { j = with_cmd(CapabilitiesRequest::kCmd); }

@@ -17,6 +17,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -121,6 +122,46 @@ struct HostsRequest {
   bool operator==(const HostsRequest&) const = default;
 };
 
+// ---- the agent's own commands (egressd agent; docs/protocol.md "Agent mode") ----
+// Every other command sent to the agent names its sandbox in "sandbox" and is
+// then the sidecar's command, unchanged.
+
+// A sandbox name: 1 to 64 of [A-Za-z0-9_.-], not starting with '.' (it names
+// files in the agent's state directory).
+bool valid_sandbox_name(std::string_view name);
+
+// Attaches the namespace `netns` (a path) or that of process `netns_pid`
+// (then removed when the process exits). The policy is the file `config`
+// (initial `phase`, default its initial_phase), or the built-in phases
+// public / no-network / allowlist (with `allow`) starting in `mode` (default
+// no-network).
+struct SandboxAddRequest {
+  static constexpr const char* kCmd = "sandbox_add";
+  std::string name;
+  std::optional<std::string> netns;
+  std::optional<std::uint64_t> netns_pid;
+  std::optional<std::string> config;
+  std::optional<std::string> phase;
+  std::optional<Mode> mode;
+  std::optional<std::vector<std::string>> allow;
+  std::optional<std::string> socket;                   // the sandbox's own sidecar-protocol socket
+  std::optional<std::vector<std::uint64_t>> allow_uid;  // besides root, on that socket
+  std::optional<std::uint64_t> dns_port;               // default 53; 0 = no DNS interception
+  bool operator==(const SandboxAddRequest&) const = default;
+};
+// Detaches a sandbox: its sockets in the namespace close; the policy stays
+// in force unless `remove_policy` (fail closed).
+struct SandboxRemoveRequest {
+  static constexpr const char* kCmd = "sandbox_remove";
+  std::string name;
+  std::optional<bool> remove_policy;
+  bool operator==(const SandboxRemoveRequest&) const = default;
+};
+struct SandboxListRequest {
+  static constexpr const char* kCmd = "sandbox_list";
+  bool operator==(const SandboxListRequest&) const = default;
+};
+
 // A decoded request, or why it is not one.
 template <class T>
 using Decoded = std::variant<T, ErrorReply>;
@@ -136,6 +177,9 @@ std::optional<ErrorReply> read(const nlohmann::json& j, ApplyRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, ExplainRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, DeniedRequest& out);
 std::optional<ErrorReply> read(const nlohmann::json& j, HostsRequest& out);
+std::optional<ErrorReply> read(const nlohmann::json& j, SandboxAddRequest& out);
+std::optional<ErrorReply> read(const nlohmann::json& j, SandboxRemoveRequest& out);
+std::optional<ErrorReply> read(const nlohmann::json& j, SandboxListRequest& out);
 
 template <class T>
 Decoded<T> decode(const nlohmann::json& j) {
@@ -160,6 +204,9 @@ void to_json(nlohmann::json& j, const ApplyRequest& r);
 void to_json(nlohmann::json& j, const ExplainRequest& r);
 void to_json(nlohmann::json& j, const DeniedRequest& r);
 void to_json(nlohmann::json& j, const HostsRequest& r);
+void to_json(nlohmann::json& j, const SandboxAddRequest& r);
+void to_json(nlohmann::json& j, const SandboxRemoveRequest& r);
+void to_json(nlohmann::json& j, const SandboxListRequest& r);
 template <class T, class = decltype(T::kCmd)>
 void from_json(const nlohmann::json& j, T& r) {
   if (auto err = read(j, r)) throw RequestError(std::move(*err));

@@ -65,7 +65,7 @@ std::string json_output(Json reply) {
 
 int exit_code_for(const std::string& code) {
   static const std::set<std::string> kInvalidInput = {"invalid_request", "unknown_phase", "invalid_policy",
-                                                      "unknown_command", "request_too_large"};
+                                                      "unknown_command", "request_too_large", "unknown_sandbox"};
   return kInvalidInput.count(code) ? kExitInvalid : kExitRuntime;
 }
 

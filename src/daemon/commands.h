@@ -7,7 +7,12 @@
 #include <string>
 #include <vector>
 
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include "egressd/policy.h"
 #include "egressd/result.h"
+#include "nft/compile.h"
 
 namespace egressd::daemon {
 
@@ -46,6 +51,36 @@ struct RunArgs {
   double metrics_interval_s = 5;
 };
 int cmd_run(const RunArgs& args);
+
+// The phases `run` and `sandbox add` offer without a policy file: public,
+// no-network (the initial one: fail closed) and allowlist with `allow`.
+Result<Policy> builtin_policy(const std::vector<std::string>& allow);
+
+// Writes "phase=P generation=G" to `path` atomically (temp file + rename).
+Status write_ready_file(const std::string& path, const nft::ActiveState& st);
+
+// Building a policy (parse, compile, the netlink batch) allocates far more
+// than the policy in force keeps; glibc holds the freed memory in its heap
+// unless asked. Calling this after start-up or a switch hands it back once
+// the process has been idle for 300 ms (about 1 MiB of 8 idle with 1k
+// entries); deferred, so back-to-back switches never wait for a trim.
+class TrimWhenIdle {
+ public:
+  explicit TrimWhenIdle(boost::asio::io_context& io);
+  void operator()();
+
+ private:
+  boost::asio::steady_timer timer_;
+};
+
+struct AgentArgs {
+  std::string socket = "/run/egressd/agent.sock";
+  std::string state_dir;            // "" = no restart adoption
+  std::vector<std::uint32_t> allow_uids;
+  std::string log_format = "text";
+  double verify_interval_s = 5;
+};
+int cmd_agent(const AgentArgs& args);
 
 // Prints `error: <message>` to stderr and returns 2 (invalid) or 1 (runtime).
 int report(const Error& err);

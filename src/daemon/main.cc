@@ -1,4 +1,4 @@
-// egressd: the daemon (`run`) and its offline tools (`check`, `render`).
+// egressd: the daemon (`run`, `agent`) and its offline tools (`check`, `render`).
 // main only parses arguments; each subcommand is a function over the core library.
 #include <CLI/CLI.hpp>
 #include <cstdlib>
@@ -67,6 +67,18 @@ int main(int argc, char** argv) {
                 "receive buffer of the nftables event socket in bytes (default 8 MiB, grows on overrun)")
       ->check(CLI::Range(0, 1 << 30));
 
+  AgentArgs agent;
+  auto* ag = app.add_subcommand("agent", "serve many sandboxes from one process: attach each network namespace with "
+                                         "`egressctl --socket AGENT sandbox add`");
+  ag->add_option("--socket", agent.socket, "the agent's control socket")->capture_default_str();
+  ag->add_option("--state-dir", agent.state_dir,
+                 "keep each sandbox here, so that a restarted agent attaches them again and adopts their tables");
+  ag->add_option("--allow-uid", agent.allow_uids, "uid allowed on the agent socket besides root (repeatable)");
+  ag->add_option("--log-format", agent.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  ag->add_option("--verify-interval", agent.verify_interval_s,
+                 "seconds between checks of each sandbox's table against its phase (tamper safety net); 0 = off")
+      ->check(CLI::Range(0.0, 86400.0));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -77,5 +89,6 @@ int main(int argc, char** argv) {
   }
   if (c->parsed()) return cmd_check(check);
   if (r->parsed()) return cmd_render(render);
+  if (ag->parsed()) return cmd_agent(agent);
   return cmd_run(run);
 }

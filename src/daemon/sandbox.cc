@@ -937,7 +937,7 @@ void Sandbox::status(std::function<void(json)> done) {
   // before anything they point at).
   boost::asio::co_spawn(
       opts_.executor,
-      [this, done = std::move(done)]() -> boost::asio::awaitable<void> {
+      [this, busy = in_flight(), done = std::move(done)]() -> boost::asio::awaitable<void> {
         auto output = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "output");
         auto deny = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "deny");
         done(status_from(output, deny));

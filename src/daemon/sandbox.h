@@ -163,6 +163,11 @@ class Sandbox : public dns::PolicyHooks {
   // Deletes the table (--cleanup-on-exit).
   Status remove_table();
 
+  // True while a switch, a pending learn batch, or a request's coroutine
+  // (status, metrics, rules) of this sandbox is still on the loop: the agent
+  // destroys a removed sandbox only once this is false.
+  bool busy() const { return applying_ || pending_learn_.has_value() || *in_flight_ > 0; }
+
   const nft::ActiveState& state() const { return state_; }
   // The SO_MARK egressd's own upstream sockets must carry (valid after start).
   std::uint32_t own_mark() const { return opts_.compile.own_mark; }
@@ -236,6 +241,11 @@ class Sandbox : public dns::PolicyHooks {
   // Where `metrics` reads the tamper guard's counts (tampers seen, restores
   // done). Empty: those metrics are left out.
   void set_tamper_counts(std::function<std::pair<std::uint64_t, std::uint64_t>()> fn) { tamper_counts_ = std::move(fn); }
+  // (tampers, restores) as the tamper guard counts them; zeros without one.
+  std::pair<std::uint64_t, std::uint64_t> tamper_counts() const {
+    return tamper_counts_ ? tamper_counts_() : std::pair<std::uint64_t, std::uint64_t>{0, 0};
+  }
+  const Capabilities& capabilities() const { return caps_; }
 
   // The counters of this sandbox in the Prometheus text format (the
   // `metrics` request; sandbox_metrics.cc). Reads the kernel's counters.
@@ -381,6 +391,20 @@ class Sandbox : public dns::PolicyHooks {
   dns::Proxy* proxy_ = nullptr;
   std::deque<ApplyJob> applies_;
   bool applying_ = false;
+  // Coroutines this sandbox spawned that have not ended (busy()). Shared with
+  // each coroutine's token, which may be destroyed after the sandbox (with
+  // the loop's pending handlers).
+  std::shared_ptr<std::size_t> in_flight_ = std::make_shared<std::size_t>(0);
+  struct InFlight {
+    explicit InFlight(std::shared_ptr<std::size_t> n) : n_(std::move(n)) { ++*n_; }
+    InFlight(InFlight&& o) noexcept : n_(std::move(o.n_)) {}
+    InFlight& operator=(InFlight&&) = delete;
+    ~InFlight() {
+      if (n_) --*n_;
+    }
+    std::shared_ptr<std::size_t> n_;
+  };
+  InFlight in_flight() { return InFlight(in_flight_); }
   std::optional<PendingLearn> pending_learn_;
   std::map<std::string, std::vector<LearnedAddr>> learned_;  // name -> addresses
   std::size_t learned_count_ = 0;

@@ -86,7 +86,7 @@ void Sandbox::metrics_text(std::function<void(std::string)> done) {
   // the loop's timers (the sandbox outlives the loop's pending work).
   boost::asio::co_spawn(
       opts_.executor,
-      [this, done = std::move(done)]() -> boost::asio::awaitable<void> {
+      [this, busy = in_flight(), done = std::move(done)]() -> boost::asio::awaitable<void> {
         auto output = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "output");
         auto deny = co_await nft::read_chain_async(*kernel_, nft::kTableName, nft::Family::inet, "deny");
         done(metrics_text_from(traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr)));

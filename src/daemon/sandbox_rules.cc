@@ -105,7 +105,7 @@ void Sandbox::rules(std::function<void(json)> reply) {
   if (!opts_.executor) own.emplace();
   boost::asio::co_spawn(
       own ? own->get_executor() : opts_.executor,
-      [this, reply = std::move(reply)]() -> boost::asio::awaitable<void> {
+      [this, busy = in_flight(), reply = std::move(reply)]() -> boost::asio::awaitable<void> {
         auto text = co_await ruleset_text();
         if (!text) {
           reply(control::error_reply(text.error(), "kernel_error"));

@@ -1,0 +1,374 @@
+// `egressd agent`: one process, one event loop, any number of sandboxes.
+// Each sandbox is an Instance (instance.h), exactly what `egressd run` builds,
+// created with the loop's thread moved into the sandbox's network namespace
+// for the duration (setns applies to the calling thread only): its sockets and
+// its flow reaper's thread live there, and nothing else of the agent does.
+// Upstream DNS leaves from the agent's own namespace.
+//
+// The agent socket takes sandbox_add / sandbox_remove / sandbox_list, and
+// every sidecar command with "sandbox": NAME (docs/protocol.md). With
+// --state-dir each sandbox's add request is kept there, so a restarted agent
+// attaches them again and adopts their tables (no window, same generations).
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "control/protocol.h"
+#include "control/server.h"
+#include "daemon/audit_log.h"
+#include "daemon/commands.h"
+#include "daemon/instance.h"
+#include "daemon/sandbox.h"
+#include "egressd/unique_fd.h"
+
+namespace egressd::daemon {
+
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// The loop's thread inside another network namespace while this lives; back
+// home on destruction. Failing to come back would leave the agent creating
+// its next sockets in a sandbox: that is fatal (a restarted agent adopts
+// every table, so nothing is left open).
+class NetnsScope {
+ public:
+  static Result<std::unique_ptr<NetnsScope>> enter(int target) {
+    UniqueFd home(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+    if (!home.ok()) return errno_error("cannot open the agent's own network namespace", errno);
+    if (::setns(target, CLONE_NEWNET) != 0) return errno_error("cannot enter the sandbox's network namespace", errno);
+    return std::unique_ptr<NetnsScope>(new NetnsScope(std::move(home)));
+  }
+  ~NetnsScope() {
+    if (::setns(home_.get(), CLONE_NEWNET) != 0) {
+      spdlog::get("egressd")->critical("cannot return to the agent's network namespace: {}", errno_text(errno));
+      std::abort();
+    }
+  }
+  NetnsScope(const NetnsScope&) = delete;
+  NetnsScope& operator=(const NetnsScope&) = delete;
+
+ private:
+  explicit NetnsScope(UniqueFd home) : home_(std::move(home)) {}
+  UniqueFd home_;
+};
+
+// Identifies a namespace across an agent restart (a pid may be reused).
+struct NsId {
+  std::uint64_t dev = 0, ino = 0;
+  bool operator==(const NsId&) const = default;
+};
+
+Result<NsId> ns_id(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return errno_error("fstat network namespace", errno);
+  return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+}
+
+class Agent {
+ public:
+  Agent(boost::asio::io_context& io, const AgentArgs& args) : io_(io), args_(args), trim_(io), reap_timer_(io) {}
+
+  Status listen() {
+    control::ServerOptions sopts;
+    sopts.path = args_.socket;
+    sopts.allowed_uids.insert(args_.allow_uids.begin(), args_.allow_uids.end());
+    sopts.watch_interval = std::chrono::seconds(1);
+    auto s = control::Server::listen(io_, sopts, [this](const json& req, control::Reply reply) {
+      handle(req, std::move(reply));
+    });
+    if (!s) return s.error();
+    server_ = std::move(*s);
+    return {};
+  }
+
+  // Attaches every sandbox kept in the state directory (a restart).
+  void restore() {
+    if (args_.state_dir.empty()) return;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(args_.state_dir, ec)) {
+      if (e.path().extension() != ".json") continue;
+      const std::string file = e.path().string();
+      json saved;
+      try {
+        std::ifstream in(file);
+        saved = json::parse(in);
+      } catch (const json::exception& ex) {
+        log_->error("state file {} is not JSON ({}); its sandbox is not attached", file, ex.what());
+        continue;
+      }
+      auto add = control::decode<control::SandboxAddRequest>(saved.value("request", json::object()));
+      if (auto* err = std::get_if<control::ErrorReply>(&add)) {
+        log_->error("state file {}: {}; its sandbox is not attached", file, err->message);
+        continue;
+      }
+      const NsId want{saved.value("ns_dev", std::uint64_t{0}), saved.value("ns_ino", std::uint64_t{0})};
+      auto r = attach(std::get<control::SandboxAddRequest>(add), want);
+      if (!r) {
+        log_->warn("sandbox={} not attached again, dropped: {}", std::get<control::SandboxAddRequest>(add).name,
+                   r.error().message);
+        ::unlink(file.c_str());
+      }
+    }
+  }
+
+  void shutdown() {
+    for (auto& [name, sb] : sandboxes_) {
+      if (sb.pidfd) sb.pidfd->cancel();
+      (void)sb.inst->close(false);
+    }
+    if (server_) server_->close();
+    reap_timer_.cancel();
+  }
+
+  // Destroys the sandboxes (after the loop stopped).
+  void clear() {
+    sandboxes_.clear();
+    removed_.clear();
+  }
+
+ private:
+  struct Attached {
+    std::unique_ptr<Instance> inst;
+    std::string netns;  // as given: a path, or /proc/PID/ns/net
+    std::uint64_t pid = 0;
+    std::unique_ptr<boost::asio::posix::stream_descriptor> pidfd;
+  };
+
+  void handle(const json& req, control::Reply reply) {
+    const std::string cmd = req["cmd"].get<std::string>();
+    if (cmd == control::SandboxAddRequest::kCmd) return add(req, std::move(reply));
+    if (cmd == control::SandboxRemoveRequest::kCmd) return remove(req, std::move(reply));
+    if (cmd == control::SandboxListRequest::kCmd) return list(req, std::move(reply));
+    auto it = req.find("sandbox");
+    if (it == req.end()) {
+      if (cmd == "ping") return reply(control::ok_reply({{"agent", true}, {"sandboxes", sandboxes_.size()}}));
+      return reply(control::error_reply(
+          "invalid_request", "this is egressd's agent socket: name the sandbox (\"sandbox\": NAME) for " + cmd +
+                                 ", or use sandbox_add, sandbox_remove, sandbox_list"));
+    }
+    if (!it->is_string()) return reply(control::error_reply("invalid_request", "\"sandbox\" must be a string"));
+    auto sb = sandboxes_.find(it->get<std::string>());
+    if (sb == sandboxes_.end()) {
+      return reply(control::error_reply("unknown_sandbox", "no sandbox \"" + it->get<std::string>() + "\""));
+    }
+    json inner = req;
+    inner.erase("sandbox");
+    sb->second.inst->sandbox().handle(inner, std::move(reply));
+  }
+
+  void add(const json& req, control::Reply reply) {
+    auto d = control::decode<control::SandboxAddRequest>(req);
+    if (auto* err = std::get_if<control::ErrorReply>(&d)) return reply(json(*err));
+    const auto& r = std::get<control::SandboxAddRequest>(d);
+    if (sandboxes_.count(r.name) != 0) {
+      return reply(control::error_reply("invalid_request", "sandbox \"" + r.name + "\" is already attached"));
+    }
+    auto st = attach(r, std::nullopt);
+    if (!st) return reply(control::error_reply(st.error(), "invalid_policy"));
+    Sandbox& sb = sandboxes_.at(r.name).inst->sandbox();
+    reply(control::ok_reply({{"name", r.name},
+                             {"phase", sb.state().phase},
+                             {"mode", std::string(to_string(sb.state().mode))},
+                             {"generation", sb.state().generation},
+                             {"netns", sandboxes_.at(r.name).netns}}));
+  }
+
+  // Builds the sandbox of `r`. `expected`: the namespace it had before a
+  // restart (another one behind the same path or pid is not adopted).
+  Status attach(const control::SandboxAddRequest& r, std::optional<NsId> expected) {
+    Attached a;
+    UniqueFd pidfd;
+    if (r.netns_pid) {
+      a.pid = *r.netns_pid;
+      // The pidfd first: the namespace opened next is that process's (it
+      // cannot be a reused pid's once the pidfd is held and not yet readable).
+      pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(a.pid), 0)));
+      if (!pidfd.ok()) return Error::invalid("no process " + std::to_string(a.pid) + ": " + errno_text(errno));
+      a.netns = "/proc/" + std::to_string(a.pid) + "/ns/net";
+    } else {
+      a.netns = *r.netns;
+    }
+    const UniqueFd nsfd(::open(a.netns.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!nsfd.ok()) return Error::invalid("cannot open network namespace " + a.netns + ": " + errno_text(errno));
+    if (pidfd.ok()) {
+      pollfd p{pidfd.get(), POLLIN, 0};
+      if (::poll(&p, 1, 0) == 1) return Error::invalid("process " + std::to_string(a.pid) + " has exited");
+    }
+    auto id = ns_id(nsfd.get());
+    if (!id) return id.error();
+    if (expected && !(*expected == *id)) {
+      return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");
+    }
+    for (const auto& [name, other] : sandboxes_) {
+      if (other.netns == a.netns) return Error::invalid(a.netns + " is already attached as sandbox \"" + name + "\"");
+    }
+
+    Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));
+    if (!policy) return policy.error();
+    InstanceOptions o;
+    o.name = r.name;
+    o.initial = r.config ? r.phase.value_or(policy->initial_phase) : std::string(to_string(r.mode.value_or(Mode::no_network)));
+    if (policy->find(o.initial) == nullptr) return Error::invalid("unknown phase \"" + o.initial + "\"");
+    o.policy = std::move(*policy);
+    o.netns = a.netns;
+    o.socket = r.socket.value_or("");
+    for (auto u : r.allow_uid.value_or(std::vector<std::uint64_t>{})) o.allow_uids.push_back(static_cast<std::uint32_t>(u));
+    o.state_file = (args_.state_dir.empty() ? args_.socket + "." : args_.state_dir + "/") + r.name + ".state";
+    o.dns_port = static_cast<int>(r.dns_port.value_or(53));
+    o.verify_interval_s = args_.verify_interval_s;
+    o.resolv_conf = resolv_conf_;
+    o.upstream_in_sandbox = false;
+    o.after_switch = [this] { trim_(); };
+    Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
+    {
+      auto scope = NetnsScope::enter(nsfd.get());
+      if (!scope) return scope.error();
+      inst = Instance::create(io_, std::move(o));
+    }
+    if (!inst) return inst.error();
+    a.inst = std::move(*inst);
+    if (pidfd.ok()) {
+      a.pidfd = std::make_unique<boost::asio::posix::stream_descriptor>(io_, pidfd.release());
+      a.pidfd->async_wait(boost::asio::posix::stream_descriptor::wait_read,
+                          [this, name = r.name](const boost::system::error_code& ec) {
+                            if (ec) return;
+                            log_->info("sandbox={} its process exited; removed (policy stays)", name);
+                            (void)detach(name, false);
+                          });
+    }
+    if (!args_.state_dir.empty()) {
+      json saved = {{"request", json(r)}, {"ns_dev", id->dev}, {"ns_ino", id->ino}};
+      if (auto s = write_atomically(args_.state_dir + "/" + r.name + ".json", saved.dump(2) + "\n"); !s) {
+        log_->warn("sandbox={} not kept for a restart: {}", r.name, s.error().message);
+      }
+    }
+    Sandbox& sb = a.inst->sandbox();
+    audit_event("sandbox_add",
+                {{"sandbox", r.name},
+                 {"netns", a.netns},
+                 {"phase", sb.state().phase},
+                 {"mode", to_string(sb.state().mode)},
+                 {"generation", sb.state().generation},
+                 {"startup_us", a.inst->startup_us()}},
+                spdlog::level::info,
+                fmt::format("sandbox={} attached netns={} phase={} mode={} gen={} startup_us={}", r.name, a.netns,
+                            sb.state().phase, to_string(sb.state().mode), sb.state().generation,
+                            a.inst->startup_us()));
+    sandboxes_.emplace(r.name, std::move(a));
+    trim_();
+    return {};
+  }
+
+  Status detach(const std::string& name, bool remove_policy) {
+    auto it = sandboxes_.find(name);
+    if (it == sandboxes_.end()) return Error::invalid("no sandbox \"" + name + "\"");
+    Attached a = std::move(it->second);
+    sandboxes_.erase(it);
+    if (a.pidfd) a.pidfd->cancel();
+    Status st = a.inst->close(remove_policy);
+    if (!args_.state_dir.empty()) ::unlink((args_.state_dir + "/" + name + ".json").c_str());
+    audit_event("sandbox_remove", {{"sandbox", name}, {"policy", remove_policy && st ? "removed" : "stays"}},
+                spdlog::level::info,
+                fmt::format("sandbox={} removed; policy {}", name, remove_policy && st ? "removed" : "stays in force"));
+    // Its sockets are closed; the object goes once nothing of it runs on the
+    // loop any more.
+    removed_.push_back(std::move(a));
+    reap();
+    return st;
+  }
+
+  void reap() {
+    std::erase_if(removed_, [](const Attached& a) { return a.inst->idle(); });
+    if (removed_.empty()) return;
+    reap_timer_.expires_after(std::chrono::milliseconds(50));
+    reap_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) reap();
+    });
+  }
+
+  void remove(const json& req, control::Reply reply) {
+    auto d = control::decode<control::SandboxRemoveRequest>(req);
+    if (auto* err = std::get_if<control::ErrorReply>(&d)) return reply(json(*err));
+    const auto& r = std::get<control::SandboxRemoveRequest>(d);
+    if (sandboxes_.count(r.name) == 0) {
+      return reply(control::error_reply("unknown_sandbox", "no sandbox \"" + r.name + "\""));
+    }
+    const bool remove_policy = r.remove_policy.value_or(false);
+    if (auto st = detach(r.name, remove_policy); !st) return reply(control::error_reply(st.error(), "kernel_error"));
+    reply(control::ok_reply({{"name", r.name}, {"policy", remove_policy ? "removed" : "stays"}}));
+  }
+
+  void list(const json& req, control::Reply reply) {
+    auto d = control::decode<control::SandboxListRequest>(req);
+    if (auto* err = std::get_if<control::ErrorReply>(&d)) return reply(json(*err));
+    json out = json::array();
+    for (const auto& [name, a] : sandboxes_) {
+      Sandbox& sb = a.inst->sandbox();
+      json e = {{"name", name},
+                {"netns", a.netns},
+                {"phase", sb.state().phase},
+                {"mode", std::string(to_string(sb.state().mode))},
+                {"generation", sb.state().generation},
+                {"socket", a.inst->options().socket},
+                {"dns_port", a.inst->dns_port()}};
+      if (a.pid != 0) e["pid"] = a.pid;
+      out.push_back(std::move(e));
+    }
+    reply(control::ok_reply({{"sandboxes", std::move(out)}}));
+  }
+
+  boost::asio::io_context& io_;
+  const AgentArgs& args_;
+  std::shared_ptr<spdlog::logger> log_ = spdlog::get("egressd");
+  const std::string resolv_conf_ = read_resolv_conf();  // the agent's: upstream DNS is asked from here
+  TrimWhenIdle trim_;
+  std::unique_ptr<control::Server> server_;
+  std::map<std::string, Attached> sandboxes_;
+  std::vector<Attached> removed_;
+  boost::asio::steady_timer reap_timer_;
+};
+
+}  // namespace
+
+int cmd_agent(const AgentArgs& a) {
+  setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
+  ::signal(SIGPIPE, SIG_IGN);
+  if (!a.state_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(a.state_dir, ec);
+    if (ec) return report(Error::invalid("--state-dir " + a.state_dir + ": " + ec.message()));
+  }
+  boost::asio::io_context io;
+  Agent agent(io, a);
+  // Sandboxes first: a client that finds the socket finds them attached.
+  agent.restore();
+  if (auto s = agent.listen(); !s) return report(s.error());
+  spdlog::get("egressd")->info("agent ready socket={} state_dir={}", a.socket, a.state_dir.empty() ? "-" : a.state_dir);
+  boost::asio::signal_set signals(io, SIGTERM, SIGINT);
+  signals.async_wait([&](const boost::system::error_code& ec, int sig) {
+    if (ec) return;
+    spdlog::get("egressd")->info("signal={} agent shutting down; every sandbox's policy stays in force", sig);
+    agent.shutdown();
+    io.stop();
+  });
+  io.run();
+  agent.clear();
+  return 0;
+}
+
+}  // namespace egressd::daemon

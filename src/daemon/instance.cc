@@ -1,0 +1,542 @@
+// One sandbox, wired (see instance.h): the per-namespace half of what
+// `egressd run` did in one function, so that the agent builds the same
+// thing once per attached namespace.
+//
+// Over 500 lines because it is the wiring of every per-sandbox part: the
+// policy checks against the kernel's capabilities, the Sandbox, the DNS proxy,
+// the tamper guard, NFLOG, the interface watch, the flow reaper, pinning's
+// queue reader, the control server, the metrics file and the close order,
+// each a few dozen lines; the per-sandbox logic itself lives in sandbox*.cc.
+#include "daemon/instance.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <atomic>
+#include <filesystem>
+#include <set>
+
+#include "audit/nflog.h"
+#include "control/protocol.h"
+#include "control/server.h"
+#include "daemon/audit_log.h"
+#include "daemon/ctforget.h"
+#include "daemon/netwatch.h"
+#include "daemon/pinq.h"
+#include "daemon/sandbox.h"
+#include "daemon/sockdiag.h"
+#include "daemon/tamper_guard.h"
+#include "dns/proxy.h"
+
+namespace egressd::daemon {
+
+namespace {
+
+// Hostname pinning's questions, answered by the sandbox (daemon/pinq.h).
+class SandboxPinJudge : public PinJudge, private pin::PinFacts {
+ public:
+  explicit SandboxPinJudge(Sandbox& sb) : sb_(sb) {}
+  const pin::PinFacts& pin_facts() const override { return *this; }
+  std::uint32_t pass_mark() const override { return sb_.compile_options().pass_mark; }
+  void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) override {
+    if (d.kind == pin::Decision::Kind::reset) {
+      spdlog::get("egressd")->info("pin reset: {}", d.reason);
+      sb_.pin_reset(dst, port, d.reason);
+    } else {
+      spdlog::get("egressd")->debug("pin admit: {}", d.reason);
+    }
+  }
+
+ private:
+  std::vector<std::string> names_for(const IpPrefix& addr) const override { return sb_.learned_names_for(addr); }
+  const Entry* allowed(std::string_view name) const override { return sb_.allowed_name(name); }
+  Sandbox& sb_;
+};
+
+// 32 bits for the table's secrets (Sandbox::draw_secrets rejects the values
+// that must not be used and draws again).
+std::uint32_t random32() {
+  std::uint32_t m = 0;
+  while (::getrandom(&m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) {
+  }
+  return m;
+}
+
+// Watches the namespace's interfaces: every link or IPv6 route change is
+// answered with a fresh dump handed to the sandbox (new interfaces get their
+// egress chain, vanished ones lose it). A wait on the socket, then a drain and
+// a dump; errors are logged and the watch goes on.
+class NetWatchLoop {
+ public:
+  NetWatchLoop(boost::asio::io_context& io, NetWatch watch, Sandbox& sandbox)
+      : watch_(std::move(watch)), sd_(io, watch_.fd()), sandbox_(sandbox) {}
+  ~NetWatchLoop() { close(); }
+  void start() { wait(); }
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    boost::system::error_code ec;
+    sd_.cancel(ec);
+    (void)sd_.release();  // the fd belongs to watch_
+  }
+
+ private:
+  void wait() {
+    sd_.async_wait(boost::asio::posix::stream_descriptor::wait_read, [this](const boost::system::error_code& ec) {
+      if (ec || closed_) return;
+      on_readable();
+      wait();
+    });
+  }
+  void on_readable() {
+    auto changed = watch_.drain();
+    if (!changed) {
+      spdlog::get("egressd")->error("interface watch: {}", changed.error().message);
+    } else if (!*changed) {
+      return;
+    }
+    auto view = watch_.dump();
+    if (!view) {
+      spdlog::get("egressd")->error("interface watch: {}", view.error().message);
+      return;
+    }
+    if (auto st = sandbox_.update_network(*view); !st) {
+      spdlog::get("egressd")->error("interface watch: {}", st.error().message);
+    }
+  }
+
+  NetWatch watch_;
+  boost::asio::posix::stream_descriptor sd_;
+  Sandbox& sandbox_;
+  bool closed_ = false;
+};
+
+// True when this kernel takes the deny chain's rate-limited log rule (nft_log
+// and nft_limit; nft_log needs the nfnetlink_log backend, which a container
+// cannot load as a module). Probed like the capabilities: nothing stays.
+bool probe_log(nft::Kernel& kernel, std::uint16_t group) {
+  nft::Table t;
+  t.name = "egressd_probe";
+  t.chains.push_back({"c", std::nullopt, {{{nft::StmtLimit{nft::kLogRate, nft::kLogBurst}, nft::StmtLog{group}}, ""}}});
+  nft::Change ch;
+  ch.table = t.name;
+  ch.ops.push_back(nft::OpAddTable{t});
+  ch.ops.push_back(nft::OpDeleteTable{t.name});
+  return kernel.apply(ch).ok();
+}
+
+// --metrics-file must name a file in a directory egressd can write (the temp
+// file goes next to it): checked before anything is installed.
+Status check_metrics_file_impl(const std::string& path) {
+  if (path.empty()) return {};
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (!p.has_filename() || fs::is_directory(p, ec)) {
+    return Error::invalid("--metrics-file " + path + ": names a directory, not a file");
+  }
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) return Error::invalid("--metrics-file " + path + ": no directory " + dir.string());
+  if (::access(dir.c_str(), W_OK) != 0) {
+    Error e = errno_error("--metrics-file " + path + ": cannot write in " + dir.string(), errno);
+    e.kind = ErrorKind::invalid;
+    return e;
+  }
+  return {};
+}
+
+// `--metrics-file`: every interval the metrics text is built on the event
+// loop (tens of microseconds: two chain dumps, retried on timers) and written by a
+// thread of its own, so a slow disk never holds up a switch or a DNS answer.
+// A write still running when the next is due makes that one skip.
+class MetricsFile {
+ public:
+  MetricsFile(boost::asio::io_context& io, Sandbox& sandbox, std::string path, std::chrono::milliseconds interval)
+      : sandbox_(sandbox), path_(std::move(path)), interval_(interval), timer_(io) {}
+  ~MetricsFile() {
+    timer_.cancel();
+    writer_.join();  // the last write finishes
+  }
+  // Writes once now (synchronously: the file exists when egressd is ready),
+  // then every interval.
+  Status start() {
+    if (auto s = write_atomically(path_, sandbox_.metrics_text()); !s) return s;
+    schedule();
+    return {};
+  }
+  void close() {
+    closed_ = true;
+    timer_.cancel();
+  }
+
+ private:
+  void schedule() {
+    if (closed_) return;
+    timer_.expires_after(interval_);
+    timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      tick();
+    });
+  }
+  // The text is built from the counted chains read as status reads them
+  // (retries on the loop's timers); the next tick is scheduled once it is
+  // built, so one build at a time. Pending work is destroyed with the loop,
+  // never run after this object is gone (the loop stops first).
+  void tick() {
+    const auto t0 = std::chrono::steady_clock::now();
+    sandbox_.metrics_text([this, t0](std::string text) {
+      schedule();
+      const auto us =
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+      if (busy_.exchange(true)) {
+        spdlog::get("egressd")->debug("metrics file write still running; this one skipped");
+        return;
+      }
+      spdlog::get("egressd")->trace("metrics text built us={} bytes={}", us, text.size());
+      boost::asio::post(writer_, [this, text = std::move(text)] {
+        auto s = write_atomically(path_, text);
+        // Said once when writes start failing and once when they work again.
+        if (!s && !failing_) spdlog::get("egressd")->warn("metrics file not written: {}", s.error().message);
+        if (s && failing_) spdlog::get("egressd")->info("metrics file written again path={}", path_);
+        failing_ = !s;
+        busy_ = false;
+      });
+    });
+  }
+
+  Sandbox& sandbox_;
+  const std::string path_;
+  const std::chrono::milliseconds interval_;
+  boost::asio::steady_timer timer_;
+  boost::asio::thread_pool writer_{1};
+  std::atomic<bool> busy_{false};
+  bool closed_ = false;   // loop only
+  bool failing_ = false;  // writer thread only
+};
+
+
+}  // namespace
+
+Status check_metrics_file(const std::string& path) { return check_metrics_file_impl(path); }
+
+struct Instance::Impl {
+  Impl(boost::asio::io_context& io, InstanceOptions o) : io(io), opts(std::move(o)) {}
+  boost::asio::io_context& io;
+  InstanceOptions opts;
+  std::vector<std::string> upstream;
+  std::uint64_t startup_us = 0;
+  std::shared_ptr<spdlog::logger> log = spdlog::get("egressd");
+  // Work this sandbox left on the loop through SandboxOptions::post and
+  // run_after (counted: the object must outlive it), and the run_after
+  // timers, cancelled by close().
+  std::size_t queued = 0;
+  std::set<std::shared_ptr<boost::asio::steady_timer>> timers;
+  bool closed = false;
+  Status close_status;
+  // In construction order; destroyed in reverse (the Sandbox last but the
+  // file writer, whose queued writes it outlives).
+  boost::asio::thread_pool file_writer{1};
+  std::unique_ptr<FlowReaper> reaper;
+  std::unique_ptr<Sandbox> sandbox;
+  std::unique_ptr<TamperGuard> guard;
+  std::unique_ptr<ConntrackForgetter> forgetter;  // outlives the proxy that tells it
+  std::unique_ptr<dns::Proxy> proxy;
+  std::unique_ptr<NetWatchLoop> netwatch;
+  std::unique_ptr<audit::NflogReader> nflog;
+  std::unique_ptr<SandboxPinJudge> pin_judge;
+  std::unique_ptr<PinQueue> pinq;
+  std::unique_ptr<control::Server> server;
+  std::unique_ptr<MetricsFile> metrics;
+
+  std::string prefix() const { return opts.name.empty() ? std::string() : "sandbox=" + opts.name + " "; }
+  Status build();
+};
+
+Status Instance::Impl::build() {
+  Policy& policy = opts.policy;
+  auto kernel = nft::open_kernel();
+  if (!kernel) return kernel.error();
+  const Capabilities caps = probe_capabilities(**kernel);
+  if (!caps.filter) {
+    // Every probe failed: almost always a missing capability, not a kernel
+    // without nf_tables.
+    return Error::runtime(
+        "cannot program nftables in this network namespace: egressd needs CAP_NET_ADMIN there "
+        "(Operation not permitted), or the kernel lacks nf_tables");
+  }
+  if (!caps.fib || (opts.dns_port != 0 && !caps.socket)) {
+    // Integral to the ruleset (forged sources, broadcast guards; egressd's
+    // upstream sockets taking replies only): without them there is no policy
+    // to offer, only a weaker one, and egressd never weakens silently.
+    return Error::runtime(std::string("this kernel lacks nftables ") + (!caps.fib ? "fib" : "socket") +
+                          " matching (" + (!caps.fib ? "nft_fib_inet" : "nft_socket") +
+                          "), which egressd's ruleset needs; load the module on the host");
+  }
+  if (!caps.egress_hook) {
+    // Run, but never claim it: `capabilities` says block_raw_frames=false.
+    log->warn("{}this kernel has no netdev egress hook (Linux >= 5.16, CONFIG_NETFILTER_EGRESS): frames a sandbox "
+              "process writes with AF_PACKET (CAP_NET_RAW, in Docker's default set) are NOT held to the policy; drop "
+              "NET_RAW from the sandbox (docs/security.md)", prefix());
+  }
+  if (opts.dns_port != 0 && !caps.nat) {
+    return Error::runtime(
+        "this kernel cannot redirect DNS to egressd (no nat in nf_tables); hostnames cannot be enforced. "
+        "Run with --dns-port 0 to enforce addresses only");
+  }
+  if (policy.enforce.log_group != 0 && !probe_log(**kernel, policy.enforce.log_group)) {
+    // Logging is for `egressctl denied`, not enforcement: run without it
+    // rather than not at all, and say so.
+    log->warn("{}this kernel cannot log denied packets (nft log/limit, nfnetlink_log); running without "
+              "log_group={}: `denied` will show refused DNS queries only",
+              prefix(), policy.enforce.log_group);
+    policy.enforce.log_group = 0;
+  }
+  upstream = dns::expand_upstreams(policy.dns, opts.resolv_conf);
+
+  SandboxOptions so;
+  so.state_file = opts.state_file;
+  // Where Docker's embedded resolver forwards (the DNS proxy's relay
+  // targets): from resolv.conf's "# ExtServers:" comment (Docker >= 25);
+  // else those an earlier egressd pinned, which start() adopts from the
+  // kernel's upstream sets; else the proxy's probe pins them. Only when the
+  // upstream is reached from inside the sandbox.
+  dns::ForwarderOptions forwarder;
+  forwarder.probe = opts.upstream_in_sandbox;
+  if (const dns::ExtServers ext = dns::ext_servers_from_resolv_conf(opts.resolv_conf);
+      ext.present && opts.upstream_in_sandbox) {
+    forwarder.targets = ext.targets;
+    forwarder.source = "resolv.conf";
+    forwarder.probe = false;  // Docker said where it forwards: nothing to guess
+  }
+  so.compile = compile_options(upstream, opts.dns_port);
+  // A fresh table gets secrets nobody can predict (see nft/compile.h).
+  so.random = random32;
+  so.policy = policy;
+  so.netns = opts.netns;
+  so.socket = opts.socket;
+  // Created here, in the sandbox's namespace: its thread lives there.
+  reaper = std::make_unique<FlowReaper>(
+      policy.enforce.inbound_replies, opts.dns_port != 0,
+      [log = log, p = prefix()](Result<int> n, std::uint64_t gen) {
+        if (!n) {
+          log->warn("{}flows not aborted gen={} (the rules still cut them): {}", p, gen, n.error().message);
+        } else if (*n > 0) {
+          log->info("{}aborted sockets={} gen={} (flows the new phase does not allow)", p, *n, gen);
+        }
+      });
+  so.after_switch = [this](std::shared_ptr<const Phase> phase, std::uint64_t gen) {
+    reaper->reap(std::move(phase), gen);
+    if (opts.after_switch) opts.after_switch();
+  };
+  so.post = [this](std::function<void()> fn) {
+    ++queued;
+    boost::asio::post(io, [this, fn = std::move(fn)] {
+      --queued;
+      if (!closed) fn();
+    });
+  };
+  so.run_after = [this](std::chrono::milliseconds delay, std::function<void()> fn) {
+    auto t = std::make_shared<boost::asio::steady_timer>(io, delay);
+    timers.insert(t);
+    ++queued;
+    t->async_wait([this, t, fn = std::move(fn)](const boost::system::error_code& ec) {
+      --queued;
+      timers.erase(t);
+      if (!ec && !closed) fn();
+    });
+  };
+  // The inline state file is written off the loop; one thread, so writes
+  // land in order.
+  so.write_off_loop = [this](std::function<void()> fn) { boost::asio::post(file_writer, std::move(fn)); };
+  so.executor = io.get_executor();
+  so.denied.capacity = opts.denied_records;
+  so.names.max_entries = opts.names;
+  sandbox = std::make_unique<Sandbox>(std::move(so), std::move(*kernel), caps);
+  const auto t0 = std::chrono::steady_clock::now();
+
+  // Subscribed before start: every change after it is seen (start's own are
+  // told apart by the portid).
+  TamperGuardOptions gopts;
+  gopts.verify_interval = std::chrono::milliseconds(static_cast<std::int64_t>(opts.verify_interval_s * 1000));
+  if (opts.monitor_rcvbuf > 0) {
+    gopts.rcvbuf = opts.monitor_rcvbuf;
+    gopts.grow_rcvbuf = false;
+  }
+  auto g = TamperGuard::open(io, *sandbox, gopts);
+  if (!g) return g.error().wrap("tamper detection");
+  guard = std::move(*g);
+  sandbox->set_tamper_counts([gd = guard.get()] { return std::pair{gd->tampers(), gd->restores()}; });
+  sandbox->set_large_batch_runner(
+      [gd = guard.get()](const std::function<Status()>& apply) { return gd->apply_unheard(apply); });
+
+  // The proxy binds before the table is built (issue 14, class 10): if its
+  // port was taken while egressd was down, it listens elsewhere and the
+  // redirect is built (or restaged: the port is part of the staged digest)
+  // to point there. It also binds the upstreams local to the namespace
+  // before anything is served. It serves once the own-traffic mark is fixed
+  // by start (drawn, or adopted from the table); until then queries queue.
+  if (opts.dns_port != 0) {
+    if (upstream.empty()) log->warn("{}no upstream DNS server (dns.upstream); allowed names will get SERVFAIL", prefix());
+    dns::ProxyOptions popts;
+    popts.port = static_cast<std::uint16_t>(opts.dns_port);
+    popts.fallback_port = true;
+    popts.upstream = upstream;
+    popts.max_ttl = policy.dns.max_ttl_s;
+    popts.forwarder = forwarder;
+    if (opts.upstream_in_sandbox) {
+      if (auto ct = ConntrackForgetter::open(io)) {
+        forgetter = std::move(*ct);
+        popts.forget_flow = [f = forgetter.get()](const dns::FlowTuple& t) { f->forget(t); };
+      } else {
+        log->warn("{}finished upstream DNS flows stay in conntrack (a sandbox query that reuses their port will "
+                  "fail): {}", prefix(), ct.error().message);
+      }
+    }
+    auto p = dns::Proxy::bind(io, popts, *sandbox);
+    if (!p) return p.error();
+    proxy = std::move(*p);
+    if (proxy->port_fell_back()) {
+      log->warn("{}port {} in the sandbox was taken by another process while egressd was down; the DNS proxy "
+                "listens on port {} and the redirect points there. Under Docker any process may bind port 53 "
+                "(net.ipv4.ip_unprivileged_port_start=0): start the task container with "
+                "--sysctl net.ipv4.ip_unprivileged_port_start=1024",
+                prefix(), opts.dns_port, proxy->port());
+      sandbox->set_dns_port(proxy->port());
+    }
+  }
+
+  // The interfaces before start (its table gets an egress chain for each),
+  // and the watch subscribed before the dump so no change is missed.
+  auto watch = NetWatch::open();
+  if (!watch) return watch.error().wrap("interface watch");
+  auto view = watch->dump();
+  if (!view) return view.error().wrap("interface watch");
+  (void)sandbox->update_network(*view);
+  if (auto s = sandbox->start(opts.initial); !s) return s;
+  guard->start();
+  netwatch = std::make_unique<NetWatchLoop>(io, std::move(*watch), *sandbox);
+  netwatch->start();
+  if (proxy) {
+    if (forwarder.targets.empty() && !sandbox->relay_upstreams().empty() && opts.upstream_in_sandbox) {
+      // Pinned by an earlier egressd: adopted from the kernel, no probe.
+      dns::ForwarderOptions kept;
+      for (const auto& t : sandbox->relay_upstreams()) kept.targets.push_back(t.to_string());
+      kept.source = "kernel";
+      proxy->set_forwarder(std::move(kept));
+    }
+    // From the agent's namespace the upstream sockets carry no mark: the
+    // sandbox's own-traffic mark means nothing there (and could meet the
+    // host's own mark-based routing).
+    proxy->serve(opts.upstream_in_sandbox ? sandbox->own_mark() : 0);
+    sandbox->attach_proxy(proxy.get());
+    sandbox->preresolve_active();
+  }
+
+  // Denied packets: the deny chain logs to this group (rate-limited in the
+  // kernel). Without the reader the policy is enforced all the same; only
+  // `denied` lacks packet records, so a failure here is not fatal.
+  if (const std::uint16_t group = policy.enforce.log_group; group != 0) {
+    auto r = audit::NflogReader::open(io, group, [sb = sandbox.get()](const audit::LoggedPacket& p) {
+      sb->denied_packet(p);
+    });
+    if (r) {
+      nflog = std::move(*r);
+      sandbox->attach_nflog(nflog.get());
+    } else {
+      log->warn("{}denied packets will not be recorded: {}", prefix(), r.error().message);
+    }
+  }
+
+  // Hostname pinning: the reader of the queue chain pin sends TCP flows to
+  // (compile.h). Without it those flows get nowhere (no bypass): fail closed.
+  if (policy.enforce.pin_names) {
+    pin_judge = std::make_unique<SandboxPinJudge>(*sandbox);
+    auto r = PinQueue::open(io, *pin_judge);
+    if (r) {
+      pinq = std::move(*r);
+      sandbox->attach_pin([q = pinq.get()] {
+        const PinStats s = q->stats();
+        return std::array<std::uint64_t, 3>{s.inspected, s.admitted, s.reset};
+      });
+    } else {
+      log->error("{}hostname pinning has no queue reader, so TCP flows to addresses allowed only by name "
+                 "cannot pass: {}", prefix(), r.error().message);
+    }
+  }
+
+  if (!opts.socket.empty()) {
+    control::ServerOptions sopts;
+    sopts.path = opts.socket;
+    sopts.allowed_uids.insert(opts.allow_uids.begin(), opts.allow_uids.end());
+    sopts.watch_interval = std::chrono::seconds(1);  // re-create the socket file if it goes
+    auto s = control::Server::listen(io, sopts, [sb = sandbox.get()](const nlohmann::json& req, control::Reply reply) {
+      sb->handle(req, std::move(reply));
+    });
+    if (!s) return s.error();
+    server = std::move(*s);
+  }
+  startup_us = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+
+  // After everything it reports on is attached.
+  if (!opts.metrics_file.empty()) {
+    metrics = std::make_unique<MetricsFile>(
+        io, *sandbox, opts.metrics_file,
+        std::chrono::milliseconds(static_cast<std::int64_t>(opts.metrics_interval_s * 1000)));
+    if (auto s = metrics->start(); !s) return s.error().wrap("--metrics-file");
+  }
+  return {};
+}
+
+Instance::Instance(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Instance::~Instance() {
+  (void)close(false);
+  impl_->file_writer.join();  // the last state file write lands
+}
+
+Result<std::unique_ptr<Instance>> Instance::create(boost::asio::io_context& io, InstanceOptions opts) {
+  auto impl = std::make_unique<Impl>(io, std::move(opts));
+  std::unique_ptr<Instance> inst(new Instance(std::move(impl)));
+  if (auto s = inst->impl_->build(); !s) return s.error();
+  return inst;
+}
+
+Sandbox& Instance::sandbox() { return *impl_->sandbox; }
+const InstanceOptions& Instance::options() const { return impl_->opts; }
+std::uint16_t Instance::dns_port() const {
+  return impl_->proxy ? impl_->proxy->port() : static_cast<std::uint16_t>(impl_->opts.dns_port);
+}
+std::vector<std::string> Instance::upstream() const { return impl_->upstream; }
+std::uint64_t Instance::startup_us() const { return impl_->startup_us; }
+
+Status Instance::close(bool remove_policy) {
+  Impl& m = *impl_;
+  if (m.closed) return m.close_status;
+  m.closed = true;
+  if (m.guard) m.guard->close();  // a removal by egressd is not tampering
+  if (m.netwatch) m.netwatch->close();
+  if (remove_policy && m.sandbox) {
+    if (auto s = m.sandbox->remove_table(); !s) m.close_status = s;
+  }
+  if (m.server) m.server->close();
+  if (m.metrics) m.metrics->close();
+  if (m.proxy) m.proxy->close();
+  if (m.nflog) m.nflog->close();
+  if (m.pinq) m.pinq->close();
+  for (const auto& t : m.timers) t->cancel();
+  return m.close_status;
+}
+
+bool Instance::idle() const {
+  const Impl& m = *impl_;
+  return m.closed && m.queued == 0 && (!m.sandbox || !m.sandbox->busy());
+}
+
+}  // namespace egressd::daemon

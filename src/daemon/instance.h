@@ -1,0 +1,85 @@
+// One sandbox, wired: its Sandbox (phases, learned addresses, denied
+// records), the DNS proxy listening in its namespace, the tamper guard, the
+// interface watch, the flow reaper, NFLOG, the pinning queue reader, its
+// control socket and metrics file. `egressd run` makes one; `egressd agent`
+// makes one per attached namespace on its single event loop. Nothing here is
+// process-wide but the loop passed in.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "egressd/policy.h"
+#include "egressd/result.h"
+
+namespace egressd::daemon {
+
+class Sandbox;
+
+struct InstanceOptions {
+  std::string name;                  // the agent's name for the sandbox ("" for the sidecar); in logs
+  Policy policy;
+  std::string initial;               // the phase installed on a fresh start
+  std::string netns;                 // as reported (status, logs)
+  std::string socket;                // the sidecar protocol's socket; "" = none
+  std::vector<std::uint32_t> allow_uids;
+  std::string state_file;            // where an inline policy is kept for adoption
+  int dns_port = 53;                 // 0 = no DNS interception
+  double verify_interval_s = 5;
+  int monitor_rcvbuf = 0;
+  std::size_t denied_records = 1024;
+  std::size_t names = 8192;
+  std::string metrics_file;          // "" = none
+  double metrics_interval_s = 5;
+  std::string resolv_conf;           // text of the resolv.conf upstreams (and Docker's ExtServers) come from
+  // False in the agent: upstream queries leave from the agent's own
+  // namespace (sockets created on the loop's thread, there), unmarked, so
+  // nothing in the sandbox sees or answers them; no Docker forwarder probe
+  // and no conntrack cleanup of upstream flows in the sandbox.
+  bool upstream_in_sandbox = true;
+  // Called after every switch (the process trims its heap once idle).
+  std::function<void()> after_switch;
+};
+
+class Instance {
+ public:
+  // Builds and starts everything: the initial phase (or the adopted table)
+  // is in the kernel when this returns. The calling thread must be in the
+  // sandbox's network namespace: every socket, and the flow reaper's thread,
+  // is created in the namespace of the thread that creates it.
+  static Result<std::unique_ptr<Instance>> create(boost::asio::io_context& io, InstanceOptions opts);
+  ~Instance();
+  Instance(const Instance&) = delete;
+  Instance& operator=(const Instance&) = delete;
+
+  Sandbox& sandbox();
+  const InstanceOptions& options() const;
+  std::uint16_t dns_port() const;            // the proxy's port (it may have fallen back); 0 = none
+  std::vector<std::string> upstream() const;
+  std::uint64_t startup_us() const;
+
+  // Stops serving: the tamper guard first (a removal by egressd is not
+  // tampering), then with `remove_policy` the tables, then every socket in
+  // the namespace. The tables stay otherwise (fail closed). Idempotent; the
+  // first call's cleanup result is returned.
+  Status close(bool remove_policy);
+  // True once closed and no request or switch of this sandbox is still
+  // running on the loop: the object may then be destroyed while the loop
+  // goes on.
+  bool idle() const;
+
+ private:
+  struct Impl;
+  explicit Instance(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// --metrics-file must name a file in a directory egressd can write (the temp
+// file goes next to it): checked before anything is installed.
+Status check_metrics_file(const std::string& path);
+
+}  // namespace egressd::daemon
