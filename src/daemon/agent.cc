@@ -211,6 +211,13 @@ class Agent {
     }
     auto id = ns_id(nsfd.get());
     if (!id) return id.error();
+    if (const UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)); own.ok()) {
+      // Its own rules would then hold the agent's upstream queries and every
+      // other sandbox's DNS to them.
+      if (auto mine = ns_id(own.get()); mine && *mine == *id) {
+        return Error::invalid(a.netns + " is the agent's own network namespace");
+      }
+    }
     if (expected && !(*expected == *id)) {
       return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");
     }

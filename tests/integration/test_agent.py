@@ -1,0 +1,300 @@
+"""egressd agent (issue 17): one process serves many sandboxes.
+
+The agent runs in a namespace of its own (wired to the lab's internet namespace, as a host
+would be), and attaches the lab's sandbox and further wired namespaces with
+`egressctl --socket AGENT sandbox add`. Each attached sandbox must behave as a sidecar would:
+its own table, its own DNS proxy inside, its own phases; and nothing done to one changes
+another. Upstream DNS leaves from the agent's namespace. A removed sandbox keeps its policy and
+has no socket of the agent left in it; a --netns-pid sandbox goes with its process; a restarted
+agent adopts every table with the same generation.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import lab as labmod
+from lab import DNS_V4, ECHO_PORT, GATEWAY_V4, LabError, Netns, wait_for
+
+AGENT_V4, AGENT_GW_V4 = "198.51.100.66", "198.51.100.65"  # the agent's own namespace, a /30
+AGENT_IF = "veth-ag"
+
+POLICY = """\
+initial_phase: agent
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  setup: public
+  agent:
+    network_mode: allowlist
+    allowed_hosts: ["a.example.com"]
+  verifier: { network_mode: no-network }
+"""
+
+
+def wire(lab, ns: Netns, k: int) -> str:
+    """Gives ns an eth0 to the internet namespace (198.51.100.64 + 4k, a /30 of its own) and a
+    default route; returns its address."""
+    base = 64 + 4 * k
+    gw, addr, peer = f"198.51.100.{base + 1}", f"198.51.100.{base + 2}", f"veth-w{k}"
+    ns.ip("link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", lab.internet.name)
+    ns.ip_batch([f"addr add {addr}/30 dev eth0", "link set eth0 up"])
+    lab.internet.ip_batch([f"addr add {gw}/30 dev {peer}", f"link set {peer} up"])
+    wait_for(lambda: ns.operstate("eth0") == "UP", 5.0, f"eth0 of {ns.name} to come up")
+    ns.ip("route", "add", "default", "via", gw)
+    wait_for(lambda: ns.tcp_connect(labmod.SERVERS_V4[0], ECHO_PORT, timeout=0.5) == "ok", 5.0,
+             f"{ns.name} to reach the internet")
+    return addr
+
+
+class Agent:
+    """egressd agent in a namespace of its own; ctl() runs egressctl against its socket."""
+
+    def __init__(self, lab, ns: Netns, state_dir: Path):
+        self.lab, self.ns, self.state_dir = lab, ns, state_dir
+        self.socket = lab.tmp / "agent.sock"
+        self.log_path = lab.tmp / "agent.log"
+        self.proc = None
+
+    def start(self):
+        self.socket.unlink(missing_ok=True)
+        self.proc = self.lab.spawn([labmod.egressd_binary(), "agent", "--socket", self.socket,
+                                    "--state-dir", self.state_dir],
+                                   netns=self.ns, stderr=open(self.log_path, "a"))
+        wait_for(lambda: self.proc.poll() is not None or self.ctl("ping")[0] == 0, 10.0, "the agent to answer")
+        if self.proc.poll() is not None:
+            raise LabError(f"egressd agent exited {self.proc.returncode}: {self.log()}")
+        return self
+
+    def stop(self, sig=signal.SIGTERM):
+        self.proc.send_signal(sig)
+        self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def ctl(self, *args, timeout: float = 10.0):
+        cp = labmod.run([str(labmod.egressctl_binary()), "--socket", str(self.socket), *map(str, args)],
+                        timeout=timeout, check=False)
+        return cp.returncode, cp.stdout, cp.stderr
+
+    def ok(self, *args):
+        rc, out, err = self.ctl(*args)
+        assert rc == 0, f"egressctl {' '.join(map(str, args))} exited {rc}: {err}\n{self.log()}"
+        return out
+
+    def json(self, *args):
+        return json.loads(self.ok(*args, "--json"))
+
+    def listing(self) -> dict:
+        return {e["name"]: e for e in self.json("sandbox", "list")["sandboxes"]}
+
+
+@pytest.fixture
+def agent(lab, egressd_binaries):
+    ns = lab.extra_netns("ag")
+    # The agent's namespace is a host: wired to the internet, where the upstream (dnsmasq on
+    # 192.0.2.1) answers it directly.
+    ns.ip("link", "add", "eth0", "type", "veth", "peer", "name", AGENT_IF, "netns", lab.internet.name)
+    ns.ip_batch([f"addr add {AGENT_V4}/30 dev eth0", "link set eth0 up"])
+    lab.internet.ip_batch([f"addr add {AGENT_GW_V4}/30 dev {AGENT_IF}", f"link set {AGENT_IF} up"])
+    wait_for(lambda: ns.operstate("eth0") == "UP", 5.0, "the agent's eth0 to come up")
+    ns.ip("route", "add", "default", "via", AGENT_GW_V4)
+    a = Agent(lab, ns, lab.tmp / "agent-state")
+    yield a.start()
+    if a.proc.poll() is None:
+        a.stop()
+
+
+def sockets_of(pid: int, ns: Netns) -> str:
+    """Every inet and netlink socket in ns that process pid holds (ss -p lines)."""
+    cp = ns.exec("ss", "-a", "-n", "-p", "-A", "inet,netlink", check=False)
+    return "\n".join(line for line in cp.stdout.splitlines() if f"pid={pid}," in line)
+
+
+def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
+    sb2 = lab.extra_netns("s")
+    wire(lab, sb2, 1)
+    config = lab.write_config(POLICY)
+    own = lab.tmp / "sb1.sock"
+    out = agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config, "--socket", own)
+    assert "phase agent (allowlist) generation 1" in out
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--mode", "no-network")
+
+    # one: allowlisted name resolves and connects, nothing else does.
+    r = lab.sandbox.dns_query("a.example.com")
+    assert r.rcode == "NOERROR" and "198.51.100.10" in r.addresses
+    assert lab.sandbox.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+    assert lab.sandbox.dns_query("b.example.com").rcode == "REFUSED"
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+    # two: nothing at all, DNS refused by its own proxy.
+    assert sb2.tcp_connect("198.51.100.10", ECHO_PORT, timeout=1) != "ok"
+    assert sb2.dns_query("a.example.com", server=GATEWAY_V4).rcode == "REFUSED"
+
+    listing = agent.listing()
+    assert set(listing) == {"one", "two"}
+    assert (listing["one"]["phase"], listing["one"]["mode"], listing["one"]["generation"]) == ("agent", "allowlist", 1)
+    assert (listing["two"]["phase"], listing["two"]["mode"]) == ("no-network", "no-network")
+    assert listing["one"]["netns"] == lab.sandbox.path and listing["one"]["socket"] == str(own)
+    # Every sidecar command, through the agent with --sandbox, or on the sandbox's own socket.
+    assert agent.json("--sandbox", "one", "status")["phase"] == "agent"
+    assert agent.json("--sandbox", "two", "status")["phase"] == "no-network"
+    cp = labmod.run([str(labmod.egressctl_binary()), "--socket", str(own), "status", "--json"], check=False)
+    assert cp.returncode == 0 and json.loads(cp.stdout)["netns"] == lab.sandbox.path
+    explained = agent.json("--sandbox", "one", "explain", "b.example.com")
+    assert explained["allowed"] is False
+    # Each sandbox's table lives in its own namespace.
+    for ns in (lab.sandbox, sb2):
+        assert lab.nft(ns, "list", "table", "inet", "egressd")[0] == 0
+
+
+def test_upstream_dns_leaves_from_the_agents_namespace(lab, agent):
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(POLICY))
+    assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
+    sources = {q.source.rsplit("/", 1)[0].rsplit("#", 1)[0] for q in lab.dns.queries() if q.name.lower() == "a.example.com"}
+    assert sources == {AGENT_V4}, f"upstream queries came from {sources}"
+    # No upstream socket of the agent in the sandbox: only its proxy's listeners (port 53).
+    for line in sockets_of(agent.proc.pid, lab.sandbox).splitlines():
+        if line.startswith(("udp", "tcp")):
+            assert re.search(r"(127\.0\.0\.1|\[::1\]|\*|0\.0\.0\.0|\[::\]):53\b", line), line
+
+
+def test_one_sandbox_changes_nothing_in_another(lab, agent):
+    sb2 = lab.extra_netns("s")
+    wire(lab, sb2, 1)
+    config = lab.write_config(POLICY)
+    own = lab.tmp / "sb1.sock"
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config, "--socket", own)
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config, "--phase", "setup")
+    before = agent.json("--sandbox", "two", "status")
+    assert sb2.tcp_connect("198.51.100.11", ECHO_PORT) == "ok"
+
+    # Switches, garbage on one's own socket and on the agent socket naming one, a bad policy.
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    agent.ok("--sandbox", "one", "apply", "setup")
+    for raw in (b"{not json\n", b'{"cmd":"apply","phase":"nope"}\n', b"\xff" * 64 + b"\n"):
+        with __import__("socket").socket(__import__("socket").AF_UNIX) as s:
+            s.connect(str(own))
+            s.sendall(raw)
+            assert json.loads(s.makefile().readline())["ok"] is False
+    rc, _, err = agent.ctl("--sandbox", "one", "apply", "--mode", "allowlist", "--allow", "bad..name")
+    assert rc == 2 and "bad..name" in err
+
+    after = agent.json("--sandbox", "two", "status")
+    assert (after["phase"], after["generation"]) == (before["phase"], before["generation"])
+    assert sb2.tcp_connect("198.51.100.11", ECHO_PORT) == "ok"
+    assert agent.json("--sandbox", "one", "status")["generation"] == 3
+
+
+def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
+    config = lab.write_config(POLICY)
+    spare = lab.extra_netns("m")
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    cases = [
+        (("sandbox", "add", "../x", "--netns", lab.sandbox.path), "../x"),
+        (("sandbox", "add", "two", "--netns", "/run/netns/egt-no-such-namespace"), "egt-no-such-namespace"),
+        (("sandbox", "add", "two", "--netns", lab.sandbox.path, "--config", config), "already attached"),
+        (("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config), '"one" is already attached'),
+        (("sandbox", "add", "two", "--netns", spare.path, "--config", lab.tmp / "missing.yaml"),
+         "missing.yaml"),
+        (("sandbox", "add", "two", "--netns-pid", "4194000", "--mode", "public"), "4194000"),
+        (("sandbox", "add", "two", "--netns", "/proc/self/ns/net", "--mode", "public"), "agent's own network namespace"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--config", config, "--phase", "nope"), "nope"),
+        (("sandbox", "remove", "nobody"), "nobody"),
+        (("--sandbox", "nobody", "status"), "nobody"),
+        (("status",), "name the sandbox"),
+    ]
+    for args, culprit in cases:
+        rc, _, err = agent.ctl(*args)
+        assert rc == 2, (args, rc, err)
+        assert culprit in err, (args, err)
+    assert set(agent.listing()) == {"one"}
+    assert agent.json("--sandbox", "one", "status")["generation"] == 1
+    assert lab.nft(spare, "list", "tables")[1].strip() == "", "a refused add left rules behind"
+    # Unknown fields and wrong types on the raw socket.
+    for req in ({"cmd": "sandbox_add", "name": "x", "netns": "/x", "bogus": 1},
+                {"cmd": "sandbox_add", "name": 5, "netns": "/x"},
+                {"cmd": "sandbox_add", "name": "x", "netns": "/x", "netns_pid": 1},
+                {"cmd": "sandbox_remove", "name": "one", "remove_policy": "yes"}):
+        with __import__("socket").socket(__import__("socket").AF_UNIX) as s:
+            s.connect(str(agent.socket))
+            s.sendall((json.dumps(req) + "\n").encode())
+            reply = json.loads(s.makefile().readline())
+        assert reply["ok"] is False and reply["error"]["code"] == "invalid_request", (req, reply)
+    assert set(agent.listing()) == {"one"}
+
+
+def test_removal_keeps_the_policy_and_leaves_no_socket_behind(lab, agent):
+    sb2 = lab.extra_netns("s")
+    wire(lab, sb2, 1)
+    config = lab.write_config(POLICY)
+    own = lab.tmp / "sb1.sock"
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config, "--phase", "verifier",
+             "--socket", own)
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config, "--phase", "verifier")
+    assert sockets_of(agent.proc.pid, lab.sandbox), "the agent holds no socket in the sandbox while attached"
+
+    out = agent.ok("sandbox", "remove", "one")
+    assert "stays in force" in out
+    assert set(agent.listing()) == {"two"}
+    wait_for(lambda: sockets_of(agent.proc.pid, lab.sandbox) == "", 5.0, "the agent's sockets in one to close")
+    assert not own.exists()
+    # Fail closed: the table stays, and still denies.
+    assert lab.nft(lab.sandbox, "list", "table", "inet", "egressd")[0] == 0
+    assert lab.sandbox.tcp_connect("198.51.100.10", ECHO_PORT, timeout=1) != "ok"
+
+    agent.ok("sandbox", "remove", "two", "--remove-policy")
+    assert lab.nft(sb2, "list", "table", "inet", "egressd")[0] != 0
+    assert sb2.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+    wait_for(lambda: sockets_of(agent.proc.pid, sb2) == "", 5.0, "the agent's sockets in two to close")
+    assert agent.listing() == {}
+
+
+def test_a_netns_pid_sandbox_goes_when_its_process_exits(lab, agent):
+    p = lab.spawn(["unshare", "--net", "sleep", "60"])
+    wait_for(lambda: Path(f"/proc/{p.pid}/ns/net").exists() and
+             Path(f"/proc/{p.pid}/ns/net").resolve() != Path("/proc/self/ns/net").resolve(), 5.0,
+             "unshare to make its namespace")
+    wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
+             5.0, "unshare to exec sleep")
+    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "no-network")
+    assert agent.listing()["pid"]["pid"] == p.pid
+    p.kill()
+    p.wait(5)
+    wait_for(lambda: "pid" not in agent.listing(), 5.0, "the sandbox to go with its process")
+    assert "its process exited" in agent.log()
+
+
+def test_restart_adopts_every_sandbox_with_the_same_generation(lab, agent):
+    sb2 = lab.extra_netns("s")
+    wire(lab, sb2, 1)
+    gone = lab.extra_netns("g")
+    config = lab.write_config(POLICY)
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config, "--phase", "setup")
+    agent.ok("sandbox", "add", "gone", "--netns", gone.path, "--mode", "public")
+    agent.ok("--sandbox", "two", "apply", "verifier")
+    before = agent.listing()
+    assert before["two"]["generation"] == 2
+
+    agent.stop()
+    # While it is down the policies hold.
+    assert sb2.tcp_connect("198.51.100.10", ECHO_PORT, timeout=1) != "ok"
+    labmod.run(["ip", "netns", "del", gone.name])
+    agent.start()
+
+    after = agent.listing()
+    assert set(after) == {"one", "two"}
+    for name in ("one", "two"):
+        assert (after[name]["phase"], after[name]["generation"]) == (before[name]["phase"], before[name]["generation"])
+    assert re.search(r"sandbox=gone not attached again, dropped", agent.log())
+    assert "adopted" in agent.log()
+    # Adopted means enforced and served again.
+    assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
+    assert lab.sandbox.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+    assert sb2.tcp_connect("198.51.100.10", ECHO_PORT, timeout=1) != "ok"
