@@ -178,6 +178,73 @@ TEST_CASE("a request that does not decode names its culprit, checked in the docu
   CHECK_THROWS_AS(json({{"cmd", "hosts"}, {"x", 1}}).get<control::HostsRequest>(), control::RequestError);
 }
 
+TEST_CASE("the agent's sandbox requests round-trip and refuse what they must") {
+  control::SandboxAddRequest add;
+  add.name = "trial-1";
+  add.netns = "/run/netns/trial-1";
+  add.config = "/etc/egressd/policy.yaml";
+  add.phase = "setup";
+  add.socket = "/run/egressd/t1.sock";
+  add.allow_uid = std::vector<std::uint64_t>{1000};
+  add.dns_port = 53;
+  round_trips(add, R"({"cmd":"sandbox_add","name":"trial-1","netns":"/run/netns/trial-1",)"
+                   R"("config":"/etc/egressd/policy.yaml","phase":"setup","socket":"/run/egressd/t1.sock",)"
+                   R"("allow_uid":[1000],"dns_port":53})");
+  control::SandboxAddRequest by_pid;
+  by_pid.name = "t2";
+  by_pid.netns_pid = 4242;
+  by_pid.mode = egressd::Mode::allowlist;
+  by_pid.allow = std::vector<std::string>{"pypi.org"};
+  round_trips(by_pid, R"({"cmd":"sandbox_add","name":"t2","netns_pid":4242,"mode":"allowlist","allow":["pypi.org"]})");
+  round_trips(control::SandboxRemoveRequest{"t2", true}, R"({"cmd":"sandbox_remove","name":"t2","remove_policy":true})");
+  round_trips(control::SandboxListRequest{}, R"({"cmd":"sandbox_list"})");
+
+  struct Case {
+    const char* req;
+    const char* message;
+  };
+  const Case cases[] = {
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","extra":1})", "unknown field \"extra\" for command sandbox_add"},
+      {R"({"cmd":"sandbox_add","netns":"/x"})", "sandbox_add needs a string \"name\""},
+      {R"({"cmd":"sandbox_add","name":"../etc","netns":"/x"})",
+       "sandbox name \"../etc\" must be 1 to 64 of A-Z a-z 0-9 _ . - and not start with '.'"},
+      {R"({"cmd":"sandbox_add","name":".hidden","netns":"/x"})",
+       "sandbox name \".hidden\" must be 1 to 64 of A-Z a-z 0-9 _ . - and not start with '.'"},
+      {R"({"cmd":"sandbox_add","name":"a"})", "sandbox_add takes either \"netns\" (a path) or \"netns_pid\""},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","netns_pid":3})",
+       "sandbox_add takes either \"netns\" (a path) or \"netns_pid\""},
+      {R"({"cmd":"sandbox_add","name":"a","netns_pid":0})", "\"netns_pid\" must be a process id, not 0"},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","config":"p.yaml","mode":"public"})",
+       "sandbox_add takes \"config\" (a policy file) or \"mode\" (built-in phases), not both"},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","phase":"agent"})",
+       "\"phase\" goes with \"config\"; without one, give \"mode\""},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","config":"p.yaml","allow":["x.org"]})",
+       "\"allow\" goes with \"mode\", not \"config\" (put entries in the file)"},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","allow_uid":[-1]})", "\"allow_uid\" must be an array of uids"},
+      {R"({"cmd":"sandbox_add","name":"a","netns":"/x","dns_port":70000})",
+       "\"dns_port\" must be an integer from 0 to 65535"},
+      {R"({"cmd":"sandbox_remove","name":"a","remove_policy":1})", "\"remove_policy\" must be true or false"},
+      {R"({"cmd":"sandbox_list","all":true})", "unknown field \"all\" for command sandbox_list"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.req);
+    const json j = json::parse(c.req);
+    const std::string cmd = j["cmd"];
+    control::ErrorReply e;
+    if (cmd == "sandbox_add") e = decode_error<control::SandboxAddRequest>(j);
+    if (cmd == "sandbox_remove") e = decode_error<control::SandboxRemoveRequest>(j);
+    if (cmd == "sandbox_list") e = decode_error<control::SandboxListRequest>(j);
+    CHECK(e == control::ErrorReply{"invalid_request", c.message});
+  }
+  CHECK(decode_error<control::SandboxAddRequest>(
+            json::parse(R"({"cmd":"sandbox_add","name":"a","netns":"/x","mode":"open"})")) ==
+        control::ErrorReply{"invalid_policy", "unknown mode \"open\" (modes: public, no-network, allowlist)"});
+  CHECK(control::valid_sandbox_name(std::string(64, 'a')));
+  CHECK_FALSE(control::valid_sandbox_name(std::string(65, 'a')));
+  CHECK_FALSE(control::valid_sandbox_name(""));
+  CHECK_FALSE(control::valid_sandbox_name("a/b"));
+}
+
 TEST_CASE("reply_line puts ok first, then the other keys sorted, one line") {
   CHECK(control::reply_line(control::ok_reply({{"phase", "agent"}, {"generation", 8}, {"entries", {{"z", 1}, {"a", 2}}}})) ==
         "{\"ok\":true,\"entries\":{\"a\":2,\"z\":1},\"generation\":8,\"phase\":\"agent\"}\n");
