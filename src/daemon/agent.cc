@@ -240,6 +240,8 @@ class Agent {
     o.verify_interval_s = args_.verify_interval_s;
     o.resolv_conf = resolv_conf_;
     o.upstream_in_sandbox = false;
+    o.capabilities = caps_;
+    o.can_log = can_log_;
     o.after_switch = [this] { trim_(); };
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
     {
@@ -249,6 +251,8 @@ class Agent {
     }
     if (!inst) return inst.error();
     a.inst = std::move(*inst);
+    if (!caps_) caps_ = a.inst->sandbox().capabilities();
+    if (!can_log_ && o_log_group(a)) can_log_ = a.inst->can_log();
     if (pidfd.ok()) {
       a.pidfd = std::make_unique<boost::asio::posix::stream_descriptor>(io_, pidfd.release());
       a.pidfd->async_wait(boost::asio::posix::stream_descriptor::wait_read,
@@ -345,6 +349,10 @@ class Agent {
   const std::string resolv_conf_ = read_resolv_conf();  // the agent's: upstream DNS is asked from here
   TrimWhenIdle trim_;
   std::unique_ptr<control::Server> server_;
+  // Probed with the first sandbox, then known (see InstanceOptions::capabilities).
+  std::optional<Capabilities> caps_;
+  std::optional<bool> can_log_;
+  static bool o_log_group(const Attached& a) { return a.inst->options().policy.enforce.log_group != 0; }
   std::map<std::string, Attached> sandboxes_;
   std::vector<Attached> removed_;
   boost::asio::steady_timer reap_timer_;
@@ -353,6 +361,7 @@ class Agent {
 }  // namespace
 
 int cmd_agent(const AgentArgs& a) {
+  one_malloc_arena();
   setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
   ::signal(SIGPIPE, SIG_IGN);
   if (!a.state_dir.empty()) {

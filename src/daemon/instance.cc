@@ -262,7 +262,7 @@ Status Instance::Impl::build() {
   Policy& policy = opts.policy;
   auto kernel = nft::open_kernel();
   if (!kernel) return kernel.error();
-  const Capabilities caps = probe_capabilities(**kernel);
+  const Capabilities caps = opts.capabilities ? *opts.capabilities : probe_capabilities(**kernel);
   if (!caps.filter) {
     // Every probe failed: almost always a missing capability, not a kernel
     // without nf_tables.
@@ -289,7 +289,8 @@ Status Instance::Impl::build() {
         "this kernel cannot redirect DNS to egressd (no nat in nf_tables); hostnames cannot be enforced. "
         "Run with --dns-port 0 to enforce addresses only");
   }
-  if (policy.enforce.log_group != 0 && !probe_log(**kernel, policy.enforce.log_group)) {
+  if (policy.enforce.log_group != 0 && !opts.can_log) opts.can_log = probe_log(**kernel, policy.enforce.log_group);
+  if (policy.enforce.log_group != 0 && !*opts.can_log) {
     // Logging is for `egressctl denied`, not enforcement: run without it
     // rather than not at all, and say so.
     log->warn("{}this kernel cannot log denied packets (nft log/limit, nfnetlink_log); running without "
@@ -515,6 +516,7 @@ std::uint16_t Instance::dns_port() const {
 }
 std::vector<std::string> Instance::upstream() const { return impl_->upstream; }
 std::uint64_t Instance::startup_us() const { return impl_->startup_us; }
+bool Instance::can_log() const { return impl_->opts.can_log.value_or(true); }
 
 Status Instance::close(bool remove_policy) {
   Impl& m = *impl_;

@@ -10,15 +10,15 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "daemon/sandbox.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
 
 namespace egressd::daemon {
-
-class Sandbox;
 
 struct InstanceOptions {
   std::string name;                  // the agent's name for the sandbox ("" for the sidecar); in logs
@@ -41,6 +41,11 @@ struct InstanceOptions {
   // nothing in the sandbox sees or answers them; no Docker forwarder probe
   // and no conntrack cleanup of upstream flows in the sandbox.
   bool upstream_in_sandbox = true;
+  // What the kernel supports, when already known (the agent probes once per
+  // process: every namespace shares the kernel, and each probe's table
+  // deletion costs the next commit an RCU grace period, ~20 ms). Unset: probed.
+  std::optional<Capabilities> capabilities;
+  std::optional<bool> can_log;  // the deny chain's log rule (nfnetlink_log); unset: probed
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
 };
@@ -61,6 +66,7 @@ class Instance {
   std::uint16_t dns_port() const;            // the proxy's port (it may have fallen back); 0 = none
   std::vector<std::string> upstream() const;
   std::uint64_t startup_us() const;
+  bool can_log() const;  // the log rule's probe result (or what was given)
 
   // Stops serving: the tamper guard first (a removal by egressd is not
   // tampering), then with `remove_policy` the tables, then every socket in

@@ -61,9 +61,12 @@ constexpr std::size_t kMaxMsgSize = UINT16_MAX + 4096;
 constexpr std::uint32_t kElemMsgBytes = 32 * 1024;
 // No exchange with the kernel waits longer than this.
 constexpr int kReplyTimeoutMs = 5000;
-// The batch buffer is reused between applies; a larger one (a big inline
-// policy) is freed afterwards so an idle daemon stays small (DESIGN §5).
-constexpr std::size_t kKeptBatchBytes = 512 * 1024;
+// The batch buffer is reused between applies; a larger one (the start-up
+// batch of a whole table, a big inline policy) is freed afterwards so an
+// idle daemon stays small (DESIGN §5), and an agent with hundreds of
+// sandboxes does not keep one start-up batch per sandbox. A named switch's
+// batch fits.
+constexpr std::size_t kKeptBatchBytes = 64 * 1024;
 // Receive buffer per expected ack: acks are tiny but each is its own skb,
 // accounted at its truesize (nftables' mnl_batch_talk uses the same 1 KiB).
 constexpr int kAckTruesize = 1024;
