@@ -31,7 +31,7 @@ constexpr std::size_t kRxSize = 65536 + 4096;
 
 struct Transport::Impl {
   Impl(UniqueFd fd, std::uint32_t portid, std::string what)
-      : fd(std::move(fd)), portid(portid), what(std::move(what)), rx(kRxSize) {}
+      : fd(std::move(fd)), portid(portid), what(std::move(what)), rx(new char[kRxSize]) {}
 
   UniqueFd fd;
   // Waits on fd for the receive loop (not owning: released before fd
@@ -40,13 +40,16 @@ struct Transport::Impl {
   std::uint32_t portid;
   std::uint32_t seq = 1;
   std::string what;
-  std::vector<char> rx;
+  // Not zero-filled: only the pages a datagram was written to are ever
+  // resident (most are a few hundred bytes), which matters with eight
+  // transports per sandbox and hundreds of sandboxes in the agent.
+  std::unique_ptr<char[]> rx;
   Handlers handlers;
   bool started = false;
   bool stopped = false;
 
   void drain() {
-    while (::recv(fd.get(), rx.data(), rx.size(), MSG_DONTWAIT) > 0 || errno == EINTR || errno == ENOBUFS) {
+    while (::recv(fd.get(), rx.get(), kRxSize, MSG_DONTWAIT) > 0 || errno == EINTR || errno == ENOBUFS) {
     }
   }
 
@@ -65,7 +68,7 @@ struct Transport::Impl {
       bool more = true;
       std::size_t i = 0;
       for (; i < per_turn && !self->stopped; ++i) {
-        const ssize_t n = ::recv(self->fd.get(), self->rx.data(), self->rx.size(), MSG_DONTWAIT);
+        const ssize_t n = ::recv(self->fd.get(), self->rx.get(), kRxSize, MSG_DONTWAIT);
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == ENOBUFS) {  // the queue overflowed: what was dropped is gone
@@ -79,7 +82,7 @@ struct Transport::Impl {
           break;
         }
         int rest = static_cast<int>(n);
-        for (auto* nlh = reinterpret_cast<const nlmsghdr*>(self->rx.data()); mnl_nlmsg_ok(nlh, rest) && !self->stopped;
+        for (auto* nlh = reinterpret_cast<const nlmsghdr*>(self->rx.get()); mnl_nlmsg_ok(nlh, rest) && !self->stopped;
              nlh = mnl_nlmsg_next(nlh, &rest)) {
           self->handlers.message(nlh);
         }
@@ -178,7 +181,7 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool interrupted = false;
   for (;;) {
-    const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
+    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) return EINTR;
@@ -190,7 +193,7 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
       continue;
     }
     int rest = static_cast<int>(n);
-    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.get()); mnl_nlmsg_ok(nlh, rest);
          nlh = mnl_nlmsg_next(nlh, &rest)) {
       if (nlh->nlmsg_seq != seq) continue;
       if (nlh->nlmsg_type == NLMSG_DONE) return interrupted ? EINTR : 0;
@@ -222,7 +225,7 @@ Transport::Collected Transport::collect(const OnMessage& on_msg, const std::func
   Collected c;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!(c.complete = complete())) {
-    const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
+    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {
@@ -247,7 +250,7 @@ Transport::Collected Transport::collect(const OnMessage& on_msg, const std::func
       continue;
     }
     int rest = static_cast<int>(n);
-    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.get()); mnl_nlmsg_ok(nlh, rest);
          nlh = mnl_nlmsg_next(nlh, &rest)) {
       on_msg(nlh);
     }
@@ -268,7 +271,7 @@ Transport::Queued Transport::read_queued(const OnMessage& on_msg) {
   Impl& s = *impl_;
   Queued q;
   for (;;) {
-    const ssize_t n = ::recv(s.fd.get(), s.rx.data(), s.rx.size(), MSG_DONTWAIT);
+    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {
@@ -280,7 +283,7 @@ Transport::Queued Transport::read_queued(const OnMessage& on_msg) {
     }
     if (n == 0) return q;
     int rest = static_cast<int>(n);
-    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.data()); mnl_nlmsg_ok(nlh, rest);
+    for (auto* nlh = reinterpret_cast<const nlmsghdr*>(s.rx.get()); mnl_nlmsg_ok(nlh, rest);
          nlh = mnl_nlmsg_next(nlh, &rest)) {
       on_msg(nlh);
     }

@@ -32,6 +32,7 @@ BENCHES = [
     ("datapath", ["--rounds", "4"], ["--quick"], 150),
     ("memory", [], ["--quick"], 150),
     ("startup", [], ["--quick"], 60),
+    ("agent", [], ["--quick"], 180),
 ]
 
 
@@ -137,8 +138,30 @@ def rows_startup(d):
     ] + ([row("start: of which install -> ready, p50", d["own"]["p50_ms"], "ms")] if "own" in d else [])
 
 
+def rows_agent(d):
+    n, mib = d["sandboxes"], 1024
+    at200 = n >= 200
+    return [
+        row(f"agent RSS, {n} sandboxes", d["agent_rss_kib"] / mib, "MiB", f"{n} sidecars, sum",
+            d["sidecars_rss_kib"] / mib, d["agent_rss_kib"] / d["sidecars_rss_kib"], "<= 64 MiB at 200",
+            verdict(d["agent_rss_kib"] <= 64 * mib) if at200 else ""),
+        row("sandbox_add -> ready, p50", d["add_p50_ms"], "ms", budget="<= 5 ms", verdict=verdict(d["add_p50_ms"] <= 5)),
+        row("sandbox_add -> ready, p99", d["add_p99_ms"], "ms", budget="<= 20 ms",
+            verdict=verdict(d["add_p99_ms"] <= 20)),
+        row(f"named switch p99, {n} attached", d["switch_p99_ms"], "ms", budget="<= 1 ms",
+            verdict=verdict(d["switch_p99_ms"] <= 1)),
+        row(f"agent restart, {n} adopted", d["restart_s"] * 1e3, "ms", budget="<= 1 s",
+            verdict=verdict(d["restart_s"] <= 1)),
+    ]
+
+
+def plot_agent(out: Path, d):
+    pass  # a table is the picture: five numbers
+
+
 ROWS = {"switch_latency": rows_switch, "dns_proxy": rows_dns, "datapath": rows_datapath,
-        "memory": rows_memory, "startup": rows_startup}
+        "memory": rows_memory, "startup": rows_startup,
+        "agent": rows_agent}
 
 
 def fmt(v, unit):
@@ -287,7 +310,7 @@ plot 'startup.dat' using 2:xtic(1) title 'p50' lc rgb '#4477aa', '' using 3 titl
 
 
 PLOTS = {"switch_latency": plot_switch, "dns_proxy": plot_dns, "datapath": plot_datapath,
-         "memory": plot_memory, "startup": plot_startup}
+         "memory": plot_memory, "startup": plot_startup, "agent": plot_agent}
 
 
 def finish(run, out: Path, results: dict, rows: list, failures: list):
