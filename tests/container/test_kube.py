@@ -125,3 +125,31 @@ def test_compose_example():
     ready = cmd[cmd.index("--ready-file") + 1]
     assert egressd["healthcheck"]["test"] == ["CMD", "test", "-f", ready]
     assert any(v.endswith(":/run/egressd") for v in egressd["volumes"])
+
+
+@pytest.mark.host
+def test_agent_daemonset_manifest(tmp_path):
+    """The DaemonSet runs the agent as tests/container/test_agent.py does under Podman: the
+    host's pids, the same capabilities, the socket and state on host paths; its example
+    policy is valid."""
+    import test_agent
+    docs = list(yaml.safe_load_all((KUBE / "egressd-agent-daemonset.yaml").read_text()))
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True and not spec.get("hostNetwork")
+    agent = by_name(spec["containers"])["agent"]
+    caps = agent["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"] and sorted(caps["add"]) == sorted(test_agent.AGENT_CAPS)
+    args = agent["args"]
+    assert args[0] == "agent"
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    sock, state = args[args.index("--socket") + 1], args[args.index("--state-dir") + 1]
+    assert str(Path(sock).parent) == mounts["run"] and volumes["run"]["hostPath"]["path"] == "/run/egressd"
+    assert state == mounts["state"] and "hostPath" in volumes["state"]
+    assert agent["readinessProbe"]["exec"]["command"] == ["egressctl", "--socket", sock, "ping"]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(cm["data"]["policy.yaml"])
+    cp = podlab.labmod.run([str(podlab.labmod.egressd_binary()), "check", "--config", str(policy)], check=False)
+    assert cp.returncode == 0, cp.stderr
