@@ -31,6 +31,7 @@
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
 #include "daemon/instance.h"
+#include "daemon/netns.h"
 #include "daemon/sandbox.h"
 #include "egressd/unique_fd.h"
 
@@ -40,32 +41,6 @@ namespace {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
-
-// The loop's thread inside another network namespace while this lives; back
-// home on destruction. Failing to come back would leave the agent creating
-// its next sockets in a sandbox: that is fatal (a restarted agent adopts
-// every table, so nothing is left open).
-class NetnsScope {
- public:
-  static Result<std::unique_ptr<NetnsScope>> enter(int target) {
-    UniqueFd home(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
-    if (!home.ok()) return errno_error("cannot open the agent's own network namespace", errno);
-    if (::setns(target, CLONE_NEWNET) != 0) return errno_error("cannot enter the sandbox's network namespace", errno);
-    return std::unique_ptr<NetnsScope>(new NetnsScope(std::move(home)));
-  }
-  ~NetnsScope() {
-    if (::setns(home_.get(), CLONE_NEWNET) != 0) {
-      spdlog::get("egressd")->critical("cannot return to the agent's network namespace: {}", errno_text(errno));
-      std::abort();
-    }
-  }
-  NetnsScope(const NetnsScope&) = delete;
-  NetnsScope& operator=(const NetnsScope&) = delete;
-
- private:
-  explicit NetnsScope(UniqueFd home) : home_(std::move(home)) {}
-  UniqueFd home_;
-};
 
 // Identifies a namespace across an agent restart (a pid may be reused).
 struct NsId {
@@ -240,6 +215,10 @@ class Agent {
     o.verify_interval_s = args_.verify_interval_s;
     o.resolv_conf = resolv_conf_;
     o.upstream_in_sandbox = false;
+    if (o.policy.dns.upstream_netns == UpstreamNetns::sandbox) {
+      o.upstream_netns = UniqueFd(::fcntl(nsfd.get(), F_DUPFD_CLOEXEC, 0));
+      if (!o.upstream_netns.ok()) return errno_error("dns.upstream_netns: sandbox", errno);
+    }
     o.capabilities = caps_;
     o.can_log = can_log_;
     o.after_switch = [this] { trim_(); };
@@ -361,7 +340,6 @@ class Agent {
 }  // namespace
 
 int cmd_agent(const AgentArgs& a) {
-  one_malloc_arena();
   setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
   ::signal(SIGPIPE, SIG_IGN);
   if (!a.state_dir.empty()) {

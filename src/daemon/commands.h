@@ -73,9 +73,6 @@ class TrimWhenIdle {
   boost::asio::steady_timer timer_;
 };
 
-// One malloc arena for the whole process (called first by run and agent).
-void one_malloc_arena();
-
 struct AgentArgs {
   std::string socket = "/run/egressd/agent.sock";
   std::string state_dir;            // "" = no restart adoption

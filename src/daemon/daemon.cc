@@ -71,15 +71,7 @@ void TrimWhenIdle::operator()() {
   });
 }
 
-void one_malloc_arena() {
-  // The threads egressd starts (the flow reaper, the file writers) allocate
-  // little and seldom; glibc would give each an arena of its own (~140 KiB
-  // resident each, per sandbox in the agent). Before any thread starts.
-  ::mallopt(M_ARENA_MAX, 1);
-}
-
 int cmd_run(const RunArgs& a) {
-  one_malloc_arena();
   setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
   auto log = spdlog::get("egressd");
   ::signal(SIGPIPE, SIG_IGN);

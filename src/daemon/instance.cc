@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <boost/asio/post.hpp>
@@ -27,6 +28,7 @@
 #include "control/server.h"
 #include "daemon/audit_log.h"
 #include "daemon/ctforget.h"
+#include "daemon/netns.h"
 #include "daemon/netwatch.h"
 #include "daemon/pinq.h"
 #include "daemon/sandbox.h"
@@ -299,6 +301,10 @@ Status Instance::Impl::build() {
     policy.enforce.log_group = 0;
   }
   upstream = dns::expand_upstreams(policy.dns, opts.resolv_conf);
+  // Upstream queries leave from inside the sandbox (a sidecar; the agent with
+  // dns.upstream_netns: sandbox): Docker's forwarder, conntrack cleanup and
+  // the own-traffic mark apply. From the agent's namespace none does.
+  const bool upstream_inside = opts.upstream_in_sandbox || opts.upstream_netns.ok();
 
   SandboxOptions so;
   so.state_file = opts.state_file;
@@ -308,9 +314,9 @@ Status Instance::Impl::build() {
   // kernel's upstream sets; else the proxy's probe pins them. Only when the
   // upstream is reached from inside the sandbox.
   dns::ForwarderOptions forwarder;
-  forwarder.probe = opts.upstream_in_sandbox;
+  forwarder.probe = upstream_inside;
   if (const dns::ExtServers ext = dns::ext_servers_from_resolv_conf(opts.resolv_conf);
-      ext.present && opts.upstream_in_sandbox) {
+      ext.present && upstream_inside) {
     forwarder.targets = ext.targets;
     forwarder.source = "resolv.conf";
     forwarder.probe = false;  // Docker said where it forwards: nothing to guess
@@ -390,7 +396,14 @@ Status Instance::Impl::build() {
     popts.upstream = upstream;
     popts.max_ttl = policy.dns.max_ttl_s;
     popts.forwarder = forwarder;
-    if (opts.upstream_in_sandbox) {
+    if (opts.upstream_netns.ok()) {
+      popts.open_socket = [ns = opts.upstream_netns.get()](int domain, int type) {
+        auto scope = NetnsScope::enter(ns);
+        if (!scope) return -1;  // errno as setns left it
+        return ::socket(domain, type, 0);
+      };
+    }
+    if (upstream_inside) {
       if (auto ct = ConntrackForgetter::open(io)) {
         forgetter = std::move(*ct);
         popts.forget_flow = [f = forgetter.get()](const dns::FlowTuple& t) { f->forget(t); };
@@ -424,7 +437,7 @@ Status Instance::Impl::build() {
   netwatch = std::make_unique<NetWatchLoop>(io, std::move(*watch), *sandbox);
   netwatch->start();
   if (proxy) {
-    if (forwarder.targets.empty() && !sandbox->relay_upstreams().empty() && opts.upstream_in_sandbox) {
+    if (forwarder.targets.empty() && !sandbox->relay_upstreams().empty() && upstream_inside) {
       // Pinned by an earlier egressd: adopted from the kernel, no probe.
       dns::ForwarderOptions kept;
       for (const auto& t : sandbox->relay_upstreams()) kept.targets.push_back(t.to_string());
@@ -434,7 +447,7 @@ Status Instance::Impl::build() {
     // From the agent's namespace the upstream sockets carry no mark: the
     // sandbox's own-traffic mark means nothing there (and could meet the
     // host's own mark-based routing).
-    proxy->serve(opts.upstream_in_sandbox ? sandbox->own_mark() : 0);
+    proxy->serve(upstream_inside ? sandbox->own_mark() : 0);
     sandbox->attach_proxy(proxy.get());
     sandbox->preresolve_active();
   }

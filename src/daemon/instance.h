@@ -17,6 +17,7 @@
 #include "daemon/sandbox.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
+#include "egressd/unique_fd.h"
 
 namespace egressd::daemon {
 
@@ -41,6 +42,10 @@ struct InstanceOptions {
   // nothing in the sandbox sees or answers them; no Docker forwarder probe
   // and no conntrack cleanup of upstream flows in the sandbox.
   bool upstream_in_sandbox = true;
+  // The agent with dns.upstream_netns: sandbox: every upstream socket is
+  // opened in this namespace (the loop's thread enters it for the
+  // socket(2) call), marked, so the exchange happens inside as in a sidecar.
+  UniqueFd upstream_netns;
   // What the kernel supports, when already known (the agent probes once per
   // process: every namespace shares the kernel, and each probe's table
   // deletion costs the next commit an RCU grace period, ~20 ms). Unset: probed.

@@ -571,6 +571,7 @@ Status Core::bind() {
   UpstreamOptions uo;
   uo.servers = opts_.upstream;
   uo.mark = opts_.own_mark;
+  uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
   auto up = Upstream::create(io_, uo);
@@ -1138,6 +1139,7 @@ void Core::start_probe() {
   UpstreamOptions uo;
   uo.servers = {local->to_string()};
   uo.mark = own_mark_;
+  uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
   auto up = Upstream::create(io_, uo);
@@ -1258,6 +1260,7 @@ void Core::pin(std::vector<Server> targets, const std::string& source) {
     UpstreamOptions uo;
     for (const Server& t : targets) uo.servers.push_back(t.to_string());
     uo.mark = self->own_mark_;
+    uo.open_socket = self->opts_.open_socket;
     uo.timeout = self->opts_.upstream_timeout;
     uo.forget = self->opts_.forget_flow;
     auto up = Upstream::create(self->io_, uo);

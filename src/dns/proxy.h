@@ -87,6 +87,7 @@ struct ProxyOptions {
   std::vector<std::string> upstream;      // IP addresses ("192.0.2.1", "2001:db8::1", "192.0.2.1:5353", "[::1]:5353");
                                           // the word "resolv.conf" must be expanded first (nameservers_from_resolv_conf)
   std::uint32_t own_mark = 0;             // SO_MARK on every upstream socket
+  std::function<int(int domain, int type)> open_socket;  // opens upstream sockets (UpstreamOptions::open_socket)
   std::chrono::milliseconds upstream_timeout{1500};  // SERVFAIL after this (dead upstream)
   std::size_t max_inflight = 1024;        // beyond this, new queries get SERVFAIL at once
   std::chrono::seconds tcp_idle{10};

@@ -124,6 +124,11 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   std::uint32_t mark = 0;
   bool mark_warned = false;
   ForgetFlow forget;
+  std::function<int(int, int)> socket_opener;  // UpstreamOptions::open_socket
+
+  int open_socket(int domain, int type) const {
+    return socket_opener ? socket_opener(domain, type) : ::socket(domain, type, 0);
+  }
   std::size_t pending = 0;
   bool closed = false;
   UpstreamFailure last_failure = UpstreamFailure::none;
@@ -340,7 +345,13 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     const auto addr = impl->addrs[server];
     if (tcp_try) {
       tsock.emplace(impl->io);
-      tsock->open(addr.is_v4() ? tcp::v4() : tcp::v6(), ec);
+      if (const int tfd = impl->open_socket(addr.is_v4() ? AF_INET : AF_INET6, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
+          tfd < 0) {
+        ec = error_code(errno, boost::system::system_category());
+      } else {
+        tsock->assign(addr.is_v4() ? tcp::v4() : tcp::v6(), tfd, ec);
+        if (ec) ::close(tfd);
+      }
       if (ec) return fail_now(UpstreamFailure::unreachable, ec, "socket");
       impl->apply_mark(tsock->native_handle());
       impl->link(this, round_no);
@@ -357,7 +368,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     } else {
       // Made by hand (non-blocking from the start, close-on-exec) and handed
       // to asio only to wait on.
-      const int fd = ::socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      const int fd = impl->open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         return fail_now(UpstreamFailure::unreachable, error_code(errno, boost::system::system_category()), "socket");
       }
@@ -634,6 +645,7 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
   impl->usable.assign(impl->servers.size(), true);
   impl->unusable_why.assign(impl->servers.size(), "");
   impl->mark = opts.mark;
+  impl->socket_opener = opts.open_socket;
   impl->forget = opts.forget;
   impl->first = first_try(opts.timeout, impl->servers.size());
   return std::unique_ptr<Upstream>(new Upstream(std::move(impl)));

@@ -77,6 +77,11 @@ struct UpstreamOptions {
   // Budget for one query across every server and retry: a dead upstream
   // fails the query after about this long.
   std::chrono::milliseconds timeout{1500};
+  // Opens every upstream socket (domain, type as for socket(2), SOCK_NONBLOCK
+  // and SOCK_CLOEXEC included): the fd, or -1 with errno. Unset: socket(2) in
+  // the calling thread's namespace. egressd agent uses it to open them in a
+  // sandbox's namespace (dns.upstream_netns: sandbox).
+  std::function<int(int domain, int type)> open_socket;
 };
 
 // An exchange's outcome: the answer's bytes (owned: a coroutine reads them

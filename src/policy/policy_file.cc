@@ -222,7 +222,8 @@ class Parser {
     if (!dns.IsMap()) return err(where(dns, key), "dns must be a map, not " + std::string(type_name(dns)));
     std::optional<YAML::Mark> max_ttl_at;
     Status st = walk(
-        dns, {"upstream", "min_ttl", "max_ttl", "deny_answer", "private_answers", "observe_public"}, "in dns",
+        dns, {"upstream", "min_ttl", "max_ttl", "deny_answer", "private_answers", "observe_public", "upstream_netns"},
+        "in dns",
                 [&](const std::string& name, const Node& k, const Node& v) -> Status {
                   if (name == "upstream") return parse_upstream(v, k, out.upstream);
                   if (name == "min_ttl" || name == "max_ttl") {
@@ -249,6 +250,20 @@ class Parser {
                     } else {
                       return err(v.Mark(), "private_answers must be exact (private addresses are learned for exact "
                                            "hostname entries only) or allow (for wildcard matches too), not " +
+                                               quote(*s));
+                    }
+                    return {};
+                  }
+                  if (name == "upstream_netns") {
+                    auto s = scalar(v, k, "upstream_netns");
+                    if (!s) return s.error();
+                    if (*s == "agent") {
+                      out.upstream_netns = UpstreamNetns::agent;
+                    } else if (*s == "sandbox") {
+                      out.upstream_netns = UpstreamNetns::sandbox;
+                    } else {
+                      return err(v.Mark(), "upstream_netns must be agent (egressd agent asks the upstream from its "
+                                           "own namespace) or sandbox (from the sandbox's), not " +
                                                quote(*s));
                     }
                     return {};

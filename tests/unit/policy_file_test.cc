@@ -211,6 +211,16 @@ TEST_CASE("dns.private_answers: exact (default) or allow") {
         "only) or allow (for wildcard matches too), not \"yes\"");
 }
 
+TEST_CASE("dns.upstream_netns: agent (default) or sandbox") {
+  const auto policy = [](const std::string& dns) { return accept("dns: {" + dns + "}\nphases: {a: public}\n").dns; };
+  CHECK(policy("").upstream_netns == UpstreamNetns::agent);
+  CHECK(policy("upstream_netns: agent").upstream_netns == UpstreamNetns::agent);
+  CHECK(policy("upstream_netns: sandbox").upstream_netns == UpstreamNetns::sandbox);
+  CHECK(reject("dns: {upstream_netns: host}\nphases: {a: public}\n") ==
+        "p.yaml:1:23: upstream_netns must be agent (egressd agent asks the upstream from its own namespace) or "
+        "sandbox (from the sandbox's), not \"host\"");
+}
+
 TEST_CASE("dns.upstream") {
   CHECK(accept("dns: {upstream: [\"::1\", 127.0.0.11, 127.0.0.11]}\nphases: {a: public}\n").dns.upstream ==
         std::vector<std::string>{"::1", "127.0.0.11"});
@@ -287,7 +297,7 @@ TEST_CASE("unknown keys at every level are errors that list the allowed keys") {
         "phases (did you mean \"phases\"?)");
   CHECK(reject("phases: {a: public}\ndns:\n  upstreams: [resolv.conf]\n") ==
         "p.yaml:3:3: unknown key \"upstreams\" in dns: allowed keys are upstream, min_ttl, max_ttl, deny_answer, "
-        "private_answers, observe_public (did you mean \"upstream\"?)");
+        "private_answers, observe_public, upstream_netns (did you mean \"upstream\"?)");
   CHECK(reject("phases: {a: public}\nenforce:\n  log-group: 1\n") ==
         "p.yaml:3:3: unknown key \"log-group\" in enforce: allowed keys are deny, inbound_replies, log_group, pin_names "
         "(did you mean \"log_group\"?)");
