@@ -77,6 +77,11 @@ enum class DenyAnswer { refused, nxdomain };
 // allows: `exact` (the default) learns them for exact hostname entries only,
 // `allow` for wildcard matches too.
 enum class PrivateAnswers { exact, allow };
+// Where egressd agent asks the upstream from (docs: README "Agent mode"): its own
+// namespace (default: nothing in the sandbox sees or answers the exchange), or the
+// sandbox's (the upstream is reachable only from inside). A sidecar always asks from the
+// sandbox's namespace, which it has joined.
+enum class UpstreamNetns { agent, sandbox };
 
 struct DnsOptions {
   // Upstream servers: IP addresses, or the word "resolv.conf" (default) for the
@@ -90,6 +95,7 @@ struct DnsOptions {
   DenyAnswer deny_answer = DenyAnswer::refused;
   PrivateAnswers private_answers = PrivateAnswers::exact;
   bool observe_public = true;
+  UpstreamNetns upstream_netns = UpstreamNetns::agent;
 };
 
 // Denied packets are logged to this NFLOG group unless `enforce.log_group`
