@@ -135,6 +135,20 @@ void check_kernel_state(const testing::FakeKernel& k, const daemon::Sandbox& sb)
   FUZZ_CHECK(!"chain active has no rule");
 }
 
+template <class T>
+void check_agent_decode(const json& req) {
+  if (req["cmd"] != T::kCmd) return;
+  auto d = control::decode<T>(req);
+  if (auto* e = std::get_if<control::ErrorReply>(&d)) {
+    FUZZ_CHECK(e->code == "invalid_request" || e->code == "invalid_policy");
+    FUZZ_CHECK(!e->message.empty());
+    return;
+  }
+  const json back = std::get<T>(d);
+  auto again = control::decode<T>(back);
+  FUZZ_CHECK(std::holds_alternative<T>(again) && std::get<T>(again) == std::get<T>(d));
+}
+
 struct Slot {
   int replies = 0;
   json reply;
@@ -204,6 +218,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     auto req = parse_request(line);
     if (!req) continue;
+    // The agent's own commands decode the same way: an error names the culprit with a
+    // known code, and what decodes encodes back to the same request.
+    check_agent_decode<control::SandboxAddRequest>(*req);
+    check_agent_decode<control::SandboxRemoveRequest>(*req);
+    check_agent_decode<control::SandboxListRequest>(*req);
 
     const auto gen_before = sb.state().generation;
     const auto phase_before = sb.state().phase;
