@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
@@ -200,6 +201,17 @@ class Agent {
       if (other.netns == a.netns) return Error::invalid(a.netns + " is already attached as sandbox \"" + name + "\"");
     }
 
+    if (r.socket) {
+      // Checked before anything is installed: a refused add changes nothing.
+      const fs::path sp(*r.socket);
+      std::error_code ec;
+      if (r.socket->empty() || r.socket->size() >= sizeof(sockaddr_un::sun_path) || !sp.has_filename()) {
+        return Error::invalid("socket " + *r.socket + ": not a usable socket path (at most " +
+                              std::to_string(sizeof(sockaddr_un::sun_path) - 1) + " bytes)");
+      }
+      const fs::path dir = sp.has_parent_path() ? sp.parent_path() : fs::path(".");
+      if (!fs::is_directory(dir, ec)) return Error::invalid("socket " + *r.socket + ": no directory " + dir.string());
+    }
     Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));
     if (!policy) return policy.error();
     InstanceOptions o;

@@ -220,6 +220,8 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
         (("sandbox", "add", "two", "--netns-pid", "4194000", "--mode", "public"), "4194000"),
         (("sandbox", "add", "two", "--netns", "/proc/self/ns/net", "--mode", "public"), "agent's own network namespace"),
         (("sandbox", "add", "two", "--netns", spare.path, "--config", config, "--phase", "nope"), "nope"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", "/nonexistent-dir/s.sock"),
+         "/nonexistent-dir"),
         (("sandbox", "remove", "nobody"), "nobody"),
         (("--sandbox", "nobody", "status"), "nobody"),
         (("status",), "name the sandbox"),
