@@ -744,34 +744,9 @@ void Sandbox::guarded(const std::string& name, const IpPrefix& addr, const dns::
 }
 
 void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint64_t timeout_ms) {
-  const auto expires = opts_.clock.steady() + std::chrono::milliseconds(timeout_ms);
-  auto& v = learned_[name];
-  for (auto& a : v) {
-    if (a.addr == addr) {
-      a.expires = std::max(a.expires, expires);
-      return;
-    }
-  }
-  if (learned_count_ >= opts_.max_learned) {
-    // Forget what has expired; if still full, the kernel set holds the
-    // address anyway, only status and carrying across switches miss it.
-    // At most one sweep a second: a full table of live entries would
-    // otherwise cost a walk of every entry on every answer (the event loop
-    // is single-threaded; a DNS flood must not stall switches and status).
-    const auto now = opts_.clock.steady();
-    if (now < next_sweep_) return;
-    next_sweep_ = now + std::chrono::seconds(1);
-    for (auto it = learned_.begin(); it != learned_.end();) {
-      auto& addrs = it->second;
-      const auto before = addrs.size();
-      std::erase_if(addrs, [&](const LearnedAddr& a) { return a.expires <= now; });
-      learned_count_ -= before - addrs.size();
-      it = addrs.empty() && it->first != name ? learned_.erase(it) : std::next(it);
-    }
-    if (learned_count_ >= opts_.max_learned) return;
-  }
-  v.push_back({addr, expires});
-  ++learned_count_;
+  // Full (max_learned): the kernel set holds the address anyway; only status
+  // and carrying it across switches miss it.
+  (void)learned_.remember(name, addr, std::chrono::milliseconds(timeout_ms));
 }
 
 std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFacts& facts,
@@ -780,11 +755,11 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   if (target.mode != Mode::allowlist) return ops;
   const dns::NameMatcher& m = *facts.matcher;
   if (m.size() == 0) return ops;
-  const auto now = opts_.clock.steady();
+  const auto now = learned_.now();
   const auto [s4, s6] = nft::learned_sets(chain);
   nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
   nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
-  for (const auto& [name, addrs] : learned_) {
+  for (const auto& [name, addrs] : learned_.by_name()) {
     const Entry* e = m.match(name);
     if (e == nullptr) continue;
     const bool exact = e->kind == EntryKind::hostname;
@@ -949,12 +924,8 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
                           const Result<std::vector<nft::RuleInfo>>& deny) {
   const Phase& ph = active_phase();
   json entries = json::array();
-  const auto now = opts_.clock.steady();
-  auto live = [&](const std::string& name) {
-    auto it = learned_.find(name);
-    if (it == learned_.end()) return false;
-    return std::any_of(it->second.begin(), it->second.end(), [&](const LearnedAddr& a) { return a.expires > now; });
-  };
+  const auto now = learned_.now();
+  auto live = [&](const std::string& name) { return learned_.live(name); };
   if (!inline_unknown_) {
     for (const auto& e : ph.entries) {
       // IP entries are in the kernel; names take effect through the DNS proxy:
@@ -970,7 +941,7 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
     }
   }
   json learned = json::array();
-  for (const auto& [name, addrs] : learned_) {
+  for (const auto& [name, addrs] : learned_.by_name()) {
     json list = json::array();
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;

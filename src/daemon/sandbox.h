@@ -23,6 +23,7 @@
 #include "audit/names.h"
 #include "audit/nflog.h"
 #include "control/dispatch.h"
+#include "daemon/learned.h"
 #include "daemon/netwatch.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
@@ -270,10 +271,6 @@ class Sandbox : public dns::PolicyHooks {
 
  private:
   using Clock = std::chrono::steady_clock;
-  struct LearnedAddr {
-    IpPrefix addr;
-    Clock::time_point expires;
-  };
   struct ApplyJob {
     // A named phase points into opts_.policy (never copied); an inline one is owned.
     std::shared_ptr<const Phase> target;
@@ -406,9 +403,7 @@ class Sandbox : public dns::PolicyHooks {
   };
   InFlight in_flight() { return InFlight(in_flight_); }
   std::optional<PendingLearn> pending_learn_;
-  std::map<std::string, std::vector<LearnedAddr>> learned_;  // name -> addresses
-  std::size_t learned_count_ = 0;
-  Clock::time_point next_sweep_{};  // earliest time remember() may sweep a full table again
+  LearnedStore learned_{opts_.max_learned, opts_.clock};  // name -> addresses, with an address index
   std::uint64_t dns_refused_ = 0;
   audit::NameIndex names_{opts_.names};
   audit::DeniedLog denied_{opts_.denied};

@@ -30,9 +30,9 @@ nlohmann::json Sandbox::explain_reply(const control::ExplainRequest& req) const 
     phase = &active_phase();
   }
 
-  const auto now = opts_.clock.steady();
+  const auto now = learned_.now();
   audit::LearnedView live;
-  for (const auto& [name, addrs] : learned_) {
+  for (const auto& [name, addrs] : learned_.by_name()) {
     for (const auto& a : addrs) {
       if (a.expires > now) live[name].push_back(a.addr);
     }
@@ -40,15 +40,7 @@ nlohmann::json Sandbox::explain_reply(const control::ExplainRequest& req) const 
   // Every name remembered for the address, expired answers included: they
   // still say where the address came from.
   const audit::NamesFor names_for = [this](const IpPrefix& addr) {
-    std::vector<std::string> names;
-    for (const auto& [name, addrs] : learned_) {
-      for (const auto& a : addrs) {
-        if (a.addr == addr) {
-          names.push_back(name);
-          break;
-        }
-      }
-    }
+    std::vector<std::string> names = learned_.names_for(addr, true);
     // Names observed in any phase (public included) and refused names the
     // index tied to this address, most recent first, without repeats.
     for (auto& n : names_.names_for(addr)) {

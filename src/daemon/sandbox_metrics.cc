@@ -146,11 +146,7 @@ std::string Sandbox::metrics_text_from(const Traffic& t) {
     w.sample("egressd_dns_answer_duration_seconds_count", c.answer_count);
   }
 
-  std::uint64_t live = 0;
-  const auto now = opts_.clock.steady();
-  for (const auto& [name, addrs] : learned_) {
-    for (const auto& a : addrs) live += a.expires > now ? 1 : 0;
-  }
+  const std::uint64_t live = learned_.live_count();
   w.family("egressd_learned_addresses", "gauge",
            "Addresses learned from DNS answers whose set timeout has not run out (at most max_learned are tracked).");
   w.sample("egressd_learned_addresses", live);

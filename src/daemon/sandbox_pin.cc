@@ -6,19 +6,8 @@
 namespace egressd::daemon {
 
 std::vector<std::string> Sandbox::learned_names_for(const IpPrefix& addr) const {
-  // A walk over the remembered (name, address) pairs (at most max_learned):
-  // one per inspected flow, not per packet.
-  std::vector<std::string> out;
-  const auto now = Clock::now();
-  for (const auto& [name, addrs] : learned_) {
-    for (const auto& a : addrs) {
-      if (a.addr == addr && a.expires > now) {
-        out.push_back(name);
-        break;
-      }
-    }
-  }
-  return out;
+  // From the store's address index: one lookup per inspected flow.
+  return learned_.names_for(addr);
 }
 
 const Entry* Sandbox::allowed_name(std::string_view name) const {

@@ -1,0 +1,82 @@
+#include "daemon/learned.h"
+
+#include <algorithm>
+
+namespace egressd::daemon {
+
+bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::chrono::milliseconds ttl) {
+  const TimePoint now = clock_.steady();
+  const TimePoint expires = now + ttl;
+  auto& v = by_name_[name];
+  for (auto& a : v) {
+    if (a.addr == addr) {
+      a.expires = std::max(a.expires, expires);
+      return true;
+    }
+  }
+  if (count_ >= max_) {
+    sweep(now, name);
+    if (count_ >= max_) {
+      if (v.empty()) by_name_.erase(name);
+      return false;
+    }
+  }
+  v.push_back({addr, expires});
+  by_addr_[addr].insert(name);
+  ++count_;
+  return true;
+}
+
+void LearnedStore::sweep(TimePoint now, const std::string& keep) {
+  if (now < next_sweep_) return;
+  next_sweep_ = now + std::chrono::seconds(1);
+  for (auto it = by_name_.begin(); it != by_name_.end();) {
+    auto& addrs = it->second;
+    std::erase_if(addrs, [&](const Addr& a) {
+      if (a.expires > now) return false;
+      auto at = by_addr_.find(a.addr);
+      if (at != by_addr_.end()) {
+        at->second.erase(it->first);
+        if (at->second.empty()) by_addr_.erase(at);
+      }
+      --count_;
+      return true;
+    });
+    it = addrs.empty() && it->first != keep ? by_name_.erase(it) : std::next(it);
+  }
+}
+
+bool LearnedStore::live(const std::string& name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) return false;
+  const TimePoint now = clock_.steady();
+  return std::any_of(it->second.begin(), it->second.end(), [&](const Addr& a) { return a.expires > now; });
+}
+
+std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool include_expired) const {
+  std::vector<std::string> out;
+  auto at = by_addr_.find(addr);
+  if (at == by_addr_.end()) return out;
+  const TimePoint now = clock_.steady();
+  for (const auto& name : at->second) {
+    if (include_expired) {
+      out.push_back(name);
+      continue;
+    }
+    const auto& addrs = by_name_.at(name);
+    if (std::any_of(addrs.begin(), addrs.end(), [&](const Addr& a) { return a.addr == addr && a.expires > now; }))
+      out.push_back(name);
+  }
+  return out;
+}
+
+std::size_t LearnedStore::live_count() const {
+  const TimePoint now = clock_.steady();
+  std::size_t n = 0;
+  for (const auto& [name, addrs] : by_name_) {
+    for (const auto& a : addrs) n += a.expires > now ? 1 : 0;
+  }
+  return n;
+}
+
+}  // namespace egressd::daemon

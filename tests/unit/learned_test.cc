@@ -1,0 +1,94 @@
+// LearnedStore (src/daemon/learned.h): expiry on an injected clock, the
+// address index, the bound and its once-a-second sweep.
+#include "daemon/learned.h"
+
+#include <doctest/doctest.h>
+
+#include "support/clock.h"
+
+using namespace egressd;
+using daemon::LearnedStore;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+namespace {
+
+IpPrefix ip(const char* text) {
+  auto p = parse_ip(text);
+  REQUIRE(p.has_value());
+  return *p;
+}
+
+using Names = std::vector<std::string>;
+
+}  // namespace
+
+TEST_CASE("a learned address is live until its timeout, then only remembered") {
+  testing::ManualClock clock;
+  LearnedStore store(16, clock.source());
+  CHECK(store.remember("pypi.org", ip("198.51.100.7"), seconds(30)));
+  CHECK(store.live("pypi.org"));
+  CHECK_FALSE(store.live("files.pythonhosted.org"));
+  CHECK(store.names_for(ip("198.51.100.7")) == Names{"pypi.org"});
+  CHECK(store.live_count() == 1);
+  clock.advance(seconds(29));
+  CHECK(store.live("pypi.org"));
+  clock.advance(seconds(1));
+  CHECK_FALSE(store.live("pypi.org"));
+  CHECK(store.names_for(ip("198.51.100.7")).empty());
+  CHECK(store.names_for(ip("198.51.100.7"), true) == Names{"pypi.org"});  // where it came from
+  CHECK(store.live_count() == 0);
+  CHECK(store.size() == 1);
+}
+
+TEST_CASE("a second answer extends a pair, never shortens it") {
+  testing::ManualClock clock;
+  LearnedStore store(16, clock.source());
+  CHECK(store.remember("a.example", ip("192.0.2.1"), seconds(60)));
+  CHECK(store.remember("a.example", ip("192.0.2.1"), seconds(5)));
+  clock.advance(seconds(30));
+  CHECK(store.live("a.example"));
+  CHECK(store.remember("a.example", ip("192.0.2.1"), seconds(90)));
+  clock.advance(seconds(80));
+  CHECK(store.live("a.example"));
+  CHECK(store.size() == 1);
+}
+
+TEST_CASE("the address index answers every name an address was learned for, in name order") {
+  testing::ManualClock clock;
+  LearnedStore store(16, clock.source());
+  CHECK(store.remember("b.example", ip("2001:db8::1"), seconds(10)));
+  CHECK(store.remember("a.example", ip("2001:db8::1"), seconds(20)));
+  CHECK(store.remember("a.example", ip("192.0.2.1"), seconds(20)));
+  CHECK(store.names_for(ip("2001:db8::1")) == Names{"a.example", "b.example"});
+  CHECK(store.names_for(ip("192.0.2.1")) == Names{"a.example"});
+  CHECK(store.names_for(ip("192.0.2.2")).empty());
+  clock.advance(seconds(15));  // b.example's pair expired, a.example's did not
+  CHECK(store.names_for(ip("2001:db8::1")) == Names{"a.example"});
+  CHECK(store.names_for(ip("2001:db8::1"), true) == Names{"a.example", "b.example"});
+}
+
+TEST_CASE("a full store sweeps expired pairs at most once a second, and refuses when still full") {
+  testing::ManualClock clock;
+  LearnedStore store(2, clock.source());
+  CHECK(store.remember("a.example", ip("192.0.2.1"), seconds(1)));
+  CHECK(store.remember("b.example", ip("192.0.2.2"), seconds(60)));
+  // t=0: full, nothing expired: refused (and a sweep happened: the next waits until t=1 s).
+  CHECK_FALSE(store.remember("c.example", ip("192.0.2.3"), milliseconds(500)));
+  CHECK(store.by_name().count("c.example") == 0);
+  // t=1.2 s: a.example expired; sweeping is allowed again.
+  clock.advance(milliseconds(1200));
+  CHECK(store.remember("c.example", ip("192.0.2.3"), milliseconds(500)));
+  CHECK(store.size() == 2);
+  CHECK(store.by_name().count("a.example") == 0);
+  CHECK(store.names_for(ip("192.0.2.1"), true).empty());  // swept from the index too
+  CHECK(store.names_for(ip("192.0.2.3")) == Names{"c.example"});
+  // t=1.8 s: c.example expired, but the last sweep was 0.6 s ago: refused without a walk.
+  clock.advance(milliseconds(600));
+  CHECK_FALSE(store.remember("d.example", ip("192.0.2.4"), seconds(60)));
+  // t=2.3 s: the sweep runs again and makes room.
+  clock.advance(milliseconds(500));
+  CHECK(store.remember("d.example", ip("192.0.2.4"), seconds(60)));
+  CHECK(store.names_for(ip("192.0.2.3"), true).empty());
+  CHECK(store.size() == 2);
+}
