@@ -24,6 +24,7 @@ QUERIES = 600        # per kind (idle, loaded), in ROUNDS blocks each
 ROUNDS = 6
 PACE = 0.005        # s between status polls
 SLOWEST = 0.050      # s: no single answer may take this long (the old retry loop slept up to 2 s)
+SLOWEST_ASAN = 0.100  # s: the same under ASan/UBSan, whose CPU cost is several times (50.6 ms seen on a loaded host)
 NAMES = ("a.example.com", "b.example.com")
 
 CONFIG = """\
@@ -180,5 +181,6 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
     # below (no answer waits like a read retry) still holds there.
     if not os.environ.get("ASAN_OPTIONS"):
         assert loaded_p99 <= bound, f"DNS answers waited on the event loop: {report}"
-    assert max(loaded) < SLOWEST, f"an answer waited like a read retry: {report}"
+    slowest = SLOWEST_ASAN if os.environ.get("ASAN_OPTIONS") else SLOWEST
+    assert max(loaded) < slowest, f"an answer waited like a read retry: {report}"
     assert d.running, "egressd died during the commit storm"
