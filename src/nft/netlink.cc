@@ -42,6 +42,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <functional>
 #include <string_view>
@@ -61,12 +62,14 @@ constexpr std::size_t kMaxMsgSize = UINT16_MAX + 4096;
 constexpr std::uint32_t kElemMsgBytes = 32 * 1024;
 // No exchange with the kernel waits longer than this.
 constexpr int kReplyTimeoutMs = 5000;
-// The batch buffer is reused between applies; a larger one (the start-up
-// batch of a whole table, a big inline policy) is freed afterwards so an
-// idle daemon stays small (DESIGN §5), and an agent with hundreds of
-// sandboxes does not keep one start-up batch per sandbox. A named switch's
-// batch fits.
-constexpr std::size_t kKeptBatchBytes = 64 * 1024;
+// The batch buffer is reused between applies: it always has room for one
+// more message of kMaxMsgSize, so a small batch's buffer is ~136 KiB (freeing
+// it after every apply made each DNS answer's learn batch allocate it again:
+// an ASan build answered 88 % of a flood instead of 100 %). A larger one (the
+// start-up batch, a big inline policy) is freed afterwards. It is never
+// zero-filled, so only the pages a batch wrote are resident: an idle daemon
+// stays small (DESIGN §5), and an agent keeps no start-up batch per sandbox.
+constexpr std::size_t kKeptBatchBytes = 160 * 1024;
 // Receive buffer per expected ack: acks are tiny but each is its own skb,
 // accounted at its truesize (nftables' mnl_batch_talk uses the same 1 KiB).
 constexpr int kAckTruesize = 1024;
@@ -138,13 +141,37 @@ std::string describe(const MsgTag& t) {
 
 // ---- batch writer ------------------------------------------------------------
 
+// The batch's bytes: grows without zero-filling (see kKeptBatchBytes).
+class BatchBuffer {
+ public:
+  char* data() { return data_.get(); }
+  std::size_t capacity() const { return cap_; }
+  // Room for `need` bytes; the first `keep` are kept.
+  void reserve(std::size_t need, std::size_t keep) {
+    if (need <= cap_) return;
+    const std::size_t cap = std::max(cap_ * 2, need);
+    std::unique_ptr<char[]> d(new char[cap]);
+    if (keep != 0) std::memcpy(d.get(), data_.get(), keep);
+    data_ = std::move(d);
+    cap_ = cap;
+  }
+  void release() {
+    data_.reset();
+    cap_ = 0;
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  std::size_t cap_ = 0;
+};
+
 // Appends nf_tables messages to one contiguous buffer. The whole batch must go
 // to the kernel in ONE sendmsg: nfnetlink handles BEGIN..END per skb and
 // aborts a batch whose END is not in the same skb (after acking each message
 // of it as if it had worked), so sending in chunks can never be atomic.
 class BatchWriter {
  public:
-  BatchWriter(std::vector<char>& buf, std::vector<MsgTag>& tags, std::uint32_t seq)
+  BatchWriter(BatchBuffer& buf, std::vector<MsgTag>& tags, std::uint32_t seq)
       : buf_(buf), tags_(tags), first_seq_(seq), seq_(seq) {}
 
   void begin() {
@@ -187,11 +214,11 @@ class BatchWriter {
 
  private:
   char* room(std::size_t n) {
-    if (buf_.size() < len_ + n) buf_.resize(std::max(buf_.size() * 2, len_ + n));
+    buf_.reserve(len_ + n, len_);
     return buf_.data() + len_;
   }
 
-  std::vector<char>& buf_;
+  BatchBuffer& buf_;
   std::vector<MsgTag>& tags_;
   std::vector<std::pair<std::string_view, std::uint32_t>> set_ids_;
   std::size_t len_ = 0;
@@ -901,10 +928,7 @@ class NetlinkKernel final : public Kernel {
     w.end();
     t_->reserve_seq(w.next_seq() - w.first_seq());
     Status st = tags_.empty() ? Status{} : send_batch(w.len(), w.first_seq());
-    if (batch_.size() > kKeptBatchBytes) {
-      batch_.clear();
-      batch_.shrink_to_fit();
-    }
+    if (batch_.capacity() > kKeptBatchBytes) batch_.release();
     return st;
   }
 
@@ -1272,7 +1296,7 @@ class NetlinkKernel final : public Kernel {
   int fd_;  // t_'s, for the buffer sizes
   int sndbuf_ = 0;
   int rcvbuf_ = 0;
-  std::vector<char> batch_;   // reused between applies (see kKeptBatchBytes)
+  BatchBuffer batch_;         // reused between applies (see kKeptBatchBytes)
   std::vector<MsgTag> tags_;  // one per message of the batch being applied
   std::vector<char> req_;
   // read_table's scratch, reused.
