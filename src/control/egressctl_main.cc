@@ -184,6 +184,18 @@ int run(const Options& o, const Json& request, const std::function<int(const Jso
   return on_ok(*reply);
 }
 
+// A request checked as the daemon (or agent) decodes it, so a mistake fails fast (exit 2)
+// even with nothing listening; then sent.
+template <class Request>
+int checked_run(const Options& o, const Json& req, const std::function<int(const Json&)>& on_ok) {
+  auto typed = decode<Request>(req);
+  if (auto* err = std::get_if<ErrorReply>(&typed)) {
+    std::cerr << "error: " << err->message << '\n';
+    return exit_code_for(err->code);
+  }
+  return run(o, Json(std::get<Request>(typed)), on_ok);
+}
+
 int cmd_apply(const Options& o) {
   Json req = {{"cmd", ApplyRequest::kCmd}};
   if (!o.phase.empty()) {
@@ -193,13 +205,7 @@ int cmd_apply(const Options& o) {
     // Sent only when given: the daemon rejects allowed hosts with non-allowlist modes.
     if (!o.allow.empty()) req["allow"] = o.allow;
   }
-  // Checked as the daemon checks it, so a bad mode fails fast (exit 2) even with no daemon.
-  auto typed = decode<ApplyRequest>(req);
-  if (auto* err = std::get_if<ErrorReply>(&typed)) {
-    std::cerr << "error: " << err->message << '\n';
-    return exit_code_for(err->code);
-  }
-  return run(o, std::get<ApplyRequest>(typed), [&](const Json& r) { return o.json ? print_json(r) : print_apply(r); });
+  return checked_run<ApplyRequest>(o, req, [&](const Json& r) { return o.json ? print_json(r) : print_apply(r); });
 }
 
 int cmd_status(const Options& o) {
@@ -310,17 +316,6 @@ int cmd_hosts(const Options& o) {
 }
 
 // sandbox add / remove / list: the agent's own commands.
-template <class Request>
-int checked_run(const Options& o, const Json& req, const std::function<int(const Json&)>& on_ok) {
-  // Checked as the agent checks it, so a mistake fails fast (exit 2) even with no agent.
-  auto typed = decode<Request>(req);
-  if (auto* err = std::get_if<ErrorReply>(&typed)) {
-    std::cerr << "error: " << err->message << '\n';
-    return exit_code_for(err->code);
-  }
-  return run(o, Json(std::get<Request>(typed)), on_ok);
-}
-
 int cmd_sandbox_add(const Options& o) {
   Json req = {{"cmd", SandboxAddRequest::kCmd}, {"name", o.sb_name}};
   if (!o.sb_netns.empty()) req["netns"] = o.sb_netns;
