@@ -21,7 +21,8 @@ namespace asio = boost::asio;
 
 namespace {
 
-constexpr std::uint8_t kTcp = 6;
+constexpr std::uint8_t kTcp = Segment::kTcp;
+constexpr std::uint8_t kUdp = Segment::kUdp;
 constexpr int kMaxExtHeaders = 8;
 // Room for one whole packet: the kernel hands GSO packets over segmented.
 constexpr std::uint32_t kCopyRange = 0xffff;
@@ -49,9 +50,9 @@ IpPrefix addr(std::span<const std::uint8_t> b, std::size_t off, int family) {
 
 }  // namespace
 
-std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt) {
+std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   if (pkt.empty()) return std::nullopt;
-  TcpSegment s;
+  Segment s;
   std::size_t off = 0, end = 0;
   const int version = pkt[0] >> 4;
   if (version == 4) {
@@ -60,7 +61,8 @@ std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt) {
     end = be16(pkt, 2);
     if (ihl < 20 || end < ihl || end > pkt.size()) return std::nullopt;
     if ((be16(pkt, 6) & 0x3fff) != 0) return std::nullopt;  // a fragment (MF or an offset)
-    if (pkt[9] != kTcp) return std::nullopt;
+    if (pkt[9] != kTcp && pkt[9] != kUdp) return std::nullopt;
+    s.proto = pkt[9];
     s.src = addr(pkt, 12, 4);
     s.dst = addr(pkt, 16, 4);
     off = ihl;
@@ -72,16 +74,26 @@ std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt) {
     s.dst = addr(pkt, 24, 6);
     std::uint8_t nh = pkt[6];
     off = 40;
-    for (int i = 0; i < kMaxExtHeaders && nh != kTcp; ++i) {
+    for (int i = 0; i < kMaxExtHeaders && nh != kTcp && nh != kUdp; ++i) {
       if (nh != 0 && nh != 43 && nh != 60) return std::nullopt;  // fragments, AH, anything else
       if (off + 2 > end) return std::nullopt;
       const std::uint8_t next = pkt[off];
       off += (static_cast<std::size_t>(pkt[off + 1]) + 1) * 8;
       nh = next;
     }
-    if (nh != kTcp) return std::nullopt;
+    if (nh != kTcp && nh != kUdp) return std::nullopt;
+    s.proto = nh;
   } else {
     return std::nullopt;
+  }
+  if (s.proto == kUdp) {
+    if (off + 8 > end) return std::nullopt;
+    const std::size_t len = be16(pkt, off + 4);
+    if (len < 8 || off + len > end) return std::nullopt;
+    s.sport = be16(pkt, off);
+    s.dport = be16(pkt, off + 2);
+    s.payload = pkt.subspan(off + 8, len - 8);
+    return s;
   }
   if (off + 20 > end) return std::nullopt;
   const std::size_t doff = static_cast<std::size_t>(pkt[off + 12] >> 4) * 4;
@@ -123,6 +135,7 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
   }
   ++(admit ? stats_.admitted : stats_.reset);
   decided_[it->first] = {admit, now};
+  if (it->second.quic) --quic_flows_;
   flows_.erase(it);
   stats_.held = flows_.size();
   return out;
@@ -137,14 +150,15 @@ std::vector<PinVerdict> PinFlows::reset_flow(std::map<Key, Flow>::iterator it, c
   return finish(it, false, now);
 }
 
-std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const TcpSegment& seg, Clock::time_point now) {
-  const Key key{seg.dst.family, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, Clock::time_point now) {
+  const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (auto d = decided_.find(key); d != decided_.end() && !flows_.contains(key)) {
     // A straggler queued before its flow's mark was set, or a packet of a
     // refused flow: the same answer.
     if (d->second.admitted) return {{id, PinVerdict::Kind::admit}};
-    return {{id, seg.payload.empty() ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
+    return {{id, seg.payload.empty() && seg.proto == kTcp ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
   }
+  if (seg.proto == kUdp) return quic_packet(id, key, seg, now);
   auto it = flows_.find(key);
   if (seg.payload.empty()) {
     // An ACK, FIN or RST without data carries no name: it passes and the
@@ -163,7 +177,7 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const TcpSegment& seg
       base = st->second.seq;
       starts_.erase(st);
     }
-    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}}).first;
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr}).first;
     stats_.held = flows_.size();
     if (flows_.size() > kMaxFlows) {
       it->second.ids.push_back(id);
@@ -208,6 +222,32 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const TcpSegment& seg
     if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
     return {};
   }
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+// A datagram of an undecided UDP flow to port 443: QUIC Initials whose
+// ClientHello is judged like a TLS flow's. Anything that is not a v1/v2
+// Initial the parser can open is refused (ICMP), so clients fall back to TCP.
+std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, const Segment& seg,
+                                              Clock::time_point now) {
+  auto it = flows_.find(key);
+  if (it == flows_.end()) {
+    ++stats_.inspected;
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, 0, {}, {}, nullptr}).first;
+    stats_.held = flows_.size();
+    if (flows_.size() > kMaxFlows || quic_flows_ >= kMaxQuicFlows) {
+      it->second.ids.push_back(id);
+      return reset_flow(it, "too many QUIC flows held at once", now);
+    }
+    it->second.quic = std::make_unique<pin::QuicInitialAssembler>();
+    ++quic_flows_;
+  }
+  Flow& f = it->second;
+  f.ids.push_back(id);
+  const pin::Parse parse = f.quic->feed(pin::Bytes(seg.payload.data(), seg.payload.size()));
+  pin::Decision d = pin::decide(pin::PinProto::quic, parse, seg.dst, seg.dport, judge_.pin_facts());
+  if (d.kind == pin::Decision::Kind::need_more) return {};
   judge_.pin_decided(d, seg.dst, seg.dport);
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
 }
@@ -318,10 +358,10 @@ class Queue : public PinQueue {
     }
     const auto* ph = static_cast<const nfqnl_msg_packet_hdr*>(mnl_attr_get_payload(tb[NFQA_PACKET_HDR]));
     const std::uint32_t id = ntohl(ph->packet_id);
-    std::optional<TcpSegment> seg;
+    std::optional<Segment> seg;
     // A packet cut short by the copy range cannot be judged: reset (fail closed).
     if (tb[NFQA_PAYLOAD] != nullptr && tb[NFQA_CAP_LEN] == nullptr) {
-      seg = parse_tcp_packet({static_cast<const std::uint8_t*>(mnl_attr_get_payload(tb[NFQA_PAYLOAD])),
+      seg = parse_packet({static_cast<const std::uint8_t*>(mnl_attr_get_payload(tb[NFQA_PAYLOAD])),
                               mnl_attr_get_payload_len(tb[NFQA_PAYLOAD])});
     }
     if (!seg) {

@@ -1,19 +1,22 @@
 // Hostname pinning's datapath half (docs/pinning.md, issue 16): the
 // nfnetlink_queue reader behind chain `pin` (nft/compile.h). The kernel
 // queues every packet of an undecided TCP flow to a learned-only address
-// after its handshake; the reader holds the flow's payload packets (no
-// verdict) until the classifier and parser of src/pin/ can judge the first
-// bytes, asks pin::decide, and answers every held packet at once:
+// after its handshake, and every datagram of an undecided UDP flow to port
+// 443 of such an address (QUIC); the reader holds the flow's payload packets
+// (no verdict) until the classifier and parser of src/pin/ can judge the
+// first bytes, asks pin::decide, and answers every held packet at once:
 //   admit: NF_REPEAT with the skb mark nft::pin_admit_mark: the phase chain
 //          gives the flow the phase's ct mark, and every later packet of the
 //          flow never leaves the kernel (the fast path);
 //   reset: NF_REPEAT with the skb mark kPinResetMark: chain pin rejects it
-//          with a TCP reset, so the client learns at once;
+//          with a TCP reset (QUIC: ICMP admin-prohibited), so the client
+//          learns at once;
 //   a payload-less packet (an ACK, a FIN) of a flow not yet decided:
 //          NF_REPEAT with the skb mark = the pass mark: it leaves, the flow
 //          stays undecided.
 // Bounded: kMaxInspect bytes or kHoldTime per flow, then reset; at most
-// kMaxFlows flows held at once (a new one beyond that is reset).
+// kMaxFlows flows (kMaxQuicFlows QUIC flows) held at once (a new one beyond
+// that is reset).
 //
 // PinFlows is the pure part (reassembly and decision, no sockets) so unit
 // tests drive it; PinQueue puts it on the shared netlink transport.
@@ -35,6 +38,7 @@
 #include "egressd/policy.h"
 #include "egressd/result.h"
 #include "pin/decide.h"
+#include "pin/quic_initial.h"
 
 namespace egressd::daemon {
 
@@ -58,20 +62,25 @@ struct PinStats {
   std::uint64_t errors = 0;     // queue messages that did not parse, verdicts the kernel refused
 };
 
-// One IP packet as the queue delivered it, reduced to what reassembly needs.
-struct TcpSegment {
+// One IP packet as the queue delivered it, reduced to what reassembly needs:
+// a TCP segment or a UDP datagram (QUIC).
+struct Segment {
+  static constexpr std::uint8_t kTcp = 6, kUdp = 17;
+  std::uint8_t proto = kTcp;
   IpPrefix src, dst;  // single addresses
   std::uint16_t sport = 0, dport = 0;
-  std::uint32_t seq = 0;
+  std::uint32_t seq = 0;  // TCP only
   bool syn = false, fin = false, rst = false;
   std::span<const std::uint8_t> payload;
 };
-// Parses an IPv4 or IPv6 TCP packet (IPv6 extension headers walked; a
+// Parses an IPv4 or IPv6 TCP or UDP packet (IPv6 extension headers walked; a
 // fragment is refused). nullopt when it is anything else or truncated.
-std::optional<TcpSegment> parse_tcp_packet(std::span<const std::uint8_t> pkt);
+std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt);
 
 inline constexpr std::chrono::milliseconds kHoldTime{2000};
 inline constexpr std::size_t kMaxFlows = 4096;
+// QUIC flows held at once (each holds a ~25 KiB Initial assembler).
+inline constexpr std::size_t kMaxQuicFlows = 256;
 
 // The verdict for one queued packet.
 struct PinVerdict {
@@ -86,7 +95,7 @@ class PinFlows {
   explicit PinFlows(PinJudge& judge) : judge_(judge) {}
   // One queued packet: returns the verdicts that can be given now (none
   // while the flow's first bytes are still incomplete).
-  std::vector<PinVerdict> packet(std::uint32_t id, const TcpSegment& seg, Clock::time_point now);
+  std::vector<PinVerdict> packet(std::uint32_t id, const Segment& seg, Clock::time_point now);
   // Flows held past kHoldTime: reset (their packets' verdicts).
   std::vector<PinVerdict> expire(Clock::time_point now);
   const PinStats& stats() const { return stats_; }
@@ -94,17 +103,19 @@ class PinFlows {
   std::optional<Clock::time_point> next_deadline() const;
 
  private:
-  // family, source, destination, source port, destination port
-  using Key = std::tuple<std::uint8_t, std::array<std::uint8_t, 16>, std::array<std::uint8_t, 16>, std::uint16_t,
-                         std::uint16_t>;
+  // family, protocol, source, destination, source port, destination port
+  using Key = std::tuple<std::uint8_t, std::uint8_t, std::array<std::uint8_t, 16>, std::array<std::uint8_t, 16>,
+                         std::uint16_t, std::uint16_t>;
   struct Flow {
     IpPrefix dst;
     std::uint16_t dport = 0;
     Clock::time_point started;
-    std::uint32_t base = 0;                            // sequence number of the first byte held
-    std::map<std::uint32_t, std::vector<std::uint8_t>> segs;  // offset from base -> bytes
+    std::uint32_t base = 0;                            // TCP: sequence number of the first byte held
+    std::map<std::uint32_t, std::vector<std::uint8_t>> segs;  // TCP: offset from base -> bytes
     std::vector<std::uint32_t> ids;                    // packets held, in arrival order
+    std::unique_ptr<pin::QuicInitialAssembler> quic;   // QUIC: the Initials' CRYPTO stream
   };
+  std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
   struct Decided {
     bool admitted;
     Clock::time_point at;
@@ -125,6 +136,7 @@ class PinFlows {
     Clock::time_point at;
   };
   std::map<Key, Start> starts_;
+  std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   PinStats stats_;
 };
 

@@ -20,6 +20,7 @@ namespace {
 
 constexpr std::uint8_t kTcp = 6;
 constexpr std::uint8_t kUdp = 17;
+constexpr std::uint16_t kQuicPort = 443;
 // ICMPv6 neighbour discovery types that must leave for IPv6 to work at all.
 // With hop limit 255 they cannot be routed beyond the link.
 constexpr std::uint8_t kNdRouterSolicit = 133;
@@ -105,6 +106,9 @@ Chain pin_chain(const CompileOptions& opts) {
   c.rules.push_back({{MatchMetaMark{opts.pass_mark}, to_pass()}, ""});
   // The reader refused the flow: the client gets a TCP reset at once.
   c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kTcp}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
+  // ... or a QUIC flow (UDP 443): ICMP administratively prohibited, so the
+  // client falls back to TCP at once instead of waiting out its handshake.
+  c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kUdp}, StmtCounter{}, StmtRejectAdminProhibited{}}, ""});
   // The handshake passes as without pinning; the flow stays undecided (no ct mark).
   c.rules.push_back({{MatchTcpFlagSyn{}, to_pass()}, ""});
   // Everything else goes to the reader. No bypass: with no reader the
@@ -132,12 +136,20 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
       // pin_admit_mark (the verdict cannot set the ct mark on kernels
       // without CONFIG_NETFILTER_NETLINK_GLUE_CT): this rule gives the flow
       // the phase's mark, so every later packet takes the fast path.
+      // QUIC (UDP 443) is judged the same way, by its Initial's ClientHello;
+      // other UDP ports are decided by the address.
       auto pinned = [&](const std::string& set, SetType type) {
         if (!pin) return;
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
+                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
       };

@@ -102,15 +102,17 @@ inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 
 // Hostname pinning (docs/pinning.md). With CompileOptions::pin and the
-// policy's enforce.pin_names, in allowlist phases a TCP flow whose address is
-// in a learned set only (no IP/CIDR entry) and whose ct mark is still 0 goes
-// to chain `pin`: the handshake passes unmarked, every later packet goes to
+// policy's enforce.pin_names, in allowlist phases a TCP flow, or a UDP flow
+// to port 443 (QUIC), whose address is in a learned set only (no IP/CIDR
+// entry) and whose ct mark is still 0 goes to chain `pin`: the TCP handshake
+// passes unmarked, every later packet (every QUIC datagram) goes to
 // nfnetlink_queue kPinQueueNum (no bypass: no reader, no traffic). The
 // reader's verdict re-runs the hook (NF_REPEAT) with an skb mark: the admit
 // mark (admitted: the phase chain sets the flow's ct mark to the phase's, and
 // the fast path takes every later packet), kPinResetMark (refused: chain pin
-// answers with a TCP reset), or, for a payload-less packet of an undecided
-// flow, the pass mark (passes, flow stays undecided). The verdict sets no ct
+// answers with a TCP reset, or ICMP admin-prohibited for QUIC), or, for a
+// payload-less packet of an undecided TCP flow, the pass mark (passes, flow
+// stays undecided). The verdict sets no ct
 // mark itself: NFQA_CT needs CONFIG_NETFILTER_NETLINK_GLUE_CT, which some
 // kernels lack (and then ignore it silently).
 inline constexpr const char* kPinChain = "pin";

@@ -444,32 +444,41 @@ TEST_CASE("address elements are sorted and deduplicated") {
   CHECK(elems[0].from.to_string() == "192.0.2.1");
 }
 
-TEST_CASE("hostname pinning: learned-only TCP flows go to chain pin while undecided, IP entries never") {
+TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin while undecided, IP entries never") {
   Policy p = three_phases();
   CompileOptions o;
   o.pin = true;
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 4);
+  REQUIRE(pin->rules.size() == 5);
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
-  CHECK(render_rule(pin->rules[2]) == "tcp flags syn goto pass");
+  // A refused QUIC flow learns at once, so the client falls back to TCP.
+  CHECK(render_rule(pin->rules[2]) ==
+        "meta mark 0x72737421 meta l4proto udp counter reject with icmpx admin-prohibited");
+  CHECK(render_rule(pin->rules[3]) == "tcp flags syn goto pass");
   // No bypass: with no reader the packet is dropped.
-  CHECK(render_rule(pin->rules[3]) == "counter queue num 16");
+  CHECK(render_rule(pin->rules[4]) == "counter queue num 16");
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
   // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
   // the learned set as before (flows decided under another phase).
-  REQUIRE(rules.size() == 11);
+  REQUIRE(rules.size() == 15);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[2] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
         "0x45470002 goto pass");
   CHECK(rules[3] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[4] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[8] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  // QUIC: UDP 443 only; other UDP ports are decided by the address.
+  CHECK(rules[4] ==
+        "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
+        "0x45470002 goto pass");
+  CHECK(rules[5] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[6] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[10] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[12] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
 
   // enforce.pin_names: false, or a daemon without the reader: none of it.

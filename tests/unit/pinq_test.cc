@@ -2,6 +2,8 @@
 #include <doctest/doctest.h>
 
 #include "daemon/pinq.h"
+#include "data/quic_rfc_vectors.h"
+#include "support/pin_support.h"
 
 using namespace egressd;
 using namespace egressd::daemon;
@@ -10,17 +12,18 @@ namespace {
 
 struct Judge : PinJudge, pin::PinFacts {
   std::vector<std::string> learned{"allowed.test"};
+  std::string allows = "allowed.test";
   Entry entry;
   std::vector<std::string> reasons;
   const pin::PinFacts& pin_facts() const override { return *this; }
   std::uint32_t pass_mark() const override { return 1; }
   void pin_decided(const pin::Decision& d, const IpPrefix&, std::uint16_t) override { reasons.push_back(d.reason); }
   std::vector<std::string> names_for(const IpPrefix&) const override { return learned; }
-  const Entry* allowed(std::string_view name) const override { return name == "allowed.test" ? &entry : nullptr; }
+  const Entry* allowed(std::string_view name) const override { return name == allows ? &entry : nullptr; }
 };
 
-TcpSegment seg(std::uint32_t seq, const std::string& bytes, std::uint16_t sport = 40000) {
-  TcpSegment s;
+Segment seg(std::uint32_t seq, const std::string& bytes, std::uint16_t sport = 40000) {
+  Segment s;
   s.src = *parse_ip("192.0.2.2");
   s.dst = *parse_ip("203.0.113.10");
   s.sport = sport;
@@ -91,7 +94,7 @@ TEST_CASE("a flow that never completes its first bytes is reset after the hold t
   CHECK(f.stats().reset == 1);
 }
 
-TEST_CASE("parse_tcp_packet reads IPv4 and refuses fragments and truncation") {
+TEST_CASE("parse_packet reads IPv4 and refuses fragments and truncation") {
   std::vector<std::uint8_t> p(40 + 3, 0);
   p[0] = 0x45;
   p[3] = static_cast<std::uint8_t>(p.size());
@@ -102,13 +105,101 @@ TEST_CASE("parse_tcp_packet reads IPv4 and refuses fragments and truncation") {
   p[24] = 0, p[27] = 7;        // seq 7
   p[32] = 0x50;                // doff 5
   p[40] = 'a', p[41] = 'b', p[42] = 'c';
-  auto s = parse_tcp_packet(p);
+  auto s = parse_packet(p);
   REQUIRE(s.has_value());
   CHECK(s->dport == 443);
   CHECK(s->seq == 7);
   CHECK(s->payload.size() == 3);
   p[6] = 0x20;  // more fragments
-  CHECK_FALSE(parse_tcp_packet(p).has_value());
+  CHECK_FALSE(parse_packet(p).has_value());
   p[6] = 0;
-  CHECK_FALSE(parse_tcp_packet(std::span(p).first(30)).has_value());
+  CHECK_FALSE(parse_packet(std::span(p).first(30)).has_value());
+}
+
+namespace {
+
+// The client Initial of RFC 9001 appendix A.2 (SNI example.com) as a UDP
+// datagram to 203.0.113.10:443.
+Segment quic(const pintest::Buf& datagram, std::uint16_t sport = 40001) {
+  Segment s;
+  s.proto = Segment::kUdp;
+  s.src = *parse_ip("192.0.2.2");
+  s.dst = *parse_ip("203.0.113.10");
+  s.sport = sport;
+  s.dport = 443;
+  s.payload = {datagram.data(), datagram.size()};
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("QUIC: an Initial whose ClientHello names a learned, allowed name is admitted; another name refused") {
+  const pintest::Buf rfc = pintest::hex(pintest::rfc::kV1ProtectedPacket);
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  const auto v = f.packet(1, quic(rfc), t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::admit);
+  CHECK(f.stats().admitted == 1);
+  // A retransmitted Initial queued before the mark was set: the same answer.
+  CHECK(f.packet(2, quic(rfc), t0)[0].kind == K::admit);
+
+  Judge other;  // example.com allowed, but the address was learned for allowed.test
+  other.allows = "example.com";
+  PinFlows g(other);
+  const auto w = g.packet(1, quic(rfc), t0);
+  REQUIRE(w.size() == 1);
+  CHECK(w[0].kind == K::reset);
+  REQUIRE(other.reasons.size() == 1);
+  CHECK(other.reasons[0] == "quic sni example.com to 203.0.113.10:443; address learned for allowed.test");
+  // The flow stays refused.
+  CHECK(g.packet(2, quic(rfc), t0)[0].kind == K::reset);
+}
+
+TEST_CASE("QUIC: a datagram that is not an Initial is refused; an incomplete hello is held, then expires") {
+  Judge j;
+  PinFlows f(j);
+  const pintest::Buf junk(1200, 0x41);
+  const auto v = f.packet(1, quic(junk), t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("quic unparseable"));
+
+  // The first 600 bytes of the RFC packet do not authenticate: refused, not held.
+  const pintest::Buf rfc = pintest::hex(pintest::rfc::kV1ProtectedPacket);
+  const pintest::Buf cut(rfc.begin(), rfc.begin() + 600);
+  CHECK(f.packet(2, quic(cut, 40002), t0)[0].kind == K::reset);
+  CHECK(f.stats().reset == 2);
+}
+
+TEST_CASE("parse_packet reads UDP datagrams, IPv4 and IPv6") {
+  std::vector<std::uint8_t> p(20 + 8 + 4, 0);
+  p[0] = 0x45;
+  p[3] = static_cast<std::uint8_t>(p.size());
+  p[9] = 17;
+  p[12] = 192, p[13] = 0, p[14] = 2, p[15] = 2;
+  p[16] = 203, p[17] = 0, p[18] = 113, p[19] = 10;
+  p[22] = 0x01, p[23] = 0xbb;  // dport 443
+  p[25] = 12;                  // UDP length 12
+  auto s = parse_packet(p);
+  REQUIRE(s.has_value());
+  CHECK(s->proto == Segment::kUdp);
+  CHECK(s->dport == 443);
+  CHECK(s->payload.size() == 4);
+  p[25] = 40;  // a UDP length past the packet
+  CHECK_FALSE(parse_packet(p).has_value());
+
+  std::vector<std::uint8_t> q(40 + 8 + 2, 0);
+  q[0] = 0x60;
+  q[5] = 10;  // payload length
+  q[6] = 17;
+  q[42] = 0x01, q[43] = 0xbb;
+  q[45] = 10;
+  auto t = parse_packet(q);
+  REQUIRE(t.has_value());
+  CHECK(t->proto == Segment::kUdp);
+  CHECK(t->dst.family == 6);
+  CHECK(t->payload.size() == 2);
 }
