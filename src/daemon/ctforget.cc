@@ -31,35 +31,56 @@ Result<std::unique_ptr<ConntrackForgetter>> ConntrackForgetter::open(boost::asio
   return std::unique_ptr<ConntrackForgetter>(new ConntrackForgetter(io, std::move(*t)));
 }
 
-void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
-  alignas(4) std::uint8_t buf[256];
-  std::memset(buf, 0, sizeof buf);
+namespace {
+
+// nlmsghdr + nfgenmsg + CTA_TUPLE_ORIG for `proto` src:sport -> dst:dport.
+nlmsghdr* put_ct_tuple(std::uint8_t* buf, std::uint16_t msg, std::uint32_t seq, std::uint8_t proto,
+                       const IpPrefix& src, const IpPrefix& dst, std::uint16_t sport, std::uint16_t dport) {
   nlmsghdr* nlh = mnl_nlmsg_put_header(buf);
-  nlh->nlmsg_type = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE;
+  nlh->nlmsg_type = static_cast<std::uint16_t>((NFNL_SUBSYS_CTNETLINK << 8) | msg);
   // No NLM_F_ACK: the kernel still reports errors, and they are drained.
   nlh->nlmsg_flags = NLM_F_REQUEST;
   nlh->nlmsg_seq = seq;
   auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
-  const bool v4 = t.src.family == 4;
+  const bool v4 = src.family == 4;
   nfg->nfgen_family = v4 ? AF_INET : AF_INET6;
   nfg->version = NFNETLINK_V0;
   nfg->res_id = 0;
   nlattr* tuple = mnl_attr_nest_start(nlh, CTA_TUPLE_ORIG);
   nlattr* ip = mnl_attr_nest_start(nlh, CTA_TUPLE_IP);
   if (v4) {
-    mnl_attr_put(nlh, CTA_IP_V4_SRC, 4, t.src.bytes.data());
-    mnl_attr_put(nlh, CTA_IP_V4_DST, 4, t.dst.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V4_SRC, 4, src.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V4_DST, 4, dst.bytes.data());
   } else {
-    mnl_attr_put(nlh, CTA_IP_V6_SRC, 16, t.src.bytes.data());
-    mnl_attr_put(nlh, CTA_IP_V6_DST, 16, t.dst.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V6_SRC, 16, src.bytes.data());
+    mnl_attr_put(nlh, CTA_IP_V6_DST, 16, dst.bytes.data());
   }
   mnl_attr_nest_end(nlh, ip);
-  nlattr* proto = mnl_attr_nest_start(nlh, CTA_TUPLE_PROTO);
-  mnl_attr_put_u8(nlh, CTA_PROTO_NUM, IPPROTO_UDP);
-  mnl_attr_put_u16(nlh, CTA_PROTO_SRC_PORT, htons(t.sport));
-  mnl_attr_put_u16(nlh, CTA_PROTO_DST_PORT, htons(t.dport));
-  mnl_attr_nest_end(nlh, proto);
+  nlattr* p = mnl_attr_nest_start(nlh, CTA_TUPLE_PROTO);
+  mnl_attr_put_u8(nlh, CTA_PROTO_NUM, proto);
+  mnl_attr_put_u16(nlh, CTA_PROTO_SRC_PORT, htons(sport));
+  mnl_attr_put_u16(nlh, CTA_PROTO_DST_PORT, htons(dport));
+  mnl_attr_nest_end(nlh, p);
   mnl_attr_nest_end(nlh, tuple);
+  return nlh;
+}
+
+}  // namespace
+
+void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
+  alignas(4) std::uint8_t buf[256];
+  std::memset(buf, 0, sizeof buf);
+  const nlmsghdr* nlh = put_ct_tuple(buf, IPCTNL_MSG_CT_DELETE, seq, IPPROTO_UDP, t.src, t.dst, t.sport, t.dport);
+  out.insert(out.end(), buf, buf + nlh->nlmsg_len);
+}
+
+void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
+                        std::uint16_t sport, std::uint16_t dport, std::uint32_t mark, std::uint32_t seq) {
+  alignas(4) std::uint8_t buf[256];
+  std::memset(buf, 0, sizeof buf);
+  // IPCTNL_MSG_CT_NEW without NLM_F_CREATE: updates the entry, creates none.
+  nlmsghdr* nlh = put_ct_tuple(buf, IPCTNL_MSG_CT_NEW, seq, proto, src, dst, sport, dport);
+  mnl_attr_put_u32(nlh, CTA_MARK, htonl(mark));
   out.insert(out.end(), buf, buf + nlh->nlmsg_len);
 }
 

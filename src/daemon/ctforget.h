@@ -62,4 +62,11 @@ class ConntrackForgetter {
   ~ConntrackForgetter() { stop_.request_stop(); }
 };
 
+// The IPCTNL_MSG_CT_NEW message (no NLM_F_CREATE: an update) that sets the ct
+// mark of the existing flow whose original direction is `proto`
+// src:sport -> dst:dport, appended to `out`. Hostname pinning marks the flows
+// a switch cuts with it (nft::kPinCutMark).
+void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
+                        std::uint16_t sport, std::uint16_t dport, std::uint32_t mark, std::uint32_t seq);
+
 }  // namespace egressd::daemon

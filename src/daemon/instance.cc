@@ -338,6 +338,14 @@ Status Instance::Impl::build() {
         }
       });
   so.after_switch = [this](std::shared_ptr<const Phase> phase, std::uint64_t gen) {
+    // Hostname pinning: a flow admitted for a name the new phase does not
+    // allow is cut, even when its address is still allowed (through another
+    // name). The rules would re-decide it by address alone.
+    if (pinq) {
+      const std::size_t n =
+          pinq->cut([this](const AdmittedFlow& f) { return sandbox->pin_keeps(f.name, f.dst); });
+      if (n > 0) log->info("{}pin: cut flows={} gen={} (admitted for names the new phase does not allow)", prefix(), n, gen);
+    }
     reaper->reap(std::move(phase), gen);
     if (opts.after_switch) opts.after_switch();
   };

@@ -8,8 +8,10 @@
 #include <sys/socket.h>
 
 #include <boost/asio/steady_timer.hpp>
+#include <cerrno>
 #include <cstring>
 
+#include "daemon/ctforget.h"
 #include "nft/compile.h"
 #include "nft/transport.h"
 #include "pin/http_head.h"
@@ -223,6 +225,7 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
     return {};
   }
   judge_.pin_decided(d, seg.dst, seg.dport);
+  if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
 }
 
@@ -249,7 +252,37 @@ std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, 
   pin::Decision d = pin::decide(pin::PinProto::quic, parse, seg.dst, seg.dport, judge_.pin_facts());
   if (d.kind == pin::Decision::Kind::need_more) return {};
   judge_.pin_decided(d, seg.dst, seg.dport);
+  if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+void PinFlows::remember(const Key& key, const Segment& seg, const std::string& name) {
+  if (auto old = admitted_.find(key); old != admitted_.end()) {
+    admitted_order_.erase(old->second.order);
+    admitted_.erase(old);
+  }
+  const std::uint64_t order = next_order_++;
+  admitted_.emplace(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, order});
+  admitted_order_.emplace(order, key);
+  if (admitted_.size() > kMaxAdmitted) {
+    admitted_.erase(admitted_order_.begin()->second);
+    admitted_order_.erase(admitted_order_.begin());
+  }
+}
+
+std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now) {
+  std::vector<AdmittedFlow> out;
+  for (auto it = admitted_.begin(); it != admitted_.end();) {
+    if (keep(it->second)) {
+      ++it;
+      continue;
+    }
+    decided_[it->first] = {false, now};
+    admitted_order_.erase(it->second.order);
+    out.push_back(std::move(it->second));
+    it = admitted_.erase(it);
+  }
+  return out;
 }
 
 std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
@@ -331,6 +364,20 @@ class Queue : public PinQueue {
     s.errors += errors_;
     return s;
   }
+  std::size_t cut(const std::function<bool(const AdmittedFlow&)>& keep) override {
+    if (closed_) return 0;
+    const std::vector<AdmittedFlow> gone = flows_.cut(keep, PinFlows::Clock::now());
+    std::vector<std::uint8_t> batch;
+    for (const AdmittedFlow& f : gone) {
+      append_set_ct_mark(batch, f.proto, f.src, f.dst, f.sport, f.dport, nft::kPinCutMark, t_->next_seq());
+      if (batch.size() >= 32 * 1024) {
+        if (t_->send(batch.data(), batch.size()) != 0) ++errors_;
+        batch.clear();
+      }
+    }
+    if (!batch.empty() && t_->send(batch.data(), batch.size()) != 0) ++errors_;
+    return gone.size();
+  }
   void close() override {
     if (closed_) return;
     closed_ = true;
@@ -342,7 +389,9 @@ class Queue : public PinQueue {
   void handle(const nlmsghdr* nlh) {
     if (nlh->nlmsg_type == NLMSG_ERROR) {
       const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(nlh));
-      if (e->error != 0) ++errors_;  // a verdict the kernel refused
+      // A verdict the kernel refused; a cut flow (ct mark update) that
+      // conntrack no longer has is none.
+      if (e->error != 0 && e->error != -ENOENT) ++errors_;
       return;
     }
     if (nlh->nlmsg_type != msg_type(NFQNL_MSG_PACKET)) return;

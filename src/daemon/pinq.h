@@ -82,6 +82,17 @@ inline constexpr std::size_t kMaxFlows = 4096;
 // QUIC flows held at once (each holds a ~25 KiB Initial assembler).
 inline constexpr std::size_t kMaxQuicFlows = 256;
 
+// A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI).
+struct AdmittedFlow {
+  std::uint8_t proto = Segment::kTcp;
+  IpPrefix src, dst;
+  std::uint16_t sport = 0, dport = 0;
+  std::string name;
+  std::uint64_t order = 0;  // admission order (the oldest is forgotten first)
+};
+// Admitted flows remembered for switches (the most recent ones).
+inline constexpr std::size_t kMaxAdmitted = 65536;
+
 // The verdict for one queued packet.
 struct PinVerdict {
   enum class Kind { admit, reset, pass, drop };
@@ -101,6 +112,11 @@ class PinFlows {
   const PinStats& stats() const { return stats_; }
   // When the oldest held flow runs out, if any.
   std::optional<Clock::time_point> next_deadline() const;
+  // A switch: forgets and returns the admitted flows `keep` refuses (their
+  // name is not allowed for their address any more); a packet of one that
+  // still reaches the reader is refused.
+  std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
+  std::size_t admitted_remembered() const { return admitted_.size(); }
 
  private:
   // family, protocol, source, destination, source port, destination port
@@ -137,6 +153,10 @@ class PinFlows {
   };
   std::map<Key, Start> starts_;
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
+  void remember(const Key& key, const Segment& seg, const std::string& name);
+  std::map<Key, AdmittedFlow> admitted_;
+  std::map<std::uint64_t, Key> admitted_order_;
+  std::uint64_t next_order_ = 0;
   PinStats stats_;
 };
 
@@ -152,6 +172,10 @@ class PinQueue {
   // Stops reading (held packets stay without verdict: the kernel drops them
   // when the socket closes). No callback after this returns.
   virtual void close() = 0;
+  // After a switch: every remembered admitted flow `keep` refuses gets the
+  // ct mark nft::kPinCutMark (chain active denies its later packets).
+  // Returns how many.
+  virtual std::size_t cut(const std::function<bool(const AdmittedFlow&)>& keep) = 0;
 };
 
 }  // namespace egressd::daemon

@@ -235,6 +235,10 @@ class Sandbox : public dns::PolicyHooks {
   std::vector<std::string> learned_names_for(const IpPrefix& addr) const;
   // The hostname/wildcard entry of the phase in force allowing `name`, or nullptr.
   const Entry* allowed_name(std::string_view name) const;
+  // Whether a flow admitted for `name` to `dst` may go on under the phase in
+  // force (after a switch): public; an IP/CIDR entry allows `dst` (not
+  // inspected); or the phase allows `name` and `name` was learned for `dst`.
+  bool pin_keeps(const std::string& name, const IpPrefix& dst) const;
   // A flow pinning reset: a `denied` record carrying decide()'s line.
   void pin_reset(const IpPrefix& dst, std::uint16_t port, const std::string& reason);
   // Status counters of the reader: {inspected, admitted, reset}.

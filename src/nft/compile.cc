@@ -168,10 +168,13 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
   return c;
 }
 
-std::vector<Rule> active_rules(const ActiveState& st) {
+std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
   const std::string target = st.is_inline ? inline_chain(st.generation) : phase_chain(st.phase);
   const bool guarded = st.mode != Mode::public_;
   std::vector<Rule> r;
+  // A flow pinning admitted for a name this phase does not allow: the daemon
+  // marked it at the switch; the address would let it on, the name must not.
+  if (pin) r.push_back({{MatchCtMark{kPinCutMark}, StmtCounter{}, to_deny()}, ""});
   if (guarded) {
     // Per packet, ahead of the fast path: a flow to an allowed first hop may
     // carry a denied final destination in a routing header (segment routing
@@ -601,7 +604,7 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
     t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pass_mark));
   }
   for (auto& c : t.chains) {
-    if (c.name == "active") c.rules = active_rules(state);
+    if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts));
   }
   return t;
 }
@@ -654,7 +657,7 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
     ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pass_mark)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
-  for (auto& r : active_rules(next)) ch.ops.push_back(OpAddRule{"active", std::move(r)});
+  for (auto& r : active_rules(next, pinning(policy, opts))) ch.ops.push_back(OpAddRule{"active", std::move(r)});
   if (opts.netdev) {
     // Same batch: raw frames are blocked exactly when the inet policy says
     // so (class 5), never a moment apart.

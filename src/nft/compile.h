@@ -88,11 +88,11 @@ inline constexpr std::uint32_t kOwnTrafficMark = 0x65677264;  // "egrd"
 inline constexpr std::uint32_t kPassMark = 0x70617373;      // "pass"
 inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:7264
 // ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
-// [1, 0x7ffffffd]; inline policies get kInlineMarkBit | (generation + salt -
+// [1, 0x7ffffffc]; inline policies get kInlineMarkBit | (generation + salt -
 // kDefaultMarkSalt). With the default salt these are 0x45470001... and
 // 0x80000000 | generation.
 inline constexpr std::uint32_t kDefaultMarkSalt = 0x45470000;
-inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffd;
+inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffc;
 inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
 // Flows that arrived from outside the namespace (input, iif != lo, ct state
 // new): the only ones whose reply direction output accepts as such.
@@ -100,6 +100,10 @@ inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 // egressd's own flows to a loopback upstream: their replies (Docker's resolver
 // answering) pass the block on loopback upstreams.
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
+// A flow hostname pinning admitted for a name that the phase switched to does
+// not allow (docs/pinning.md "Switches"): the daemon gives it this ct mark
+// (ctnetlink) and chain active sends every later packet of it to deny.
+inline constexpr std::uint32_t kPinCutMark = 0x7ffffffd;
 
 // Hostname pinning (docs/pinning.md). With CompileOptions::pin and the
 // policy's enforce.pin_names, in allowlist phases a TCP flow, or a UDP flow

@@ -480,12 +480,18 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   CHECK(rules[10] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
   CHECK(rules[12] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
+  // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
+  const Chain* active = find_chain(t, "active");
+  REQUIRE(!active->rules.empty());
+  CHECK(render_rule(active->rules[0]) == "ct mark 0x7ffffffd counter goto deny");
+  CHECK(kPinCutMark != phase_mark(p, "agent", o.mark_salt));
 
   // enforce.pin_names: false, or a daemon without the reader: none of it.
   p.enforce.pin_names = false;
   const Table off = build_table(p, nullptr, named(p, "agent", 1), o);
   CHECK(find_chain(off, "pin") == nullptr);
   CHECK(find_chain(off, "ph_agent")->rules.size() == 7);
+  CHECK(render_rule(find_chain(off, "active")->rules[0]) != "ct mark 0x7ffffffd counter goto deny");
   p.enforce.pin_names = true;
   CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin") == nullptr);
   // An inline allowlist applied by a switch gets the same rules.

@@ -203,3 +203,44 @@ TEST_CASE("parse_packet reads UDP datagrams, IPv4 and IPv6") {
   CHECK(t->dst.family == 6);
   CHECK(t->payload.size() == 2);
 }
+
+TEST_CASE("admitted flows are remembered with their name; a switch cuts those the new phase refuses") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  REQUIRE(f.packet(1, seg(1, ok, 40000), t0)[0].kind == K::admit);
+  REQUIRE(f.packet(2, seg(1, ok, 40001), t0)[0].kind == K::admit);
+  // Another protocol is admitted by address, not for a name: nothing to cut by name.
+  REQUIRE(f.packet(3, seg(1, "SSH-2.0-x\r\n", 40002), t0)[0].kind == K::admit);
+  CHECK(f.admitted_remembered() == 2);
+  const auto gone = f.cut([](const AdmittedFlow& a) { return a.sport == 40001; }, t0);
+  REQUIRE(gone.size() == 1);
+  CHECK(gone[0].name == "allowed.test");
+  CHECK(gone[0].sport == 40000);
+  CHECK(gone[0].dst.to_string() == "203.0.113.10");
+  CHECK(gone[0].proto == Segment::kTcp);
+  CHECK(f.admitted_remembered() == 1);
+  // A packet of the cut flow that still reaches the reader is refused.
+  CHECK(f.packet(4, seg(100, "more", 40000), t0)[0].kind == K::reset);
+  // The kept one is still remembered and admitted.
+  CHECK(f.packet(5, seg(100, "more", 40001), t0)[0].kind == K::admit);
+  CHECK(f.cut([](const AdmittedFlow&) { return false; }, t0).size() == 1);
+}
+
+TEST_CASE("the admitted-flow memory is bounded: the oldest is forgotten first") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  for (std::uint32_t i = 0; i < kMaxAdmitted + 3; ++i) {
+    Segment s = seg(1, ok, static_cast<std::uint16_t>(i % 60000));
+    s.src.bytes[3] = static_cast<std::uint8_t>(i / 60000);  // distinct flows past 60000 ports
+    REQUIRE(f.packet(i, s, t0)[0].kind == K::admit);
+  }
+  CHECK(f.admitted_remembered() == kMaxAdmitted);
+  std::vector<std::uint16_t> ports;
+  f.cut([&](const AdmittedFlow& a) {
+    if (a.src.bytes[3] == 0 && a.sport < 3) ports.push_back(a.sport);
+    return true;
+  }, t0);
+  CHECK(ports.empty());  // flows 0, 1, 2 were the oldest
+}
