@@ -5,13 +5,16 @@
 #include <linux/netfilter.h>
 #include <linux/netfilter/nfnetlink.h>
 #include <linux/netfilter/nfnetlink_queue.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <boost/asio/steady_timer.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "daemon/ctforget.h"
+#include "egressd/unique_fd.h"
 #include "nft/compile.h"
 #include "nft/transport.h"
 #include "pin/http_head.h"
@@ -111,6 +114,49 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   return s;
 }
 
+std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
+  const bool v4 = r.src.family == 4;
+  const std::size_t ip = v4 ? 20 : 40, alen = v4 ? 4 : 16;
+  std::vector<std::uint8_t> p(ip + 20, 0);
+  if (v4) {
+    p[0] = 0x45;
+    p[3] = static_cast<std::uint8_t>(p.size());
+    p[6] = 0x40;  // don't fragment
+    p[8] = 64;
+    p[9] = kTcp;
+    std::memcpy(&p[12], r.src.bytes.data(), 4);
+    std::memcpy(&p[16], r.dst.bytes.data(), 4);
+    std::uint32_t sum = 0;  // the IPv4 header checksum (the kernel fills it too)
+    for (std::size_t i = 0; i < 20; i += 2) sum += static_cast<std::uint32_t>(p[i] << 8 | p[i + 1]);
+    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+    p[10] = static_cast<std::uint8_t>(~sum >> 8);
+    p[11] = static_cast<std::uint8_t>(~sum);
+  } else {
+    p[0] = 0x60;
+    p[5] = 20;  // payload length
+    p[6] = kTcp;
+    p[7] = 64;
+    std::memcpy(&p[8], r.src.bytes.data(), 16);
+    std::memcpy(&p[24], r.dst.bytes.data(), 16);
+  }
+  std::uint8_t* t = &p[ip];
+  t[0] = static_cast<std::uint8_t>(r.sport >> 8), t[1] = static_cast<std::uint8_t>(r.sport);
+  t[2] = static_cast<std::uint8_t>(r.dport >> 8), t[3] = static_cast<std::uint8_t>(r.dport);
+  for (int i = 0; i < 4; ++i) t[4 + i] = static_cast<std::uint8_t>(r.seq >> (24 - 8 * i));
+  t[12] = 5 << 4;  // no options
+  t[13] = 0x04;    // RST
+  // TCP checksum over the pseudo header (addresses, protocol, length) and the header.
+  std::uint32_t sum = kTcp + 20;
+  for (const auto* a : {&r.src, &r.dst}) {
+    for (std::size_t i = 0; i < alen; i += 2) sum += static_cast<std::uint32_t>(a->bytes[i] << 8 | a->bytes[i + 1]);
+  }
+  for (std::size_t i = 0; i < 20; i += 2) sum += static_cast<std::uint32_t>(t[i] << 8 | t[i + 1]);
+  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+  t[16] = static_cast<std::uint8_t>(~sum >> 8);
+  t[17] = static_cast<std::uint8_t>(~sum);
+  return p;
+}
+
 // ---- PinFlows -------------------------------------------------------------------------------
 
 std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
@@ -127,7 +173,20 @@ std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
   return out;
 }
 
-std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now) {
+std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now,
+                                         bool reset_server) {
+  if (!admit && reset_server && !it->second.quic && server_resets_.size() < kMaxFlows) {
+    const auto& [family, proto, src, dst, sport, dport] = it->first;
+    ServerReset r;
+    r.src.family = r.dst.family = family;
+    r.src.prefix_len = r.dst.prefix_len = family == 4 ? 32 : 128;
+    r.src.bytes = src;
+    r.dst.bytes = dst;
+    r.sport = sport;
+    r.dport = dport;
+    r.seq = it->second.base;
+    server_resets_.push_back(r);
+  }
   std::vector<PinVerdict> out;
   for (std::size_t i = 0; i < it->second.ids.size(); ++i) {
     PinVerdict::Kind k = PinVerdict::Kind::admit;
@@ -136,7 +195,7 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
     out.push_back({it->second.ids[i], k});
   }
   ++(admit ? stats_.admitted : stats_.reset);
-  decided_[it->first] = {admit, now};
+  decided_[it->first] = {admit, now, it->second.ct_id};
   if (it->second.quic) --quic_flows_;
   flows_.erase(it);
   stats_.held = flows_.size();
@@ -144,42 +203,101 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
 }
 
 std::vector<PinVerdict> PinFlows::reset_flow(std::map<Key, Flow>::iterator it, const std::string& why,
-                                             Clock::time_point now) {
+                                             Clock::time_point now, bool reset_server) {
   pin::Decision d;
   d.kind = pin::Decision::Kind::reset;
   d.reason = why;
   judge_.pin_decided(d, it->second.dst, it->second.dport);
-  return finish(it, false, now);
+  return finish(it, false, now, reset_server);
+}
+
+std::uint64_t PinFlows::fingerprint(const Segment& seg) {
+  const std::string_view bytes(reinterpret_cast<const char*>(seg.payload.data()), seg.payload.size());
+  std::uint64_t h = std::hash<std::string_view>{}(bytes);
+  h ^= (std::uint64_t{seg.seq} << 32 | std::uint64_t{seg.syn} << 2 | std::uint64_t{seg.fin} << 1 | seg.rst) +
+       0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h;
 }
 
 std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, Clock::time_point now) {
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (auto d = decided_.find(key); d != decided_.end() && !flows_.contains(key)) {
-    // A straggler queued before its flow's mark was set, or a packet of a
-    // refused flow: the same answer.
-    if (d->second.admitted) return {{id, PinVerdict::Kind::admit}};
-    return {{id, seg.payload.empty() && seg.proto == kTcp ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
+    if (d->second.admitted) {
+      // A straggler queued before its flow's mark was set, or the first
+      // packet of a new connection on the same addresses and ports (a socket
+      // bound to the port of a flow admitted a moment ago; conntrack may even
+      // give it the old entry's id). Never admitted from memory: sent back to
+      // the hook, where a straggler finds its flow's mark and takes the fast
+      // path; a packet that comes back has no mark, so it starts a flow of
+      // its own and is judged on its own bytes.
+      const std::uint64_t fp = fingerprint(seg);
+      auto& seen = d->second.rechecked;
+      if (std::find(seen.begin(), seen.end(), fp) == seen.end() && seen.size() < kMaxRechecks) {
+        seen.push_back(fp);
+        return {{id, PinVerdict::Kind::recheck}};
+      }
+      decided_.erase(d);
+    } else if (seg.proto == kUdp ||
+               (d->second.ct_id == seg.ct_id && !(seg.payload.empty() && !seg.rst && !seg.fin))) {
+      // A packet of a refused flow: the same answer. Its client was reset,
+      // so a bare ACK (a handshake's last packet) or another conntrack id is
+      // a new connection, judged afresh (conntrack may give a new entry the
+      // old one's id).
+      return {{id, seg.payload.empty() && seg.proto == kTcp ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
+    } else {
+      decided_.erase(d);  // another connection: judged afresh
+    }
   }
   if (seg.proto == kUdp) return quic_packet(id, key, seg, now);
   auto it = flows_.find(key);
+  std::vector<PinVerdict> replaced;
+  if (it != flows_.end() && it->second.ct_id != seg.ct_id) {
+    // The held connection is gone and a new one has its addresses and
+    // ports: the old one's bytes must not complete the new one's hello.
+    // (Its server end was closed by the old connection's end.)
+    replaced = reset_flow(it, "connection replaced before its first bytes were judged", now, false);
+    it = flows_.end();
+  }
+  auto with_replaced = [&](std::vector<PinVerdict> v) {
+    if (replaced.empty()) return v;
+    replaced.insert(replaced.end(), v.begin(), v.end());
+    return std::move(replaced);
+  };
+  if (seg.payload.empty() && (seg.rst || seg.fin) && it != flows_.end()) {
+    // The client ends a connection whose first bytes are still held: they
+    // never leave; its RST/FIN does (the server closes its end), and the
+    // addresses and ports are free for a new connection, judged afresh.
+    std::vector<PinVerdict> out;
+    for (const std::uint32_t held : it->second.ids) out.push_back({held, PinVerdict::Kind::drop});
+    out.push_back({id, PinVerdict::Kind::pass});
+    if (it->second.quic) --quic_flows_;
+    flows_.erase(it);
+    stats_.held = flows_.size();
+    return with_replaced(std::move(out));
+  }
   if (seg.payload.empty()) {
     // An ACK, FIN or RST without data carries no name: it passes and the
     // flow stays undecided (a held flow keeps its held packets). The
     // handshake's ACK tells where the stream starts (ISN + 1), so a later
     // segment that arrives first is not mistaken for the first bytes.
     if (it == flows_.end() && !seg.rst && !seg.fin && starts_.size() < kMaxFlows) {
-      starts_.try_emplace(key, Start{seg.seq, now});
+      auto [st, fresh] = starts_.try_emplace(key, Start{seg.seq, now, seg.ct_id});
+      if (!fresh && st->second.ct_id != seg.ct_id) st->second = Start{seg.seq, now, seg.ct_id};
     }
-    return {{id, PinVerdict::Kind::pass}};
+    return with_replaced({{id, PinVerdict::Kind::pass}});
+  }
+  if (!replaced.empty()) {
+    auto rest = packet(id, seg, now);
+    return with_replaced(std::move(rest));
   }
   if (it == flows_.end()) {
     ++stats_.inspected;
     std::uint32_t base = seg.seq;
     if (auto st = starts_.find(key); st != starts_.end()) {
-      base = st->second.seq;
+      if (st->second.ct_id == seg.ct_id) base = st->second.seq;
       starts_.erase(st);
     }
-    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr}).first;
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr, seg.ct_id}).first;
     stats_.held = flows_.size();
     if (flows_.size() > kMaxFlows) {
       it->second.ids.push_back(id);
@@ -237,7 +355,7 @@ std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, 
   auto it = flows_.find(key);
   if (it == flows_.end()) {
     ++stats_.inspected;
-    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, 0, {}, {}, nullptr}).first;
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, 0, {}, {}, nullptr, seg.ct_id}).first;
     stats_.held = flows_.size();
     if (flows_.size() > kMaxFlows || quic_flows_ >= kMaxQuicFlows) {
       it->second.ids.push_back(id);
@@ -262,7 +380,7 @@ void PinFlows::remember(const Key& key, const Segment& seg, const std::string& n
     admitted_.erase(old);
   }
   const std::uint64_t order = next_order_++;
-  admitted_.emplace(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, order});
+  admitted_.emplace(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, order, seg.ct_id});
   admitted_order_.emplace(order, key);
   if (admitted_.size() > kMaxAdmitted) {
     admitted_.erase(admitted_order_.begin()->second);
@@ -277,7 +395,7 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
       ++it;
       continue;
     }
-    decided_[it->first] = {false, now};
+    decided_[it->first] = {false, now, it->second.ct_id};
     admitted_order_.erase(it->second.order);
     out.push_back(std::move(it->second));
     it = admitted_.erase(it);
@@ -418,6 +536,10 @@ class Queue : public PinQueue {
       pending_.push_back({id, PinVerdict::Kind::drop});
       return;
     }
+    // Chain pin set the packet's mark to its conntrack id.
+    if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
+      seg->ct_id = ntohl(mnl_attr_get_u32(tb[NFQA_MARK]));
+    }
     auto v = flows_.packet(id, *seg, PinFlows::Clock::now());
     pending_.insert(pending_.end(), v.begin(), v.end());
   }
@@ -447,13 +569,50 @@ class Queue : public PinQueue {
         case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pass_mark))); break;
         case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
         case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pass_mark)); break;
+        case PinVerdict::Kind::recheck: mnl_attr_put_u32(nlh, NFQA_MARK, 0); break;
         case PinVerdict::Kind::drop: break;
       }
       used += NLMSG_ALIGN(nlh->nlmsg_len);
     }
     send();
     pending_.clear();
+    reset_servers(pass_mark);
     arm();
+  }
+
+  // After the client's reset: the server's end of each refused TCP flow. The
+  // RST carries the pass mark, so it leaves as the reader's own "pass"
+  // verdicts do; the sockets are send-only (IPPROTO_RAW receives nothing).
+  void reset_servers(std::uint32_t pass_mark) {
+    const std::vector<ServerReset> resets = flows_.take_server_resets();
+    if (resets.empty()) return;
+    for (const UniqueFd* fd : {&raw4_, &raw6_}) {
+      if (fd->get() >= 0 && ::setsockopt(fd->get(), SOL_SOCKET, SO_MARK, &pass_mark, sizeof pass_mark) != 0) {
+        ++errors_;
+      }
+    }
+    for (const ServerReset& r : resets) {
+      const std::vector<std::uint8_t> pkt = server_reset_packet(r);
+      sockaddr_storage ss{};
+      socklen_t len = 0;
+      int fd = -1;
+      if (r.dst.family == 4) {
+        auto* sa = reinterpret_cast<sockaddr_in*>(&ss);
+        sa->sin_family = AF_INET;
+        std::memcpy(&sa->sin_addr, r.dst.bytes.data(), 4);
+        len = sizeof(sockaddr_in);
+        fd = raw4_.get();
+      } else {
+        auto* sa = reinterpret_cast<sockaddr_in6*>(&ss);
+        sa->sin6_family = AF_INET6;
+        std::memcpy(&sa->sin6_addr, r.dst.bytes.data(), 16);
+        len = sizeof(sockaddr_in6);
+        fd = raw6_.get();
+      }
+      if (fd < 0 || ::sendto(fd, pkt.data(), pkt.size(), MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&ss), len) < 0) {
+        ++errors_;
+      }
+    }
   }
 
   void arm() {
@@ -478,6 +637,9 @@ class Queue : public PinQueue {
   bool closed_ = false;
   std::vector<PinVerdict> pending_;
   std::uint64_t errors_ = 0;
+  // Opened with the queue, in the sandbox's namespace (reset_servers).
+  UniqueFd raw4_{::socket(AF_INET, SOCK_RAW | SOCK_CLOEXEC, IPPROTO_RAW)};
+  UniqueFd raw6_{::socket(AF_INET6, SOCK_RAW | SOCK_CLOEXEC, IPPROTO_RAW)};
 };
 
 }  // namespace

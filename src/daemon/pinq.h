@@ -26,6 +26,7 @@
 #include <array>
 #include <chrono>
 #include <tuple>
+#include <utility>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -70,6 +71,7 @@ struct Segment {
   IpPrefix src, dst;  // single addresses
   std::uint16_t sport = 0, dport = 0;
   std::uint32_t seq = 0;  // TCP only
+  std::uint32_t ct_id = 0;  // the flow's conntrack id (chain pin puts it in the packet's mark)
   bool syn = false, fin = false, rst = false;
   std::span<const std::uint8_t> payload;
 };
@@ -89,13 +91,28 @@ struct AdmittedFlow {
   std::uint16_t sport = 0, dport = 0;
   std::string name;
   std::uint64_t order = 0;  // admission order (the oldest is forgotten first)
+  std::uint32_t ct_id = 0;
 };
+// A refused TCP flow's server end: the handshake reached the server, the held
+// bytes never did, so a RST at `seq` (the first byte the server waits for)
+// closes its half of the connection, and a new connection on the same
+// addresses and ports is not refused by the server's stale one.
+struct ServerReset {
+  IpPrefix src, dst;
+  std::uint16_t sport = 0, dport = 0;
+  std::uint32_t seq = 0;
+};
+// The IPv4/IPv6 + TCP RST packet for `r` (checksummed).
+std::vector<std::uint8_t> server_reset_packet(const ServerReset& r);
+
 // Admitted flows remembered for switches (the most recent ones).
 inline constexpr std::size_t kMaxAdmitted = 65536;
 
 // The verdict for one queued packet.
 struct PinVerdict {
-  enum class Kind { admit, reset, pass, drop };
+  // recheck: NF_REPEAT with no mark: the packet takes the fast path if its
+  // flow's ct mark is set by now, else it comes back to the reader.
+  enum class Kind { admit, reset, pass, drop, recheck };
   std::uint32_t packet_id = 0;
   Kind kind = Kind::drop;
 };
@@ -117,6 +134,8 @@ class PinFlows {
   // still reaches the reader is refused.
   std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
   std::size_t admitted_remembered() const { return admitted_.size(); }
+  // The refused flows whose server end should be reset, since the last call.
+  std::vector<ServerReset> take_server_resets() { return std::exchange(server_resets_, {}); }
 
  private:
   // family, protocol, source, destination, source port, destination port
@@ -130,14 +149,24 @@ class PinFlows {
     std::map<std::uint32_t, std::vector<std::uint8_t>> segs;  // TCP: offset from base -> bytes
     std::vector<std::uint32_t> ids;                    // packets held, in arrival order
     std::unique_ptr<pin::QuicInitialAssembler> quic;   // QUIC: the Initials' CRYPTO stream
+    std::uint32_t ct_id = 0;
   };
+  static std::uint64_t fingerprint(const Segment& seg);
+  static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
   struct Decided {
     bool admitted;
     Clock::time_point at;
+    std::uint32_t ct_id;
+    // Packets of an admitted flow sent back to the hook (recheck), by
+    // fingerprint: one that returns belongs to a flow the kernel has not
+    // marked, i.e. a new connection on the same addresses and ports.
+    std::vector<std::uint64_t> rechecked{};
   };
-  std::vector<PinVerdict> finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now);
-  std::vector<PinVerdict> reset_flow(std::map<Key, Flow>::iterator it, const std::string& why, Clock::time_point now);
+  std::vector<PinVerdict> finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now,
+                                 bool reset_server = true);
+  std::vector<PinVerdict> reset_flow(std::map<Key, Flow>::iterator it, const std::string& why, Clock::time_point now,
+                                     bool reset_server = true);
   // The contiguous bytes from the flow's start (at most kMaxInspect).
   static std::vector<std::uint8_t> stream(const Flow& f);
 
@@ -150,9 +179,11 @@ class PinFlows {
   struct Start {
     std::uint32_t seq;
     Clock::time_point at;
+    std::uint32_t ct_id;
   };
   std::map<Key, Start> starts_;
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
+  std::vector<ServerReset> server_resets_;
   void remember(const Key& key, const Segment& seg, const std::string& name);
   std::map<Key, AdmittedFlow> admitted_;
   std::map<std::uint64_t, Key> admitted_order_;

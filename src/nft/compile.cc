@@ -111,9 +111,12 @@ Chain pin_chain(const CompileOptions& opts) {
   c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kUdp}, StmtCounter{}, StmtRejectAdminProhibited{}}, ""});
   // The handshake passes as without pinning; the flow stays undecided (no ct mark).
   c.rules.push_back({{MatchTcpFlagSyn{}, to_pass()}, ""});
-  // Everything else goes to the reader. No bypass: with no reader the
-  // kernel drops it (fail closed).
-  c.rules.push_back({{StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
+  // Everything else goes to the reader, carrying the flow's conntrack id as
+  // its mark: a decision the reader remembers for a flow's stragglers must
+  // never answer a new connection on the same addresses and ports (a socket
+  // can bind the port of a flow admitted a moment ago). No bypass: with no
+  // reader the kernel drops it (fail closed).
+  c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
   return c;
 }
 

@@ -132,6 +132,10 @@ struct StmtCtMarkSet { std::uint32_t value; };
 struct StmtMetaMarkSet { std::uint32_t value; };
 // meta priority set value
 struct StmtMetaPrioritySet { std::uint32_t value; };
+// meta mark set ct id: hands the flow's conntrack id to the queue reader
+// (NFQA_MARK), which tells a new connection from a straggler of an old one
+// on the same addresses and ports.
+struct StmtMetaMarkSetCtId {};
 // redirect to :port
 struct StmtRedirect { std::uint16_t port; };
 // meta l4proto tcp reject with tcp reset  -> use with MatchL4Proto{6} before it
@@ -152,7 +156,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,
-                          StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtRedirect,
+                          StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 
 struct Rule {

@@ -561,6 +561,13 @@ class RuleBuilder {
   }
   void operator()(const StmtMetaMarkSet& s) { meta_set(NFT_META_MARK, s.value); }
   void operator()(const StmtMetaPrioritySet& s) { meta_set(NFT_META_PRIORITY, s.value); }
+  void operator()(const StmtMetaMarkSetCtId&) {
+    ct_load(NFT_CT_ID);
+    auto e = expr("meta");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_META_KEY, NFT_META_MARK);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_META_SREG, NFT_REG_1);
+    add(std::move(e));
+  }
   void operator()(const StmtRedirect& s) {
     const std::uint16_t port = htons(s.port);
     immediate(&port, sizeof port);

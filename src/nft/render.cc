@@ -170,6 +170,7 @@ struct StmtText {
   std::string operator()(const StmtCtMarkSet& s) const { return "ct mark set " + hex32(s.value); }
   std::string operator()(const StmtMetaMarkSet& s) const { return "meta mark set " + hex32(s.value); }
   std::string operator()(const StmtMetaPrioritySet& s) const { return "meta priority set " + priority_text(s.value); }
+  std::string operator()(const StmtMetaMarkSetCtId&) const { return "meta mark set ct id"; }
   std::string operator()(const StmtRedirect& s) const { return "redirect to :" + std::to_string(s.port); }
   std::string operator()(const StmtRejectTcpReset&) const { return "reject with tcp reset"; }
   std::string operator()(const StmtRejectAdminProhibited&) const { return "reject with icmpx admin-prohibited"; }

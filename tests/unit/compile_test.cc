@@ -459,7 +459,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
         "meta mark 0x72737421 meta l4proto udp counter reject with icmpx admin-prohibited");
   CHECK(render_rule(pin->rules[3]) == "tcp flags syn goto pass");
   // No bypass: with no reader the packet is dropped.
-  CHECK(render_rule(pin->rules[4]) == "counter queue num 16");
+  CHECK(render_rule(pin->rules[4]) == "meta mark set ct id counter queue num 16");
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));

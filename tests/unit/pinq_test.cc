@@ -77,8 +77,11 @@ TEST_CASE("payload-less packets pass without deciding; other protocols are admit
   const auto ssh = f.packet(2, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0);
   REQUIRE(ssh.size() == 1);
   CHECK(ssh[0].kind == K::admit);
-  // A straggler of a decided flow gets the same answer.
-  CHECK(f.packet(3, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::admit);
+  // A straggler of an admitted flow goes back to the hook (its flow's mark lets it on there);
+  // the same packet coming back means no mark: a new connection, judged on its own bytes.
+  CHECK(f.packet(3, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::recheck);
+  CHECK(f.packet(4, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::admit);
+  CHECK(f.stats().inspected == 2);
 }
 
 TEST_CASE("a flow that never completes its first bytes is reset after the hold time") {
@@ -143,8 +146,9 @@ TEST_CASE("QUIC: an Initial whose ClientHello names a learned, allowed name is a
   REQUIRE(v.size() == 1);
   CHECK(v[0].kind == K::admit);
   CHECK(f.stats().admitted == 1);
-  // A retransmitted Initial queued before the mark was set: the same answer.
-  CHECK(f.packet(2, quic(rfc), t0)[0].kind == K::admit);
+  // A retransmitted Initial queued before the mark was set: back to the hook, where the
+  // flow's mark lets it on.
+  CHECK(f.packet(2, quic(rfc), t0)[0].kind == K::recheck);
 
   Judge other;  // example.com allowed, but the address was learned for allowed.test
   other.allows = "example.com";
@@ -222,8 +226,8 @@ TEST_CASE("admitted flows are remembered with their name; a switch cuts those th
   CHECK(f.admitted_remembered() == 1);
   // A packet of the cut flow that still reaches the reader is refused.
   CHECK(f.packet(4, seg(100, "more", 40000), t0)[0].kind == K::reset);
-  // The kept one is still remembered and admitted.
-  CHECK(f.packet(5, seg(100, "more", 40001), t0)[0].kind == K::admit);
+  // The kept one is still remembered (a straggler of it goes back to the hook).
+  CHECK(f.packet(5, seg(100, "more", 40001), t0)[0].kind == K::recheck);
   CHECK(f.cut([](const AdmittedFlow&) { return false; }, t0).size() == 1);
 }
 
@@ -243,4 +247,104 @@ TEST_CASE("the admitted-flow memory is bounded: the oldest is forgotten first") 
     return true;
   }, t0);
   CHECK(ports.empty());  // flows 0, 1, 2 were the oldest
+}
+
+TEST_CASE("a new connection on the addresses and ports of an admitted one is judged afresh (conntrack id)") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  const std::string other = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
+  Segment a = seg(1000, ok);
+  a.ct_id = 7;
+  REQUIRE(f.packet(1, a, t0)[0].kind == K::admit);
+  // A straggler of the same connection: back to the hook, no new decision.
+  Segment straggler = seg(1000 + ok.size(), "x");
+  straggler.ct_id = 7;
+  CHECK(f.packet(2, straggler, t0)[0].kind == K::recheck);
+  CHECK(f.stats().inspected == 1);
+  // The same four-tuple, a new connection, even with the old entry's id (conntrack may
+  // reuse it): its handshake ACK is sent back, comes back (the kernel has no mark for it),
+  // passes as an undecided flow's; its request is judged, and another Host is reset.
+  Segment ack = seg(555, "");
+  ack.ct_id = 7;
+  CHECK(f.packet(3, ack, t0)[0].kind == K::recheck);
+  CHECK(f.packet(4, ack, t0)[0].kind == K::pass);
+  Segment b = seg(555, other);
+  b.ct_id = 7;
+  const auto v = f.packet(5, b, t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(f.stats().inspected == 2);
+  // A refused flow's packets are refused from memory; another connection's are judged afresh.
+  Segment again = seg(555 + other.size(), "y");
+  again.ct_id = 7;
+  CHECK(f.packet(6, again, t0)[0].kind == K::reset);
+  Segment fresh = seg(9000, ok);
+  fresh.ct_id = 9;
+  CHECK(f.packet(7, fresh, t0)[0].kind == K::admit);
+}
+
+TEST_CASE("a held connection replaced by a new one on the same four-tuple cannot lend it its bytes") {
+  Judge j;
+  PinFlows f(j);
+  const std::string head = "GET / HTTP/1.1\r\nHost: allowed.test\r\n";
+  Segment a = seg(1000, head);
+  a.ct_id = 1;
+  CHECK(f.packet(1, a, t0).empty());  // held: the head is not complete
+  // A new connection whose bytes would complete the old one's head.
+  Segment b = seg(1000 + head.size(), "\r\n");
+  b.ct_id = 2;
+  const auto v = f.packet(2, b, t0);
+  // The old flow is reset (its packet), the new one is held on its own ("\r\n" alone decides nothing).
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].packet_id == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(f.stats().held == 1);
+  CHECK(j.reasons.back() == "connection replaced before its first bytes were judged");
+}
+
+TEST_CASE("a client that ends a held connection frees its four-tuple: the held bytes never leave") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, "GET / HTTP/1.1\r\nHost: allowed.test\r\n"), t0).empty());
+  Segment rst = seg(1040, "");
+  rst.rst = true;
+  const auto v = f.packet(2, rst, t0);
+  REQUIRE(v.size() == 2);
+  CHECK((v[0].packet_id == 1 && v[0].kind == K::drop));
+  CHECK((v[1].packet_id == 2 && v[1].kind == K::pass));
+  CHECK(f.stats().held == 0);
+  // A new connection on the same four-tuple starts from nothing.
+  CHECK(f.packet(3, seg(5000, "\r\n\r\n"), t0).empty());
+}
+
+TEST_CASE("a refused TCP flow asks for its server end to be reset at the first byte the server waits for") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(5000, ""), t0)[0].kind == K::pass);  // the handshake ACK: stream starts at 5000
+  REQUIRE(f.packet(2, seg(5000, "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"), t0)[0].kind == K::reset);
+  auto r = f.take_server_resets();
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].seq == 5000);
+  CHECK(r[0].sport == 40000);
+  CHECK(r[0].dport == 80);
+  CHECK(r[0].dst.to_string() == "203.0.113.10");
+  CHECK(f.take_server_resets().empty());
+  // The packet: IPv4, TCP RST, checksums that verify (sum over the header and pseudo header).
+  const auto p = server_reset_packet(r[0]);
+  REQUIRE(p.size() == 40);
+  CHECK(p[9] == 6);
+  CHECK(p[33] == 0x04);
+  std::uint32_t sum = 6 + 20;
+  for (std::size_t i = 12; i < 20; i += 2) sum += static_cast<std::uint32_t>(p[i] << 8 | p[i + 1]);
+  for (std::size_t i = 20; i < 40; i += 2) sum += static_cast<std::uint32_t>(p[i] << 8 | p[i + 1]);
+  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+  CHECK(sum == 0xffff);
+  std::uint32_t ipsum = 0;
+  for (std::size_t i = 0; i < 20; i += 2) ipsum += static_cast<std::uint32_t>(p[i] << 8 | p[i + 1]);
+  while (ipsum >> 16) ipsum = (ipsum & 0xffff) + (ipsum >> 16);
+  CHECK(ipsum == 0xffff);
+  // An admitted flow asks for nothing.
+  REQUIRE(f.packet(3, seg(1, "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 40009), t0)[0].kind == K::admit);
+  CHECK(f.take_server_resets().empty());
 }

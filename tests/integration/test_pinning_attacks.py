@@ -1,0 +1,83 @@
+"""Attacks on hostname pinning's reader (docs/pinning.md), each kept as a test.
+
+The reader remembers its decision for a flow a few seconds, so that packets of an admitted
+flow queued before the kernel marked it get the same answer. That memory must never answer a
+*new* connection: a sandbox process can close an admitted connection with a reset and bind the
+same source port again at once, reaching the same address and port on the same four-tuple.
+Chain pin hands the reader each packet's conntrack id, and a new connection has a new one.
+"""
+import socket
+import ssl
+import struct
+
+import pytest
+
+from test_pinning import TLS_PORT, V4, V6, assert_reset, learn, outcome, servers, tls  # noqa: F401 (fixture)
+from test_pinning import pinned  # noqa: F401 (fixture)
+from lab import wait_for
+
+
+def tls_from_port(lab, addr, sni, sport):
+    """TLS from a fixed source port; the socket is closed with a reset (SO_LINGER 0), so
+    the port is free again at once (no TIME_WAIT)."""
+    def run():
+        v6 = ":" in addr
+        s = lab.sandbox.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.settimeout(3.0)
+        s.bind(("::" if v6 else "0.0.0.0", sport))
+        s.connect((addr, TLS_PORT))
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        t = ctx.wrap_socket(s, server_hostname=sni)
+        try:
+            t.sendall(b"ping")
+            return t.recv(100)
+        finally:
+            t.close()
+    return outcome(run)
+
+
+def test_a_new_connection_on_the_four_tuple_of_an_admitted_one_is_judged_afresh(lab, pinned):  # noqa: F811
+    sport = 47011
+    assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
+    # At once, same source port, same destination: another name must be reset, not admitted
+    # on the strength of the first connection's decision.
+    for _ in range(3):
+        assert_reset(tls_from_port(lab, V4, "same-ip.test", sport), "tls with sni same-ip.test on a reused 4-tuple")
+        assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
+
+
+def server_peers(lab):
+    """The peer ports of the TLS server's established connections (in the internet namespace)."""
+    out = lab.internet.exec("ss", "-Htn", "state", "established").stdout
+    peers = set()
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) >= 4 and cols[2].endswith(f":{TLS_PORT}"):
+            peers.add(int(cols[3].rsplit(":", 1)[1]))
+    return peers
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_refused_flow_leaves_no_half_open_connection_on_the_server(lab, pinned, addr):  # noqa: F811
+    # The check sees a connection that is open: an admitted one, held open.
+    v6 = ":" in addr
+    s = lab.sandbox.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(3.0)
+    s.bind(("::" if v6 else "0.0.0.0", 47013))
+    s.connect((addr, TLS_PORT))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with ctx.wrap_socket(s, server_hostname="allowed.test") as t:
+        t.sendall(b"ping")
+        assert t.recv(100) == b"tls:ping"
+        assert 47013 in server_peers(lab)
+        sport = 47012
+        assert_reset(tls_from_port(lab, addr, "same-ip.test", sport), "tls with sni same-ip.test")
+        # The server saw the handshake, never the hello: egressd resets its end too.
+        wait_for(lambda: sport not in server_peers(lab), 3.0,
+                 f"the server's end of the refused flow from port {sport} to close")
