@@ -122,6 +122,16 @@ TEST_CASE("hosts file: names the phase allows are learned into its sets and pinn
     CHECK(l["addresses"][0]["expires_in_s"].is_null());
   }
   CHECK(seen);
+
+  // explain NAME@ADDRESS: the pinning decision for them.
+  json r = f.sb->handle({{"cmd", "explain"}, {"target", "same-ip.test@203.0.113.10:443"}});
+  REQUIRE(r["ok"] == true);
+  CHECK(r["allowed"] == false);
+  CHECK(r["pin"] == "tls sni same-ip.test to 203.0.113.10:443; address learned for allowed.test");
+  r = f.sb->handle({{"cmd", "explain"}, {"target", "host.docker.internal@10.0.0.1:80"}});
+  CHECK(r["allowed"] == true);
+  CHECK(r["pin"] == "http host host.docker.internal to 10.0.0.1:80; allowed by host.docker.internal");
+  CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "foo@"}})["error"]["code"] == "invalid_request");
 }
 
 TEST_CASE("hosts file: re-read at every switch; the new phase gets only the names it allows") {
