@@ -128,7 +128,10 @@ int print_status(const Json& r) {
     std::vector<std::vector<std::string>> rows = {{"LEARNED NAME", "ADDRESS", "EXPIRES IN"}};
     for (const auto& l : learned) {
       for (const auto& a : l.value("addresses", Json::array())) {
-        rows.push_back({field(l, "name"), field(a, "address"), field(a, "expires_in_s") + " s"});
+        // A hosts-file pair has no expiry while the file has it.
+        const bool hosts = a.value("source", "") == "hosts";
+        rows.push_back({field(l, "name"), field(a, "address"),
+                        hosts ? std::string("never (hosts file)") : field(a, "expires_in_s") + " s"});
       }
     }
     std::cout << '\n';

@@ -538,6 +538,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     ++switch_failures_;
+    // The file may have been read anew above: the phase in force keeps its pairs as read now.
+    if (hosts_started_) sync_hosts_store();
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }

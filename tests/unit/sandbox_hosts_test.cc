@@ -247,3 +247,15 @@ TEST_CASE("load_hosts: pairs only from a file without problems") {
   REQUIRE(bad.problems.size() == 1);
   CHECK(bad.problems[0] == "h:2: address 192.0.2.2 without a name; line skipped");
 }
+
+TEST_CASE("hosts file: a switch the kernel refuses still takes the file as read for the phase in force") {
+  Fixture f{std::string("203.0.113.10 allowed.test\n10.0.0.1 host.docker.internal\n")};
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.sb->start_hosts().ok());
+  f.file = std::optional<std::string>("10.0.0.1 host.docker.internal\n");
+  f.kernel->fail_next = Error::runtime("batch refused");
+  CHECK(f.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == false);
+  CHECK(f.sb->state().phase == "agent");
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+}
