@@ -139,8 +139,10 @@ struct HostsLoad {
   std::vector<std::string> problems;  // every "FILE:LINE: reason"
 };
 HostsLoad load_hosts(std::string_view text, std::string_view path);
-// Reads `path` (at most kMaxHostsFile bytes): text, std::nullopt when it does
-// not exist, an invalid error naming the file otherwise.
+// Reads `path` (at most kMaxHostsFile bytes; a regular file, opened without
+// blocking; under /proc/PID/root/ resolved inside that root, symlinks
+// included): text, std::nullopt when it does not exist, an invalid error
+// naming the file otherwise.
 Result<std::optional<std::string>> read_hosts_file(const std::string& path);
 constexpr std::size_t kMaxHostsFile = 1 << 20;
 

@@ -9,6 +9,9 @@
 // file, writable by its root: a pair the file gains later could point an
 // allowed name at any address, so later reads only drop pairs.
 #include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,12 +53,49 @@ HostsLoad load_hosts(std::string_view text, std::string_view path) {
   return out;
 }
 
+namespace {
+
+// Opens `path` for reading without blocking. Under /proc/PID/root/ the rest
+// of the path is resolved inside that process's root (RESOLVE_IN_ROOT), as
+// its own resolver would: the file is the sandbox's to shape, and a symlink
+// /etc/hosts -> /etc/shadow there must not make egressd read (and quote in
+// its log) a file of its own. -1 with errno on failure.
+int open_hosts(const std::string& path) {
+  constexpr int kFlags = O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
+  const std::string_view p(path);
+  if (p.rfind("/proc/", 0) == 0) {
+    const auto root_end = p.find("/root/", 6);
+    if (root_end != std::string_view::npos &&
+        p.substr(6, root_end - 6).find_first_not_of("0123456789") == std::string_view::npos) {
+      const std::string root(p.substr(0, root_end + 5));
+      const std::string rest(p.substr(root_end + 6));
+      const UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+      if (!dir.ok()) return -1;
+      open_how how{};
+      how.flags = kFlags;
+      how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+      const long fd = ::syscall(SYS_openat2, dir.get(), rest.c_str(), &how, sizeof how);
+      if (fd >= 0 || errno != ENOSYS) return static_cast<int>(fd);
+      // Before Linux 5.6: no symlink at all on the last component.
+      return ::openat(dir.get(), rest.c_str(), kFlags | O_NOFOLLOW);
+    }
+  }
+  return ::open(path.c_str(), kFlags);
+}
+
+}  // namespace
+
 Result<std::optional<std::string>> read_hosts_file(const std::string& path) {
-  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
+  const UniqueFd fd(open_hosts(path));
   if (!fd.ok()) {
     if (errno == ENOENT) return std::optional<std::string>{};
     return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
   }
+  // A FIFO or a device there would block the event loop (every sandbox of an
+  // agent) or never end.
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) return Error::invalid("hosts file " + path + " is not a regular file; not read");
   std::string text;
   char buf[16384];
   for (;;) {

@@ -4,7 +4,11 @@
 // explain then see. Over the fake kernel, a file given as text, a manual clock.
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 
 #include "daemon/sandbox.h"
 #include "support/clock.h"
@@ -258,4 +262,41 @@ TEST_CASE("hosts file: a switch the kernel refuses still takes the file as read 
   CHECK(f.sb->state().phase == "agent");
   CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
   CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+}
+
+TEST_CASE("read_hosts_file: regular files only, never blocking; /proc/PID/root/ paths resolved inside that root") {
+  char tmpl[] = "/tmp/egressd-hosts-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  const std::string file = dir + "/hosts", fifo = dir + "/fifo";
+  {
+    FILE* f = std::fopen(file.c_str(), "w");
+    REQUIRE(f != nullptr);
+    std::fputs("192.0.2.1 a.test\n", f);
+    std::fclose(f);
+  }
+  auto r = read_hosts_file(file);
+  REQUIRE(r.ok());
+  CHECK(**r == "192.0.2.1 a.test\n");
+  r = read_hosts_file(dir + "/missing");
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->has_value());
+  // A FIFO would block the loop until someone writes to it.
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  r = read_hosts_file(fifo);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message == "hosts file " + fifo + " is not a regular file; not read");
+  r = read_hosts_file(dir);
+  CHECK_FALSE(r.ok());
+  // Through a process's root (here our own).
+  const std::string via_root = "/proc/" + std::to_string(::getpid()) + "/root" + file;
+  r = read_hosts_file(via_root);
+  REQUIRE(r.ok());
+  CHECK(**r == "192.0.2.1 a.test\n");
+  // A magic link inside that root is not followed.
+  r = read_hosts_file("/proc/" + std::to_string(::getpid()) + "/root/proc/self/root" + file);
+  CHECK_FALSE(r.ok());
+  std::remove(fifo.c_str());
+  std::remove(file.c_str());
+  ::rmdir(dir.c_str());
 }
