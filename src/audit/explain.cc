@@ -5,12 +5,14 @@
 
 #include "dns/matcher.h"
 #include "dns/message.h"
+#include "pin/decide.h"
 
 namespace egressd::audit {
 
 namespace {
 
-constexpr const char* kForms = "a target is a hostname, an IP address, NAME:PORT, IPv4:PORT or [IPv6]:PORT";
+constexpr const char* kForms =
+    "a target is a hostname, an IP address, NAME:PORT, IPv4:PORT, [IPv6]:PORT or NAME@ADDRESS[:PORT]";
 
 // The raw target for messages: JSON string syntax escapes quotes and control
 // bytes, so a hostile target cannot forge log lines or move the cursor.
@@ -241,13 +243,46 @@ void explain_hostname(Explanation& x, const Phase& phase, const std::string& hos
 
 std::string Target::text() const {
   std::string host = is_address ? addr.to_string() : hostname;
-  if (!port) return host;
+  const std::string name = presented ? *presented + "@" : "";
+  if (!port) return name + host;
   if (is_address && addr.family == 6) host = "[" + host + "]";
-  return host + ":" + std::to_string(*port);
+  return name + host + ":" + std::to_string(*port);
 }
+
+namespace {
+Result<Target> parse_plain_target(std::string_view raw, std::string_view s);
+}  // namespace
 
 Result<Target> parse_target(std::string_view raw) {
   const std::string_view s = trim(raw);
+  const auto at = s.find('@');
+  if (at == std::string_view::npos) return parse_plain_target(raw, s);
+  // NAME@ADDRESS[:PORT]: the name a flow presents on that address.
+  const std::string_view name = s.substr(0, at), where = s.substr(at + 1);
+  if (where.find('@') != std::string_view::npos) return bad(raw, "more than one \"@\"; write NAME@ADDRESS[:PORT]");
+  if (name.empty()) {
+    return bad(raw, "no name before \"@\": write NAME@ADDRESS[:PORT], NAME being the TLS server name or HTTP Host");
+  }
+  if (where.empty()) return bad(raw, "no address after \"@\": write NAME@ADDRESS[:PORT]");
+  auto n = pin::normalize_name(name);
+  if (!n) {
+    return bad(raw, "the name " + quoted(name) +
+                        " before \"@\" is not a host name (labels of letters, digits, \"-\" and \"_\", 1-63 "
+                        "characters each, at most 253 in all; no wildcard)");
+  }
+  auto t = parse_plain_target(raw, where);
+  if (!t) return t;
+  if (!t->is_address) {
+    return bad(raw, "after \"@\" comes the address the flow goes to (an IP address, IPv4:PORT or [IPv6]:PORT), not "
+                    "the hostname " + quoted(std::string_view(t->hostname)));
+  }
+  t->presented = *n;
+  return t;
+}
+
+namespace {
+
+Result<Target> parse_plain_target(std::string_view raw, std::string_view s) {
   if (s.empty()) return bad(raw, "empty; " + std::string(kForms));
   if (s.front() == '[') {
     const auto close = s.find(']');
@@ -292,6 +327,8 @@ Result<Target> parse_target(std::string_view raw) {
   return t;
 }
 
+}  // namespace
+
 std::string suggest_entries(const std::vector<std::string>& names_in) {
   std::set<std::string> names(names_in.begin(), names_in.end());
   std::vector<std::string> exact, wild;
@@ -315,8 +352,99 @@ std::string suggest_entries(const std::vector<std::string>& names_in) {
   return out;
 }
 
+namespace {
+
+// pin::PinFacts over what explain is given: the live learned names of an
+// address (name order, as the LearnedStore answers the datapath) and the
+// phase's matcher.
+class ExplainPinFacts : public pin::PinFacts {
+ public:
+  ExplainPinFacts(const LearnedView& learned, const dns::NameMatcher& matcher) : learned_(learned), m_(matcher) {}
+  std::vector<std::string> names_for(const IpPrefix& addr) const override {
+    std::vector<std::string> out;
+    for (const auto& [name, addrs] : learned_) {
+      if (std::find(addrs.begin(), addrs.end(), addr) != addrs.end()) out.push_back(name);
+    }
+    return out;
+  }
+  const Entry* allowed(std::string_view name) const override { return m_.match(name); }
+
+ private:
+  const LearnedView& learned_;
+  const dns::NameMatcher& m_;
+};
+
+// The hostname-pinning half of NAME@ADDRESS: `x` already explains the address.
+void explain_pinned(Explanation& x, const Phase& phase, const Target& target, const LearnedView& learned,
+                    bool pin_names) {
+  const std::string& name = *target.presented;
+  const std::string a = target.addr.to_string();
+  const bool by_name = x.allowed && x.learned_name.has_value();
+  if (phase.mode != Mode::allowlist || !x.allowed || !by_name) {
+    // The address decides alone: say why no name is read.
+    if (!x.allowed) {
+      x.reason += "; the flow is refused by address before any name is read";
+    } else if (phase.mode == Mode::allowlist && x.entry) {
+      x.reason += "; hostname pinning never inspects an address an IP or CIDR entry allows, so a flow presenting " +
+                  name + " (or any name) passes";
+    } else {
+      x.reason += "; hostname pinning inspects only allowlist phases' addresses learned from names, so a flow "
+                  "presenting " + name + " (or any name) passes";
+    }
+    return;
+  }
+  if (!pin_names) {
+    x.reason += "; hostname pinning is off (enforce.pin_names: false), so a flow presenting " + name +
+                " (or any name) passes";
+    return;
+  }
+  x.inspected = true;
+  const dns::NameMatcher matcher(phase.entries);
+  const ExplainPinFacts facts(learned, matcher);
+  const std::uint16_t port = target.port.value_or(443);
+  const pin::PinProto proto = port == 80 ? pin::PinProto::http : pin::PinProto::tls;
+  const pin::Decision d = pin::decide(proto, pin::Parse::complete_with(name), target.addr, port, facts);
+  x.pin = d.reason;
+  const std::vector<std::string> learned_for = facts.names_for(target.addr);
+  const std::string learned_text = learned_for.empty() ? std::string("no name") : join(learned_for, ", ");
+  if (d.kind == pin::Decision::Kind::admit) {
+    x.allowed = true;
+    x.entry = d.entry;
+    x.learned_name = name;
+    x.reason = a + " was learned for " + name + ", which entry " + d.entry + " of phase " + phase.name +
+               " allows: a TLS ClientHello or HTTP request presenting " + name + " is admitted (hostname pinning)";
+    return;
+  }
+  x.allowed = false;
+  x.entry.reset();
+  x.learned_name.reset();
+  const Entry* e = matcher.match(name);
+  if (e == nullptr) {
+    x.reason = "no entry of phase " + phase.name + " allows " + name + ": a TLS ClientHello or HTTP request to " + a +
+               " presenting it is reset (hostname pinning; " + a + " is allowed only for " + learned_text + ")";
+    x.hint = suggest_entries({name}) + " (its answer must then include " + a + "), or add " + a +
+             " as an IP entry (never inspected)";
+    return;
+  }
+  std::string elsewhere;
+  if (auto it = learned.find(name); it != learned.end() && !it->second.empty()) {
+    std::vector<std::string> list;
+    for (const auto& addr : it->second) list.push_back(addr.to_string());
+    elsewhere = " (it resolved to " + join(list, ", ") + ")";
+  } else {
+    elsewhere = " (no live answer for it)";
+  }
+  x.reason = "entry " + e->text + " of phase " + phase.name + " allows " + name + ", but " + name +
+             " did not resolve to " + a + " through egressd" + elsewhere + ": a TLS ClientHello or HTTP request to " + a +
+             " presenting it is reset (strict pinning: " + a + " admits only " + learned_text + ")";
+  x.hint = "resolve " + name + " through egressd and connect to an address it answers";
+}
+
+}  // namespace
+
 Explanation explain(const Phase& phase, const Target& target, const LearnedView& learned, const NamesFor& names_for,
-                    const std::vector<IpPrefix>& loopback_upstreams, PrivateAnswers private_answers) {
+                    const std::vector<IpPrefix>& loopback_upstreams, PrivateAnswers private_answers,
+                    bool pin_names) {
   Explanation x;
   x.target = target.text();
   x.phase = phase.name;
@@ -359,7 +487,11 @@ Explanation explain(const Phase& phase, const Target& target, const LearnedView&
   } else {
     explain_hostname(x, phase, target.hostname, learned);
   }
-  if (target.port) x.reason += "; this holds for any port (egressd policies do not depend on the port)";
+  if (target.presented) {
+    explain_pinned(x, phase, target, learned, pin_names);
+  } else if (target.port) {
+    x.reason += "; this holds for any port (egressd policies do not depend on the port)";
+  }
   return x;
 }
 
@@ -374,7 +506,9 @@ nlohmann::json Explanation::to_json() const {
           {"learned_name", opt(learned_name)},
           {"names", names},
           {"hint", opt(hint)},
-          {"guard", opt(guard)}};
+          {"guard", opt(guard)},
+          {"inspected", inspected},
+          {"pin", opt(pin)}};
 }
 
 }  // namespace egressd::audit

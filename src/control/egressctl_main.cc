@@ -50,6 +50,7 @@ struct Options {
   std::string sb_socket;
   std::vector<std::uint32_t> sb_allow_uids;
   int sb_dns_port = -1;
+  std::string sb_hosts_file;
   bool sb_remove_policy = false;
 };
 
@@ -127,7 +128,10 @@ int print_status(const Json& r) {
     std::vector<std::vector<std::string>> rows = {{"LEARNED NAME", "ADDRESS", "EXPIRES IN"}};
     for (const auto& l : learned) {
       for (const auto& a : l.value("addresses", Json::array())) {
-        rows.push_back({field(l, "name"), field(a, "address"), field(a, "expires_in_s") + " s"});
+        // A hosts-file pair has no expiry while the file has it.
+        const bool hosts = a.value("source", "") == "hosts";
+        rows.push_back({field(l, "name"), field(a, "address"),
+                        hosts ? std::string("never (hosts file)") : field(a, "expires_in_s") + " s"});
       }
     }
     std::cout << '\n';
@@ -154,6 +158,7 @@ int print_explain(const Json& r) {
   line += " (phase " + field(r, "phase") + ", " + field(r, "mode") + ")";
   if (r.contains("hint") && r["hint"].is_string()) line += " \u2014 hint: " + text(r["hint"]);
   std::cout << line << '\n' << "  reason: " << field(r, "reason") << '\n';
+  if (r.contains("pin") && r["pin"].is_string()) std::cout << "  pinning: " << text(r["pin"]) << '\n';
   if (r.contains("names") && r["names"].is_array() && !r["names"].empty())
     std::cout << "  names that resolved to it: " << join(r["names"], ", ") << '\n';
   return kExitOk;
@@ -327,6 +332,7 @@ int cmd_sandbox_add(const Options& o) {
   if (!o.sb_socket.empty()) req["socket"] = o.sb_socket;
   if (!o.sb_allow_uids.empty()) req["allow_uid"] = o.sb_allow_uids;
   if (o.sb_dns_port >= 0) req["dns_port"] = o.sb_dns_port;
+  if (!o.sb_hosts_file.empty()) req["hosts_file"] = o.sb_hosts_file;
   return checked_run<SandboxAddRequest>(o, req, [&](const Json& r) {
     if (o.json) return print_json(r);
     std::cout << "attached sandbox " << field(r, "name") << " (" << field(r, "netns") << "): phase "
@@ -395,7 +401,8 @@ int main(int argc, char** argv) {
       {"status", "show the phase, mode, generation, counters and entries in force", cmd_status},
       {"capabilities", "show what this egressd and kernel support", cmd_capabilities},
       {"ping", "check that egressd answers", cmd_ping},
-      {"explain", "say whether a hostname, IP or IP:port is allowed, by which entry, or why not", cmd_explain},
+      {"explain", "say whether a hostname, IP, IP:port or NAME@IP[:port] (a flow presenting NAME) is allowed, by which "
+                  "entry, or why not", cmd_explain},
       {"denied", "recent denied connections and refused DNS queries, with the names behind them", cmd_denied},
       {"hosts", "names the sandbox resolved, per phase; --suggest prints an allowed_hosts list", cmd_hosts},
       {"rules", "print egressd's tables as the kernel holds them (nft text, with counters)", cmd_rules},
@@ -417,7 +424,10 @@ int main(int argc, char** argv) {
   commands[1].sub->add_flag("--json", o.json, "print the reply as JSON");
   commands[2].sub->add_flag("--json", o.json, "print the reply as JSON");
   CLI::App* explain = commands[4].sub;
-  explain->add_option("TARGET", o.target, "hostname, IP, NAME:PORT, IPv4:PORT or [IPv6]:PORT")->required();
+  explain->add_option("TARGET", o.target,
+                      "hostname, IP, NAME:PORT, IPv4:PORT, [IPv6]:PORT, or NAME@ADDRESS[:PORT]: a flow to ADDRESS "
+                      "presenting NAME as TLS server name or HTTP Host (hostname pinning)")
+      ->required();
   explain->add_option("--phase", o.phase, "explain for this phase of the policy file (default: the one in force)");
   explain->add_flag("--json", o.json, "print the reply as JSON");
 
@@ -454,6 +464,9 @@ int main(int argc, char** argv) {
   sb_add->add_option("--allow-uid", o.sb_allow_uids, "uid allowed on that socket besides root (repeatable)");
   sb_add->add_option("--dns-port", o.sb_dns_port, "DNS proxy port in the sandbox (default 53); 0 = none")
       ->check(CLI::Range(0, 65535));
+  sb_add->add_option("--hosts-file", o.sb_hosts_file,
+                     "hosts file (as the agent reads it) whose names are learned like DNS answers (default "
+                     "/proc/PID/root/etc/hosts with --netns-pid, none with --netns)");
   sb_add->add_flag("--json", o.json, "print the reply as JSON");
   CLI::App* sb_remove = sandbox->add_subcommand("remove", "detach a sandbox (its policy stays in force)");
   sb_remove->add_option("NAME", o.sb_name, "the sandbox's name")->required();

@@ -179,7 +179,7 @@ std::optional<ErrorReply> read_name(const Json& j, const char* cmd, std::string&
 std::optional<ErrorReply> read(const Json& j, SandboxAddRequest& out) {
   if (auto e = unknown_field(j, SandboxAddRequest::kCmd,
                              {"name", "netns", "netns_pid", "config", "phase", "mode", "allow", "socket", "allow_uid",
-                              "dns_port"}))
+                              "dns_port", "hosts_file"}))
     return e;
   if (auto e = read_name(j, SandboxAddRequest::kCmd, out.name)) return e;
   if (j.contains("netns") == j.contains("netns_pid"))
@@ -219,6 +219,8 @@ std::optional<ErrorReply> read(const Json& j, SandboxAddRequest& out) {
       uids.push_back(u.get<std::uint64_t>());
     }
   }
+  if (auto e = read_string(j, "hosts_file", out.hosts_file)) return e;
+  if (out.hosts_file && out.hosts_file->empty()) return invalid("\"hosts_file\" is empty");
   return read_uint(j, "dns_port", 65535, out.dns_port);
 }
 
@@ -248,6 +250,7 @@ void to_json(Json& j, const SandboxAddRequest& r) {
   if (r.socket) j["socket"] = *r.socket;
   if (r.allow_uid) j["allow_uid"] = *r.allow_uid;
   if (r.dns_port) j["dns_port"] = *r.dns_port;
+  if (r.hosts_file) j["hosts_file"] = *r.hosts_file;
 }
 
 void to_json(Json& j, const SandboxRemoveRequest& r) {

@@ -147,6 +147,9 @@ struct SandboxAddRequest {
   std::optional<std::string> socket;                   // the sandbox's own sidecar-protocol socket
   std::optional<std::vector<std::uint64_t>> allow_uid;  // besides root, on that socket
   std::optional<std::uint64_t> dns_port;               // default 53; 0 = no DNS interception
+  // Names learned without DNS (docs/pinning.md "Hosts files"); default
+  // /proc/PID/root/etc/hosts with netns_pid, none with netns.
+  std::optional<std::string> hosts_file;
   bool operator==(const SandboxAddRequest&) const = default;
 };
 // Detaches a sandbox: its sockets in the namespace close; the policy stays

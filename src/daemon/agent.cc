@@ -212,6 +212,12 @@ class Agent {
       const fs::path dir = sp.has_parent_path() ? sp.parent_path() : fs::path(".");
       if (!fs::is_directory(dir, ec)) return Error::invalid("socket " + *r.socket + ": no directory " + dir.string());
     }
+    // A hosts file named in the request must be there (checked before anything
+    // is installed); the default one (the process's own) may be missing.
+    const std::string hosts_file = hosts_file_for(r.hosts_file.value_or(""), r.netns_pid.value_or(0), "");
+    if (r.hosts_file) {
+      if (auto s = check_hosts_file(hosts_file); !s) return s;
+    }
     Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));
     if (!policy) return policy.error();
     InstanceOptions o;
@@ -226,6 +232,7 @@ class Agent {
     o.dns_port = static_cast<int>(r.dns_port.value_or(53));
     o.verify_interval_s = args_.verify_interval_s;
     o.resolv_conf = resolv_conf_;
+    o.hosts_file = hosts_file;
     o.upstream_in_sandbox = false;
     if (o.policy.dns.upstream_netns == UpstreamNetns::sandbox) {
       o.upstream_netns = UniqueFd(::fcntl(nsfd.get(), F_DUPFD_CLOEXEC, 0));

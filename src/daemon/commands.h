@@ -49,8 +49,19 @@ struct RunArgs {
   std::size_t names = 8192;         // (phase, name) pairs remembered for attribution and `hosts`
   std::string metrics_file;         // "" = none; else rewritten every metrics_interval_s (textfile collector)
   double metrics_interval_s = 5;
+  // Names resolved without DNS (docs/pinning.md "Hosts files"); "" = the
+  // default: /etc/hosts, or /proc/PID/root/etc/hosts with netns_pid.
+  std::string hosts_file;
 };
 int cmd_run(const RunArgs& args);
+
+// The hosts file a sandbox's names are read from: `given`, or with none
+// /proc/PID/root/etc/hosts for a pid, else `fallback` ("" = none).
+std::string hosts_file_for(const std::string& given, std::uint64_t netns_pid, const std::string& fallback);
+// Checks a hosts file named on the command line or in sandbox_add before
+// anything is installed: it must exist, be readable and parse without a
+// problem. Invalid error naming the file (and line) otherwise.
+Status check_hosts_file(const std::string& path);
 
 // The phases `run` and `sandbox add` offer without a policy file: public,
 // no-network (the initial one: fail closed) and allowlist with `allow`.

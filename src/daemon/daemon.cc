@@ -39,6 +39,25 @@ Status join_netns(const RunArgs& a) {
 
 }  // namespace
 
+std::string hosts_file_for(const std::string& given, std::uint64_t netns_pid, const std::string& fallback) {
+  if (!given.empty()) return given;
+  if (netns_pid != 0) return "/proc/" + std::to_string(netns_pid) + "/root/etc/hosts";
+  return fallback;
+}
+
+Status check_hosts_file(const std::string& path) {
+  auto text = read_hosts_file(path);
+  if (!text) return text.error();
+  if (!*text) return Error::invalid("hosts file " + path + " does not exist");
+  HostsLoad load = load_hosts(**text, path);
+  if (!load.problems.empty()) {
+    std::string msg = load.problems.front();
+    if (load.problems.size() > 1) msg += " (and " + std::to_string(load.problems.size() - 1) + " more problems)";
+    return Error::invalid(msg);
+  }
+  return {};
+}
+
 Result<Policy> builtin_policy(const std::vector<std::string>& allow) {
   Policy p;
   p.phases.push_back({"public", Mode::public_, {}});
@@ -84,6 +103,12 @@ int cmd_run(const RunArgs& a) {
   const std::string initial = a.phase.empty() ? policy->initial_phase : a.phase;
   if (policy->find(initial) == nullptr) return report(Error::invalid("unknown phase \"" + initial + "\""));
   if (auto s = check_metrics_file(a.metrics_file); !s) return report(s.error());
+  // A hosts file the operator named must be there and readable, or nothing
+  // is installed (exit 2); the default one may be missing.
+  const std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");
+  if (!a.hosts_file.empty()) {
+    if (auto s = check_hosts_file(hosts_file); !s) return report(s.error());
+  }
 
   if (auto s = join_netns(a); !s) return report(s.error());
   boost::asio::io_context io;
@@ -104,6 +129,7 @@ int cmd_run(const RunArgs& a) {
   o.metrics_file = a.metrics_file;
   o.metrics_interval_s = a.metrics_interval_s;
   o.resolv_conf = read_resolv_conf();
+  o.hosts_file = hosts_file;
   o.after_switch = [&trim_when_idle] { trim_when_idle(); };
   auto made = Instance::create(io, std::move(o));
   if (!made) return report(made.error());

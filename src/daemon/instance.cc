@@ -370,6 +370,10 @@ Status Instance::Impl::build() {
   // land in order.
   so.write_off_loop = [this](std::function<void()> fn) { boost::asio::post(file_writer, std::move(fn)); };
   so.executor = io.get_executor();
+  if (!opts.hosts_file.empty()) {
+    so.hosts_path = opts.hosts_file;
+    so.read_hosts = [path = opts.hosts_file] { return read_hosts_file(path); };
+  }
   so.denied.capacity = opts.denied_records;
   so.names.max_entries = opts.names;
   sandbox = std::make_unique<Sandbox>(std::move(so), std::move(*kernel), caps);
@@ -441,6 +445,9 @@ Status Instance::Impl::build() {
   if (!view) return view.error().wrap("interface watch");
   (void)sandbox->update_network(*view);
   if (auto s = sandbox->start(opts.initial); !s) return s;
+  // A broken or unreadable file is logged and teaches nothing; egressd runs
+  // (a file named by the operator was checked before anything was installed).
+  (void)sandbox->start_hosts();
   guard->start();
   netwatch = std::make_unique<NetWatchLoop>(io, std::move(*watch), *sandbox);
   netwatch->start();

@@ -36,6 +36,7 @@ struct InstanceOptions {
   std::size_t names = 8192;
   std::string metrics_file;          // "" = none
   double metrics_interval_s = 5;
+  std::string hosts_file;            // names learned without DNS (Sandbox::start_hosts); "" = none
   std::string resolv_conf;           // text of the resolv.conf upstreams (and Docker's ExtServers) come from
   // False in the agent: upstream queries leave from the agent's own
   // namespace (sockets created on the loop's thread, there), unmarked, so

@@ -10,7 +10,8 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
   auto& v = by_name_[name];
   for (auto& a : v) {
     if (a.addr == addr) {
-      a.expires = std::max(a.expires, expires);
+      a.dns_expires = std::max(a.dns_expires, expires);
+      if (!a.hosts) a.expires = a.dns_expires;
       return true;
     }
   }
@@ -21,10 +22,50 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
       return false;
     }
   }
-  v.push_back({addr, expires});
+  v.push_back({addr, expires, false, expires});
   by_addr_[addr].insert(name);
   ++count_;
   return true;
+}
+
+std::size_t LearnedStore::set_hosts(const HostsPairs& pairs) {
+  auto listed = [&](const std::string& name, const IpPrefix& addr) {
+    auto it = pairs.find(name);
+    return it != pairs.end() && std::find(it->second.begin(), it->second.end(), addr) != it->second.end();
+  };
+  // Pairs the file no longer has: back to their DNS expiry (the sweep
+  // removes them once that has passed).
+  for (auto& [name, addrs] : by_name_) {
+    for (auto& a : addrs) {
+      if (a.hosts && !listed(name, a.addr)) {
+        a.hosts = false;
+        a.expires = a.dns_expires;
+      }
+    }
+  }
+  std::size_t missed = 0;
+  const TimePoint now = clock_.steady();
+  for (const auto& [name, list] : pairs) {
+    for (const auto& addr : list) {
+      auto& v = by_name_[name];
+      auto it = std::find_if(v.begin(), v.end(), [&](const Addr& a) { return a.addr == addr; });
+      if (it != v.end()) {
+        it->hosts = true;
+        it->expires = TimePoint::max();
+        continue;
+      }
+      if (count_ >= max_) sweep(now, name);
+      if (count_ >= max_) {
+        ++missed;
+        if (v.empty()) by_name_.erase(name);
+        continue;
+      }
+      v.push_back({addr, TimePoint::max(), true, TimePoint{}});
+      by_addr_[addr].insert(name);
+      ++count_;
+    }
+  }
+  return missed;
 }
 
 void LearnedStore::sweep(TimePoint now, const std::string& keep) {
@@ -68,6 +109,17 @@ std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool incl
       out.push_back(name);
   }
   return out;
+}
+
+bool LearnedStore::from_hosts(const IpPrefix& addr) const {
+  auto at = by_addr_.find(addr);
+  if (at == by_addr_.end()) return false;
+  for (const auto& name : at->second) {
+    for (const auto& a : by_name_.at(name)) {
+      if (a.hosts && a.addr == addr) return true;
+    }
+  }
+  return false;
 }
 
 std::size_t LearnedStore::live_count() const {

@@ -6,6 +6,11 @@
 // answers never walks the store on every answer); still full, the pair is
 // not remembered (the kernel set holds the address anyway). Time comes from
 // the TimeSource it is given, so expiry is tested without waiting.
+//
+// Pairs from a hosts file (--hosts-file, issue 16 point 7) live here too,
+// so pinning and `explain` see them like DNS answers: they do not expire
+// while set_hosts keeps them; dropped from it, a pair falls back to what DNS
+// taught for it (expired, or gone at the next sweep, if nothing).
 #pragma once
 
 #include <chrono>
@@ -25,14 +30,22 @@ class LearnedStore {
   using TimePoint = std::chrono::steady_clock::time_point;
   struct Addr {
     IpPrefix addr;
-    TimePoint expires;
+    TimePoint expires;          // TimePoint::max() while from the hosts file
+    bool hosts = false;         // set_hosts holds it
+    TimePoint dns_expires{};    // what DNS answers alone give it (epoch: none)
   };
+  using HostsPairs = std::map<std::string, std::vector<IpPrefix>>;
 
   LearnedStore(std::size_t max_pairs, TimeSource clock) : max_(max_pairs), clock_(std::move(clock)) {}
 
   // Remembers `addr` for `name` until now + ttl (extending, never
   // shortening, a pair already there). False when the store is full.
   bool remember(const std::string& name, const IpPrefix& addr, std::chrono::milliseconds ttl);
+
+  // Makes `pairs` the hosts-file pairs (replacing the previous ones; a pair
+  // that was one and is not in `pairs` keeps only its DNS expiry). Returns
+  // how many pairs were not remembered because the store is full.
+  std::size_t set_hosts(const HostsPairs& pairs);
 
   TimePoint now() const { return clock_.steady(); }
   // True when `name` has an address that has not expired.
@@ -41,6 +54,8 @@ class LearnedStore {
   // or every pair still remembered with `include_expired` (they still say
   // where an address came from).
   std::vector<std::string> names_for(const IpPrefix& addr, bool include_expired = false) const;
+  // True when a hosts-file pair (set_hosts) has `addr`.
+  bool from_hosts(const IpPrefix& addr) const;
   // Unexpired pairs.
   std::size_t live_count() const;
   // Every remembered pair, expired ones included until swept, by name.

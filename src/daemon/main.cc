@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
   d->add_option("--phase", run.phase, "initial phase on a fresh start (an adopted table keeps its phase)");
   auto* ns_path = d->add_option("--netns", run.netns_path, "network namespace to join (path, e.g. /run/netns/NAME)");
   d->add_option("--netns-pid", run.netns_pid, "join the network namespace of this process")->excludes(ns_path);
+  d->add_option("--hosts-file", run.hosts_file,
+                "hosts file whose names are learned like DNS answers (default /etc/hosts, or "
+                "/proc/PID/root/etc/hosts with --netns-pid; /dev/null for none); read at start, at every switch and "
+                "when it changes, pairs added after start are not taken");
   d->add_option("--ready-file", run.ready_file, "created once the initial policy is in the kernel");
   d->add_option("--state-file", run.state_file, "where inline policies are kept for adoption (default <socket>.state)");
   d->add_option("--allow-uid", run.allow_uids, "uid allowed on the control socket besides root (repeatable)");

@@ -525,6 +525,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   const Phase& target = *target_ptr;
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
   flush_learned();  // addresses answered under the old phase go in before it changes
+  // The hosts file is read again at every switch (docs/pinning.md "Hosts files").
+  if (hosts_started_) (void)read_hosts();
   const auto t0 = Clock::now();
   const nft::ActiveState next =
       nft::make_state(opts_.policy, target, state_.generation + 1, is_inline, opts_.compile.mark_salt);
@@ -536,6 +538,8 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     ++switch_failures_;
+    // The file may have been read anew above: the phase in force keeps its pairs as read now.
+    if (hosts_started_) sync_hosts_store();
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }
@@ -544,6 +548,10 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   const std::string from = state_.phase;
   state_ = next;
   active_facts_ = std::move(target_facts);
+  if (hosts_started_) {
+    sync_hosts_store();  // the new phase's hosts pairs went in with the batch
+    hosts_refreshed_ = opts_.clock.steady();
+  }
   if (is_inline) {
     inline_ = target;
     // After the reply: the kernel already holds the policy, and the file only
@@ -757,22 +765,41 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   if (m.size() == 0) return ops;
   const auto now = learned_.now();
   const auto [s4, s6] = nft::learned_sets(chain);
-  nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
-  nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
+  // One element per address, with the longest lifetime any name gives it.
+  struct Less {
+    bool operator()(const IpPrefix& a, const IpPrefix& b) const {
+      return a.family != b.family ? a.family < b.family : a.bytes < b.bytes;
+    }
+  };
+  std::map<IpPrefix, std::uint64_t, Less> elems;
+  auto add = [&](const IpPrefix& a, std::uint64_t ms) {
+    auto [it, fresh] = elems.emplace(a, ms);
+    if (!fresh) it->second = std::max(it->second, ms);
+  };
   for (const auto& [name, addrs] : learned_.by_name()) {
     const Entry* e = m.match(name);
     if (e == nullptr) continue;
     const bool exact = e->kind == EntryKind::hostname;
     for (const auto& a : addrs) {
-      if (a.expires <= now) continue;
+      // A hosts-file pair counts here for what DNS gave it; the file's part
+      // comes from hosts_ below (the file may have changed since).
+      const auto expires = a.hosts ? a.dns_expires : a.expires;
+      if (expires <= now) continue;
       // public remembers every answer (attribution, hosts --suggest), the
       // rebinding guard's addresses included; they never enter a learned set.
       if (dns::guard_for(a.addr, exact, opts_.policy.dns.private_answers)) continue;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(a.expires - now).count();
-      nft::SetElem e{a.addr, a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000))};
-      (a.addr.family == 4 ? v4 : v6).elems.push_back(e);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(expires - now).count();
+      add(a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000)));
     }
   }
+  // Hosts-file pairs the target allows: refreshed while they stay in the file.
+  const auto hosts_ms = static_cast<std::uint64_t>(std::chrono::milliseconds(kHostsTimeout).count());
+  for (const auto& [name, addrs] : hosts_allowed(facts, target.mode)) {
+    for (const auto& a : addrs) add(a, hosts_ms);
+  }
+  nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
+  nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
+  for (const auto& [a, ms] : elems) (a.family == 4 ? v4 : v6).elems.push_back(nft::SetElem{a, a, ms});
   if (!v4.elems.empty()) ops.push_back(std::move(v4));
   if (!v6.elems.empty()) ops.push_back(std::move(v6));
   return ops;
@@ -852,7 +879,12 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
       guarded(l.qname, l.addr, *g, exact);
       continue;
     }
-    const std::uint64_t ms = learn_timeout_ms(l.ttl);
+    std::uint64_t ms = learn_timeout_ms(l.ttl);
+    // Re-adding replaces an element's timeout: an address the hosts file
+    // also gives an allowed name keeps at least the file's lifetime.
+    if (learned_.from_hosts(l.addr)) {
+      ms = std::max<std::uint64_t>(ms, std::chrono::milliseconds(kHostsTimeout).count());
+    }
     const bool v4 = l.addr.family == 4;
     nft::OpAddElems* target = nullptr;
     for (auto& op : p.ops) {
@@ -945,8 +977,14 @@ json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
     json list = json::array();
     for (const auto& a : addrs) {
       if (a.expires <= now) continue;
+      if (a.hosts) {
+        // From the hosts file: no expiry while it is there.
+        list.push_back({{"address", a.addr.to_string()}, {"expires_in_s", nullptr}, {"source", "hosts"}});
+        continue;
+      }
       list.push_back({{"address", a.addr.to_string()},
-                      {"expires_in_s", std::chrono::duration_cast<std::chrono::seconds>(a.expires - now).count()}});
+                      {"expires_in_s", std::chrono::duration_cast<std::chrono::seconds>(a.expires - now).count()},
+                      {"source", "dns"}});
     }
     if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
   }

@@ -122,7 +122,29 @@ struct SandboxOptions {
   // The time learned addresses expire by (steady) and denied records and name
   // attribution are stamped with (wall). Default: the real clocks.
   TimeSource clock;
+  // The hosts file (--hosts-file; docs/pinning.md "Hosts files"): reads it
+  // and returns its text, std::nullopt when it does not exist, or an error
+  // naming it. Empty: no hosts file. `hosts_path` names it in messages.
+  std::function<Result<std::optional<std::string>>()> read_hosts;
+  std::string hosts_path;
+  // How often the file is read for changes (with run_after; none without).
+  std::chrono::milliseconds hosts_poll{2000};
 };
+
+// A hosts file's text as egressd takes it: the pairs (name -> addresses) of a
+// file with no problem, or, with any problem, no pair and the first problem
+// ("FILE:LINE: reason"): a broken file teaches nothing (fail closed).
+struct HostsLoad {
+  LearnedStore::HostsPairs pairs;
+  std::vector<std::string> problems;  // every "FILE:LINE: reason"
+};
+HostsLoad load_hosts(std::string_view text, std::string_view path);
+// Reads `path` (at most kMaxHostsFile bytes; a regular file, opened without
+// blocking; under /proc/PID/root/ resolved inside that root, symlinks
+// included): text, std::nullopt when it does not exist, an invalid error
+// naming the file otherwise.
+Result<std::optional<std::string>> read_hosts_file(const std::string& path);
+constexpr std::size_t kMaxHostsFile = 1 << 20;
 
 class Sandbox : public dns::PolicyHooks {
  public:
@@ -160,6 +182,26 @@ class Sandbox : public dns::PolicyHooks {
   // Resolves the exact hostnames of the phase in force and learns their
   // addresses (start-up; `apply` does this itself before switching).
   void preresolve_active();
+
+  // ---- the hosts file (sandbox_hosts.cc; docs/pinning.md "Hosts files") ----
+  // After start: reads the hosts file (SandboxOptions::read_hosts) and takes
+  // its pairs as the ones it may ever learn (the snapshot: later reads may
+  // drop pairs, never add them, since a sandbox may be able to write the
+  // file), learns those the phase in force allows, and reads it again every
+  // hosts_poll. A broken or unreadable file teaches nothing: the error, also
+  // logged. No read_hosts: nothing.
+  Status start_hosts();
+  // Reads the file again; when its text changed, its pairs (those of the
+  // snapshot) replace the previous ones, and those the phase in force
+  // allows are added to the kernel; every kHostsRefresh they are added
+  // again (their set elements time out after kHostsTimeout, so a pair
+  // dropped from the file leaves the kernel by then; pinning stops admitting
+  // it at once). Error as start_hosts.
+  Status reload_hosts();
+  static constexpr std::chrono::seconds kHostsTimeout{60};
+  static constexpr std::chrono::seconds kHostsRefresh{20};
+  // The pairs taken from the hosts file now (after the snapshot), allowed or not.
+  const LearnedStore::HostsPairs& hosts_pairs() const { return hosts_; }
 
   // Deletes the table (--cleanup-on-exit).
   Status remove_table();
@@ -407,6 +449,22 @@ class Sandbox : public dns::PolicyHooks {
   };
   InFlight in_flight() { return InFlight(in_flight_); }
   std::optional<PendingLearn> pending_learn_;
+  // ---- hosts file state (sandbox_hosts.cc) ----
+  // Reads the file into hosts_ (through the snapshot); true when hosts_ changed.
+  bool read_hosts();
+  // The pairs of hosts_ `facts` allows and no learn guard keeps out.
+  LearnedStore::HostsPairs hosts_allowed(const PhaseFacts& facts, Mode mode) const;
+  // learned_'s hosts pairs := those the phase in force allows.
+  void sync_hosts_store();
+  // Adds the phase in force's hosts pairs to its learned sets (one batch).
+  Status apply_hosts();
+  void schedule_hosts_poll();
+  bool hosts_started_ = false;
+  std::optional<std::string> hosts_text_;   // the text last read (nullopt: none or missing)
+  std::optional<LearnedStore::HostsPairs> hosts_snapshot_;  // the pairs at start
+  LearnedStore::HostsPairs hosts_;          // the file's pairs now, within the snapshot
+  Clock::time_point hosts_refreshed_{};
+  std::string hosts_error_;                 // the last read's problem ("" if none)
   LearnedStore learned_{opts_.max_learned, opts_.clock};  // name -> addresses, with an address index
   std::uint64_t dns_refused_ = 0;
   audit::NameIndex names_{opts_.names};

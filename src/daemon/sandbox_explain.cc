@@ -60,7 +60,9 @@ nlohmann::json Sandbox::explain_reply(const control::ExplainRequest& req) const 
     }
   }
   return control::ok_reply(
-      audit::explain(*phase, *target, live, names_for, lo_upstreams, opts_.policy.dns.private_answers).to_json());
+      audit::explain(*phase, *target, live, names_for, lo_upstreams, opts_.policy.dns.private_answers,
+                     opts_.compile.pin && opts_.policy.enforce.pin_names)
+          .to_json());
 }
 
 }  // namespace egressd::daemon

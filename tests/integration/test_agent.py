@@ -209,6 +209,8 @@ def test_one_sandbox_changes_nothing_in_another(lab, agent):
 def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
     config = lab.write_config(POLICY)
     spare = lab.extra_netns("m")
+    broken_hosts = lab.tmp / "broken-hosts"
+    broken_hosts.write_text("host.docker.internal 192.0.2.1\n")
     agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
     cases = [
         (("sandbox", "add", "../x", "--netns", lab.sandbox.path), "../x"),
@@ -222,6 +224,10 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
         (("sandbox", "add", "two", "--netns", spare.path, "--config", config, "--phase", "nope"), "nope"),
         (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", "/nonexistent-dir/s.sock"),
          "/nonexistent-dir"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--hosts-file", lab.tmp / "no-hosts"),
+         f"hosts file {lab.tmp / 'no-hosts'} does not exist"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--hosts-file", broken_hosts),
+         f"{broken_hosts}:1: not an IP address"),
         (("sandbox", "remove", "nobody"), "nobody"),
         (("--sandbox", "nobody", "status"), "nobody"),
         (("status",), "name the sandbox"),
@@ -285,6 +291,26 @@ def test_a_netns_pid_sandbox_goes_when_its_process_exits(lab, agent):
     p.wait(5)
     wait_for(lambda: "pid" not in agent.listing(), 5.0, "the sandbox to go with its process")
     assert "its process exited" in agent.log()
+
+
+def test_a_netns_pid_sandbox_learns_its_own_hosts_file(lab, agent):
+    # The process's own /etc/hosts (a file bind-mounted over it in its mount namespace, as a
+    # container runtime does), read by the agent through /proc/PID/root.
+    hosts = lab.tmp / "container-hosts"
+    hosts.write_text("127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
+    p = lab.spawn(["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c",
+                   f"mount --bind {hosts} /etc/hosts && exec sleep 60"])
+    wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
+             5.0, "the namespaced process to exec sleep")
+    assert Path(f"/proc/{p.pid}/root/etc/hosts").read_text() == hosts.read_text()
+    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal")
+    learned = {l["name"]: l["addresses"] for l in agent.json("--sandbox", "pid", "status", "--json")["learned"]}
+    assert learned == {"host.docker.internal": [{"address": "203.0.113.10", "expires_in_s": None, "source": "hosts"}]}
+    j = agent.json("--sandbox", "pid", "explain", "other.test@203.0.113.10:443", "--json")
+    assert j["allowed"] is False and j["pin"] == "tls sni other.test to 203.0.113.10:443; address learned for " \
+        "host.docker.internal", j
+    p.kill()
+    p.wait(5)
 
 
 def test_restart_adopts_every_sandbox_with_the_same_generation(lab, agent):

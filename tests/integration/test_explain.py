@@ -23,7 +23,8 @@ phases:
     allowed_hosts: [198.51.100.11, 203.0.113.0/24, "2001:db8:2::/64", b.example.com, "*.cdn.example.net"]
   verifier: { network_mode: no-network }
 """
-JSON_KEYS = {"target", "phase", "mode", "allowed", "reason", "entry", "learned_name", "names", "hint", "guard"}
+JSON_KEYS = {"target", "phase", "mode", "allowed", "reason", "entry", "learned_name", "names", "hint", "guard",
+             "inspected", "pin"}
 DASH = "\u2014"
 
 

@@ -15,6 +15,7 @@ shared CDN address); servers in the internet namespace (pin_servers.py) speak TL
 banner on 2222.
 """
 import errno
+import json
 import socket
 import ssl
 import subprocess
@@ -251,3 +252,199 @@ def test_a_switch_to_a_phase_without_the_name_cuts_the_admitted_flow(lab, pinned
     kind, _ = outcome(more)
     assert kind != "ok", "the admitted flow survived a switch to a phase that does not allow its name"
     t.close()
+
+
+# ---- hosts files (issue 16 point 7) ---------------------------------------------------------
+
+HOSTS_POLICY = f"""\
+initial_phase: agent
+dns: {{ upstream: ["{DNS_V4}"] }}
+phases:
+  agent:
+    network_mode: allowlist
+    allowed_hosts: [allowed.test, host.docker.internal, other.test]
+  elsewhere:
+    network_mode: allowlist
+    allowed_hosts: [b.example.com]
+"""
+HOSTS_FILE = f"""\
+127.0.0.1 localhost
+# Harbor's compose topology: extra_hosts on the sidecar
+{V4} host.docker.internal
+{V6} host.docker.internal
+198.51.100.66 unlisted.test
+169.254.169.254 allowed.test
+"""
+
+
+def explain_json(d, target):
+    return d.ctl_json("explain", target, "--json")
+
+
+@pytest.fixture
+def hosts_file(lab):
+    path = lab.tmp / "hosts"
+    path.write_text(HOSTS_FILE)
+    return path
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_hosts_file_names_are_learned_and_pinned_without_dns(lab, egressd, servers, hosts_file, addr):
+    d = egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
+    # No DNS query at all: the hosts file taught host.docker.internal -> V4, V6.
+    assert tls(lab, addr, "host.docker.internal") == ("ok", b"tls:ping")
+    kind, body = http(lab, addr, b"GET / HTTP/1.1\r\nHost: host.docker.internal\r\n\r\n")
+    assert kind == "ok" and body.endswith(b"host=host.docker.internal"), (kind, body)
+    # Pinned like a DNS-learned name: another name on the same address is reset, and so is
+    # other.test, which the phase allows but which was not learned for this address.
+    assert_reset(tls(lab, addr, "same-ip.test"), "tls with sni same-ip.test")
+    assert_reset(tls(lab, addr, "other.test"), "tls with sni other.test (allowed, not learned for this address)")
+    assert_reset(http(lab, addr, b"GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"), "http host same-ip.test")
+    learned = {l["name"]: l["addresses"] for l in d.status()["learned"]}
+    assert [(a["address"], a["source"], a["expires_in_s"]) for a in learned["host.docker.internal"]] == \
+        [(V4, "hosts", None), (V6, "hosts", None)], learned
+    assert "unlisted.test" not in learned and "localhost" not in learned, learned
+
+
+def test_hosts_file_guards_and_phase(lab, egressd, servers, hosts_file):
+    d = egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
+    # A name the phase does not allow teaches nothing.
+    j = explain_json(d, "198.51.100.66")
+    assert j["allowed"] is False, j
+    # The same guards as DNS answers: an allowed name pointed at the metadata address is not learned.
+    j = explain_json(d, "allowed.test@169.254.169.254:443")
+    assert j["allowed"] is False and j["inspected"] is False, j
+    assert "169.254.169.254" not in json.dumps(d.status()["learned"])
+    # A switch to a phase without the name: the flow is no longer admitted; back: it is again.
+    rc, _, err = d.ctl("apply", "elsewhere")
+    assert rc == 0, err
+    assert explain_json(d, f"host.docker.internal@{V4}:443")["allowed"] is False
+    rc, _, err = d.ctl("apply", "agent")
+    assert rc == 0, err
+    assert tls(lab, V4, "host.docker.internal") == ("ok", b"tls:ping")
+
+
+def test_hosts_file_changes_drop_pairs_but_never_add_them(lab, egressd, servers, hosts_file):
+    d = egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
+    assert tls(lab, V4, "host.docker.internal") == ("ok", b"tls:ping")
+    # Dropped from the file: re-read within its poll interval, then pinning resets the name there.
+    tmp = hosts_file.with_suffix(".new")
+    tmp.write_text(f"{V6} host.docker.internal\n")
+    tmp.rename(hosts_file)
+    labmod.wait_for(lambda: explain_json(d, f"host.docker.internal@{V4}:443")["allowed"] is False, 6.0,
+                    "the dropped hosts-file pair to be forgotten")
+    res = tls(lab, V4, "host.docker.internal")
+    assert res[0] in ("reset", "error"), f"a dropped hosts-file pair still admits its name: {res}"
+    assert tls(lab, V6, "host.docker.internal") == ("ok", b"tls:ping")
+    # Added after start (a sandbox that can write the file): not taken.
+    tmp.write_text(f"{V6} host.docker.internal\n198.51.100.11 host.docker.internal\n")
+    tmp.rename(hosts_file)
+    labmod.wait_for(lambda: "not in it at start are not learned" in d.log(), 6.0, "the re-read to be logged")
+    j = explain_json(d, "host.docker.internal@198.51.100.11:443")
+    assert j["allowed"] is False, j
+
+
+def test_hosts_file_named_but_missing_or_broken_refuses_to_start(lab, hosts_file):
+    def run_egressd(path):
+        return labmod.run([str(labmod.egressd_binary()), "run", "--socket", str(lab.tmp / "h.sock"), "--netns",
+                           lab.sandbox.path, "--hosts-file", str(path)], check=False, timeout=10)
+    missing = lab.tmp / "no-such-hosts"
+    cp = run_egressd(missing)
+    assert cp.returncode == 2, cp
+    assert f"hosts file {missing} does not exist" in cp.stderr, cp.stderr
+    broken = lab.tmp / "broken-hosts"
+    broken.write_text("192.0.2.10 fine.test\n192.0.2.11\n")
+    cp = run_egressd(broken)
+    assert cp.returncode == 2, cp
+    assert f"{broken}:2: address 192.0.2.11 without a name" in cp.stderr, cp.stderr
+    # Nothing was installed.
+    assert "egressd" not in lab.sandbox.exec("nft", "list", "tables").stdout
+
+
+# ---- explain NAME@ADDRESS (issue 16 point 8) ------------------------------------------------
+
+def test_explain_name_at_address_answers_as_the_datapath_decides(lab, pinned):
+    j = explain_json(pinned, f"same-ip.test@{V4}:{TLS_PORT}")
+    assert j["allowed"] is False and j["inspected"] is True, j
+    assert j["pin"] == f"tls sni same-ip.test to {V4}:{TLS_PORT}; address learned for allowed.test", j
+    assert_reset(tls(lab, V4, "same-ip.test"), "tls with sni same-ip.test")
+    j = explain_json(pinned, f"allowed.test@[{V6}]:{TLS_PORT}")
+    assert j["allowed"] is True and j["pin"] == f"tls sni allowed.test to [{V6}]:{TLS_PORT}; allowed by allowed.test"
+    assert tls(lab, V6, "allowed.test") == ("ok", b"tls:ping")
+    j = explain_json(pinned, f"same-ip.test@{V4}:{HTTP_PORT}")
+    assert j["pin"].startswith(f"tls sni same-ip.test to {V4}:{HTTP_PORT};"), j
+    # An IP entry: not inspected, any name passes.
+    j = explain_json(pinned, f"same-ip.test@{IP_ENTRY_V4}:{TLS_PORT}")
+    assert j["allowed"] is True and j["inspected"] is False and j["pin"] is None, j
+    assert tls(lab, IP_ENTRY_V4, "same-ip.test") == ("ok", b"tls:ping")
+    rc, out, _ = pinned.ctl("explain", f"same-ip.test@{V4}:{TLS_PORT}")
+    assert rc == 0 and f"  pinning: tls sni same-ip.test to {V4}:{TLS_PORT}" in out, out
+
+
+@pytest.mark.parametrize("target,culprit", [
+    ("foo@", "no address after \"@\""),
+    ("@192.0.2.10", "no name before \"@\""),
+    ("bad!name@192.0.2.10", "the name \"bad!name\" before \"@\" is not a host name"),
+    ("a.test@b.test", "not the hostname \"b.test\""),
+    ("a.test@192.0.2.10:99999", "port 99999 is not a number"),
+])
+def test_explain_name_at_address_bad_input_exits_2_naming_the_culprit(lab, pinned, target, culprit):
+    rc, out, err = pinned.ctl("explain", target)
+    assert rc == 2 and culprit in err, (rc, out, err)
+    reply = pinned.request({"cmd": "explain", "target": target})
+    assert reply["ok"] is False and culprit in reply["error"]["message"], reply
+
+
+# ---- a hello queued when egressd dies (issue 16 "Tests") ------------------------------------
+
+ECHO_PORT = 443  # labserver's TCP echo on every server address: bytes come back iff they reached it
+
+
+def queued_packets(lab, queue=16) -> int:
+    for line in lab.sandbox.read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
+        f = line.split()
+        if f and int(f[0]) == queue:
+            return int(f[2])
+    return 0
+
+
+def client_hello(sni) -> bytes:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname=sni)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def test_kill_with_a_hello_queued_admits_nothing_and_a_restart_adopts(lab, egressd, servers):
+    d = egressd(policy())
+    learn(lab)
+    hello = client_hello("allowed.test")
+    # The oracle: a whole hello for the allowed name is admitted and echoed back.
+    with connect(lab, V4, ECHO_PORT) as s:
+        s.sendall(hello)
+        assert s.recv(1)[:1] == b"\x16"
+    generation = d.status()["generation"]
+
+    s = connect(lab, V4, ECHO_PORT, timeout=2.0)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(hello[:60])
+    # The first segment is held by the reader (no verdict yet: the hello is incomplete).
+    labmod.wait_for(lambda: queued_packets(lab) >= 1, 1.5, "the first segment to wait in queue 16")
+    d.kill()
+    d.wait()
+    s.sendall(hello[60:])
+    res = outcome(lambda: s.recv(4096) or b"")
+    s.close()
+    assert res[0] in ("timeout", "reset") or res == ("ok", b""), \
+        f"a flow was admitted with egressd dead: {res}"
+
+    d.start()
+    st = d.status()
+    assert st["generation"] == generation, f"the restart did not adopt: generation {st['generation']} != {generation}"
+    assert "adopt" in d.log()
+    learn(lab)
+    assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
+    assert_reset(tls(lab, V4, "same-ip.test"), "tls with sni same-ip.test after the restart")

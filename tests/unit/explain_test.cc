@@ -309,7 +309,9 @@ TEST_CASE("the JSON shape") {
   CHECK(j["hint"].is_null());
   CHECK(j["reason"].is_string());
   CHECK(j["guard"].is_null());
-  CHECK(j.size() == 10);
+  CHECK(j["inspected"] == false);
+  CHECK(j["pin"].is_null());
+  CHECK(j.size() == 12);
 
   j = ask(ph, "files.pythonhosted.org").to_json();
   CHECK(j["allowed"] == false);
@@ -317,4 +319,121 @@ TEST_CASE("the JSON shape") {
   CHECK(j["learned_name"].is_null());
   CHECK(j["names"] == nlohmann::json::array());
   CHECK(j["hint"] == "add files.pythonhosted.org, or *.pythonhosted.org");
+}
+
+// ---- NAME@ADDRESS[:PORT]: hostname pinning (issue 16 point 8) ----
+
+TEST_CASE("NAME@ADDRESS targets: the name a flow presents on an address") {
+  const Target t = target("Same-IP.test.@203.0.113.10:443");
+  CHECK(t.is_address);
+  CHECK(t.addr == ip("203.0.113.10"));
+  CHECK(*t.presented == "same-ip.test");
+  CHECK(*t.port == 443);
+  CHECK(t.text() == "same-ip.test@203.0.113.10:443");
+  CHECK(target("a.test@2001:db8::10").text() == "a.test@2001:db8::10");
+  CHECK(target("a.test@[2001:db8::10]:8443").text() == "a.test@[2001:db8::10]:8443");
+  CHECK_FALSE(target("a.test@192.0.2.1").port.has_value());
+  CHECK_FALSE(target("192.0.2.1").presented.has_value());
+}
+
+TEST_CASE("bad NAME@ADDRESS targets name the culprit") {
+  CHECK(parse_error("foo@").find("no address after \"@\"") != std::string::npos);
+  CHECK(parse_error("@1.2.3.4").find("no name before \"@\"") != std::string::npos);
+  CHECK(parse_error("bad name@192.0.2.1").find("the name \"bad name\" before \"@\" is not a host name") !=
+        std::string::npos);
+  CHECK(parse_error("*.a.test@192.0.2.1").find("\"*.a.test\"") != std::string::npos);
+  CHECK(parse_error("a..test@192.0.2.1").find("not a host name") != std::string::npos);
+  CHECK(parse_error("a.test@b.test").find("not the hostname \"b.test\"") != std::string::npos);
+  CHECK(parse_error("a.test@b.test:443").find("not the hostname \"b.test\"") != std::string::npos);
+  CHECK(parse_error("a.test@192.0.2.1:0").find("port 0 is not a number") != std::string::npos);
+  CHECK(parse_error("a.test@192.0.2.1/24").find("192.0.2.1/24") != std::string::npos);
+  CHECK(parse_error("a@b@192.0.2.1").find("more than one \"@\"") != std::string::npos);
+  // Every message quotes the whole target as typed.
+  CHECK(parse_error("foo@").rfind("target \"foo@\": ", 0) == 0);
+}
+
+TEST_CASE("NAME@ADDRESS: the learned name is admitted, with pin::decide's line") {
+  const Phase ph = allowlist({"allowed.test", "same-ip.test", "*.wild.test"});
+  const LearnedView learned{{"allowed.test", {ip("203.0.113.10")}}, {"same-ip.test", {ip("203.0.113.20")}}};
+  const Explanation ok = ask(ph, "allowed.test@203.0.113.10:443", learned);
+  CHECK(ok.allowed);
+  CHECK(ok.inspected);
+  CHECK(*ok.pin == "tls sni allowed.test to 203.0.113.10:443; allowed by allowed.test");
+  CHECK(*ok.entry == "allowed.test");
+  CHECK(*ok.learned_name == "allowed.test");
+  // No port: 443; port 80: the HTTP line.
+  CHECK(*ask(ph, "allowed.test@203.0.113.10", learned).pin ==
+        "tls sni allowed.test to 203.0.113.10:443; allowed by allowed.test");
+  CHECK(*ask(ph, "allowed.test@203.0.113.10:80", learned).pin ==
+        "http host allowed.test to 203.0.113.10:80; allowed by allowed.test");
+  CHECK(ok.to_json()["pin"] == "tls sni allowed.test to 203.0.113.10:443; allowed by allowed.test");
+  CHECK(ok.to_json()["inspected"] == true);
+}
+
+TEST_CASE("NAME@ADDRESS: a name the phase allows, learned for another address, is reset (strict pinning)") {
+  const Phase ph = allowlist({"allowed.test", "same-ip.test"});
+  const LearnedView learned{{"allowed.test", {ip("203.0.113.10")}}, {"same-ip.test", {ip("203.0.113.20")}}};
+  const Explanation x = ask(ph, "same-ip.test@203.0.113.10:443", learned);
+  CHECK_FALSE(x.allowed);
+  CHECK(x.inspected);
+  CHECK(*x.pin == "tls sni same-ip.test to 203.0.113.10:443; address learned for allowed.test");
+  CHECK_FALSE(x.entry.has_value());
+  CHECK(x.reason.find("entry same-ip.test of phase agent allows same-ip.test, but same-ip.test did not resolve to "
+                      "203.0.113.10 through egressd (it resolved to 203.0.113.20)") != std::string::npos);
+  CHECK(x.hint.has_value());
+}
+
+TEST_CASE("NAME@ADDRESS: a name the phase does not allow is reset") {
+  const Phase ph = allowlist({"allowed.test"});
+  const LearnedView learned{{"allowed.test", {ip("203.0.113.10"), ip("2001:db8::10")}}};
+  const Explanation x = ask(ph, "same-ip.test@[2001:db8::10]:443", learned);
+  CHECK_FALSE(x.allowed);
+  CHECK(x.inspected);
+  CHECK(*x.pin == "tls sni same-ip.test to [2001:db8::10]:443; address learned for allowed.test");
+  CHECK(x.reason.find("no entry of phase agent allows same-ip.test") != std::string::npos);
+  CHECK(x.hint->find("add same-ip.test") != std::string::npos);
+  // A wildcard's sibling on an address learned for another name below it.
+  const Phase wild = allowlist({"*.example.test"});
+  const LearnedView w{{"a.example.test", {ip("198.51.100.5")}}};
+  const Explanation b = ask(wild, "b.example.test@198.51.100.5:443", w);
+  CHECK_FALSE(b.allowed);
+  CHECK(*b.pin == "tls sni b.example.test to 198.51.100.5:443; address learned for a.example.test");
+  CHECK(b.reason.find("(no live answer for it)") != std::string::npos);
+}
+
+TEST_CASE("NAME@ADDRESS: not inspected where the address alone decides") {
+  const Phase ph = allowlist({"allowed.test", "192.0.2.0/24"});
+  const LearnedView learned{{"allowed.test", {ip("203.0.113.10")}}};
+  // An IP/CIDR entry: any name passes.
+  const Explanation cidr = ask(ph, "other.test@192.0.2.7:443", learned);
+  CHECK(cidr.allowed);
+  CHECK_FALSE(cidr.inspected);
+  CHECK_FALSE(cidr.pin.has_value());
+  CHECK(cidr.reason.find("never inspects an address an IP or CIDR entry allows") != std::string::npos);
+  // pin_names off: the learned address admits any name.
+  const Explanation off = explain(ph, target("other.test@203.0.113.10:443"), learned, {}, {}, PrivateAnswers::exact,
+                                  false);
+  CHECK(off.allowed);
+  CHECK_FALSE(off.inspected);
+  CHECK(off.reason.find("enforce.pin_names: false") != std::string::npos);
+  // Public and no-network phases.
+  auto pub = make_inline_phase("environment", Mode::public_, {});
+  const Explanation p = ask(*pub, "other.test@203.0.113.10:443", learned);
+  CHECK(p.allowed);
+  CHECK_FALSE(p.inspected);
+  CHECK(p.reason.find("inspects only allowlist phases") != std::string::npos);
+  auto none = make_inline_phase("verifier", Mode::no_network, {});
+  const Explanation n = ask(*none, "allowed.test@203.0.113.10:443", learned);
+  CHECK_FALSE(n.allowed);
+  CHECK_FALSE(n.inspected);
+  CHECK(n.reason.find("refused by address before any name is read") != std::string::npos);
+  // An address no name was learned for: denied by address, whatever the name.
+  const Explanation d = ask(ph, "allowed.test@198.51.100.99:443", learned);
+  CHECK_FALSE(d.allowed);
+  CHECK_FALSE(d.inspected);
+  CHECK_FALSE(d.pin.has_value());
+  // Loopback.
+  const Explanation lo = ask(ph, "allowed.test@127.0.0.1:443", learned);
+  CHECK(lo.allowed);
+  CHECK_FALSE(lo.inspected);
 }

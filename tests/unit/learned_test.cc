@@ -92,3 +92,39 @@ TEST_CASE("a full store sweeps expired pairs at most once a second, and refuses 
   CHECK(store.names_for(ip("192.0.2.3"), true).empty());
   CHECK(store.size() == 2);
 }
+
+TEST_CASE("hosts-file pairs do not expire while set; dropped, they keep only what DNS gave them") {
+  testing::ManualClock clock;
+  LearnedStore store(16, clock.source());
+  CHECK(store.remember("allowed.test", ip("203.0.113.10"), seconds(30)));
+  CHECK(store.set_hosts({{"allowed.test", {ip("203.0.113.10")}}, {"host.docker.internal", {ip("192.0.2.1")}}}) == 0);
+  CHECK(store.from_hosts(ip("203.0.113.10")));
+  CHECK(store.from_hosts(ip("192.0.2.1")));
+  CHECK_FALSE(store.from_hosts(ip("192.0.2.2")));
+  clock.advance(std::chrono::hours(24 * 365));
+  CHECK(store.names_for(ip("192.0.2.1")) == Names{"host.docker.internal"});
+  CHECK(store.names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  CHECK(store.live_count() == 2);
+  // A DNS answer for a hosts pair changes nothing visible, and survives it.
+  CHECK(store.remember("host.docker.internal", ip("192.0.2.1"), seconds(60)));
+  CHECK(store.size() == 2);
+  CHECK(store.set_hosts({}) == 0);
+  CHECK_FALSE(store.from_hosts(ip("192.0.2.1")));
+  CHECK(store.names_for(ip("192.0.2.1")) == Names{"host.docker.internal"});  // its DNS answer
+  CHECK(store.names_for(ip("203.0.113.10")).empty());  // its DNS answer expired long ago
+  CHECK(store.names_for(ip("203.0.113.10"), true) == Names{"allowed.test"});
+  clock.advance(seconds(61));
+  CHECK(store.names_for(ip("192.0.2.1")).empty());
+  CHECK(store.live_count() == 0);
+}
+
+TEST_CASE("hosts-file pairs count against the bound") {
+  testing::ManualClock clock;
+  LearnedStore store(2, clock.source());
+  CHECK(store.remember("a.test", ip("192.0.2.1"), seconds(30)));
+  CHECK(store.set_hosts({{"b.test", {ip("192.0.2.2"), ip("192.0.2.3")}}}) == 1);
+  CHECK(store.size() == 2);
+  clock.advance(seconds(31));  // the DNS pair expires; a sweep makes room
+  CHECK(store.set_hosts({{"b.test", {ip("192.0.2.2"), ip("192.0.2.3")}}}) == 0);
+  CHECK(store.names_for(ip("192.0.2.3")) == Names{"b.test"});
+}

@@ -1,0 +1,260 @@
+// The hosts file (issue 16 point 7; docs/pinning.md "Hosts files"): names a
+// sandbox resolves without DNS (Harbor's host.docker.internal from compose's
+// extra_hosts) are learned from the file egressd sees, as if egressd's DNS
+// proxy had answered them, so an allowlisted one is reachable and pinned.
+//
+// What is trusted: the pairs in the file when the sandbox was started (the
+// snapshot). In Harbor's compose topology the task container joins the
+// sidecar's network namespace, and Docker then gives it the sidecar's hosts
+// file, writable by its root: a pair the file gains later could point an
+// allowed name at any address, so later reads only drop pairs.
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "daemon/audit_log.h"
+#include "daemon/sandbox.h"
+#include "dns/message.h"
+#include "egressd/module_logger.h"
+#include "egressd/unique_fd.h"
+#include "pin/hosts_file.h"
+
+namespace egressd::daemon {
+
+namespace {
+
+std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
+
+struct PrefixLess {
+  bool operator()(const IpPrefix& a, const IpPrefix& b) const {
+    if (a.family != b.family) return a.family < b.family;
+    return a.bytes < b.bytes;
+  }
+};
+
+}  // namespace
+
+HostsLoad load_hosts(std::string_view text, std::string_view path) {
+  pin::HostsFile parsed = pin::parse_hosts(text, path);
+  HostsLoad out;
+  out.problems = std::move(parsed.problems);
+  // Fail closed: a file with a line egressd cannot read may mean something
+  // else to the resolver that reads it; nothing of it is learned.
+  if (out.problems.empty()) out.pairs = std::move(parsed.names);
+  return out;
+}
+
+namespace {
+
+// Opens `path` for reading without blocking. Under /proc/PID/root/ the rest
+// of the path is resolved inside that process's root (RESOLVE_IN_ROOT), as
+// its own resolver would: the file is the sandbox's to shape, and a symlink
+// /etc/hosts -> /etc/shadow there must not make egressd read (and quote in
+// its log) a file of its own. -1 with errno on failure.
+int open_hosts(const std::string& path) {
+  constexpr int kFlags = O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
+  const std::string_view p(path);
+  if (p.rfind("/proc/", 0) == 0) {
+    const auto root_end = p.find("/root/", 6);
+    if (root_end != std::string_view::npos &&
+        p.substr(6, root_end - 6).find_first_not_of("0123456789") == std::string_view::npos) {
+      const std::string root(p.substr(0, root_end + 5));
+      const std::string rest(p.substr(root_end + 6));
+      const UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+      if (!dir.ok()) return -1;
+      open_how how{};
+      how.flags = kFlags;
+      how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+      const long fd = ::syscall(SYS_openat2, dir.get(), rest.c_str(), &how, sizeof how);
+      if (fd >= 0 || errno != ENOSYS) return static_cast<int>(fd);
+      // Before Linux 5.6: no symlink at all on the last component.
+      return ::openat(dir.get(), rest.c_str(), kFlags | O_NOFOLLOW);
+    }
+  }
+  return ::open(path.c_str(), kFlags);
+}
+
+}  // namespace
+
+Result<std::optional<std::string>> read_hosts_file(const std::string& path) {
+  const UniqueFd fd(open_hosts(path));
+  if (!fd.ok()) {
+    if (errno == ENOENT) return std::optional<std::string>{};
+    return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
+  }
+  // A FIFO or a device there would block the event loop (every sandbox of an
+  // agent) or never end.
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
+  if (!S_ISREG(st.st_mode)) return Error::invalid("hosts file " + path + " is not a regular file; not read");
+  std::string text;
+  char buf[16384];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<std::size_t>(n));
+    if (text.size() > kMaxHostsFile) {
+      return Error::invalid("hosts file " + path + " is larger than " + std::to_string(kMaxHostsFile) +
+                            " bytes; not read");
+    }
+  }
+  return std::optional<std::string>(std::move(text));
+}
+
+bool Sandbox::read_hosts() {
+  auto r = opts_.read_hosts();
+  std::optional<std::string> text;
+  std::string error;
+  if (!r) {
+    error = r.error().message;
+  } else {
+    text = std::move(*r);
+  }
+  if (error.empty() && text == hosts_text_ && hosts_snapshot_) return false;  // unchanged
+  hosts_text_ = text;
+  LearnedStore::HostsPairs pairs;
+  if (error.empty() && text) {
+    HostsLoad load = load_hosts(*text, opts_.hosts_path);
+    if (!load.problems.empty()) {
+      error = load.problems.front() + " (hosts file not used: nothing is learned from it until it is fixed";
+      if (load.problems.size() > 1) error += "; " + std::to_string(load.problems.size() - 1) + " more problems";
+      error += ")";
+    }
+    pairs = std::move(load.pairs);
+  }
+  if (!error.empty()) {
+    if (error != hosts_error_) {
+      log()->error("{}", error);
+      audit_event("hosts_file", {{"path", opts_.hosts_path}, {"ok", false}, {"error", error}}, spdlog::level::err);
+    }
+  }
+  hosts_error_ = error;
+  if (!hosts_snapshot_) {
+    hosts_snapshot_ = pairs;
+  } else {
+    // Within the snapshot only: what the file gained since start is not taken.
+    LearnedStore::HostsPairs kept;
+    std::vector<std::string> ignored;
+    for (const auto& [name, addrs] : pairs) {
+      auto it = hosts_snapshot_->find(name);
+      for (const auto& a : addrs) {
+        if (it != hosts_snapshot_->end() && std::find(it->second.begin(), it->second.end(), a) != it->second.end()) {
+          kept[name].push_back(a);
+        } else {
+          ignored.push_back(name + " " + a.to_string());
+        }
+      }
+    }
+    if (!ignored.empty()) {
+      log()->warn("hosts file {}: {} pair(s) not in it at start are not learned (a sandbox may be able to write the "
+                  "file; restart egressd, or re-add the sandbox, to take them): {}",
+                  opts_.hosts_path, ignored.size(), fmt::join(ignored, ", "));
+    }
+    pairs = std::move(kept);
+  }
+  const bool changed = pairs != hosts_;
+  hosts_ = std::move(pairs);
+  if (changed && error.empty()) {
+    std::size_t n = 0;
+    for (const auto& [name, addrs] : hosts_) n += addrs.size();
+    audit_event("hosts_file", {{"path", opts_.hosts_path}, {"ok", true}, {"names", hosts_.size()}, {"pairs", n}},
+                spdlog::level::info);
+  }
+  return changed;
+}
+
+LearnedStore::HostsPairs Sandbox::hosts_allowed(const PhaseFacts& facts, Mode mode) const {
+  LearnedStore::HostsPairs out;
+  if (mode != Mode::allowlist) return out;
+  for (const auto& [name, addrs] : hosts_) {
+    const Entry* e = facts.matcher->match(name);
+    if (e == nullptr) continue;
+    // The same guards as a DNS answer: the file may be the sandbox's to
+    // write (see the top), and an address an allowed name must not reach by
+    // DNS (metadata, loopback, link-local; private ones for a wildcard
+    // match) must not be reachable by writing it here either. An operator
+    // who wants one adds it as an IP entry.
+    const bool exact = e->kind == EntryKind::hostname;
+    for (const auto& a : addrs) {
+      if (dns::guard_for(a, exact, opts_.policy.dns.private_answers)) continue;
+      out[name].push_back(a);
+    }
+  }
+  return out;
+}
+
+void Sandbox::sync_hosts_store() {
+  const auto pairs = hosts_allowed(*active_facts_, state_.mode);
+  if (const std::size_t missed = learned_.set_hosts(pairs); missed > 0) {
+    log()->warn("hosts file {}: {} pair(s) not remembered (max_learned reached): pinning resets their names",
+                opts_.hosts_path, missed);
+  }
+}
+
+Status Sandbox::apply_hosts() {
+  hosts_refreshed_ = opts_.clock.steady();
+  const auto pairs = hosts_allowed(*active_facts_, state_.mode);
+  if (pairs.empty()) return {};
+  const auto [s4, s6] = nft::learned_sets(active_chain());
+  nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
+  nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
+  const std::uint64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(kHostsTimeout).count();
+  std::set<IpPrefix, PrefixLess> seen;
+  for (const auto& [name, addrs] : pairs) {
+    for (const auto& a : addrs) {
+      if (!seen.insert(a).second) continue;
+      (a.family == 4 ? v4 : v6).elems.push_back({a, a, ms});
+    }
+  }
+  nft::Change ch;
+  ch.table = nft::kTableName;
+  if (!v4.elems.empty()) ch.ops.push_back(std::move(v4));
+  if (!v6.elems.empty()) ch.ops.push_back(std::move(v6));
+  auto st = apply_batch(ch);
+  if (!st) log()->error("hosts file {}: addresses not inserted: {}", opts_.hosts_path, st.error().message);
+  return st;
+}
+
+Status Sandbox::start_hosts() {
+  if (!opts_.read_hosts || hosts_started_) return {};
+  hosts_started_ = true;
+  (void)read_hosts();
+  sync_hosts_store();
+  Status st = apply_hosts();
+  schedule_hosts_poll();
+  if (!hosts_error_.empty()) return Error::invalid(hosts_error_);
+  return st;
+}
+
+Status Sandbox::reload_hosts() {
+  if (!opts_.read_hosts || !hosts_started_) return {};
+  const bool changed = read_hosts();
+  if (changed) sync_hosts_store();
+  Status st;
+  if (changed || opts_.clock.steady() - hosts_refreshed_ >= kHostsRefresh) st = apply_hosts();
+  if (!hosts_error_.empty()) return Error::invalid(hosts_error_);
+  return st;
+}
+
+void Sandbox::schedule_hosts_poll() {
+  if (!opts_.run_after) return;
+  opts_.run_after(opts_.hosts_poll, [this] {
+    (void)reload_hosts();  // logged there
+    schedule_hosts_poll();
+  });
+}
+
+}  // namespace egressd::daemon

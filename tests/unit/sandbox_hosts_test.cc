@@ -1,0 +1,302 @@
+// The hosts file (Sandbox::start_hosts / reload_hosts, docs/pinning.md "Hosts
+// files"): which of its pairs are learned (phase, guards, the snapshot), into
+// which sets and for how long, what a broken file does, and what pinning and
+// explain then see. Over the fake kernel, a file given as text, a manual clock.
+#include <doctest/doctest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "daemon/sandbox.h"
+#include "support/clock.h"
+#include "support/fake_kernel.h"
+
+using namespace egressd;
+using namespace egressd::daemon;
+using nlohmann::json;
+using testing::FakeKernel;
+
+namespace {
+
+using Names = std::vector<std::string>;
+
+Phase phase(std::string name, Mode mode, std::vector<std::string> entries = {}) {
+  auto p = make_inline_phase(name, mode, entries);
+  REQUIRE(p.ok());
+  return *p;
+}
+
+Policy policy() {
+  Policy p;
+  p.phases.push_back(phase("environment", Mode::public_));
+  p.phases.push_back(phase("agent", Mode::allowlist, {"allowed.test", "host.docker.internal", "*.wild.test"}));
+  p.phases.push_back(phase("verifier", Mode::allowlist, {"allowed.test"}));
+  p.phases.push_back(phase("offline", Mode::no_network));
+  p.initial_phase = "agent";
+  return p;
+}
+
+IpPrefix ip(const char* s) { return *parse_ip(s); }
+
+struct Fixture {
+  testing::ManualClock clock;
+  FakeKernel* kernel = nullptr;
+  std::unique_ptr<Sandbox> sb;
+  // What the "file" holds: text, or nullopt (missing), or an error.
+  Result<std::optional<std::string>> file = std::optional<std::string>{};
+  std::size_t reads = 0;
+
+  explicit Fixture(std::optional<std::string> text, Policy p = policy()) {
+    file = std::move(text);
+    auto k = std::make_unique<FakeKernel>();
+    kernel = k.get();
+    SandboxOptions o;
+    o.policy = std::move(p);
+    o.clock = clock.source();
+    o.compile.pin = true;
+    o.hosts_path = "/etc/hosts";
+    o.read_hosts = [this]() -> Result<std::optional<std::string>> {
+      ++reads;
+      return file;
+    };
+    sb = std::make_unique<Sandbox>(std::move(o), std::move(k), Capabilities{true, true, true, true, true, true, true, true});
+  }
+};
+
+// Every address added to `set` by the batches from `from` on, sorted.
+std::vector<std::pair<std::string, std::uint64_t>> added(const FakeKernel& k, const std::string& set,
+                                                         std::size_t from = 0) {
+  std::vector<std::pair<std::string, std::uint64_t>> out;
+  for (std::size_t i = from; i < k.applied.size(); ++i) {
+    for (const auto& op : k.applied[i].ops) {
+      if (auto* e = std::get_if<nft::OpAddElems>(&op); e && e->set == set) {
+        for (const auto& el : e->elems) out.emplace_back(el.from.to_string(), el.timeout_ms);
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+constexpr std::uint64_t kHostsMs = std::chrono::milliseconds(Sandbox::kHostsTimeout).count();
+
+const char* kHarborHosts =
+    "127.0.0.1\tlocalhost\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "# extra_hosts\n"
+    "10.0.0.1\thost.docker.internal\n"
+    "203.0.113.10 allowed.test  # shared CDN address\n"
+    "203.0.113.10 same-ip.test\n"
+    "169.254.169.254 a.wild.test\n"
+    "10.1.2.3 b.wild.test\n"
+    "2001:db8::10 allowed.test\n";
+
+}  // namespace
+
+TEST_CASE("hosts file: names the phase allows are learned into its sets and pinned; others are not") {
+  Fixture f{std::string(kHarborHosts)};
+  REQUIRE(f.sb->start("agent").ok());
+  const std::size_t before = f.kernel->applied.size();
+  REQUIRE(f.sb->start_hosts().ok());
+  using P = std::vector<std::pair<std::string, std::uint64_t>>;
+  // Exact entries: host.docker.internal's private address is learned as a DNS
+  // answer for an exact name would be; *.wild.test's metadata address and its
+  // private one are kept out by the same guards as DNS answers.
+  CHECK(added(*f.kernel, "ph_agent_d4", before) == P{{"10.0.0.1", kHostsMs}, {"203.0.113.10", kHostsMs}});
+  CHECK(added(*f.kernel, "ph_agent_d6", before) == P{{"2001:db8::10", kHostsMs}});
+  CHECK(f.kernel->applied.size() == before + 1);  // one batch
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+  CHECK(f.sb->learned_names_for(ip("169.254.169.254")).empty());
+  CHECK(f.sb->learned_names_for(ip("127.0.0.1")).empty());
+  // Never expire while in the file.
+  f.clock.advance(std::chrono::hours(24));
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+
+  // Status lists them as from the hosts file, without expiry.
+  const json st = f.sb->status();
+  bool seen = false;
+  for (const auto& l : st["learned"]) {
+    if (l["name"] != "host.docker.internal") continue;
+    seen = true;
+    CHECK(l["addresses"][0]["source"] == "hosts");
+    CHECK(l["addresses"][0]["expires_in_s"].is_null());
+  }
+  CHECK(seen);
+
+  // explain NAME@ADDRESS: the pinning decision for them.
+  json r = f.sb->handle({{"cmd", "explain"}, {"target", "same-ip.test@203.0.113.10:443"}});
+  REQUIRE(r["ok"] == true);
+  CHECK(r["allowed"] == false);
+  CHECK(r["pin"] == "tls sni same-ip.test to 203.0.113.10:443; address learned for allowed.test");
+  r = f.sb->handle({{"cmd", "explain"}, {"target", "host.docker.internal@10.0.0.1:80"}});
+  CHECK(r["allowed"] == true);
+  CHECK(r["pin"] == "http host host.docker.internal to 10.0.0.1:80; allowed by host.docker.internal");
+  CHECK(f.sb->handle({{"cmd", "explain"}, {"target", "foo@"}})["error"]["code"] == "invalid_request");
+}
+
+TEST_CASE("hosts file: re-read at every switch; the new phase gets only the names it allows") {
+  Fixture f{std::string(kHarborHosts)};
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.sb->start_hosts().ok());
+  const std::size_t reads = f.reads;
+  const std::size_t before = f.kernel->applied.size();
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == true);
+  CHECK(f.reads == reads + 1);
+  using P = std::vector<std::pair<std::string, std::uint64_t>>;
+  CHECK(added(*f.kernel, "ph_verifier_d4", before) == P{{"203.0.113.10", kHostsMs}});
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")).empty());  // verifier does not allow it
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  // No pairs outside allowlist phases.
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "offline"}})["ok"] == true);
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
+  // Back: learned again, within the same switch batch.
+  const std::size_t b2 = f.kernel->applied.size();
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  CHECK(f.kernel->applied.size() == b2 + 1);
+  CHECK(added(*f.kernel, "ph_agent_d4", b2).size() == 2);
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+}
+
+TEST_CASE("hosts file: a pair dropped from the file stops being pinned at once; one added after start is not taken") {
+  Fixture f{std::string("203.0.113.10 allowed.test\n10.0.0.1 host.docker.internal\n")};
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.sb->start_hosts().ok());
+  // Dropped: pinning resets the name at once; the element times out in the kernel.
+  f.file = std::optional<std::string>("10.0.0.1 host.docker.internal\n");
+  const std::size_t before = f.kernel->applied.size();
+  REQUIRE(f.sb->reload_hosts().ok());
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+  CHECK(added(*f.kernel, "ph_agent_d4", before) ==
+        std::vector<std::pair<std::string, std::uint64_t>>{{"10.0.0.1", kHostsMs}});
+  // A sandbox that can write the file points an allowed name elsewhere: not taken.
+  f.file = std::optional<std::string>("10.0.0.1 host.docker.internal\n198.51.100.66 allowed.test\n"
+                                      "203.0.113.10 allowed.test\n");
+  REQUIRE(f.sb->reload_hosts().ok());
+  CHECK(f.sb->learned_names_for(ip("198.51.100.66")).empty());
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});  // back: it was there at start
+  // Unchanged text: no batch until the refresh is due, then the same elements again.
+  const std::size_t b2 = f.kernel->applied.size();
+  REQUIRE(f.sb->reload_hosts().ok());
+  CHECK(f.kernel->applied.size() == b2);
+  f.clock.advance(Sandbox::kHostsRefresh);
+  REQUIRE(f.sb->reload_hosts().ok());
+  CHECK(f.kernel->applied.size() == b2 + 1);
+  CHECK(added(*f.kernel, "ph_agent_d4", b2).size() == 2);
+}
+
+TEST_CASE("hosts file: a broken file teaches nothing, names FILE:LINE, and the sandbox runs on") {
+  Fixture f{std::string("203.0.113.10 allowed.test\n203.0.113.11 bad_name! \n")};
+  REQUIRE(f.sb->start("agent").ok());
+  const std::size_t before = f.kernel->applied.size();
+  auto st = f.sb->start_hosts();
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.error().message.find("/etc/hosts:2: not a host name") != std::string::npos);
+  CHECK(f.kernel->applied.size() == before);
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
+  CHECK(f.sb->state().phase == "agent");
+
+  // A good file at start, broken later: what it taught is dropped (fail closed).
+  Fixture g{std::string("203.0.113.10 allowed.test\n")};
+  REQUIRE(g.sb->start("agent").ok());
+  REQUIRE(g.sb->start_hosts().ok());
+  CHECK(g.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  g.file = std::optional<std::string>("203.0.113.10 allowed.test\nfe80::1%eth0 x.test\n");
+  st = g.sb->reload_hosts();
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.error().message.find("/etc/hosts:2: not an IP address") != std::string::npos);
+  CHECK(g.sb->learned_names_for(ip("203.0.113.10")).empty());
+  // Fixed: taken again (the pairs of the snapshot).
+  g.file = std::optional<std::string>("203.0.113.10 allowed.test\n");
+  REQUIRE(g.sb->reload_hosts().ok());
+  CHECK(g.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  // Unreadable: the same.
+  g.file = Error::invalid("cannot read hosts file /etc/hosts: Permission denied");
+  CHECK_FALSE(g.sb->reload_hosts().ok());
+  CHECK(g.sb->learned_names_for(ip("203.0.113.10")).empty());
+}
+
+TEST_CASE("hosts file: a missing file is no error and teaches nothing") {
+  Fixture f(std::nullopt);
+  REQUIRE(f.sb->start("agent").ok());
+  const std::size_t before = f.kernel->applied.size();
+  CHECK(f.sb->start_hosts().ok());
+  CHECK(f.kernel->applied.size() == before);
+  CHECK(f.sb->hosts_pairs().empty());
+}
+
+TEST_CASE("hosts file: a DNS answer for a hosts address keeps the file's lifetime in the kernel") {
+  Policy p = policy();
+  p.dns.min_ttl_s = 0;
+  Fixture f{std::string("203.0.113.10 allowed.test\n"), p};
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.sb->start_hosts().ok());
+  const std::size_t before = f.kernel->applied.size();
+  f.sb->learn({{"allowed.test", ip("203.0.113.10"), 1}}, [](Status) {});
+  const auto got = added(*f.kernel, "ph_agent_d4", before);
+  REQUIRE(got.size() == 1);
+  CHECK(got[0].second == kHostsMs);  // not (1 + 10) s
+}
+
+TEST_CASE("load_hosts: pairs only from a file without problems") {
+  auto ok = load_hosts("192.0.2.1 a.test b.test\n", "h");
+  CHECK(ok.problems.empty());
+  CHECK(ok.pairs.size() == 2);
+  auto bad = load_hosts("192.0.2.1 a.test\n192.0.2.2\n", "h");
+  CHECK(bad.pairs.empty());
+  REQUIRE(bad.problems.size() == 1);
+  CHECK(bad.problems[0] == "h:2: address 192.0.2.2 without a name; line skipped");
+}
+
+TEST_CASE("hosts file: a switch the kernel refuses still takes the file as read for the phase in force") {
+  Fixture f{std::string("203.0.113.10 allowed.test\n10.0.0.1 host.docker.internal\n")};
+  REQUIRE(f.sb->start("agent").ok());
+  REQUIRE(f.sb->start_hosts().ok());
+  f.file = std::optional<std::string>("10.0.0.1 host.docker.internal\n");
+  f.kernel->fail_next = Error::runtime("batch refused");
+  CHECK(f.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == false);
+  CHECK(f.sb->state().phase == "agent");
+  CHECK(f.sb->learned_names_for(ip("203.0.113.10")).empty());
+  CHECK(f.sb->learned_names_for(ip("10.0.0.1")) == Names{"host.docker.internal"});
+}
+
+TEST_CASE("read_hosts_file: regular files only, never blocking; /proc/PID/root/ paths resolved inside that root") {
+  char tmpl[] = "/tmp/egressd-hosts-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  const std::string file = dir + "/hosts", fifo = dir + "/fifo";
+  {
+    FILE* f = std::fopen(file.c_str(), "w");
+    REQUIRE(f != nullptr);
+    std::fputs("192.0.2.1 a.test\n", f);
+    std::fclose(f);
+  }
+  auto r = read_hosts_file(file);
+  REQUIRE(r.ok());
+  CHECK(**r == "192.0.2.1 a.test\n");
+  r = read_hosts_file(dir + "/missing");
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->has_value());
+  // A FIFO would block the loop until someone writes to it.
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  r = read_hosts_file(fifo);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message == "hosts file " + fifo + " is not a regular file; not read");
+  r = read_hosts_file(dir);
+  CHECK_FALSE(r.ok());
+  // Through a process's root (here our own).
+  const std::string via_root = "/proc/" + std::to_string(::getpid()) + "/root" + file;
+  r = read_hosts_file(via_root);
+  REQUIRE(r.ok());
+  CHECK(**r == "192.0.2.1 a.test\n");
+  // A magic link inside that root is not followed.
+  r = read_hosts_file("/proc/" + std::to_string(::getpid()) + "/root/proc/self/root" + file);
+  CHECK_FALSE(r.ok());
+  std::remove(fifo.c_str());
+  std::remove(file.c_str());
+  ::rmdir(dir.c_str());
+}
