@@ -2,13 +2,13 @@
  * issue 16). Compiled by pinning.py at run time (cc -O2), so a Python client's own cost does
  * not hide what the datapath costs. IPv4 only; the lab's addresses are documentation ones.
  *
- *   pinload serve ADDR FBPORT TPUTPORT
- *       One epoll thread. On both ports it reads the client's first TLS record (the
+ *   pinload serve ADDR TPUTPORT FBPORT...
+ *       One epoll thread. On every port it reads the client's first TLS record (the
  *       ClientHello, whatever its size; if the first byte is not 22 it answers at once) and
- *       answers with 6 bytes (the "first byte", standing in for a ServerHello). On FBPORT it
+ *       answers with 6 bytes (the "first byte", standing in for a ServerHello). On an FBPORT it
  *       then waits for the client to go; on TPUTPORT it counts every later byte and, at the
  *       client's EOF, writes "BYTES USEC\n" (USEC from its answer to the EOF) and closes.
- *       Prints "ready" when both listen.
+ *       Prints "ready" when all listen.
  *   pinload lat ADDR PORT HELLO N
  *       N times, one after the other: connect, send HELLO (a file), read the first byte;
  *       prints the connect-to-first-byte time in microseconds, one line each, or "err WHAT".
@@ -16,9 +16,10 @@
  *   pinload tput ADDR PORT HELLO SECONDS
  *       connect, HELLO, wait for the answer (as a TLS client waits for the ServerHello),
  *       then send for SECONDS, shut down, print the server's "BYTES USEC".
- *   pinload rate ADDR PORT HELLO BADHELLO RATE SECONDS BADEVERY
+ *   pinload rate ADDR PORT[,PORT...] HELLO BADHELLO RATE SECONDS BADEVERY
  *       Open loop: RATE new connections per second for SECONDS (started in 1 ms batches on
- *       schedule, at most 8192 in flight), each sends HELLO (every BADEVERY-th sends BADHELLO
+ *       schedule, at most 8192 in flight, to the PORTs in turn: more ports, more 4-tuples
+ *       before the kernel's port choice comes back to one), each sends HELLO (every BADEVERY-th sends BADHELLO
  *       instead; 0 = never) and waits up to 3 s for the first byte. A HELLO connection must get
  *       the byte, a BADHELLO one must be refused (reset or closed without data). Prints one
  *       line of key=value counters, the achieved rate and the latency p50/p99 of the good ones.
@@ -122,15 +123,16 @@ static int listener(struct sockaddr_in sa) {
   return fd;
 }
 
-static int serve(char **argv) {
+static int serve(int argc, char **argv) {
   raise_nofile();
-  int l1 = listener(addr_of(argv[0], argv[1])), l2 = listener(addr_of(argv[0], argv[2]));
   int ep = epoll_create1(0);
-  struct epoll_event ev = {.events = EPOLLIN};
-  ev.data.fd = l1;
-  epoll_ctl(ep, EPOLL_CTL_ADD, l1, &ev);
-  ev.data.fd = l2;
-  epoll_ctl(ep, EPOLL_CTL_ADD, l2, &ev);
+  static unsigned char is_listener[65536]; /* 1 first byte, 2 throughput */
+  for (int i = 1; i < argc; i++) {
+    int l = listener(addr_of(argv[0], argv[i]));
+    is_listener[l] = i == 1 ? 2 : 1;
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = l};
+    epoll_ctl(ep, EPOLL_CTL_ADD, l, &ev);
+  }
   static struct sconn conns[65536];
   static unsigned char buf[1 << 18];
   printf("ready\n");
@@ -142,7 +144,7 @@ static int serve(char **argv) {
     if (n < 0) die("epoll_wait");
     for (int i = 0; i < n; i++) {
       int fd = evs[i].data.fd;
-      if (fd == l1 || fd == l2) {
+      if (is_listener[fd]) {
         for (;;) {
           int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK);
           if (c < 0) break;
@@ -151,7 +153,7 @@ static int serve(char **argv) {
             continue;
           }
           memset(&conns[c], 0, sizeof conns[c]);
-          conns[c].kind = fd == l1 ? 1 : 2;
+          conns[c].kind = is_listener[fd];
           struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
           epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
         }
@@ -289,7 +291,10 @@ static int cmp_double(const void *a, const void *b) {
 
 static int rate(char **argv) {
   raise_nofile();
-  struct sockaddr_in sa = addr_of(argv[0], argv[1]);
+  struct sockaddr_in sa = addr_of(argv[0], "0");
+  uint16_t ports[64];
+  int nports = 0;
+  for (char *tok = strtok(argv[1], ","); tok && nports < 64; tok = strtok(NULL, ",")) ports[nports++] = htons((uint16_t)atoi(tok));
   size_t glen, blen;
   unsigned char *good = read_file(argv[2], &glen), *bad = read_file(argv[3], &blen);
   double r = atof(argv[4]), seconds = atof(argv[5]);
@@ -330,6 +335,7 @@ static int rate(char **argv) {
       }
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      sa.sin_port = ports[started % nports];
       if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
         conn_err++;
         close(fd);
@@ -420,12 +426,12 @@ static int rate(char **argv) {
 }
 
 int main(int argc, char **argv) {
-  if (argc >= 5 && !strcmp(argv[1], "serve")) return serve(argv + 2);
+  if (argc >= 5 && !strcmp(argv[1], "serve")) return serve(argc - 2, argv + 2);
   if (argc >= 6 && !strcmp(argv[1], "lat")) return lat(argv + 2);
   if (argc >= 6 && !strcmp(argv[1], "tput")) return tput(argv + 2);
   if (argc >= 9 && !strcmp(argv[1], "rate")) return rate(argv + 2);
   fprintf(stderr,
-          "usage: pinload serve ADDR FBPORT TPUTPORT | lat ADDR PORT HELLO N | tput ADDR PORT HELLO SECONDS |\n"
-          "       rate ADDR PORT HELLO BADHELLO RATE SECONDS BADEVERY\n");
+          "usage: pinload serve ADDR TPUTPORT FBPORT... | lat ADDR PORT HELLO N | tput ADDR PORT HELLO SECONDS |\n"
+          "       rate ADDR PORT[,PORT...] HELLO BADHELLO RATE SECONDS BADEVERY\n");
   return 2;
 }
