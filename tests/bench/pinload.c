@@ -22,7 +22,8 @@
  *       before the kernel's port choice comes back to one), each sends HELLO (every BADEVERY-th sends BADHELLO
  *       instead; 0 = never) and waits up to 3 s for the first byte. A HELLO connection must get
  *       the byte, a BADHELLO one must be refused (reset or closed without data). Prints one
- *       line of key=value counters, the achieved rate and the latency p50/p99 of the good ones.
+ *       line of key=value counters, the achieved rate and the latency p50/p99 of the good ones;
+ *       reused counts connections whose 4-tuple an earlier one of the same run had.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -305,7 +306,8 @@ static int rate(char **argv) {
   static struct cslot slots[65536];
   struct pending *ring = calloc((size_t)total + 1, sizeof *ring);
   double *lat = calloc((size_t)total + 1, sizeof *lat);
-  long ring_head = 0, ring_tail = 0, nlat = 0;
+  long ring_head = 0, ring_tail = 0, nlat = 0, reused = 0;
+  static unsigned char used[64][8192]; /* source ports seen per destination port */
   long started = 0, inflight = 0, ok = 0, refused_ok = 0, wrong_admit = 0, wrong_refused = 0, timeouts = 0,
        conn_err = 0, other_err = 0, blocked = 0;
   uint64_t max_lag = 0, last_done = 0;
@@ -335,11 +337,19 @@ static int rate(char **argv) {
       }
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      sa.sin_port = ports[started % nports];
+      int pi = (int)(started % nports);
+      sa.sin_port = ports[pi];
       if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
         conn_err++;
         close(fd);
         continue;
+      }
+      struct sockaddr_in me;
+      socklen_t ml = sizeof me;
+      if (getsockname(fd, (struct sockaddr *)&me, &ml) == 0) {
+        unsigned sp = ntohs(me.sin_port);
+        if (used[pi][sp >> 3] & (1u << (sp & 7))) reused++;
+        used[pi][sp >> 3] |= (unsigned char)(1u << (sp & 7));
       }
       struct cslot *s = &slots[fd];
       s->t0 = now;
@@ -417,10 +427,10 @@ static int rate(char **argv) {
   double p50 = nlat ? lat[(nlat - 1) / 2] : 0, p99 = nlat ? lat[(long)((nlat - 1) * 0.99)] : 0;
   double elapsed = (double)(end - t_start) / 1e9;
   printf("target=%g seconds=%g total=%ld started=%ld ok=%ld refused_ok=%ld wrong_admit=%ld wrong_refused=%ld "
-         "timeouts=%ld conn_err=%ld other_err=%ld unfinished=%ld blocked=%ld max_lag_ms=%.2f elapsed=%.4f "
+         "timeouts=%ld conn_err=%ld other_err=%ld unfinished=%ld blocked=%ld reused=%ld max_lag_ms=%.2f elapsed=%.4f "
          "achieved=%.1f p50_us=%.1f p99_us=%.1f\n",
          r, seconds, total, started, ok, refused_ok, wrong_admit, wrong_refused, timeouts, conn_err, other_err,
-         inflight, blocked, (double)max_lag / 1e6, elapsed,
+         inflight, blocked, reused, (double)max_lag / 1e6, elapsed,
          elapsed > 0 ? (double)(ok + refused_ok + wrong_admit + wrong_refused) / elapsed : 0.0, p50, p99);
   return 0;
 }

@@ -469,7 +469,8 @@ def main():
                    f"{' MISMATCH' if x['pin_mismatch'] else ''}") if pd else ""
             print(f"  {s:<8} target {x['target']:>6.0f}/s achieved {x['achieved']:>8.0f}/s  ok {x['ok']} "
                   f"refused {x['refused_ok']}  errors {x['errors']} (wrong admit {x['wrong_admit']}, wrong refuse "
-                  f"{x['wrong_refused']}, timeouts {x['timeouts']}, connect {x['conn_err']}, lag max "
+                  f"{x['wrong_refused']}, timeouts {x['timeouts']}, connect {x['conn_err']}; 4-tuples reused "
+                  f"{x['reused']}, lag max "
                   f"{x['max_lag_ms']:.1f} ms) p50 {x['p50_us']:.0f} µs p99 {x['p99_us']:.0f} µs"
                   f"{pin}{'' if x['sustained'] else '  not sustained'}")
     print(f"egressd highest sustained rate with zero errors: {best}/s   budget >= {RATE_BUDGET}/s: "
