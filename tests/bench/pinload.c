@@ -16,14 +16,19 @@
  *   pinload tput ADDR PORT HELLO SECONDS
  *       connect, HELLO, wait for the answer (as a TLS client waits for the ServerHello),
  *       then send for SECONDS, shut down, print the server's "BYTES USEC".
- *   pinload rate ADDR PORT[,PORT...] HELLO BADHELLO RATE SECONDS BADEVERY
+ *   pinload rate ADDR PORT[,PORT...] HELLO BADHELLO RATE SECONDS BADEVERY [SPORTBASE]
  *       Open loop: RATE new connections per second for SECONDS (started in 1 ms batches on
  *       schedule, at most 8192 in flight, to the PORTs in turn: more ports, more 4-tuples
  *       before the kernel's port choice comes back to one), each sends HELLO (every BADEVERY-th sends BADHELLO
  *       instead; 0 = never) and waits up to 3 s for the first byte. A HELLO connection must get
  *       the byte, a BADHELLO one must be refused (reset or closed without data). Prints one
  *       line of key=value counters, the achieved rate and the latency p50/p99 of the good ones;
- *       reused counts connections whose 4-tuple an earlier one of the same run had.
+ *       reused counts connections whose 4-tuple an earlier one of the same run had. With
+ *       SPORTBASE >= 0 the source ports are not the kernel's choice: connection i (counting
+ *       from SPORTBASE, so that successive runs continue the sequence) binds source port
+ *       1024 + (SPORTBASE + i) / NPORTS % 31744 (below 32768, where pinning.py starts the
+ *       kernel's range) and goes to PORT (SPORTBASE + i) % NPORTS, so no 4-tuple comes back
+ *       within 31744 x NPORTS connections.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -300,6 +305,7 @@ static int rate(char **argv) {
   unsigned char *good = read_file(argv[2], &glen), *bad = read_file(argv[3], &blen);
   double r = atof(argv[4]), seconds = atof(argv[5]);
   long bad_every = atol(argv[6]);
+  long sport_base = argv[7] ? atol(argv[7]) : -1;
   const uint64_t timeout = 3000000000ull;
   const long max_inflight = 8192;
   long total = (long)(r * seconds);
@@ -337,8 +343,18 @@ static int rate(char **argv) {
       }
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      int pi = (int)(started % nports);
+      int pi = (int)((sport_base >= 0 ? sport_base + started : started) % nports);
       sa.sin_port = ports[pi];
+      if (sport_base >= 0) {
+        struct sockaddr_in src = {.sin_family = AF_INET};
+        src.sin_port = htons((uint16_t)(1024 + (sport_base + started) / nports % 31744));
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, (struct sockaddr *)&src, sizeof src) != 0) {
+          conn_err++;
+          close(fd);
+          continue;
+        }
+      }
       if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
         conn_err++;
         close(fd);

@@ -177,6 +177,8 @@ def rows_pinning(d):
             tr["haproxy"]),
         row("new pinned TLS connections/s, 0 errors", best, "conn/s", budget=f">= {b['rate']}/s",
             verdict="" if d["config"]["quick"] else verdict(best >= b["rate"])),
+        row(f"new pinned TLS at {s['rate_kernel_ports']}/s, kernel's ports: errors", s["rate_kernel_ports_errors"],
+            "errors", budget="0 errors", verdict=verdict(s["rate_kernel_ports_sustained"])),
         row("pinned 4-tuple reused: decided afresh", None, "", budget="no decision error",
             verdict=verdict(s["tuple_reuse_ok"])),
     ]
@@ -215,6 +217,8 @@ def fmt(v, unit):
         return "-"
     if unit == "qps":
         return f"{v:,.0f} qps"
+    if unit == "errors":
+        return f"{v:.0f}"
     if unit == "conn/s":
         return f"{v:,.0f}/s"
     if unit == "us":
