@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Hostname pinning (issue 16): egressd vs no rules vs HAProxy `req_ssl_sni`, side by side (DESIGN §5).
 
-    server namespace  <tag>-up                           three client namespaces <tag>-norules,
-      lo 198.51.100.53/32  dnsmasq :53 (the upstream)     -egressd, -haproxy, each eth0 192.0.2.(4k+2)/30,
+    server namespace  <tag>-up                           four client namespaces <tag>-norules,
+      lo 198.51.100.53/32  dnsmasq :53 (the upstream)     -conntrack, -egressd, -haproxy, each eth0 192.0.2.(4k+2)/30,
          203.0.113.10/32   pinload serve :443, :5201  <-veth->  routes to the two server addresses only
                                                                (no default route, no host-namespace veth)
 
   norules  no nftables table at all
+  conntrack  the floor of any stateful design (as in datapath.py): a table that tracks every
+           flow and accepts on a ct mark, no sets, no pinning; a diagnostic, no budget
   egressd  egressd run --netns <tag>-egressd, phase `agent`: allowlist [pinned.bench.example]
            (pinning on: the default). The client resolves pinned.bench.example through egressd
            first, so 203.0.113.10 is a name-learned address and every new TCP flow to it has its
@@ -80,6 +82,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dns_proxy as dp  # noqa: E402  (BenchRun, preflight, start_egressd, BenchError, ...)
 from dns_proxy import lab  # noqa: E402
+from datapath import CONNTRACK_TABLE  # noqa: E402  (the floor: conntrack and a ct mark rule, nothing else)
 
 PREFIX = "egbpin-"
 UPSTREAM = dp.UPSTREAM  # 198.51.100.53: the DNS upstream
@@ -93,7 +96,7 @@ RATE_PORTS = tuple(range(10001, 10009))
 REUSE_SPORTS = (20000, 20002)
 HAP_FB, HAP_TPUT = 10443, 10444
 NOBODY = 65534
-SIDES = ("norules", "egressd", "haproxy")
+SIDES = ("norules", "conntrack", "egressd", "haproxy")
 LAT_BUDGET_US = 100.0
 LAT_RATIO_BUDGET = 0.2
 TPUT_BUDGET = 0.97
@@ -315,9 +318,9 @@ class Pinning:
             b, be = self.lat(side, 1, self.bad)
             if not g:
                 raise dp.BenchError(f"{side}: the ClientHello for {NAME} got no answer: {ge}")
-            if side == "norules" and not b:
-                raise dp.BenchError(f"norules: the ClientHello for {OTHER} got no answer: {be}")
-            if side != "norules" and b:
+            if side in ("norules", "conntrack") and not b:
+                raise dp.BenchError(f"{side}: the ClientHello for {OTHER} got no answer: {be}")
+            if side in ("egressd", "haproxy") and b:
                 raise dp.BenchError(f"{side}: the ClientHello for {OTHER} was answered, expected a refusal")
 
 
@@ -390,16 +393,17 @@ def main():
         b.build_lab()
         b.start_egressd()
         b.start_haproxy()
+        dp.nft(b.topo.clients["conntrack"], "-f", "-", input=CONNTRACK_TABLE)
         b.check_enforcement()
         reuse = b.tuple_reuse()
 
         per_slice = max(1, a.conns // a.slices)
         for r in range(a.rounds):
-            order = SIDES[r % 3:] + SIDES[:r % 3]
+            order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
             lat = {s: [] for s in SIDES}
             errs = {s: [] for s in SIDES}
             for k in range(a.slices):
-                for side in order[k % 3:] + order[:k % 3]:
+                for side in order[k % len(SIDES):] + order[:k % len(SIDES)]:
                     v, e = b.lat(side, per_slice)
                     lat[side] += v
                     errs[side] += e
@@ -431,10 +435,12 @@ def main():
 
     elapsed = time.monotonic() - t_start
     p50 = {s: statistics.median(r["lat_p50_us"][s] for r in rounds) for s in SIDES}
-    added = {s: [r["lat_p50_us"][s] - r["lat_p50_us"]["norules"] for r in rounds] for s in ("egressd", "haproxy")}
+    added = {s: [r["lat_p50_us"][s] - r["lat_p50_us"]["norules"] for r in rounds]
+             for s in ("conntrack", "egressd", "haproxy")}
     lat_ratio = [e / h if h > 0 else float("inf") for e, h in zip(added["egressd"], added["haproxy"])]
     tput = {s: statistics.median(r["tput"][s]["bps"] for r in rounds) / 1e9 for s in SIDES}
-    tput_ratio = {s: [r["tput"][s]["bps"] / r["tput"]["norules"]["bps"] for r in rounds] for s in ("egressd", "haproxy")}
+    tput_ratio = {s: [r["tput"][s]["bps"] / r["tput"]["norules"]["bps"] for r in rounds]
+                  for s in ("conntrack", "egressd", "haproxy")}
     lat_errors = {s: sum(len(r["lat_errors"][s]) for r in rounds) for s in SIDES}
     sustained = [x for x in rates["egressd"] if x["sustained"]]
     best = max((x["target"] for x in sustained), default=0)
@@ -476,7 +482,7 @@ def main():
     lr = summary["lat_added_ratio_egressd_over_haproxy"]
     print(f"added p50 egressd / haproxy: {lr:.3f}   budget <= {LAT_RATIO_BUDGET:g}: {verdict(lr <= LAT_RATIO_BUDGET)}"
           f"{spread(lat_ratio, '{:.3f}')}")
-    for s in ("egressd", "haproxy"):
+    for s in ("conntrack", "egressd", "haproxy"):
         t = summary["tput_ratio"][s]
         b_txt = f"   budget >= {TPUT_BUDGET:g}: {verdict(t >= TPUT_BUDGET)}" if s == "egressd" else ""
         print(f"TCP throughput {s} / no rules: {t:.3f}{b_txt}{spread(tput_ratio[s], '{:.3f}')}")

@@ -175,6 +175,8 @@ def rows_pinning(d):
             f">= {b['tput']:g} x", verdict(tr["egressd"] >= b["tput"])),
         row("TCP through haproxy req_ssl_sni", tput["haproxy"], "Gbit/s", "no rules", tput["norules"],
             tr["haproxy"]),
+    ] + ([row("TCP, conntrack alone (floor)", tput["conntrack"], "Gbit/s", "no rules", tput["norules"],
+              tr["conntrack"])] if "conntrack" in tr else []) + [
         row("new pinned TLS connections/s, 0 errors", best, "conn/s", budget=f">= {b['rate']}/s",
             verdict="" if d["config"]["quick"] else verdict(best >= b["rate"])),
         row(f"new pinned TLS at {s['rate_kernel_ports']}/s, kernel's ports: errors", s["rate_kernel_ports_errors"],
@@ -188,8 +190,11 @@ def plot_pinning(out: Path, d):
     s = d["summary"]
     with open(out / "pinning.dat", "w") as f:
         f.write("# side p50_us tput_gbps\n")
-        for side in ("norules", "egressd", "haproxy"):
-            label = {"norules": "no rules", "egressd": "egressd (pinned)", "haproxy": "haproxy req_ssl_sni"}[side]
+        for side in ("norules", "conntrack", "egressd", "haproxy"):
+            if side not in s["lat_p50_us"]:
+                continue
+            label = {"norules": "no rules", "conntrack": "conntrack alone", "egressd": "egressd (pinned)",
+                     "haproxy": "haproxy (SNI ACL)"}[side]
             f.write(f"\"{label}\" {s['lat_p50_us'][side]} {s['tput_gbps'][side]}\n")
     gnuplot(out, "pinning", f"""set multiplot layout 1,2 title 'Hostname pinning: a TLS flow to a name-learned address'
 {HISTOGRAMS}
