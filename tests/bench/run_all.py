@@ -33,6 +33,7 @@ BENCHES = [
     ("memory", [], ["--quick"], 150),
     ("startup", [], ["--quick"], 60),
     ("agent", [], ["--quick"], 180),
+    ("pinning", [], ["--quick"], 150),
 ]
 
 
@@ -159,9 +160,61 @@ def plot_agent(out: Path, d):
     pass  # a table is the picture: five numbers
 
 
+def rows_pinning(d):
+    s, b = d["summary"], d["budget"]
+    added, p50, tput, tr = s["lat_added_p50_us"], s["lat_p50_us"], s["tput_gbps"], s["tput_ratio"]
+    ratio = s["lat_added_ratio_egressd_over_haproxy"]
+    best = s["rate_sustained_egressd"]
+    return [
+        row("pinned TLS connect+first byte p50", p50["egressd"], "us", "no rules", p50["norules"],
+            p50["egressd"] / p50["norules"], f"<= +{b['lat_added_us']:g} us (+{added['egressd']:.0f})",
+            verdict(added["egressd"] <= b["lat_added_us"])),
+        row("pinned TLS connect+first byte p50, added", added["egressd"], "us", "haproxy req_ssl_sni, added",
+            added["haproxy"], ratio, f"<= {b['lat_ratio']:g} x", verdict(ratio <= b["lat_ratio"])),
+        row("TCP through a pinned address", tput["egressd"], "Gbit/s", "no rules", tput["norules"], tr["egressd"],
+            f">= {b['tput']:g} x", verdict(tr["egressd"] >= b["tput"])),
+        row("TCP through haproxy req_ssl_sni", tput["haproxy"], "Gbit/s", "no rules", tput["norules"],
+            tr["haproxy"]),
+    ] + ([row("TCP, conntrack alone (floor)", tput["conntrack"], "Gbit/s", "no rules", tput["norules"],
+              tr["conntrack"])] if "conntrack" in tr else []) + [
+        row("new pinned TLS connections/s, 0 errors", best, "conn/s", budget=f">= {b['rate']}/s",
+            verdict="" if d["config"]["quick"] else verdict(best >= b["rate"])),
+        row(f"new pinned TLS at {s['rate_kernel_ports']}/s, kernel's ports: errors", s["rate_kernel_ports_errors"],
+            "errors", budget="0 errors", verdict=verdict(s["rate_kernel_ports_sustained"])),
+        row("pinned 4-tuple reused: decided afresh", None, "", budget="no decision error",
+            verdict=verdict(s["tuple_reuse_ok"])),
+    ]
+
+
+def plot_pinning(out: Path, d):
+    s = d["summary"]
+    with open(out / "pinning.dat", "w") as f:
+        f.write("# side p50_us tput_gbps\n")
+        for side in ("norules", "conntrack", "egressd", "haproxy"):
+            if side not in s["lat_p50_us"]:
+                continue
+            label = {"norules": "no rules", "conntrack": "conntrack alone", "egressd": "egressd (pinned)",
+                     "haproxy": "haproxy (SNI ACL)"}[side]
+            f.write(f"\"{label}\" {s['lat_p50_us'][side]} {s['tput_gbps'][side]}\n")
+    gnuplot(out, "pinning", f"""set multiplot layout 1,2 title 'Hostname pinning: a TLS flow to a name-learned address'
+{HISTOGRAMS}
+set boxwidth 0.9
+set xtics rotate by -30 nomirror
+set grid ytics
+set yrange [0:*]
+set title 'connect + first byte, p50'
+set ylabel 'microseconds'
+plot 'pinning.dat' using 2:xtic(1) notitle lc rgb '#4477aa'
+set title 'TCP throughput, one flow'
+set ylabel 'Gbit/s'
+plot 'pinning.dat' using 3:xtic(1) notitle lc rgb '#ee6677'
+unset multiplot
+""")
+
+
 ROWS = {"switch_latency": rows_switch, "dns_proxy": rows_dns, "datapath": rows_datapath,
         "memory": rows_memory, "startup": rows_startup,
-        "agent": rows_agent}
+        "agent": rows_agent, "pinning": rows_pinning}
 
 
 def fmt(v, unit):
@@ -169,6 +222,10 @@ def fmt(v, unit):
         return "-"
     if unit == "qps":
         return f"{v:,.0f} qps"
+    if unit == "errors":
+        return f"{v:.0f}"
+    if unit == "conn/s":
+        return f"{v:,.0f}/s"
     if unit == "us":
         return f"{v:.0f} µs"
     if unit == "ms":
@@ -310,7 +367,8 @@ plot 'startup.dat' using 2:xtic(1) title 'p50' lc rgb '#4477aa', '' using 3 titl
 
 
 PLOTS = {"switch_latency": plot_switch, "dns_proxy": plot_dns, "datapath": plot_datapath,
-         "memory": plot_memory, "startup": plot_startup, "agent": plot_agent}
+         "memory": plot_memory, "startup": plot_startup, "agent": plot_agent,
+         "pinning": plot_pinning}
 
 
 def finish(run, out: Path, results: dict, rows: list, failures: list):
