@@ -21,6 +21,7 @@ namespace {
 constexpr std::uint8_t kTcp = 6;
 constexpr std::uint8_t kUdp = 17;
 constexpr std::uint16_t kQuicPort = 443;
+constexpr std::uint8_t kTcpOptFastOpen = 34, kTcpOptFastOpenExp = 254;
 // ICMPv6 neighbour discovery types that must leave for IPv6 to work at all.
 // With hop limit 255 they cannot be routed beyond the link.
 constexpr std::uint8_t kNdRouterSolicit = 133;
@@ -109,6 +110,13 @@ Chain pin_chain(const CompileOptions& opts) {
   // ... or a QUIC flow (UDP 443): ICMP administratively prohibited, so the
   // client falls back to TCP at once instead of waiting out its handshake.
   c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kUdp}, StmtCounter{}, StmtRejectAdminProhibited{}}, ""});
+  // TCP Fast Open would put the first bytes in the SYN, which passes
+  // uninspected: a SYN with the option (34, or the experimental 254) is
+  // dropped, and the client's retransmitted SYN carries neither option nor
+  // data (Linux leaves them out of SYN retries), so its bytes follow the
+  // handshake and are judged.
+  c.rules.push_back({{MatchTcpOption{kTcpOptFastOpen}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  c.rules.push_back({{MatchTcpOption{kTcpOptFastOpenExp}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   // The handshake passes as without pinning; the flow stays undecided (no ct mark).
   c.rules.push_back({{MatchTcpFlagSyn{}, to_pass()}, ""});
   // Everything else goes to the reader, carrying the flow's conntrack id as

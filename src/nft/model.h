@@ -113,6 +113,9 @@ struct MatchSocketMark { std::uint32_t value; };
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
 struct MatchIpv4SourceRoute { bool strict; };
+// `tcp option fastopen exists` (kind 34) / `tcp option 254 exists` (the
+// experimental TCP Fast Open option).
+struct MatchTcpOption { std::uint8_t kind; };
 // counter (anonymous; packets/bytes read back for status). `listed`: the
 // values were read from the kernel (`egressctl rules`), and the text shows
 // them as `nft list` does; egressd never sends them (a new counter starts at 0).
@@ -155,7 +158,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

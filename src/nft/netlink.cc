@@ -537,6 +537,7 @@ class RuleBuilder {
     nfproto(4);
     exthdr_present(m.strict ? IPOPT_SSRR : IPOPT_LSRR, NFT_EXTHDR_OP_IPV4);
   }
+  void operator()(const MatchTcpOption& m) { exthdr_present(m.kind, NFT_EXTHDR_OP_TCPOPT); }
   void operator()(const StmtCounter&) { add(expr("counter")); }
   void operator()(const StmtLimit& s) {
     auto e = expr("limit");

@@ -154,6 +154,9 @@ struct StmtText {
   }
   std::string operator()(const MatchSocketMark& m) const { return "socket mark " + hex32(m.value); }
   std::string operator()(const MatchIpv6RoutingHeader&) const { return "exthdr rt exists"; }
+  std::string operator()(const MatchTcpOption& m) const {
+    return m.kind == 34 ? "tcp option fastopen exists" : "tcp option " + std::to_string(m.kind) + " exists";
+  }
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }

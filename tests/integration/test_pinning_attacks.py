@@ -81,3 +81,70 @@ def test_a_refused_flow_leaves_no_half_open_connection_on_the_server(lab, pinned
         # The server saw the handshake, never the hello: egressd resets its end too.
         wait_for(lambda: sport not in server_peers(lab), 3.0,
                  f"the server's end of the refused flow from port {sport} to close")
+
+
+TFO_PORT = 8444
+TFO_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_FASTOPEN, 16)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(16)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(2)
+    try:
+        data = c.recv(4096)
+        with open(sys.argv[3], "ab") as f:
+            f.write(data + b"\\n--\\n")
+        c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+def test_tcp_fast_open_data_in_a_syn_is_never_let_through(lab, pinned, tmp_path):  # noqa: F811
+    """With TCP Fast Open, the first bytes ride in the SYN, which chain pin lets pass before
+    any payload is judged; a server that handed out a cookie would take them. egressd drops
+    SYNs with the option: the client retries without it and its bytes are judged."""
+    import subprocess
+    import lab as labmod
+    seen = tmp_path / "tfo-seen"
+    lab.internet.exec("sysctl", "-qw", "net.ipv4.tcp_fastopen=3")  # server (and client) on
+    lab.sandbox.exec("sysctl", "-qw", "net.ipv4.tcp_fastopen=1")   # client on (the default)
+    p = lab.spawn(["/usr/bin/python3", "-c", TFO_SERVER, V4, TFO_PORT, seen], netns=lab.internet,
+                  stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "tfo server ready").strip() == "ready"
+
+    def fast_open(host):
+        def run():
+            s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM)
+            # Blocking (a non-blocking TFO connect without a cookie says EINPROGRESS), and
+            # bounded: SO_SNDTIMEO/SO_RCVTIMEO of 4 s.
+            tv = struct.pack("ll", 4, 0)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            try:
+                # Data in the SYN when a cookie is cached, else a cookie request.
+                s.sendto(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % host.encode(), socket.MSG_FASTOPEN,
+                         (V4, TFO_PORT))
+                data = s.recv(100)
+                if not data:
+                    raise ConnectionResetError
+                return data
+            finally:
+                s.close()
+        return outcome(run)
+
+    # A good request gets through (after the SYN retry), a cookie or not.
+    first = fast_open("allowed.test")
+    assert first[0] == "ok", first
+    for _ in range(2):
+        kind, _ = fast_open("same-ip.test")
+        assert kind != "ok"
+    text = seen.read_bytes() if seen.exists() else b""
+    assert b"same-ip.test" not in text, f"the server received a request for same-ip.test: {text!r}"
+    assert b"allowed.test" in text

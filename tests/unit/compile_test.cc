@@ -451,15 +451,18 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 5);
+  REQUIRE(pin->rules.size() == 7);
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
   CHECK(render_rule(pin->rules[2]) ==
         "meta mark 0x72737421 meta l4proto udp counter reject with icmpx admin-prohibited");
-  CHECK(render_rule(pin->rules[3]) == "tcp flags syn goto pass");
+  // TCP Fast Open data in a SYN would pass uninspected: such SYNs are dropped (the retry has none).
+  CHECK(render_rule(pin->rules[3]) == "tcp option fastopen exists counter drop");
+  CHECK(render_rule(pin->rules[4]) == "tcp option 254 exists counter drop");
+  CHECK(render_rule(pin->rules[5]) == "tcp flags syn goto pass");
   // No bypass: with no reader the packet is dropped.
-  CHECK(render_rule(pin->rules[4]) == "meta mark set ct id counter queue num 16");
+  CHECK(render_rule(pin->rules[6]) == "meta mark set ct id counter queue num 16");
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
