@@ -1,0 +1,80 @@
+// libFuzzer target for hostname pinning's queue reader (src/daemon/pinq.cc):
+// the IP packets a sandbox sends on undecided flows, as the kernel queues
+// them (parse_packet), and the reader's reassembly, memory and verdicts
+// (PinFlows). The input is a sequence of records: one control byte, a 2-byte
+// big-endian length, the packet. Control byte: bits 0-2 the packet's
+// conntrack id (as chain pin puts it in the mark), bit 3 a second of time
+// passes first, bit 4 a switch cuts every admitted flow first.
+// Properties checked for every input:
+//  - no crash, no out-of-bounds read, no UB (ASan/UBSan);
+//  - every queued packet gets exactly one verdict, and only packets that were
+//    queued get one; once the hold time has passed, none is held;
+//  - the counters add up: admitted + reset <= inspected.
+#include <cstdint>
+#include <cstdlib>
+#include <set>
+#include <vector>
+
+#include "daemon/pinq.h"
+#include "fuzz_check.h"
+
+using namespace egressd;
+using namespace egressd::daemon;
+
+namespace {
+
+struct Judge : PinJudge, pin::PinFacts {
+  Entry entry;
+  const pin::PinFacts& pin_facts() const override { return *this; }
+  std::uint32_t pass_mark() const override { return 0x70617373; }
+  void pin_decided(const pin::Decision& d, const IpPrefix&, std::uint16_t) override {
+    FUZZ_CHECK(d.kind != pin::Decision::Kind::need_more);
+    FUZZ_CHECK(!d.reason.empty() && d.reason.size() < 1024);
+  }
+  std::vector<std::string> names_for(const IpPrefix&) const override { return {"allowed.test"}; }
+  const Entry* allowed(std::string_view name) const override { return name == "allowed.test" ? &entry : nullptr; }
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  Judge judge;
+  PinFlows flows(judge);
+  auto now = PinFlows::Clock::time_point{} + std::chrono::hours(1);
+  std::set<std::uint32_t> queued, answered;
+  auto take = [&](const std::vector<PinVerdict>& vs) {
+    for (const PinVerdict& v : vs) {
+      FUZZ_CHECK(queued.contains(v.packet_id));
+      FUZZ_CHECK(answered.insert(v.packet_id).second);
+    }
+  };
+  std::uint32_t next_id = 1;
+  std::size_t off = 0;
+  while (off + 3 <= size && next_id < 4096) {
+    const std::uint8_t ctl = data[off];
+    const std::size_t len = static_cast<std::size_t>(data[off + 1] << 8 | data[off + 2]);
+    off += 3;
+    const std::size_t n = std::min(len, size - off);
+    const std::span<const std::uint8_t> pkt(data + off, n);
+    off += n;
+    if (ctl & 0x08) {
+      now += std::chrono::seconds(1);
+      take(flows.expire(now));
+    }
+    if (ctl & 0x10) flows.cut([](const AdmittedFlow&) { return false; }, now);
+    std::optional<Segment> seg = parse_packet(pkt);
+    if (!seg) continue;
+    seg->ct_id = ctl & 0x07;
+    const std::uint32_t id = next_id++;
+    queued.insert(id);
+    take(flows.packet(id, *seg, now));
+    const PinStats& st = flows.stats();
+    FUZZ_CHECK(st.admitted + st.reset <= st.inspected);
+    (void)flows.take_server_resets();
+  }
+  // Past the hold time nothing is held: every queued packet has had its verdict.
+  take(flows.expire(now + kHoldTime + std::chrono::seconds(1)));
+  FUZZ_CHECK(flows.stats().held == 0);
+  FUZZ_CHECK(answered.size() == queued.size());
+  return 0;
+}
