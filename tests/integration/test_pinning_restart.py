@@ -10,8 +10,11 @@ name is admitted, another name on the same address is still reset, and `status` 
 Lab as in test_pinning.py: allowed.test and same-ip.test both resolve to 203.0.113.10 /
 2001:db8:3::10, TLS servers on 8443 in the internet namespace.
 """
+import signal
+
 import pytest
 
+from test_agent import agent  # noqa: F401 (fixture)
 from test_pinning import HOSTS, V4, V6, assert_reset, learn, policy, servers, tls  # noqa: F401 (fixture)
 
 
@@ -73,3 +76,18 @@ def test_a_second_name_for_the_address_is_kept_too(lab, egressd, servers, dns_ba
     for name in ("allowed.test", "same-ip.test"):
         assert tls(lab, V4, name) == ("ok", b"tls:ping"), name
     assert_reset(tls(lab, V4, "other.test"), "tls with sni other.test after a restart")
+
+
+def test_agent_mode_restart_keeps_the_learned_name(lab, agent, servers, dns_back):
+    """`egressd agent --state-dir`: the same adoption, per sandbox."""
+    config = lab.write_config(policy())
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    learn(lab)
+    assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
+    lab.dns.stop()
+    agent.stop(signal.SIGKILL)
+    agent.start()
+    st = agent.json("--sandbox", "one", "status")
+    assert {e["name"] for e in st["learned"]} == {"allowed.test"}, st["learned"]
+    assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
+    assert_reset(tls(lab, V4, "same-ip.test"), "tls with sni same-ip.test after the agent's restart")
