@@ -131,4 +131,36 @@ std::size_t LearnedStore::live_count() const {
   return n;
 }
 
+std::string names_comment(const std::vector<std::string>& names, std::size_t max_bytes) {
+  std::vector<std::string> kept;
+  std::size_t used = 0;
+  for (const auto& n : names) {
+    if (n.empty() || std::find(kept.begin(), kept.end(), n) != kept.end()) continue;
+    const std::size_t cost = n.size() + (kept.empty() ? 0 : 1);
+    if (used + cost > max_bytes) continue;
+    kept.push_back(n);
+    used += cost;
+  }
+  std::sort(kept.begin(), kept.end());
+  std::string out;
+  for (const auto& n : kept) out += (out.empty() ? "" : " ") + n;
+  return out;
+}
+
+std::vector<std::string> names_from_comment(std::string_view comment) {
+  auto name_char = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+  };
+  std::vector<std::string> out;
+  while (!comment.empty()) {
+    const std::size_t sp = comment.find(' ');
+    const std::string_view word = comment.substr(0, sp);
+    comment = sp == std::string_view::npos ? std::string_view{} : comment.substr(sp + 1);
+    if (word.empty() || word.size() > 253 || !std::all_of(word.begin(), word.end(), name_char)) continue;
+    if (word.front() == '.' || word.back() == '.' || word.find("..") != std::string_view::npos) continue;
+    if (std::find(out.begin(), out.end(), word) == out.end()) out.emplace_back(word);
+  }
+  return out;
+}
+
 }  // namespace egressd::daemon

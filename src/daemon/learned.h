@@ -18,6 +18,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "egressd/clock.h"
@@ -79,5 +80,15 @@ class LearnedStore {
   std::size_t count_ = 0;
   TimePoint next_sweep_{};
 };
+
+// The comment a learned set element carries (docs/pinning.md "Restarts"):
+// `names` (normalized; in priority order, duplicates ignored) joined by one
+// space, sorted, keeping in priority order those that fit in `max_bytes`
+// (nft's limit on element comments); a name that does not fit is left out.
+std::string names_comment(const std::vector<std::string>& names, std::size_t max_bytes);
+// The names in such a comment. The kernel keeps whatever anyone wrote, so a
+// word that is not a normalized name (lower-case letters, digits, '-', '_',
+// '.', at most 253 bytes) is skipped: it never reaches pinning or a log.
+std::vector<std::string> names_from_comment(std::string_view comment);
 
 }  // namespace egressd::daemon

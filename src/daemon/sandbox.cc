@@ -46,6 +46,30 @@ std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
                                    EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};
 
+struct AddrLess {
+  bool operator()(const IpPrefix& a, const IpPrefix& b) const {
+    return a.family != b.family ? a.family < b.family : a.bytes < b.bytes;
+  }
+};
+
+// Appends the adds of `plain` and `replace` to learned set `set`. Each
+// element's comment names what its address was learned for (docs/pinning.md
+// "Restarts"). Re-adding an element that exists refreshes its timeout but
+// keeps its old comment (measured on 6.18), so an element whose names
+// changed is replaced: add (creates it if it expired meanwhile), delete,
+// add with the new comment, all in the caller's one transaction, so the
+// address is never out of the set.
+void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
+                        std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace) {
+  if (!plain.empty()) ops.push_back(nft::OpAddElems{set, type, false, std::move(plain)});
+  if (replace.empty()) return;
+  ops.push_back(nft::OpAddElems{set, type, false, replace});
+  std::vector<nft::SetElem> keys;
+  for (const auto& e : replace) keys.push_back({e.from, e.to});
+  ops.push_back(nft::OpDeleteElems{set, type, false, std::move(keys)});
+  ops.push_back(nft::OpAddElems{set, type, false, std::move(replace)});
+}
+
 }  // namespace
 
 Status write_atomically(const std::string& path, const std::string& text) {
@@ -469,6 +493,9 @@ Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing,
     state_ = *adopted;
     inline_ = adopted_inline;
     active_facts_ = facts(active_phase());
+    // The learned sets were kept with the table; the names each address was
+    // learned for are in its comment: pinning admits what it admitted.
+    restore_learned();
     // The inet table stays as it is; the netdev table is rebuilt for this
     // namespace's interfaces now (one batch: no moment without it).
     nft::Change ch;
@@ -765,16 +792,17 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
   if (m.size() == 0) return ops;
   const auto now = learned_.now();
   const auto [s4, s6] = nft::learned_sets(chain);
-  // One element per address, with the longest lifetime any name gives it.
-  struct Less {
-    bool operator()(const IpPrefix& a, const IpPrefix& b) const {
-      return a.family != b.family ? a.family < b.family : a.bytes < b.bytes;
-    }
+  // One element per address, with the longest lifetime any name gives it,
+  // naming every name that gives it one.
+  struct Carried {
+    std::uint64_t ms = 0;
+    std::vector<std::string> names;
   };
-  std::map<IpPrefix, std::uint64_t, Less> elems;
-  auto add = [&](const IpPrefix& a, std::uint64_t ms) {
-    auto [it, fresh] = elems.emplace(a, ms);
-    if (!fresh) it->second = std::max(it->second, ms);
+  std::map<IpPrefix, Carried, AddrLess> elems;
+  auto add = [&](const IpPrefix& a, std::uint64_t ms, const std::string& name) {
+    Carried& c = elems[a];
+    c.ms = std::max(c.ms, ms);
+    if (std::find(c.names.begin(), c.names.end(), name) == c.names.end()) c.names.push_back(name);
   };
   for (const auto& [name, addrs] : learned_.by_name()) {
     const Entry* e = m.match(name);
@@ -789,19 +817,23 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
       // rebinding guard's addresses included; they never enter a learned set.
       if (dns::guard_for(a.addr, exact, opts_.policy.dns.private_answers)) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(expires - now).count();
-      add(a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000)));
+      add(a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000)), name);
     }
   }
   // Hosts-file pairs the target allows: refreshed while they stay in the file.
   const auto hosts_ms = static_cast<std::uint64_t>(std::chrono::milliseconds(kHostsTimeout).count());
   for (const auto& [name, addrs] : hosts_allowed(facts, target.mode)) {
-    for (const auto& a : addrs) add(a, hosts_ms);
+    for (const auto& a : addrs) add(a, hosts_ms, name);
   }
-  nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
-  nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
-  for (const auto& [a, ms] : elems) (a.family == 4 ? v4 : v6).elems.push_back(nft::SetElem{a, a, ms});
-  if (!v4.elems.empty()) ops.push_back(std::move(v4));
-  if (!v6.elems.empty()) ops.push_back(std::move(v6));
+  // The target's sets may still hold an element from when it was last in
+  // force, with the names of then: every carried element is replaced.
+  std::vector<nft::SetElem> v4, v6;
+  for (auto& [a, c] : elems) {
+    std::sort(c.names.begin(), c.names.end());
+    (a.family == 4 ? v4 : v6).push_back(nft::SetElem{a, a, c.ms, names_comment(c.names, nft::kElemCommentMax)});
+  }
+  push_learned_elems(ops, s4, nft::SetType::ipv4_addr, {}, std::move(v4));
+  push_learned_elems(ops, s6, nft::SetType::ipv6_addr, {}, std::move(v6));
   return ops;
 }
 
@@ -918,7 +950,7 @@ void Sandbox::flush_learned() {
   if (!p.ops.empty()) {
     nft::Change ch;
     ch.table = nft::kTableName;
-    ch.ops = std::move(p.ops);
+    ch.ops = named_learned_elems(std::move(p.ops), p.records);
     // Re-adding an element refreshes its timeout on this kernel (checked on
     // 6.x: `add element` with a new timeout replaces the expiry).
     st = apply_batch(ch);
@@ -928,6 +960,78 @@ void Sandbox::flush_learned() {
     for (const auto& [l, ms] : p.records) remember(l.qname, l.addr, ms);
   }
   for (auto& d : p.done) d(st);
+}
+
+std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
+                                                  const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const {
+  std::map<IpPrefix, std::vector<std::string>, AddrLess> fresh;  // the names this batch learns, per address
+  for (const auto& [l, ms] : records) {
+    auto& v = fresh[l.addr];
+    if (std::find(v.begin(), v.end(), l.qname) == v.end()) v.push_back(l.qname);
+  }
+  const dns::NameMatcher& m = *active_facts_->matcher;
+  auto allowed = [&](std::vector<std::string> names) {
+    std::erase_if(names, [&](const std::string& n) { return m.match(n) == nullptr; });
+    return std::set<std::string>(names.begin(), names.end());
+  };
+  std::vector<nft::Op> out;
+  for (auto& op : adds) {
+    auto& add = std::get<nft::OpAddElems>(op);
+    // One element per address (two names may bring the same one), with the
+    // longest timeout asked for.
+    std::map<IpPrefix, std::uint64_t, AddrLess> ms;
+    for (const auto& e : add.elems) ms[e.from] = std::max(ms[e.from], e.timeout_ms);
+    std::vector<nft::SetElem> plain, replace;
+    for (const auto& [addr, timeout] : ms) {
+      const std::set<std::string> before_all = allowed(learned_.names_for(addr, true));
+      const std::set<std::string> before_live = allowed(learned_.names_for(addr));
+      std::vector<std::string> names = fresh[addr];  // first: they must fit
+      std::sort(names.begin(), names.end());
+      std::set<std::string> after = before_live;
+      for (const auto& n : names) after.insert(n);
+      names.insert(names.end(), before_live.begin(), before_live.end());
+      nft::SetElem e{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)};
+      // A new address takes its comment on the first add. One the store
+      // knew with other names (some expired, or this one is new) may be in
+      // the kernel with those: replaced. (Expired pairs the store swept are
+      // not seen: such a comment keeps a stale name until the next change;
+      // a restart gives it the element's remaining lifetime at most.)
+      (before_all.empty() || after == before_all ? plain : replace).push_back(std::move(e));
+    }
+    push_learned_elems(out, add.set, add.type, std::move(plain), std::move(replace));
+  }
+  return out;
+}
+
+void Sandbox::restore_learned() {
+  if (state_.mode != Mode::allowlist) return;
+  const auto [s4, s6] = nft::learned_sets(active_chain());
+  const dns::NameMatcher& m = *active_facts_->matcher;
+  std::size_t addrs = 0, pairs = 0;
+  for (const auto& [set, type] : {std::pair{s4, nft::SetType::ipv4_addr}, {s6, nft::SetType::ipv6_addr}}) {
+    auto elems = kernel_->read_set_elems(nft::kTableName, set, type);
+    if (!elems) {
+      // Not fatal: pinning resets flows to these addresses until the
+      // sandbox resolves their names again, as before names were kept.
+      log()->warn("learned names not restored from set {}: {}", set, elems.error().message);
+      continue;
+    }
+    for (const auto& e : *elems) {
+      if (e.expires_ms == 0) continue;  // no timeout: not one egressd learned
+      bool any = false;
+      for (const auto& name : names_from_comment(e.comment)) {
+        // The phase in force allowed it when it was learned; a name it does
+        // not allow (an element written by someone else) is not taken.
+        if (m.match(name) == nullptr) continue;
+        if (learned_.remember(name, e.from, std::chrono::milliseconds(e.expires_ms))) {
+          ++pairs;
+          any = true;
+        }
+      }
+      addrs += any ? 1 : 0;
+    }
+  }
+  log()->info("restored learned names pairs={} addresses={} chain={}", pairs, addrs, active_chain());
 }
 
 json Sandbox::status() {

@@ -353,6 +353,16 @@ class Sandbox : public dns::PolicyHooks {
   // The switch and its reply.
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
   void flush_learned();
+  // `adds` (one OpAddElems per learned set, as learn() builds them) with
+  // each element's comment naming what its address is learned for (the
+  // names in `records` first, then those remembered), duplicates merged,
+  // and the elements whose names changed replaced (push_learned_elems).
+  std::vector<nft::Op> named_learned_elems(std::vector<nft::Op> adds,
+                                           const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const;
+  // After adopting a table unchanged: learned_ := the (name, address,
+  // remaining lifetime) the phase in force's learned sets hold in their
+  // elements' comments. Errors are logged, not fatal.
+  void restore_learned();
   // Elements for `target`'s learned sets: every remembered address whose name
   // `target` allows, with its remaining lifetime.
   std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain) const;

@@ -11,9 +11,11 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -29,11 +31,28 @@ enum class SetType { ipv4_addr, ipv6_addr };
 // (a CIDR or a merged range); for other sets from == to. timeout_ms > 0 only
 // in timeout sets.
 struct SetElem {
+  // Constructors rather than an aggregate: `{from, to, timeout}` stays the
+  // short form, and the fields added later need no initializer everywhere.
+  SetElem() = default;
+  SetElem(IpPrefix from_, IpPrefix to_, std::uint64_t timeout_ms_ = 0, std::string comment_ = {},
+          std::uint64_t expires_ms_ = 0)
+      : from(from_), to(to_), timeout_ms(timeout_ms_), comment(std::move(comment_)), expires_ms(expires_ms_) {}
   IpPrefix from;  // prefix_len ignored; address only
   IpPrefix to;
   std::uint64_t timeout_ms = 0;
+  // The element's userdata comment (`comment "..."`), "" for none; at most
+  // kElemCommentMax bytes. Learned sets keep the names an address was
+  // learned for here, so a restarted egressd can pin them again.
+  std::string comment;
+  // Read back only (read_set_elems): the time left before the kernel drops
+  // the element, in ms; 0 when it has no timeout. Never sent.
+  std::uint64_t expires_ms = 0;
   friend bool operator==(const SetElem&, const SetElem&) = default;
 };
+
+// nft(8) refuses longer element comments (NFT_USERDATA_MAXLEN is larger,
+// but `nft -f` of egressctl rules must load); the NUL terminator is extra.
+inline constexpr std::size_t kElemCommentMax = 127;
 
 struct Set {
   std::string name;

@@ -332,22 +332,8 @@ void put_set(BatchWriter& w, const std::string& table, const Set& set) {
 // element would cost a heap allocation each (100k of them for a big set).
 // Attribute order is libnftnl's, so the bytes equal nft's.
 
-// Element userdata nft attaches to the start of a range that runs to the top
-// of the address space (no end element can follow it): NFTNL_UDATA_SET_ELEM_FLAGS
-// = NFTNL_SET_ELEM_F_INTERVAL_OPEN, a host-order u32. Without it `nft list`
-// prints the range as open-ended instead of as the CIDR.
-struct OpenIntervalUdata {
-  std::uint8_t type = NFTNL_UDATA_SET_ELEM_FLAGS;
-  std::uint8_t len = sizeof(std::uint32_t);
-  std::uint8_t value[sizeof(std::uint32_t)];
-  OpenIntervalUdata() {
-    const std::uint32_t v = NFTNL_SET_ELEM_F_INTERVAL_OPEN;
-    std::memcpy(value, &v, sizeof v);
-  }
-};
-
 void put_elem(nlmsghdr* nlh, std::uint16_t index, const std::uint8_t* key, std::size_t len, std::uint32_t flags,
-              std::uint64_t timeout_ms, bool open_interval) {
+              std::uint64_t timeout_ms, bool open_interval, std::string_view comment = {}) {
   // libnftnl numbers the list entries 1, 2, ... (the kernel ignores the type).
   nlattr* elem = mnl_attr_nest_start(nlh, index);
   if (flags != 0) mnl_attr_put_u32(nlh, NFTA_SET_ELEM_FLAGS, htonl(flags));
@@ -355,9 +341,9 @@ void put_elem(nlmsghdr* nlh, std::uint16_t index, const std::uint8_t* key, std::
   nlattr* key_nest = mnl_attr_nest_start(nlh, NFTA_SET_ELEM_KEY);
   mnl_attr_put(nlh, NFTA_DATA_VALUE, len, key);
   mnl_attr_nest_end(nlh, key_nest);
-  if (open_interval) {
-    static const OpenIntervalUdata ud;
-    mnl_attr_put(nlh, NFTA_SET_ELEM_USERDATA, sizeof ud, &ud);
+  if (open_interval || !comment.empty()) {
+    const std::string ud = elem_userdata(comment, open_interval);
+    mnl_attr_put(nlh, NFTA_SET_ELEM_USERDATA, ud.size(), ud.data());
   }
   mnl_attr_nest_end(nlh, elem);
 }
@@ -410,13 +396,14 @@ void put_elems(BatchWriter& w, const std::string& table, std::string_view set, S
       open_msg();
     }
     if (!interval) {
-      put_elem(nlh, ++index, e.from.bytes.data(), n, 0, op == ElemOp::remove ? 0 : e.timeout_ms, false);
+      put_elem(nlh, ++index, e.from.bytes.data(), n, 0, op == ElemOp::remove ? 0 : e.timeout_ms, false,
+               op == ElemOp::remove ? std::string_view{} : std::string_view{e.comment});
       continue;
     }
     Bytes end = e.to.bytes;
     const bool open = !increment(end, n);
     put_elem(nlh, ++index, e.from.bytes.data(), n, 0, op == ElemOp::remove ? 0 : e.timeout_ms,
-             open && op != ElemOp::remove);
+             open && op != ElemOp::remove, op == ElemOp::remove ? std::string_view{} : std::string_view{e.comment});
     if (!open) put_elem(nlh, ++index, end.data(), n, NFT_SET_ELEM_INTERVAL_END, 0, false);
   }
   close_msg();
@@ -842,6 +829,10 @@ Status check_elems(std::string_view verb, std::string_view set, SetType type, co
       return Error::invalid(std::string(verb) + std::string(set) + ": element " + e.from.to_string() +
                             " is not of type " + (type == SetType::ipv4_addr ? "ipv4_addr" : "ipv6_addr"));
     }
+    if (e.comment.size() > kElemCommentMax || e.comment.find('\0') != std::string::npos) {
+      return Error::invalid(std::string(verb) + std::string(set) + ": element " + e.from.to_string() +
+                            ": comment longer than " + std::to_string(kElemCommentMax) + " bytes or with a NUL");
+    }
   }
   return {};
 }
@@ -1044,7 +1035,14 @@ class NetlinkKernel final : public Kernel {
           // The timeout the element was added with (ms), as `nft list` shows it.
           const std::uint64_t timeout =
               nftnl_set_elem_is_set(e, NFTNL_SET_ELEM_TIMEOUT) ? nftnl_set_elem_get_u64(e, NFTNL_SET_ELEM_TIMEOUT) : 0;
-          out.push_back({a, a, timeout});
+          SetElem elem{a, a, timeout};
+          // What is left of it (ms), as `nft list` shows after `expires`.
+          if (nftnl_set_elem_is_set(e, NFTNL_SET_ELEM_EXPIRATION))
+            elem.expires_ms = nftnl_set_elem_get_u64(e, NFTNL_SET_ELEM_EXPIRATION);
+          std::uint32_t ud_len = 0;
+          if (const void* ud = nftnl_set_elem_get(e, NFTNL_SET_ELEM_USERDATA, &ud_len); ud != nullptr)
+            elem.comment = elem_comment(ud, ud_len);
+          out.push_back(std::move(elem));
         }
         nftnl_set_elems_iter_destroy(it);
       });
@@ -1314,6 +1312,48 @@ class NetlinkKernel final : public Kernel {
 };
 
 }  // namespace
+
+std::string elem_userdata(std::string_view comment, bool open_interval) {
+  // nft's order: the comment, then the flags. Each TLV value is at most 255
+  // bytes; check_elems bounds comments at kElemCommentMax before this runs.
+  std::string out;
+  if (!comment.empty()) {
+    out.push_back(static_cast<char>(NFTNL_UDATA_SET_ELEM_COMMENT));
+    out.push_back(static_cast<char>(comment.size() + 1));
+    out.append(comment);
+    out.push_back('\0');  // nft prints no comment that is not NUL-terminated
+  }
+  if (open_interval) {
+    // NFTNL_SET_ELEM_F_INTERVAL_OPEN marks the start of a range that runs to
+    // the top of the address space (no end element can follow it): a
+    // host-order u32. Without it `nft list` prints the range as open-ended
+    // instead of as the CIDR.
+    const std::uint32_t v = NFTNL_SET_ELEM_F_INTERVAL_OPEN;
+    out.push_back(static_cast<char>(NFTNL_UDATA_SET_ELEM_FLAGS));
+    out.push_back(static_cast<char>(sizeof v));
+    out.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
+  return out;
+}
+
+std::string elem_comment(const void* data, std::size_t len) {
+  // Bounds first: the kernel stores whatever userdata anyone sent.
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  std::size_t at = 0;
+  while (at + 2 <= len) {
+    const std::uint8_t type = p[at];
+    const std::size_t n = p[at + 1];
+    if (at + 2 + n > len) return {};
+    if (type == NFTNL_UDATA_SET_ELEM_COMMENT) {
+      // nft's rule: a comment ends with its NUL; anything else is no comment.
+      if (n == 0 || p[at + 2 + n - 1] != 0) return {};
+      const char* s = reinterpret_cast<const char*>(p + at + 2);
+      return std::string(s, strnlen(s, n - 1));
+    }
+    at += 2 + n;
+  }
+  return {};
+}
 
 Result<std::unique_ptr<Kernel>> open_kernel() {
   auto t = Transport::open(TransportOptions{NETLINK_NETFILTER, {}, 0, "nf_tables"});

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "egressd/result.h"
@@ -80,6 +81,16 @@ class Kernel {
   // batch, anyone's, moves it by one.
   virtual Result<std::uint32_t> generation() { return Error::runtime("ruleset generation: not supported"); }
 };
+
+// The userdata of a set element as nft(8) writes it (TLV: type u8, length
+// u8, value): `comment` NUL-terminated when not empty (at most
+// kElemCommentMax bytes, no NUL: the caller checks), then the open-interval
+// flag when `open_interval`. "" when neither.
+std::string elem_userdata(std::string_view comment, bool open_interval);
+// The comment in a set element's userdata `data`/`len` (what
+// NFTNL_SET_ELEM_USERDATA holds); "" when there is none or the TLVs are
+// malformed (truncated, not NUL-terminated).
+std::string elem_comment(const void* data, std::size_t len);
 
 // Opens a netlink socket in the current network namespace.
 Result<std::unique_ptr<Kernel>> open_kernel();

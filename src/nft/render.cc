@@ -92,6 +92,9 @@ std::string elem_text(const Set& set, const SetElem& e) {
     }
   }
   if (e.timeout_ms != 0) s += " timeout " + duration_text(e.timeout_ms);
+  // After the timeout (and nft's `expires`, which egressd does not print).
+  // Comments egressd writes are learned names: no quote or backslash to escape.
+  if (!e.comment.empty()) s += " comment \"" + e.comment + "\"";
   return s;
 }
 

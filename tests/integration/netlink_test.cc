@@ -472,6 +472,8 @@ TEST_CASE("timeout elements and element ops list like nft") {
   // DNS-learned addresses: timeout sets filled after the table exists.
   std::vector<SetElem> learned;
   for (std::uint32_t i = 1; i <= 5; ++i) learned.push_back({v4(0xc6120000u + i), v4(0xc6120000u + i), 30000u * i});
+  // The names an address was learned for ride in its comment (docs/pinning.md "Restarts").
+  learned[1].comment = "a.test b.test";
   const std::vector<SetElem> ten = make_interval_elems({v4(0x0a000000u, 8)});
   IpPrefix ff00;
   ff00.family = 6;
@@ -501,6 +503,17 @@ TEST_CASE("timeout elements and element ops list like nft") {
   const std::string got = via_netlink.listing();
   CHECK(got == via_nft.listing());
   CHECK(got.find("198.18.0.5 timeout 2m30s") != std::string::npos);
+  CHECK(got.find("comment \"a.test b.test\"") != std::string::npos);
+  // Read back: the comment, and the time left (counting down from the timeout).
+  auto back = k->read_set_elems("egressd", "ph_agent_d4", SetType::ipv4_addr);
+  REQUIRE(back.ok());
+  REQUIRE(back->size() == learned.size());
+  for (const auto& e : *back) {
+    const bool named = e.from == learned[1].from;
+    CHECK(e.comment == (named ? "a.test b.test" : ""));
+    CHECK(e.expires_ms > 0);
+    CHECK(e.expires_ms <= e.timeout_ms);
+  }
   CHECK(got.find("240.0.0.0") == std::string::npos);
   CHECK(got.find("ff00::") == std::string::npos);
 }

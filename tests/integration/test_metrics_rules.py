@@ -255,6 +255,8 @@ def test_rules_are_the_kernels_tables_with_counters(lab, egressd):
     assert "table inet egressd" in text and "table netdev egressd" in text
     assert re.search(r"meta l4proto tcp counter packets [1-9]\d* bytes \d+ reject with tcp reset", text), text
     assert re.search(r"elements = \{[^}]*198\.51\.100\.10 timeout \d", text), text
+    # The learned element names what it was learned for, as nft lists it (docs/pinning.md "Restarts").
+    assert re.search(r'198\.51\.100\.10 timeout [0-9dhms]+ comment "a\.example\.com"', text), text
     # It is nft text: it loads as it is.
     fresh = lab.extra_netns("rules")
     # (A kernel without nft_queue cannot load pinning's `queue num 16` from text: see

@@ -128,3 +128,22 @@ TEST_CASE("hosts-file pairs count against the bound") {
   CHECK(store.set_hosts({{"b.test", {ip("192.0.2.2"), ip("192.0.2.3")}}}) == 0);
   CHECK(store.names_for(ip("192.0.2.3")) == Names{"b.test"});
 }
+
+TEST_CASE("an element comment names what its address was learned for, bounded, and reads back") {
+  using daemon::names_comment;
+  using daemon::names_from_comment;
+  CHECK(names_comment({"b.test", "a.test", "b.test"}, 127) == "a.test b.test");
+  CHECK(names_comment({}, 127).empty());
+  // Priority order decides what fits; the kept ones are sorted.
+  const std::string long_name(100, 'x');
+  CHECK(names_comment({"z.test", long_name + ".test", "a.test"}, 20) == "a.test z.test");
+  CHECK(names_comment({long_name, "a.test"}, 106) == long_name);
+  CHECK(names_comment({long_name, "a.test"}, 99) == "a.test");
+  CHECK(names_comment({long_name, "a.test"}, 107) == "a.test " + long_name);
+  CHECK(names_from_comment("a.test b.test") == Names{"a.test", "b.test"});
+  CHECK(names_from_comment("") == Names{});
+  // The kernel keeps whatever anyone wrote: only normalized names come out.
+  CHECK(names_from_comment("A.test  x\ty.test ok-1_2.test .a a. a..b b.test b.test") ==
+        Names{"ok-1_2.test", "b.test"});
+  CHECK(names_from_comment(std::string(254, 'a')) == Names{});
+}

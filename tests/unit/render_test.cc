@@ -174,6 +174,16 @@ TEST_CASE("element timeouts as nft lists them") {
                              "192.0.2.3 timeout 1s500ms, 192.0.2.4 timeout 1d1h1m1s1ms }") != std::string::npos);
 }
 
+TEST_CASE("element comments follow the timeout, as nft lists them") {
+  SetElem e = addr("192.0.2.1", 40'000);
+  e.comment = "a.test b.test";
+  e.expires_ms = 39'000;  // read back only: egressd never prints it
+  Table t;
+  t.sets.push_back(Set{"t", SetType::ipv4_addr, false, true, {e, addr("192.0.2.2", 1'000)}});
+  CHECK(render_table(t).find("elements = { 192.0.2.1 timeout 40s comment \"a.test b.test\", 192.0.2.2 timeout 1s }") !=
+        std::string::npos);
+}
+
 TEST_CASE("input and netdev egress base chains") {
   Table in;
   in.chains.push_back({"input", BaseChain{HookType::filter, 0, false, Hook::input}, {}});

@@ -71,7 +71,11 @@ std::vector<std::pair<std::string, std::uint64_t>> added(const FakeKernel& k, co
                                                          std::size_t from = 0) {
   std::vector<std::pair<std::string, std::uint64_t>> out;
   for (std::size_t i = from; i < k.applied.size(); ++i) {
-    for (const auto& op : k.applied[i].ops) {
+    const auto& ops = k.applied[i].ops;
+    for (std::size_t j = 0; j < ops.size(); ++j) {
+      const auto& op = ops[j];
+      // An element replaced to change its comment (add, delete, add): counted once.
+      if (j + 1 < ops.size() && std::holds_alternative<nft::OpDeleteElems>(ops[j + 1])) continue;
       if (auto* e = std::get_if<nft::OpAddElems>(&op); e && e->set == set) {
         for (const auto& el : e->elems) out.emplace_back(el.from.to_string(), el.timeout_ms);
       }

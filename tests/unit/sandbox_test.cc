@@ -610,6 +610,60 @@ TEST_CASE("addresses learned for a name follow it into the next phase that allow
   CHECK(v4->elems[0].timeout_ms > 60000);
 }
 
+TEST_CASE("learned elements carry their names in the comment, and a restart gives them back to pinning") {
+  Fixture f(dns_policy());
+  REQUIRE(f.sb->start("agent").ok());
+  const IpPrefix addr = *parse_ip("198.51.100.30");
+  f.sb->learn({learned("pypi.org", "198.51.100.30", 60)}, [](Status) {});
+  {
+    const auto& ops = f.kernel->applied.back().ops;
+    REQUIRE(ops.size() == 1);  // a new address: one add, its comment set there
+    const auto& add = std::get<nft::OpAddElems>(ops[0]);
+    REQUIRE(add.elems.size() == 1);
+    CHECK(add.elems[0].comment == "pypi.org");
+  }
+  // A second name for the address: the kernel keeps an element's first
+  // comment on a re-add, so the element is replaced in the one batch.
+  f.sb->learn({learned("cdn.example.org", "198.51.100.30", 60), learned("cdn.example.org", "198.51.100.30", 90)},
+              [](Status) {});
+  {
+    const auto& ops = f.kernel->applied.back().ops;
+    REQUIRE(ops.size() == 3);
+    const auto& ensure = std::get<nft::OpAddElems>(ops[0]);
+    const auto& del = std::get<nft::OpDeleteElems>(ops[1]);
+    const auto& add = std::get<nft::OpAddElems>(ops[2]);
+    REQUIRE(ensure.elems.size() == 1);  // duplicates merged: one delete cannot fail on the second
+    REQUIRE(del.elems.size() == 1);
+    REQUIRE(add.elems.size() == 1);
+    CHECK(del.elems[0].from == addr);
+    CHECK(add.elems[0].comment == "cdn.example.org pypi.org");
+    CHECK(add.elems[0].timeout_ms == (90 + 10) * 1000);
+  }
+  // Names unchanged: a plain add refreshes the timeout.
+  f.sb->learn({learned("pypi.org", "198.51.100.30", 60)}, [](Status) {});
+  CHECK(f.kernel->applied.back().ops.size() == 1);
+  CHECK(f.sb->learned_names_for(addr) == std::vector<std::string>{"cdn.example.org", "pypi.org"});
+
+  // The restart adopts the table unchanged and reads the names back, with
+  // the time the kernel has left; a word that is no name the phase allows
+  // is not taken.
+  Fixture again(dns_policy(), f.kernel->table);
+  nft::SetElem kept{addr, addr, 100'000, "cdn.example.org pypi.org other.test Bad!", 42'500};
+  nft::SetElem bare{*parse_ip("198.51.100.31"), *parse_ip("198.51.100.31"), 100'000, "", 42'500};
+  again.kernel->elems["ph_agent_d4"] = {kept, bare};
+  REQUIRE(again.sb->start("environment").ok());
+  REQUIRE(again.kernel->applied.size() == 1);  // the netdev table only: no element written
+  CHECK(again.sb->state().phase == "agent");
+  CHECK(again.sb->learned_names_for(addr) == std::vector<std::string>{"cdn.example.org", "pypi.org"});
+  CHECK(again.sb->learned_names_for(*parse_ip("198.51.100.31")).empty());
+  const json st = again.sb->status();
+  REQUIRE(st["learned"].size() == 2);
+  CHECK(st["learned"][0]["name"] == "cdn.example.org");
+  const auto left = st["learned"][0]["addresses"][0]["expires_in_s"].get<long long>();
+  CHECK(left >= 41);
+  CHECK(left <= 42);
+}
+
 TEST_CASE("a full learned-address table costs no walk per answer, and still learns into the kernel") {
   auto k = std::make_unique<FakeKernel>();
   FakeKernel* kernel = k.get();
