@@ -22,6 +22,7 @@ struct Judge : PinJudge, pin::PinFacts {
   const Entry* allowed(std::string_view name) const override { return name == allows ? &entry : nullptr; }
 };
 
+// The segment's payload points into `bytes`: keep the string alive as long as the segment.
 Segment seg(std::uint32_t seq, const std::string& bytes, std::uint16_t sport = 40000) {
   Segment s;
   s.src = *parse_ip("192.0.2.2");
@@ -258,14 +259,16 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   a.ct_id = 7;
   REQUIRE(f.packet(1, a, t0)[0].kind == K::admit);
   // A straggler of the same connection: back to the hook, no new decision.
-  Segment straggler = seg(1000 + ok.size(), "x");
+  const std::string x = "x";
+  Segment straggler = seg(1000 + ok.size(), x);
   straggler.ct_id = 7;
   CHECK(f.packet(2, straggler, t0)[0].kind == K::recheck);
   CHECK(f.stats().inspected == 1);
   // The same four-tuple, a new connection, even with the old entry's id (conntrack may
   // reuse it): its handshake ACK is sent back, comes back (the kernel has no mark for it),
   // passes as an undecided flow's; its request is judged, and another Host is reset.
-  Segment ack = seg(555, "");
+  const std::string none;
+  Segment ack = seg(555, none);
   ack.ct_id = 7;
   CHECK(f.packet(3, ack, t0)[0].kind == K::recheck);
   CHECK(f.packet(4, ack, t0)[0].kind == K::pass);
@@ -276,7 +279,8 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   CHECK(v[0].kind == K::reset);
   CHECK(f.stats().inspected == 2);
   // A refused flow's packets are refused from memory; another connection's are judged afresh.
-  Segment again = seg(555 + other.size(), "y");
+  const std::string y = "y";
+  Segment again = seg(555 + other.size(), y);
   again.ct_id = 7;
   CHECK(f.packet(6, again, t0)[0].kind == K::reset);
   Segment fresh = seg(9000, ok);
@@ -292,7 +296,8 @@ TEST_CASE("a held connection replaced by a new one on the same four-tuple cannot
   a.ct_id = 1;
   CHECK(f.packet(1, a, t0).empty());  // held: the head is not complete
   // A new connection whose bytes would complete the old one's head.
-  Segment b = seg(1000 + head.size(), "\r\n");
+  const std::string crlf = "\r\n";
+  Segment b = seg(1000 + head.size(), crlf);
   b.ct_id = 2;
   const auto v = f.packet(2, b, t0);
   // The old flow is reset (its packet), the new one is held on its own ("\r\n" alone decides nothing).
@@ -307,7 +312,8 @@ TEST_CASE("a client that ends a held connection frees its four-tuple: the held b
   Judge j;
   PinFlows f(j);
   CHECK(f.packet(1, seg(1000, "GET / HTTP/1.1\r\nHost: allowed.test\r\n"), t0).empty());
-  Segment rst = seg(1040, "");
+  const std::string none;
+  Segment rst = seg(1040, none);
   rst.rst = true;
   const auto v = f.packet(2, rst, t0);
   REQUIRE(v.size() == 2);
