@@ -6,10 +6,17 @@ to be retried (the kernel interrupts a dump at every commit); those retries wait
 never on the loop. So while another process commits as fast as it can and `status` is polled
 without pause, DNS answers for allowed names stay as fast as when nothing happens:
 
-  loaded p99 <= 2 x max(idle p99, FLOOR), and no answer takes anything like a retry pause.
+  loaded p99 <= max(3 x idle p99, FLOOR), and no answer takes anything like a retry pause.
 
-FLOOR (1 ms) keeps a sub-millisecond idle p99 from making the bound meaningless noise: the
-round trip includes the upstream (dnsmasq) and the Python client on a shared 2-core machine.
+FLOOR (8 ms) keeps a sub-millisecond idle p99 from making the bound meaningless noise: the
+round trip includes the upstream (dnsmasq) and the Python client on a shared 2-core machine,
+and every commit of the storm takes the nftables mutex egressd's own learn batches need.
+Measured on this VM (2026-12-02), test unchanged otherwise: the binary before issue 16's
+second round gave loaded p99 2.1 / 5.3 / 3.2 ms and the one after 1.0 / 1.5 / 3.7 ms in
+alternating runs, CI twice 2.5 and 5.6 ms, so 2 x max(idle, 1 ms) failed either binary at
+random. What the test is for still fails: the read-retry loop it was written against gave a
+loaded p99 of 14.1 ms with an idle p99 of 4.1 ms (bound 12.3 ms), and any answer waiting like
+a retry pause (hundreds of ms to 2 s) breaks SLOWEST.
 """
 import os
 import subprocess
@@ -19,7 +26,7 @@ import time
 import lab as labmod
 from lab import DNS_V4
 
-FLOOR = 0.001        # s, see the module docstring
+FLOOR = 0.008        # s, see the module docstring
 QUERIES = 600        # per kind (idle, loaded), in ROUNDS blocks each
 ROUNDS = 6
 PACE = 0.005        # s between status polls
@@ -167,7 +174,7 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
         poller.close()
         committer.close()
     idle_p99, loaded_p99 = p99(idle), p99(loaded)
-    bound = 2 * max(idle_p99, FLOOR)
+    bound = max(3 * idle_p99, FLOOR)
     report = (f"idle p99 {idle_p99 * 1e3:.2f} ms (p50 {p50(idle) * 1e3:.2f}), loaded p99 {loaded_p99 * 1e3:.2f} ms "
               f"(p50 {p50(loaded) * 1e3:.2f}, max {max(loaded) * 1e3:.2f}; bound {bound * 1e3:.2f} ms); "
               f"{polls} status polls ({len(poller.errors)} gave up) and ~{commits} commits during the "
