@@ -55,6 +55,11 @@ class LearnedStore {
   // or every pair still remembered with `include_expired` (they still say
   // where an address came from).
   std::vector<std::string> names_for(const IpPrefix& addr, bool include_expired = false) const;
+  // How many names are remembered for `addr` (expired ones included), without copying them.
+  std::size_t name_count(const IpPrefix& addr) const {
+    const auto it = by_addr_.find(addr);
+    return it == by_addr_.end() ? 0 : it->second.size();
+  }
   // True when a hosts-file pair (set_hosts) has `addr`.
   bool from_hosts(const IpPrefix& addr) const;
   // Unexpired pairs.
