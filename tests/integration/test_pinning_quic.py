@@ -18,6 +18,7 @@ import time
 import pytest
 
 import lab as labmod
+from lab import wait_for
 from test_pinning import HOSTS, V4, V6, learn, policy
 
 QUIC_PORT = 443
@@ -55,13 +56,10 @@ def quic_servers(lab, tmp_path):
                      stdout=subprocess.PIPE)
     assert labmod._read_line(echo, 10.0, "udp echo ready").strip() == "ready"
     # gtlsserver prints nothing when quiet: wait until both sockets are bound.
-    deadline = time.monotonic() + 10.0
-    while True:
+    def bound():
         out = lab.internet.exec("ss", "-Hlun", f"sport = :{QUIC_PORT}").stdout
-        if V4 in out and V6 in out:
-            break
-        assert time.monotonic() < deadline, f"gtlsserver did not bind {V4} and {V6} port {QUIC_PORT}: {out!r}"
-        time.sleep(0.05)  # polling the condition above, with a deadline
+        return V4 in out and V6 in out
+    wait_for(bound, 10.0, f"gtlsserver to bind {V4} and {V6} port {QUIC_PORT}")
     lab.dns.restart(hosts=HOSTS)
 
 
