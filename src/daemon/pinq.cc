@@ -114,6 +114,21 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   return s;
 }
 
+namespace {
+
+// The Internet checksum (RFC 1071): 16-bit words added to `sum`, then folded
+// and complemented.
+std::uint32_t sum16(std::uint32_t sum, const std::uint8_t* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; i += 2) sum += static_cast<std::uint32_t>(b[i] << 8 | b[i + 1]);
+  return sum;
+}
+std::uint16_t checksum(std::uint32_t sum) {
+  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+  return static_cast<std::uint16_t>(~sum);
+}
+
+}  // namespace
+
 std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
   const bool v4 = r.src.family == 4;
   const std::size_t ip = v4 ? 20 : 40, alen = v4 ? 4 : 16;
@@ -126,11 +141,10 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
     p[9] = kTcp;
     std::memcpy(&p[12], r.src.bytes.data(), 4);
     std::memcpy(&p[16], r.dst.bytes.data(), 4);
-    std::uint32_t sum = 0;  // the IPv4 header checksum (the kernel fills it too)
-    for (std::size_t i = 0; i < 20; i += 2) sum += static_cast<std::uint32_t>(p[i] << 8 | p[i + 1]);
-    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-    p[10] = static_cast<std::uint8_t>(~sum >> 8);
-    p[11] = static_cast<std::uint8_t>(~sum);
+    // The IPv4 header checksum (the kernel fills it too).
+    const std::uint16_t c = checksum(sum16(0, p.data(), 20));
+    p[10] = static_cast<std::uint8_t>(c >> 8);
+    p[11] = static_cast<std::uint8_t>(c);
   } else {
     p[0] = 0x60;
     p[5] = 20;  // payload length
@@ -146,14 +160,11 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
   t[12] = 5 << 4;  // no options
   t[13] = 0x04;    // RST
   // TCP checksum over the pseudo header (addresses, protocol, length) and the header.
-  std::uint32_t sum = kTcp + 20;
-  for (const auto* a : {&r.src, &r.dst}) {
-    for (std::size_t i = 0; i < alen; i += 2) sum += static_cast<std::uint32_t>(a->bytes[i] << 8 | a->bytes[i + 1]);
-  }
-  for (std::size_t i = 0; i < 20; i += 2) sum += static_cast<std::uint32_t>(t[i] << 8 | t[i + 1]);
-  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-  t[16] = static_cast<std::uint8_t>(~sum >> 8);
-  t[17] = static_cast<std::uint8_t>(~sum);
+  std::uint32_t sum = sum16(kTcp + 20, r.src.bytes.data(), alen);
+  sum = sum16(sum, r.dst.bytes.data(), alen);
+  const std::uint16_t c = checksum(sum16(sum, t, 20));
+  t[16] = static_cast<std::uint8_t>(c >> 8);
+  t[17] = static_cast<std::uint8_t>(c);
   return p;
 }
 
