@@ -65,6 +65,15 @@ std::size_t LearnedStore::set_hosts(const HostsPairs& pairs) {
       ++count_;
     }
   }
+  // from_hosts is asked for every DNS answer: an index, not a walk over the
+  // names of an address (a wildcard gives one address thousands of names).
+  // Hosts pairs are never swept, so only this function changes the index.
+  hosts_addrs_.clear();
+  for (const auto& [name, addrs] : by_name_) {
+    for (const auto& a : addrs) {
+      if (a.hosts) hosts_addrs_.insert(a.addr);
+    }
+  }
   return missed;
 }
 
@@ -111,16 +120,7 @@ std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool incl
   return out;
 }
 
-bool LearnedStore::from_hosts(const IpPrefix& addr) const {
-  auto at = by_addr_.find(addr);
-  if (at == by_addr_.end()) return false;
-  for (const auto& name : at->second) {
-    for (const auto& a : by_name_.at(name)) {
-      if (a.hosts && a.addr == addr) return true;
-    }
-  }
-  return false;
-}
+bool LearnedStore::from_hosts(const IpPrefix& addr) const { return hosts_addrs_.contains(addr); }
 
 std::size_t LearnedStore::live_count() const {
   const TimePoint now = clock_.steady();

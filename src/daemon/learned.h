@@ -60,7 +60,7 @@ class LearnedStore {
     const auto it = by_addr_.find(addr);
     return it == by_addr_.end() ? 0 : it->second.size();
   }
-  // True when a hosts-file pair (set_hosts) has `addr`.
+  // True when a hosts-file pair (set_hosts) has `addr`. O(log addresses).
   bool from_hosts(const IpPrefix& addr) const;
   // Unexpired pairs.
   std::size_t live_count() const;
@@ -82,6 +82,7 @@ class LearnedStore {
   TimeSource clock_;
   std::map<std::string, std::vector<Addr>> by_name_;
   std::map<IpPrefix, std::set<std::string>, PrefixLess> by_addr_;  // every remembered pair, by address
+  std::set<IpPrefix, PrefixLess> hosts_addrs_;                     // addresses of hosts-file pairs
   std::size_t count_ = 0;
   TimePoint next_sweep_{};
 };
