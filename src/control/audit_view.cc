@@ -26,6 +26,21 @@ std::string names_of(const json& o) {
   return out;
 }
 
+// A sentence with words from the sandbox in it (a pinning reason): each word
+// escaped, the spaces between them kept.
+std::string printable_words(const std::string& text) {
+  std::string out, word;
+  for (char c : text) {
+    if (c == ' ') {
+      out += audit::printable(word) + ' ';
+      word.clear();
+    } else {
+      word += c;
+    }
+  }
+  return out + audit::printable(word);
+}
+
 }  // namespace
 
 std::string denied_line(const json& r) {
@@ -43,6 +58,13 @@ std::string denied_line(const json& r) {
     }
   }
   line += "  x" + str(r, "count");
+  // A flow hostname pinning reset: its reason names the name presented and the
+  // names the address was learned for, which `names` alone does not (it lists
+  // only the latter, so the line would read as if the allowed name was refused).
+  if (r.is_object() && r.contains("pin") && r["pin"].is_string() && !r["pin"].get<std::string>().empty()) {
+    line += "  reset by pinning: " + printable_words(r["pin"].get<std::string>());
+    return line;
+  }
   if (str(r, "kind") != "dns") {
     const std::string n = names_of(r);
     line += n.empty() ? "  (no name resolved to it through egressd)" : "  names: " + n;

@@ -10,7 +10,9 @@ namespace egressd::control {
 
 // One line for a denied record (no trailing newline), e.g.
 // "2026-11-30T20:18:07.123Z  agent  tcp 192.0.2.1:443  x3  names: pypi.org"
-// "2026-11-30T20:18:07.123Z  agent  dns query refused: evil.example  x1".
+// "2026-11-30T20:18:07.123Z  agent  dns query refused: evil.example  x1",
+// "...  agent  tcp 203.0.113.10:443  x1  reset by pinning: tls sni same-ip.test
+// to 203.0.113.10:443; address learned for allowed.test" (a pinning reset).
 // Names are escaped (audit::printable): they come from the sandbox.
 std::string denied_line(const nlohmann::json& record);
 

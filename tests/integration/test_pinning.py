@@ -16,6 +16,7 @@ banner on 2222.
 """
 import errno
 import json
+import re
 import socket
 import ssl
 import subprocess
@@ -175,6 +176,11 @@ def test_denied_records_the_pin_decision(lab, pinned):
     recs = reply["records"]
     lines = [r.get("pin") for r in recs if r.get("pin")]
     assert f"tls sni same-ip.test to {V4}:{TLS_PORT}; address learned for allowed.test" in lines, recs
+    # What a person reads: the text line names the refused name, not only the learned one.
+    rc, out, err = pinned.ctl("denied")
+    assert rc == 0, err
+    assert re.search(rf"tcp {re.escape(V4)}:{TLS_PORT}  x\d+  reset by pinning: tls sni same-ip\.test to "
+                     rf"{re.escape(V4)}:{TLS_PORT}; address learned for allowed\.test$", out, re.M), out
 
 
 @pytest.mark.parametrize("addr", [V4, V6])

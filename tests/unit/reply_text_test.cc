@@ -1,5 +1,7 @@
 #include "control/reply_text.h"
 
+#include "control/audit_view.h"
+
 #include <doctest/doctest.h>
 
 using egressd::Error;
@@ -65,4 +67,18 @@ TEST_CASE("unreachable_reason keeps the reason of a connect error") {
   CHECK(control::unreachable_reason(Error::runtime("cannot connect to /run/x.sock: No such file or directory"),
                                     "/run/x.sock") == "No such file or directory");
   CHECK(control::unreachable_reason(Error::invalid("path too long"), "/run/x.sock") == "path too long");
+}
+
+TEST_CASE("a denied line names what a pinning reset refused, escaped, not only the learned names") {
+  const json pin = {{"time", "2026-12-02T08:00:00.000Z"}, {"phase", "agent"}, {"kind", "flow"},
+                    {"proto", "tcp"}, {"dst", "203.0.113.10"}, {"port", 443}, {"count", 1},
+                    {"names", {"allowed.test"}},
+                    {"pin", "tls sni same-ip.test\x1b[2J to 203.0.113.10:443; address learned for allowed.test"}};
+  const std::string line = control::denied_line(pin);
+  CHECK(line.find("tcp 203.0.113.10:443  x1  reset by pinning: tls sni same-ip.test") != std::string::npos);
+  CHECK(line.find("address learned for allowed.test") != std::string::npos);
+  CHECK(line.find('\x1b') == std::string::npos);  // the presented name comes from the sandbox
+  json plain = pin;
+  plain.erase("pin");
+  CHECK(control::denied_line(plain) == "2026-12-02T08:00:00.000Z  agent  tcp 203.0.113.10:443  x1  names: allowed.test");
 }
