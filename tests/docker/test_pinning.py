@@ -1,7 +1,7 @@
-"""Hostname pinning (issue 16, docs/pinning.md) under Docker, in Harbor's sidecar topology:
-a task process in `main` resolves an allowlisted name through Docker's resolver and egressd,
-and may then use the address it got for that name only, not for another site behind the same
-address (a shared CDN address).
+"""Hostname pinning (issue 16, docs/pinning.md) under Docker, in Harbor's sidecar topology
+and the suite's other two (topologies.py): a task process resolves an allowlisted name
+through Docker's resolver and egressd, and may then use the address it got for that name
+only, not for another site behind the same address (a shared CDN address).
 
 The lab's dnsmasq already has two such names: b.example.com (allowed here) and
 wild.example.org (not) both resolve to server B, 198.51.100.11. On that address, in the host
@@ -46,11 +46,12 @@ def pin_servers(session):
         labmod._stop_process(p)
 
 
-@pytest.fixture
-def sb(sandboxes, pin_servers):
-    """Harbor's sidecar in an allowlist phase of ALLOWED; the task has just resolved ALLOWED
-    (through Docker's resolver, as its resolv.conf says), so egressd has learned its address."""
-    sb = sandboxes("harbor", "allowlist", [ALLOWED], shared=True)
+@pytest.fixture(params=["harbor", "netns-pid", "compose-example"])
+def sb(sandboxes, pin_servers, request):
+    """A sandbox (Harbor's sidecar, and the other topologies) in an allowlist phase of ALLOWED;
+    the task has just resolved ALLOWED (through Docker's resolver, as its resolv.conf says),
+    so egressd has learned its address."""
+    sb = sandboxes(request.param, "allowlist", [ALLOWED], shared=True)
     r = sb.probe("query", ALLOWED, DOCKER_DNS)
     assert (r["rcode"], r["addresses"]) == ("NOERROR", [SERVER_B]), r
     return sb
