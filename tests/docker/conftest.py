@@ -10,6 +10,10 @@
                                   Sandbox, removed after the test, pass or fail (shared=True: one
                                   per module for tests that change nothing); after every test the
                                   guard is checked: nothing went to the host's nameservers.
+`containers`                      per test: containers the test runs itself (`run`, `task`,
+                                  as Session's), removed after the test, pass or fail; the
+                                  guard is checked as for `sandboxes`; the logs of those run
+                                  with logs=True go into a failed test's report.
 
 With CI=true a skipped test is reported as a failure: CI installs everything, so a skip there
 means something is broken.
@@ -146,6 +150,50 @@ def sandboxes(session, _shared, request):
         pytest.fail("cleanup: " + "; ".join(problems), pytrace=False)
 
 
+class Containers:
+    """A test's own containers, outside the topologies (e.g. an egressd agent and the tasks it
+    attaches): removed after the test, pass or fail."""
+
+    def __init__(self, session):
+        self.session = session
+        self.made: list[dockerlab.Container] = []
+        self.logged: list[dockerlab.Container] = []
+
+    def run(self, image: str, *cmd, logs: bool = False, **kw) -> dockerlab.Container:
+        c = self.session.run(image, *cmd, **kw)
+        self.made.append(c)
+        if logs:
+            self.logged.append(c)
+        return c
+
+    def task(self, what: str = "task", **kw) -> dockerlab.Container:
+        c = self.session.task(what, **kw)
+        self.made.append(c)
+        self.session.guard.watch(c)
+        return c
+
+    def close(self) -> list[str]:
+        for c in reversed(self.made):
+            c.remove()
+        left = [c.name for c in self.made
+                if dockerlab.docker("inspect", "--format", "{{.Id}}", c.ref, check=False).returncode == 0]
+        self.made.clear()
+        return [f"containers left: {' '.join(left)}"] if left else []
+
+
+@pytest.fixture
+def containers(session, request):
+    scope = Containers(session)
+    request.node._egt_containers = scope
+    yield scope
+    problems = scope.close()
+    leaks = session.guard.check()
+    if leaks:
+        pytest.fail("traffic towards the host's nameservers: " + "; ".join(leaks), pytrace=False)
+    if problems:
+        pytest.fail("cleanup: " + "; ".join(problems), pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -154,6 +202,9 @@ def pytest_runtest_makereport(item, call):
         scope = getattr(item, "_egt_scope", None)
         for sb in scope.used if scope else []:
             rep.sections.append((f"egressd log ({sb.topology})", sb.logs()[-6000:]))
+        own = getattr(item, "_egt_containers", None)
+        for c in own.logged if own else []:
+            rep.sections.append((f"log of {c.name}", c.logs()[-6000:]))
     if IN_CI and rep.skipped and not hasattr(rep, "wasxfail"):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"

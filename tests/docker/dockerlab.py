@@ -344,6 +344,11 @@ class Container:
         return pid
 
     @property
+    def ipv4(self) -> str:
+        """Its IPv4 address on its (one) network."""
+        return self.inspect("{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+
+    @property
     def exit_code(self) -> int:
         return int(self.inspect("{{.State.ExitCode}}"))
 

@@ -23,6 +23,9 @@ decides pass or fail: the test does.
                                         TARGET:PORT (the conntrack "reply" direction); echo?
   raw-frame DSTMAC DST PORT TOKEN       issue 14 class 5: AF_PACKET frames (plain and with
                                         PACKET_QDISC_BYPASS) carrying UDP to DST:PORT
+  tls ADDR PORT SNI                     a TLS handshake presenting SNI (no verification), then
+                                        one "ping" and its reply (issue 16: hostname pinning)
+  http ADDR PORT HOST                   one HTTP/1.1 GET with that Host, and the reply
 """
 import errno
 import ipaddress
@@ -31,6 +34,7 @@ import os
 import random
 import select
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -431,6 +435,49 @@ def cmd_raw_frame(args):
     out(res)
 
 
+# --- TLS and HTTP (issue 16: what a pinned flow presents) ------------------------------------
+
+
+def stream_outcome(fn):
+    """{'outcome': 'ok'|'ECONNRESET'|'timeout'|errno|'tls: ...', 'reply', 'ms'}: a reset in the
+    middle of a TLS handshake is ECONNRESET too (ssl reports it as an OSError)."""
+    t0 = time.monotonic()
+    try:
+        reply = fn()
+        res = {"outcome": "ok", "reply": reply.decode(errors="replace")}
+    except ssl.SSLError as e:
+        res = {"outcome": f"tls: {e.reason or e}", "reply": None}
+    except OSError as e:
+        res = {"outcome": err_name(e), "reply": None}
+    res["ms"] = round((time.monotonic() - t0) * 1000, 1)
+    return res
+
+
+def cmd_tls(args):
+    addr, port, sni = args[0], int(args[1]), args[2]
+
+    def run():
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        with socket.create_connection((addr, port), timeout=3.0) as s, ctx.wrap_socket(s, server_hostname=sni) as t:
+            t.sendall(b"ping")
+            return t.recv(100)
+    out(stream_outcome(run))
+
+
+def cmd_http(args):
+    addr, port, host = args[0], int(args[1]), args[2]
+
+    def run():
+        with socket.create_connection((addr, port), timeout=3.0) as s:
+            s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data
+    out(stream_outcome(run))
+
+
 COMMANDS = {
     "query": cmd_query,
     "resolver-ports": cmd_resolver_ports,
@@ -439,6 +486,8 @@ COMMANDS = {
     "hijack-upstream": cmd_hijack_upstream,
     "forged-flow": cmd_forged_flow,
     "raw-frame": cmd_raw_frame,
+    "tls": cmd_tls,
+    "http": cmd_http,
 }
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class Sandbox:
     def logs(self) -> str:
         raise NotImplementedError
 
+    def egressctl(self, *args) -> subprocess.CompletedProcess:
+        """egressctl ARGS against this sandbox's egressd, from where its operator has it."""
+        raise NotImplementedError
+
     def restart_egressd(self, meanwhile=None) -> None:
         """Stops egressd (the policy stays in the kernel), runs meanwhile(), starts it again
         and waits until it is ready. LabError (with its log) if it does not come back."""
@@ -123,6 +127,10 @@ class HarborSandbox(Sandbox):
 
     def logs(self):
         return self.sidecar.logs()
+
+    def egressctl(self, *args):
+        # The socket is inside the sidecar (/run/egressd/egressd.sock), so is the image's egressctl.
+        return self.sidecar.exec("egressctl", *args)
 
     def close(self):
         return self.project.down()
@@ -199,6 +207,9 @@ class NetnsPidSandbox(Sandbox):
         except OSError:
             return ""
 
+    def egressctl(self, *args):
+        return dockerlab.egressctl(self.sock, *args)
+
     def restart_egressd(self, meanwhile=None):
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(10)
@@ -266,6 +277,9 @@ class ComposeExampleSandbox(Sandbox):
 
     def logs(self):
         return self.egressd.logs()
+
+    def egressctl(self, *args):
+        return dockerlab.egressctl(self.sock, *args)
 
     def restart_egressd(self, meanwhile=None, timeout: float = 20.0):
         self.egressd.stop()

@@ -1,0 +1,88 @@
+"""Hostname pinning (issue 16, docs/pinning.md) under Docker, in Harbor's sidecar topology
+and the suite's other two (topologies.py): a task process resolves an allowlisted name
+through Docker's resolver and egressd, and may then use the address it got for that name
+only, not for another site behind the same address (a shared CDN address).
+
+The lab's dnsmasq already has two such names: b.example.com (allowed here) and
+wild.example.org (not) both resolve to server B, 198.51.100.11. On that address, in the host
+namespace, tests/integration/pin_servers.py serves TLS on 8443 (any SNI, self-signed
+certificate made at test time) and HTTP on 8081 (answers with the Host it saw).
+
+Each reset check fails with `enforce.pin_names: false` (the flow then passes by address);
+the allowed-name checks are the control that the server answers at all.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dockerlab
+import lab as labmod
+from dockerlab import DOCKER_DNS, SERVER_B, V4, host_dns_query
+
+ALLOWED, OTHER = "b.example.com", "wild.example.org"   # one address, two names
+TLS_PORT, HTTP_PORT = 8443, 8081                       # pin_servers.py's
+RESET_MS = 1000   # a reset comes in milliseconds; a dropped flow would run into the probe's 3 s
+
+
+@pytest.fixture(scope="module")
+def pin_servers(session):
+    for name in (ALLOWED, OTHER):
+        r = host_dns_query(name, V4.gateway4)
+        assert r.addresses == [SERVER_B], f"the lab's dnsmasq: {name} -> {r} (both names must share one address)"
+    cert, key = session.tmp / "pin-cert.pem", session.tmp / "pin-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-subj", f"/CN={ALLOWED}", "-days", "1"], check=True, capture_output=True, timeout=60)
+    p = subprocess.Popen([sys.executable, str(labmod.HERE / "pin_servers.py"), str(cert), str(key), SERVER_B],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=dockerlab._pdeathsig)
+    session.procs.append(p)
+    try:
+        line = labmod._read_line(p, 10.0, "pin_servers.py ready")
+        assert line.strip() == "ready", line
+        yield p
+    finally:
+        labmod._stop_process(p)
+
+
+@pytest.fixture(params=["harbor", "netns-pid", "compose-example"])
+def sb(sandboxes, pin_servers, request):
+    """A sandbox (Harbor's sidecar, and the other topologies) in an allowlist phase of ALLOWED;
+    the task has just resolved ALLOWED (through Docker's resolver, as its resolv.conf says),
+    so egressd has learned its address."""
+    sb = sandboxes(request.param, "allowlist", [ALLOWED], shared=True)
+    r = sb.probe("query", ALLOWED, DOCKER_DNS)
+    assert (r["rcode"], r["addresses"]) == ("NOERROR", [SERVER_B]), r
+    return sb
+
+
+def assert_reset(r, what):
+    assert r["outcome"] == "ECONNRESET", f"{what}: expected a TCP reset, got {r}"
+    assert r["ms"] < RESET_MS, f"{what}: the reset took {r['ms']} ms"
+
+
+def test_tls_and_http_with_the_allowed_name_pass(sb):
+    r = sb.probe("tls", SERVER_B, str(TLS_PORT), ALLOWED)
+    assert (r["outcome"], r["reply"]) == ("ok", "tls:ping"), r
+    r = sb.probe("http", SERVER_B, str(HTTP_PORT), ALLOWED)
+    assert r["outcome"] == "ok" and r["reply"].startswith("HTTP/1.1 200 ") and r["reply"].endswith(f"host={ALLOWED}"), r
+
+
+def test_tls_with_another_name_on_the_same_address_is_reset(sb):
+    assert_reset(sb.probe("tls", SERVER_B, str(TLS_PORT), OTHER), f"TLS with SNI {OTHER} to {SERVER_B}")
+
+
+def test_http_with_another_host_on_the_same_address_is_reset(sb):
+    assert_reset(sb.probe("http", SERVER_B, str(HTTP_PORT), OTHER), f"HTTP with Host {OTHER} to {SERVER_B}")
+
+
+def test_denied_records_the_presented_and_the_learned_name(sb):
+    """What the operator asks after a reset: the record names the name the flow presented and
+    the name the address was learned for."""
+    assert_reset(sb.probe("tls", SERVER_B, str(TLS_PORT), OTHER), f"TLS with SNI {OTHER} to {SERVER_B}")
+    want = f"tls sni {OTHER} to {SERVER_B}:{TLS_PORT}; address learned for {ALLOWED}"
+    cp = sb.egressctl("denied", "--json")
+    assert cp.returncode == 0, f"egressctl denied --json exited {cp.returncode}: {cp.stdout}{cp.stderr}"
+    records = json.loads(cp.stdout)["records"]
+    assert want in [r.get("pin") for r in records if r.get("port") == TLS_PORT and r.get("dst") == SERVER_B], records
