@@ -22,9 +22,9 @@ Policy: upstream 198.51.100.53, phase `agent` allowlist ["*.bench.example"]. Eve
 unique in the run and has its own A address in 198.18.0.0/15 (answer data only, never a
 destination), so every answer puts a new element in the answering sandbox's set ph_agent_d4.
 
-The window: every dnsperf is started ahead, held by `flock -s` on a file this script holds
-exclusively; the window opens when it lets go (all clients start together) and closes when the
-last dnsperf has exited. qps = answers / window (fixed work: the slowest sandbox closes the
+The window: every dnsperf is started ahead and blocks opening its names file, a FIFO; the
+window opens when this script opens them all for writing (all clients start together, their
+exec and start-up left out) and closes when the last dnsperf has exited. qps = answers / window (fixed work: the slowest sandbox closes the
 agent's window). CPU per answered query = egressd's utime + stime (/proc/PID/stat, every
 thread) over the window / answers. Checked: every answer NOERROR, and each sandbox's
 ph_agent_d4 holds one element per name answered (its probe included; a query dnsperf gave up on
@@ -42,13 +42,13 @@ usage: agent_dns.py [--quick] [--sandboxes N] [--names N_names] [--rounds R] [--
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,40 +96,65 @@ class Clients:
 
 def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a, what: str,
            perf_file: str | None = None) -> dict:
-    """Runs one dnsperf per (namespace, file) at once against 127.0.0.1:53 and measures the
-    window from their common start to the last one's exit, and egressd pid's CPU over it."""
-    lock = run.tmp / "barrier"
-    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
-    perf = None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        ps = []
-        for k, (ns, f) in enumerate(clients):
-            log = run.tmp / f"dnsperf-{what}-{k}.out"
-            log.unlink(missing_ok=True)
-            argv = dp.dnsperf_argv("127.0.0.1", 53, f, ["-c", str(a.clients), "-q", str(a.outstanding)], a.limit)
-            ps.append(run.procs.spawn(["flock", "-s", lock, *argv], ns, log))
+    """Runs one dnsperf per (namespace, names file) at once against 127.0.0.1:53 and measures
+    the window from their common start to the last one's exit, and egressd pid's CPU over it.
 
-        def held():
-            for p in ps:
-                dp.alive_or_fail(p, f"dnsperf ({what})")
-                if Path(f"/proc/{p.pid}/comm").read_text().strip() != "flock":
+    Each dnsperf reads its names from a FIFO and is started ahead: it execs, loads and blocks
+    opening the FIFO (before it opens a socket or starts a thread). The window opens when this
+    opens every FIFO for writing, so the exec and start-up of 50 dnsperf processes (~0.6 s on
+    2 busy cores) are not in it."""
+    ps, fifos = [], []
+    for k, (ns, f) in enumerate(clients):
+        fifo = run.tmp / f"fifo-{what}-{k}"
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo, 0o600)
+        fifos.append(fifo)
+        log = run.tmp / f"dnsperf-{what}-{k}.out"
+        log.unlink(missing_ok=True)
+        argv = dp.dnsperf_argv("127.0.0.1", 53, fifo, ["-c", str(a.clients), "-q", str(a.outstanding)], a.limit)
+        ps.append(run.procs.spawn(argv, ns, log))
+    data = [f.read_bytes() for _, f in clients]
+
+    def held():
+        for p in ps:
+            dp.alive_or_fail(p, f"dnsperf ({what})")
+            try:
+                if (Path(f"/proc/{p.pid}/comm").read_text().strip() != "dnsperf"
+                        or Path(f"/proc/{p.pid}/wchan").read_text() != "wait_for_partner"):
                     return False
-            return True
-        lab.wait_for(held, 30, f"{len(ps)} dnsperf to wait at the barrier")
-        time.sleep(0.2)  # each flock(1) reaches its flock(2)
-        if perf_file:
-            perf = subprocess.Popen(["perf", "record", "-g", "-p", str(pid), "-o", perf_file, "--",
-                                     "sleep", f"{a.limit:g}"],
-                                    stdout=subprocess.DEVNULL, stderr=open(run.tmp / "perf.log", "w"))
-            time.sleep(1.0)  # perf takes a moment to attach
+            except FileNotFoundError:
+                return False
+        return True
+    lab.wait_for(held, 60, f"{len(ps)} dnsperf to block opening their FIFO")
+    perf = None
+    if perf_file:
+        perf = subprocess.Popen(["perf", "record", "-g", "-p", str(pid), "-o", perf_file, "--",
+                                 "sleep", f"{a.limit:g}"],
+                                stdout=subprocess.DEVNULL, stderr=open(run.tmp / "perf.log", "w"))
+        time.sleep(1.0)  # perf takes a moment to attach
+
+    def feed(fd: int, b: bytes):
+        try:
+            os.set_blocking(fd, True)
+            view = memoryview(b)
+            while view:
+                view = view[os.write(fd, view[:65536]):]
+        except BrokenPipeError:
+            pass  # dnsperf died: its exit status says so
+        finally:
+            os.close(fd)
+    try:
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fds = [os.open(f, os.O_WRONLY | os.O_NONBLOCK) for f in fifos]  # each wakes its dnsperf
+        feeders = [threading.Thread(target=feed, args=(fd, b), daemon=True) for fd, b in zip(fds, data)]
+        for t in feeders:
+            t.start()
         for p in ps:
             p.wait(a.limit + 30)
         t1, cpu1 = time.monotonic(), cpu_seconds(pid)
+        for t in feeders:
+            t.join(5)
     finally:
-        os.close(fd)
         if perf is not None:
             perf.send_signal(signal.SIGINT)
             perf.wait(30)
@@ -185,7 +210,7 @@ def main():
         ap.error("--sandboxes x --names: at most 65535 names each side fit 198.18.0.0/15")
     if total + 1 > dp.EGRESSD_MAX_LEARNED:
         ap.error(f"--sandboxes x --names: the sidecar would pass its {dp.EGRESSD_MAX_LEARNED} learned-address cap")
-    status = dp.preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv", "flock"),
+    status = dp.preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv"),
                           more_tools=["perf"] if a.perf else [])
     if status is not None:
         return status
@@ -294,9 +319,9 @@ def main():
     q, c = ratios["qps_ratio"], ratios["cpu_ratio"]
     spread = lambda k: (f"  (rounds {min(per_round[k]):.2f} .. {max(per_round[k]):.2f})"  # noqa: E731
                         if len(per_round[k]) > 1 else "")
-    print(f"{'agent aggregate / sidecar qps':40} {q:>8.2f}   budget >= 1.0: {'within' if q >= 1 else 'MISSED'}"
+    print(f"{'agent aggregate / sidecar qps':40} {q:>8.3f}   budget >= 1.0: {'within' if q >= 1 else 'MISSED'}"
           f"{spread('qps_ratio')}")
-    print(f"{'agent / sidecar CPU per answer':40} {c:>8.2f}{spread('cpu_ratio')}")
+    print(f"{'agent / sidecar CPU per answer':40} {c:>8.3f}{spread('cpu_ratio')}")
     for side in ("agent", "sidecar"):
         v = summary[side]["cpu_us_per_answer"]
         print(f"{side + ' CPU per answered query (µs)':40} {v:>8.1f}   budget <= 12: {'within' if v <= 12 else 'MISSED'}")
