@@ -26,7 +26,8 @@ The window: every dnsperf is started ahead and blocks opening its names file, a 
 window opens when this script opens them all for writing (all clients start together, their
 exec and start-up left out) and closes when the last dnsperf has exited. qps = answers / window (fixed work: the slowest sandbox closes the
 agent's window). CPU per answered query = egressd's utime + stime (/proc/PID/stat, every
-thread) over the window / answers. Checked: every answer NOERROR, and each sandbox's
+thread) over the window / answers; CPU % = egressd's CPU time / window (100 = one core);
+the dnsperf clients' CPU per answer (getrusage of the reaped children) is printed beside. Checked: every answer NOERROR, and each sandbox's
 ph_agent_d4 holds one element per name answered (its probe included; a query dnsperf gave up on
 but egressd answered late counts, so elements may lie between answered and sent).
 
@@ -37,6 +38,10 @@ query <= 12 µs (both reported, not asserted). Defaults: 50 sandboxes x 1200 nam
 (~1 min); --quick: 5 x 200, 1 round. Exits 0 when it ran (numbers are judged in docs), 1 when
 something failed to run, 77 with "SKIP: reason" when not root.
 
+Diagnostics: --perf FILE runs `perf record -g` on the agent during its first window (FILE) and
+on the sidecar during its first (FILE.sidecar); perf's own cost lands in those windows, so
+their numbers are not the measurement.
+
 usage: agent_dns.py [--quick] [--sandboxes N] [--names N_names] [--rounds R] [--json FILE] [--perf FILE]
 """
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -59,6 +65,12 @@ from dns_proxy import lab  # noqa: E402
 
 PREFIX = "egbad-"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """utime + stime of the children this process has waited for (the dnsperf clients)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def cpu_seconds(pid: int) -> float:
@@ -144,14 +156,14 @@ def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a,
         finally:
             os.close(fd)
     try:
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        cpu0, ccpu0, t0 = cpu_seconds(pid), children_cpu_seconds(), time.monotonic()
         fds = [os.open(f, os.O_WRONLY | os.O_NONBLOCK) for f in fifos]  # each wakes its dnsperf
         feeders = [threading.Thread(target=feed, args=(fd, b), daemon=True) for fd, b in zip(fds, data)]
         for t in feeders:
             t.start()
         for p in ps:
             p.wait(a.limit + 30)
-        t1, cpu1 = time.monotonic(), cpu_seconds(pid)
+        t1, cpu1, ccpu1 = time.monotonic(), cpu_seconds(pid), children_cpu_seconds()
         for t in feeders:
             t.join(5)
     finally:
@@ -168,6 +180,7 @@ def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a,
     return {"window_s": t1 - t0, "answered": answered, "sent": sum(r["sent"] for r in res),
             "lost": sum(r["lost"] for r in res), "qps": answered / (t1 - t0),
             "cpu_s": cpu1 - cpu0, "cpu_us_per_answer": (cpu1 - cpu0) / answered * 1e6,
+            "clients_cpu_s": ccpu1 - ccpu0, "clients_cpu_us_per_answer": (ccpu1 - ccpu0) / answered * 1e6,
             "client_seconds": [r["seconds"] for r in res], "client_qps_sum": sum(r["qps"] for r in res),
             "clients": res}
 
@@ -199,7 +212,8 @@ def main():
     ap.add_argument("--limit", type=float, default=60, help="dnsperf -l: at most this many seconds")
     ap.add_argument("--clients", type=int, default=1, help="dnsperf -c of every client")
     ap.add_argument("--outstanding", type=int, default=20, help="dnsperf -q of every client")
-    ap.add_argument("--perf", metavar="FILE", help="perf record -g the agent during its first window")
+    ap.add_argument("--perf", metavar="FILE", help="perf record -g the agent during its first window (into "
+                    "FILE) and the sidecar during its first (FILE.sidecar)")
     ap.add_argument("--json", dest="json_out", metavar="FILE")
     a = ap.parse_args()
     a.sandboxes = a.sandboxes or (5 if a.quick else 50)
@@ -232,6 +246,7 @@ def main():
             "phases": {"agent": {"network_mode": "allowlist", "allowed_hosts": [f"*.{dp.DOMAIN}"]}}}))
         sock = tmp / "agent.sock"
         perf_file = a.perf
+        side_perf_file = f"{a.perf}.sidecar" if a.perf else None
 
         def agent_round():
             nonlocal perf_file
@@ -266,16 +281,18 @@ def main():
             return w
 
         def sidecar_round():
+            nonlocal side_perf_file
             delete_tables(side_ns)
             (tmp / "sidecar.ready").unlink(missing_ok=True)
             p = dp.start_egressd(run.procs, side_ns, tmp, "sidecar", policy, 10, extra=["--dns-port", "53"])
             try:
                 dp.wait_answer(side_ns, "127.0.0.1", 53, cl.probes[n], "the sidecar", p)
-                w = window(run, p.pid, [(side_ns, cl.files[n])], a, "sidecar")
+                w = window(run, p.pid, [(side_ns, cl.files[n])], a, "sidecar", side_perf_file)
                 dp.alive_or_fail(p, "the sidecar")
                 w.update(check_sets([side_ns], w["clients"]))
             finally:
                 run.procs.stop(p)
+            side_perf_file = None
             delete_tables(side_ns)
             return w
 
@@ -294,7 +311,8 @@ def main():
     per_round = {"qps_ratio": [x["qps"] / y["qps"] for x, y in zip(ag, sc)],
                  "cpu_ratio": [x["cpu_us_per_answer"] / y["cpu_us_per_answer"] for x, y in zip(ag, sc)]}
     med = lambda side, k: statistics.median(w[k] for w in rounds[side])  # noqa: E731
-    summary = {side: {k: med(side, k) for k in ("qps", "cpu_us_per_answer", "window_s", "client_qps_sum")}
+    summary = {side: {k: med(side, k) for k in ("qps", "cpu_us_per_answer", "window_s", "client_qps_sum",
+                                                 "clients_cpu_us_per_answer")}
                for side in rounds}
     ratios = {k: statistics.median(v) for k, v in per_round.items()}
     sets_ok = not any(w["set_mismatches"] for side in rounds for w in rounds[side])
@@ -307,14 +325,16 @@ def main():
           f"answer; {a.rounds} round(s), medians")
     print(f"machine: {os.cpu_count()} cpus, load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
           f"{elapsed:.0f} s")
-    print(f"{'':22} {'qps':>9} {'CPU µs/answer':>14} {'window s':>9} {'client s min..max':>18}  "
-          "set elements / names answered, per round")
+    print(f"{'':22} {'qps':>9} {'CPU µs/answer':>14} {'CPU %':>6} {'dnsperf µs/answer':>18} {'window s':>9} "
+          f"{'client s min..max':>18}  set elements / names answered, per round")
     for side, label in (("agent", f"agent, {n} sandboxes"), ("sidecar", "one sidecar")):
         s = summary[side]
         cs = [x for w in rounds[side] for x in w["client_seconds"]]
         sets = " ".join(f"{w['set_elements']}/{w['names_answered']}" for w in rounds[side])
         lost = sum(w["lost"] for w in rounds[side])
-        print(f"{label:22} {s['qps']:>9.0f} {s['cpu_us_per_answer']:>14.1f} {s['window_s']:>9.2f} "
+        busy = statistics.median(w["cpu_s"] / w["window_s"] * 100 for w in rounds[side])
+        print(f"{label:22} {s['qps']:>9.0f} {s['cpu_us_per_answer']:>14.1f} {busy:>6.0f} "
+              f"{s['clients_cpu_us_per_answer']:>18.1f} {s['window_s']:>9.2f} "
               f"{min(cs):>8.2f}..{max(cs):<8.2f}  {sets}{f'  ({lost} lost)' if lost else ''}")
     q, c = ratios["qps_ratio"], ratios["cpu_ratio"]
     spread = lambda k: (f"  (rounds {min(per_round[k]):.2f} .. {max(per_round[k]):.2f})"  # noqa: E731

@@ -173,7 +173,10 @@ def rows_agent_dns(d):
             verdict(a["cpu_us_per_answer"] <= 12) if judged else ""),
         row("agent DNS: set elements = names answered", None, "", budget="every sandbox",
             verdict=verdict(d["sets_ok"])),
-    ]
+    ] + ([row(f"agent DNS: {n} dnsperf clients' CPU per answer", a["clients_cpu_us_per_answer"], "us",
+              "one dnsperf", sc["clients_cpu_us_per_answer"],
+              a["clients_cpu_us_per_answer"] / sc["clients_cpu_us_per_answer"])]
+         if sc.get("clients_cpu_us_per_answer") else [])
 
 
 def plot_agent_dns(out: Path, d):
