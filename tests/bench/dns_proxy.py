@@ -54,7 +54,8 @@ observes, inserts nothing), which isolates the cost of the set insertion; --perf
 `perf record -g` on egressd during its first throughput run.
 
 The other benchmarks here but switch_latency.py import this module for what they share with it:
-preflight, BenchRun (set-up and clean-up of a run), Topology, Procs, start_egressd, write_json.
+preflight, BenchRun (set-up and clean-up of a run), Topology, Procs, start_egressd, write_json,
+start_upstream, wait_answer, dnsperf_argv and parse_dnsperf.
 
 usage: dns_proxy.py [--quick] [--rounds R] [--names N] [--only LIST] [--json FILE] [--perf FILE]
 """
@@ -355,19 +356,20 @@ def write_json(a: argparse.Namespace, **fields):
 # --- dnsperf ---------------------------------------------------------------------------------
 
 
-def dnsperf(ns: lab.Netns, server: str, port: int, datafile: Path, args: list[str], limit: float,
-            verbose: bool = False) -> dict:
-    argv = ["dnsperf", "-s", server, "-p", str(port), "-d", str(datafile), "-n", "1", "-l", f"{limit:g}",
+def dnsperf_argv(server: str, port: int, datafile: Path, args: list[str], limit: float,
+                 verbose: bool = False) -> list[str]:
+    """dnsperf over datafile once (-n 1), for at most limit s, with a 1 s query timeout."""
+    return ["dnsperf", "-s", server, "-p", str(port), "-d", str(datafile), "-n", "1", "-l", f"{limit:g}",
             "-t", "1", *args] + (["-v"] if verbose else [])
-    try:
-        cp = ns.exec(*argv, timeout=limit + 30, check=False)
-    except lab.LabError as e:
-        raise BenchError(str(e)) from None
-    out = cp.stdout
+
+
+def parse_dnsperf(out: str, returncode: int, where: str, stderr: str = "", verbose: bool = False) -> dict:
+    """dnsperf's report as sent, completed, lost, seconds, qps, rcodes (and with verbose, every
+    answer's latency); BenchError when it failed or printed no report."""
     m = {k: re.search(rf"{k}:\s+([0-9.]+)", out) for k in
          ("Queries sent", "Queries completed", "Queries lost", "Run time \\(s\\)", "Queries per second")}
-    if cp.returncode != 0 or not all(m.values()):
-        raise BenchError(f"dnsperf in {ns.name} failed ({cp.returncode}): {cp.stderr.strip()}\n{out[-2000:]}")
+    if returncode != 0 or not all(m.values()):
+        raise BenchError(f"dnsperf in {where} failed ({returncode}): {stderr.strip()}\n{out[-2000:]}")
     codes = dict((c, int(n)) for c, n in re.findall(r"(\b[A-Z]+) (\d+) \([0-9.]+%\)", out.split("Response codes:")[1]
                                                    .split("\n")[0])) if "Response codes:" in out else {}
     r = {"sent": int(m["Queries sent"].group(1)), "completed": int(m["Queries completed"].group(1)),
@@ -378,11 +380,53 @@ def dnsperf(ns: lab.Netns, server: str, port: int, datafile: Path, args: list[st
     return r
 
 
+def dnsperf(ns: lab.Netns, server: str, port: int, datafile: Path, args: list[str], limit: float,
+            verbose: bool = False) -> dict:
+    argv = dnsperf_argv(server, port, datafile, args, limit, verbose)
+    try:
+        cp = ns.exec(*argv, timeout=limit + 30, check=False)
+    except lab.LabError as e:
+        raise BenchError(str(e)) from None
+    return parse_dnsperf(cp.stdout, cp.returncode, ns.name, cp.stderr, verbose)
+
+
 def check_answers(name: str, r: dict, what: str):
     """Every answer must be NOERROR: a contender that refuses is fast and wrong."""
     bad = {c: n for c, n in r["rcodes"].items() if c != "NOERROR"}
     if bad or r["completed"] == 0:
         raise BenchError(f"{name} {what}: answers {r['rcodes'] or 'none'} (expected NOERROR only)")
+
+
+def start_upstream(procs: Procs, up: lab.Netns, tmp: Path, hosts: Path, probe: dict) -> subprocess.Popen:
+    """The upstream: dnsmasq on UPSTREAM:53 in up, authoritative for every name of hosts (no
+    cache), logging to tmp/upstream.log; returns once probe ({"name", "addr"}, the last name of
+    hosts) answers (loading 100k names takes a while)."""
+    p = procs.spawn(
+        ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
+         f"--addn-hosts={hosts}", f"--local-ttl={TTL}", "--cache-size=0", "--bind-interfaces",
+         f"--listen-address={UPSTREAM}", "--port=53", "--pid-file=", "--user=root", "--group=root",
+         f"--log-facility={tmp / 'upstream.log'}"], up, tmp / "upstream.out")
+    wait_answer(up, UPSTREAM, 53, probe, "the upstream", p, 60)
+    return p
+
+
+def wait_answer(ns: lab.Netns, server: str, port: int, probe: dict, what: str, proc: subprocess.Popen,
+                timeout: float = 10.0):
+    """Waits until server:port, asked from ns, answers probe["name"] with probe["addr"] alone
+    (BenchError when proc exits, the answer is another, or timeout s pass)."""
+    def answered():
+        alive_or_fail(proc, what)
+        rep = ns.dns_query(probe["name"], server=server, port=port, timeout=0.5)
+        if rep.outcome != "ok":
+            return False
+        if rep.rcode != "NOERROR" or rep.addresses != [probe["addr"]]:
+            raise BenchError(f"{what} answered {probe['name']} with {rep.rcode} {rep.addresses}, "
+                             f"expected {probe['addr']}")
+        return True
+    try:
+        lab.wait_for(answered, timeout, f"{what} to answer {probe['name']}")
+    except lab.LabError as e:
+        raise BenchError(f"{e}\n{tail(proc.log)}") from None
 
 
 # --- the bench -------------------------------------------------------------------------------
@@ -410,29 +454,10 @@ class Bench:
         self.last = {"name": tput[-1], "addr": address(len(lat) + len(tput) - 1)}
 
     def start_upstream(self):
-        up = self.topo.up
-        self.upstream = self.procs.spawn(
-            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
-             f"--addn-hosts={self.hosts}", f"--local-ttl={TTL}", "--cache-size=0", "--bind-interfaces",
-             f"--listen-address={UPSTREAM}", "--port=53", "--pid-file=", "--user=root", "--group=root",
-             f"--log-facility={self.tmp / 'upstream.log'}"], up, self.tmp / "upstream.out")
-        # Ready once the last name of the hosts file answers (loading 100k names takes a while).
-        self.wait_answer(up, UPSTREAM, 53, self.last, "the upstream", self.upstream, 60)
+        self.upstream = start_upstream(self.procs, self.topo.up, self.tmp, self.hosts, self.last)
 
     def wait_answer(self, ns, server, port, probe, what, proc, timeout=10.0):
-        def answered():
-            alive_or_fail(proc, what)
-            rep = ns.dns_query(probe["name"], server=server, port=port, timeout=0.5)
-            if rep.outcome != "ok":
-                return False
-            if rep.rcode != "NOERROR" or rep.addresses != [probe["addr"]]:
-                raise BenchError(f"{what} answered {probe['name']} with {rep.rcode} {rep.addresses}, "
-                                 f"expected {probe['addr']}")
-            return True
-        try:
-            lab.wait_for(answered, timeout, f"{what} to answer {probe['name']}")
-        except lab.LabError as e:
-            raise BenchError(f"{e}\n{tail(proc.log)}") from None
+        wait_answer(ns, server, port, probe, what, proc, timeout)
 
     # contenders: start() returns (server, port, process or None, set counter or None)
     def start_contender(self, name: str):

@@ -33,6 +33,7 @@ BENCHES = [
     ("memory", [], ["--quick"], 150),
     ("startup", [], ["--quick"], 60),
     ("agent", [], ["--quick"], 180),
+    ("agent_dns", [], ["--quick"], 180),
     ("pinning", [], ["--quick"], 150),
 ]
 
@@ -160,6 +161,45 @@ def plot_agent(out: Path, d):
     pass  # a table is the picture: five numbers
 
 
+def rows_agent_dns(d):
+    s, r, n = d["summary"], d["ratios"], d["sandboxes"]
+    judged = not d["config"]["quick"]
+    a, sc = s["agent"], s["sidecar"]
+    return [
+        row(f"agent DNS qps, {n} sandboxes at once", a["qps"], "qps", "one sidecar", sc["qps"], r["qps_ratio"],
+            ">= 1.0 x", verdict(r["qps_ratio"] >= 1) if judged else ""),
+        row("agent DNS CPU per answered query", a["cpu_us_per_answer"], "us", "one sidecar",
+            sc["cpu_us_per_answer"], r["cpu_ratio"], "<= 12 us",
+            verdict(a["cpu_us_per_answer"] <= 12) if judged else ""),
+        row("agent DNS: set elements = names answered", None, "", budget="every sandbox",
+            verdict=verdict(d["sets_ok"])),
+    ] + ([row(f"agent DNS: {n} dnsperf clients' CPU per answer", a["clients_cpu_us_per_answer"], "us",
+              "one dnsperf", sc["clients_cpu_us_per_answer"],
+              a["clients_cpu_us_per_answer"] / sc["clients_cpu_us_per_answer"])]
+         if sc.get("clients_cpu_us_per_answer") else [])
+
+
+def plot_agent_dns(out: Path, d):
+    s, n = d["summary"], d["sandboxes"]
+    with open(out / "agent_dns.dat", "w") as f:
+        f.write("# side qps cpu_us_per_answer\n")
+        for side, label in (("agent", f"agent, {n} sandboxes"), ("sidecar", "one sidecar")):
+            f.write(f"\"{label}\" {s[side]['qps']} {s[side]['cpu_us_per_answer']}\n")
+    gnuplot(out, "agent_dns", f"""set multiplot layout 1,2 title 'Agent-mode DNS: {n} sandboxes on one agent at once against one sidecar'
+{HISTOGRAMS}
+set boxwidth 0.9
+set grid ytics
+set yrange [0:*]
+set title 'aggregate throughput, a new address per answer'
+set ylabel 'answers per second'
+plot 'agent_dns.dat' using 2:xtic(1) notitle lc rgb '#4477aa'
+set title 'egressd CPU per answered query'
+set ylabel 'microseconds'
+plot 'agent_dns.dat' using 3:xtic(1) notitle lc rgb '#ee6677', 12 with lines dt 2 lc rgb 'gray' title 'budget 12 us'
+unset multiplot
+""")
+
+
 def rows_pinning(d):
     s, b = d["summary"], d["budget"]
     added, p50, tput, tr = s["lat_added_p50_us"], s["lat_p50_us"], s["tput_gbps"], s["tput_ratio"]
@@ -214,7 +254,7 @@ unset multiplot
 
 ROWS = {"switch_latency": rows_switch, "dns_proxy": rows_dns, "datapath": rows_datapath,
         "memory": rows_memory, "startup": rows_startup,
-        "agent": rows_agent, "pinning": rows_pinning}
+        "agent": rows_agent, "agent_dns": rows_agent_dns, "pinning": rows_pinning}
 
 
 def fmt(v, unit):
@@ -368,6 +408,7 @@ plot 'startup.dat' using 2:xtic(1) title 'p50' lc rgb '#4477aa', '' using 3 titl
 
 PLOTS = {"switch_latency": plot_switch, "dns_proxy": plot_dns, "datapath": plot_datapath,
          "memory": plot_memory, "startup": plot_startup, "agent": plot_agent,
+         "agent_dns": plot_agent_dns,
          "pinning": plot_pinning}
 
 
