@@ -152,13 +152,22 @@ def main():
         # Paced (one switch every --gap-ms, a busy harness's rate: the figure the budget is
         # for), then back to back (each switch's flow reaper, a sock_diag walk of the host's
         # socket hash on a thread of its own, then competes with the next switches for CPU).
-        sw, burst = [], []
+        # Each paced switch is followed, as far apart, by a `ping` to the same sandbox: the same
+        # wake-up from idle, request and reply with nothing to do, so its latency is the floor
+        # this machine puts under any request; `duration_us` in each switch's reply is the time
+        # egressd itself spent on it.
+        sw, burst, pings, own = [], [], [], []
         for k in range(2 * switches):
             phase = "verifier" if (k // n) % 2 == 0 else "agent"
             t_next = time.perf_counter() + a.gap_ms / 1e3
-            _, dt = c.call({"cmd": "apply", "phase": phase, "sandbox": f"s{k % n}"})
+            reply, dt = c.call({"cmd": "apply", "phase": phase, "sandbox": f"s{k % n}"})
             if k < switches:
                 sw.append(dt)
+                own.append(reply["duration_us"] / 1e6)
+                time.sleep(max(0.0, t_next - time.perf_counter()))
+                t_next = time.perf_counter() + a.gap_ms / 1e3
+                _, dt = c.call({"cmd": "ping", "sandbox": f"s{k % n}"})
+                pings.append(dt)
                 time.sleep(max(0.0, t_next - time.perf_counter()))
             else:
                 burst.append(dt)
@@ -184,6 +193,8 @@ def main():
             "add_p50_ms": pct(adds, 50) * 1e3, "add_p99_ms": pct(adds, 99) * 1e3, "add_max_ms": max(adds) * 1e3,
             "switch_p50_ms": pct(sw, 50) * 1e3, "switch_p99_ms": pct(sw, 99) * 1e3, "gap_ms": a.gap_ms,
             "burst_p50_ms": pct(burst, 50) * 1e3, "burst_p99_ms": pct(burst, 99) * 1e3,
+            "ping_p50_ms": pct(pings, 50) * 1e3, "ping_p99_ms": pct(pings, 99) * 1e3,
+            "switch_own_p50_ms": pct(own, 50) * 1e3, "switch_own_p99_ms": pct(own, 99) * 1e3,
             "restart_s": restart, "adopted": adopted,
         })
     if run.failed:
@@ -204,6 +215,10 @@ def main():
     print(f"{'named switch every {:g} ms, p50'.format(a.gap_ms):36} {out['switch_p50_ms']:10.3f}ms")
     print(f"{'named switch every {:g} ms, p99'.format(a.gap_ms):36} {out['switch_p99_ms']:10.3f}ms {'':>12} {'':>7}  <= 1 ms: "
           f"{'within' if out['switch_p99_ms'] <= 1 else 'MISSED'}")
+    print(f"{'ping every {:g} ms, p50/p99 (floor)'.format(a.gap_ms):36} {out['ping_p50_ms']:10.3f}ms "
+          f"{out['ping_p99_ms']:10.3f}ms  (request and reply with nothing to do: the machine's share)")
+    print(f"{'named switch, egressd own p50/p99':36} {out['switch_own_p50_ms']:10.3f}ms "
+          f"{out['switch_own_p99_ms']:10.3f}ms  (duration_us of each paced switch's reply)")
     print(f"{'restart: exec -> all listed':36} {out['restart_s'] * 1e3:10.1f}ms {'':>12} {'':>7}  <= 1 s: "
           f"{'within' if out['restart_s'] <= 1 else 'MISSED'} ({out['adopted']} tables adopted)")
     if a.json_out:
