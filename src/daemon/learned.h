@@ -51,6 +51,8 @@ class LearnedStore {
   TimePoint now() const { return clock_.steady(); }
   // True when `name` has an address that has not expired.
   bool live(const std::string& name) const;
+  // True when `name` has `addr`, not expired. O(log names + addresses of the name).
+  bool live_pair(const std::string& name, const IpPrefix& addr) const;
   // The names `addr` was learned for, in name order: unexpired pairs only,
   // or every pair still remembered with `include_expired` (they still say
   // where an address came from).

@@ -987,6 +987,19 @@ std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
     for (const auto& e : add.elems) ms[e.from] = std::max(ms[e.from], e.timeout_ms);
     std::vector<nft::SetElem> plain, replace;
     for (const auto& [addr, timeout] : ms) {
+      // The common answer: names the address already has, live. Its element
+      // is in the kernel with them (its timeout is at least theirs), and the
+      // add only refreshes the timeout (the kernel keeps the old comment), so
+      // nothing is compared. A name that expired meanwhile stays in the
+      // comment until the address's names next change (as a swept one does).
+      const auto& names_now = fresh[addr];
+      if (std::all_of(names_now.begin(), names_now.end(),
+                      [&](const std::string& n) { return learned_.live_pair(n, addr); })) {
+        std::vector<std::string> names = names_now;
+        std::sort(names.begin(), names.end());
+        plain.push_back(nft::SetElem{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)});
+        continue;
+      }
       if (learned_.name_count(addr) > kCommentNamesChecked) {
         // An address behind many names (a wildcard's CDN): its comment holds
         // a few of them at most (127 bytes), and comparing every name on
