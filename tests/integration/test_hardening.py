@@ -540,7 +540,12 @@ def test_dns_flood_keeps_control_responsive_and_memory_bounded(lab, egressd):
     rss_base = vm_rss_kib(d.pid)
     dns_before = d.status()["dns"]
 
-    count, seconds = 20_000, 5.0
+    # The same 20,000 packets either way; an ASan+UBSan build (-O0) gets them over 10 s. At
+    # 4,000/s it is at its capacity on a 2-core machine (86 % of a core in `perf`, the binary
+    # before issue 16 included: 87-100 % answered from run to run), so the answered share
+    # measured the build's speed, not whether the proxy sheds load with an answer.
+    sanitized = is_sanitized(d.pid)
+    count, seconds = 20_000, (10.0 if sanitized else 5.0)
     flood = run_flood(lab, count, seconds, seed=2)
     lat, switch_s, switch_reply = [], None, None
     t0 = time.monotonic()
@@ -563,7 +568,6 @@ def test_dns_flood_keeps_control_responsive_and_memory_bounded(lab, egressd):
     p50 = lat[len(lat) // 2] * 1000
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000
     rss_after = vm_rss_kib(d.pid)
-    sanitized = is_sanitized(d.pid)
     delta = {k: dns_after[k] - dns_before[k] for k in dns_after}
     print(f"\nflood: {res['queries']} queries + {res['garbage']} garbage packets sent in {res['send_seconds']} s; "
           f"answered {res['answered']}, unanswered {res['unanswered']}, rcodes {res['rcodes']}, "
