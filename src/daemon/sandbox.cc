@@ -993,8 +993,9 @@ std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
       // nothing is compared. A name that expired meanwhile stays in the
       // comment until the address's names next change (as a swept one does).
       const auto& names_now = fresh[addr];
+      const IpPrefix& a = addr;  // clang 14 cannot capture a structured binding
       if (std::all_of(names_now.begin(), names_now.end(),
-                      [&](const std::string& n) { return learned_.live_pair(n, addr); })) {
+                      [&](const std::string& n) { return learned_.live_pair(n, a); })) {
         std::vector<std::string> names = names_now;
         std::sort(names.begin(), names.end());
         plain.push_back(nft::SetElem{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)});
