@@ -52,7 +52,6 @@ import os
 import resource
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -140,10 +139,7 @@ def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a,
     lab.wait_for(held, 60, f"{len(ps)} dnsperf to block opening their FIFO")
     perf = None
     if perf_file:
-        perf = subprocess.Popen(["perf", "record", "-g", "-p", str(pid), "-o", perf_file, "--",
-                                 "sleep", f"{a.limit:g}"],
-                                stdout=subprocess.DEVNULL, stderr=open(run.tmp / "perf.log", "w"))
-        time.sleep(1.0)  # perf takes a moment to attach
+        perf = dp.start_perf(pid, perf_file, a.limit, run.tmp / "perf.log")
 
     def feed(fd: int, b: bytes):
         try:

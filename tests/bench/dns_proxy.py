@@ -410,6 +410,30 @@ def start_upstream(procs: Procs, up: lab.Netns, tmp: Path, hosts: Path, probe: d
     return p
 
 
+def start_perf(pid: int, out: str, seconds: float, log_path: Path) -> subprocess.Popen:
+    """`perf record -g` on pid for at most `seconds`, returned once it samples: its perf_event
+    descriptors are open. Stop it with SIGINT and wait, so it writes its file."""
+    p = subprocess.Popen(["perf", "record", "-g", "-p", str(pid), "-o", out, "--", "sleep", f"{seconds:g}"],
+                         stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+
+    def attached() -> bool:
+        if p.poll() is not None:
+            raise BenchError(f"perf record exited {p.returncode} (see {log_path})")
+        try:
+            fds = os.listdir(f"/proc/{p.pid}/fd")
+        except FileNotFoundError:
+            return False
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p.pid}/fd/{fd}") == "anon_inode:[perf_event]":
+                    return True
+            except OSError:
+                pass
+        return False
+    lab.wait_for(attached, 10, "perf record to attach")
+    return p
+
+
 def wait_answer(ns: lab.Netns, server: str, port: int, probe: dict, what: str, proc: subprocess.Popen,
                 timeout: float = 10.0):
     """Waits until server:port, asked from ns, answers probe["name"] with probe["addr"] alone
@@ -535,11 +559,8 @@ class Bench:
                     alive_or_fail(p, c)
                 perf = None
                 if a.perf and c == "egressd" and not self.perf_done:
-                    perf = subprocess.Popen(["perf", "record", "-g", "-p", str(p.pid), "-o", a.perf, "--",
-                                             "sleep", f"{a.limit:g}"],
-                                            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "perf.log", "w"))
+                    perf = start_perf(p.pid, a.perf, a.limit, self.tmp / "perf.log")
                     self.perf_done = True
-                    time.sleep(1.0)  # perf takes a moment to attach; a quick run would be over
                 tput = dnsperf(self.topo.clients[c], server, port, self.tput_file,
                                ["-c", str(a.clients), "-q", str(a.outstanding)], a.limit)
                 if perf is not None:
