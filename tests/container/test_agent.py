@@ -10,23 +10,11 @@ import json
 
 import podlab
 from podlab import DNS_SERVER, SERVER_A, SERVER_B, egressctl, reachable, wait_for
-
-# setns needs SYS_ADMIN, opening another process's namespace SYS_PTRACE; nftables NET_ADMIN;
-# the DNS proxy's port 53 in each task NET_BIND_SERVICE.
-AGENT_CAPS = ("NET_ADMIN", "NET_BIND_SERVICE", "SYS_ADMIN", "SYS_PTRACE")
-
-POLICY = f"""\
-initial_phase: agent
-dns: {{ upstream: ["{DNS_SERVER}"] }}
-phases:
-  setup: public
-  agent: {{ network_mode: allowlist, allowed_hosts: ["a.example.com"] }}
-  verifier: {{ network_mode: no-network }}
-"""
+from lab import AGENT_CAPS, agent_policy
 
 
 def start_agent(pods, scratch):
-    (scratch / "policy.yaml").write_text(POLICY)
+    (scratch / "policy.yaml").write_text(agent_policy(DNS_SERVER))
     c = pods.run(podlab.IMAGE, "agent", "--socket", "/run/egressd/agent.sock", name="agent",
                  network=pods.session.network, caps=AGENT_CAPS, volumes=(f"{scratch}:/run/egressd",),
                  extra=["--pid", "host"])

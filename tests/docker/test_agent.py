@@ -16,28 +16,17 @@ Docker's embedded resolver 127.0.0.11, which forwards to the session's dnsmasq).
 import json
 
 from dockerlab import DNS_SERVER, DOCKER_DNS, SERVER_A, SERVER_B, egressctl, reachable, wait_for
+from lab import AGENT_CAPS, agent_policy
 
-# setns needs SYS_ADMIN, opening another process's /proc/PID/ns/net SYS_PTRACE, nftables and
-# sock_diag NET_ADMIN, each sandbox's DNS proxy on port 53 NET_BIND_SERVICE (the DaemonSet's set).
-AGENT_CAPS = ("NET_ADMIN", "NET_BIND_SERVICE", "SYS_ADMIN", "SYS_PTRACE")
 AGENT_SOCKET = "/run/egressd/agent.sock"   # in the agent container; a host directory is mounted there
-
-# The agent asks upstream from its own namespace: the session's dnsmasq on the gateway
-# (in the DaemonSet that is cluster DNS).
-POLICY = f"""\
-initial_phase: agent
-dns: {{ upstream: ["{DNS_SERVER}"] }}
-phases:
-  setup: public
-  agent: {{ network_mode: allowlist, allowed_hosts: ["a.example.com"] }}
-  verifier: {{ network_mode: no-network }}
-"""
 
 
 def start_agent(session, containers):
     scratch = session.tmp / session.name("agent-run")
     scratch.mkdir()
-    (scratch / "policy.yaml").write_text(POLICY)
+    # The agent asks upstream from its own namespace: the session's dnsmasq on the gateway
+    # (in the DaemonSet that is cluster DNS).
+    (scratch / "policy.yaml").write_text(agent_policy(DNS_SERVER))
     net = session.network("v4")
     c = containers.run(session.egressd_image, "agent", "--socket", AGENT_SOCKET, name="agent", network=net.name,
                        dns=net.dns, caps=AGENT_CAPS, volumes=(f"{scratch}:/run/egressd",), extra=["--pid", "host"],

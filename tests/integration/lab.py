@@ -1078,6 +1078,27 @@ def _send_ignoring_close(s: socket.socket, data: bytes):
         pass  # the daemon may legitimately hang up on a bad request
 
 
+# --- egressd agent in a container (tests/container, tests/docker) ---------------------------
+
+# What `egressd agent` needs in a container: setns SYS_ADMIN, opening another process's
+# /proc/PID/ns/net SYS_PTRACE, nftables and sock_diag NET_ADMIN, each sandbox's DNS proxy on
+# port 53 NET_BIND_SERVICE. The DaemonSet grants the same (tests/container/test_kube.py).
+AGENT_CAPS = ("NET_ADMIN", "NET_BIND_SERVICE", "SYS_ADMIN", "SYS_PTRACE")
+
+
+def agent_policy(upstream: str) -> str:
+    """The container agent tests' policy file: setup public, agent allows a.example.com,
+    verifier no-network; the agent asks `upstream` from its own namespace."""
+    return f"""\
+initial_phase: agent
+dns: {{ upstream: ["{upstream}"] }}
+phases:
+  setup: public
+  agent: {{ network_mode: allowlist, allowed_hosts: ["a.example.com"] }}
+  verifier: {{ network_mode: no-network }}
+"""
+
+
 # --- the lab -------------------------------------------------------------------------------
 
 _counter = itertools.count(1)
