@@ -987,34 +987,30 @@ std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
     for (const auto& e : add.elems) ms[e.from] = std::max(ms[e.from], e.timeout_ms);
     std::vector<nft::SetElem> plain, replace;
     for (const auto& [addr, timeout] : ms) {
-      // The common answer: names the address already has, live. Its element
-      // is in the kernel with them (its timeout is at least theirs), and the
-      // add only refreshes the timeout (the kernel keeps the old comment), so
-      // nothing is compared. A name that expired meanwhile stays in the
-      // comment until the address's names next change (as a swept one does).
+      // Two cases add the element with a comment of this batch's names and
+      // compare nothing (for an element already in the kernel the add only
+      // refreshes its timeout; the kernel keeps the old comment):
+      // - the common answer: names the address already has, live. Its
+      //   element is in the kernel with them (its timeout is at least
+      //   theirs). A name that expired meanwhile stays in the comment until
+      //   the address's names next change (as a swept one does).
+      // - an address behind many names (a wildcard's CDN): its comment holds
+      //   a few of them at most (127 bytes), and comparing every name on
+      //   every answer made a DNS flood's answers wait (ASan: 87 % answered).
+      //   The fresh names go in when the element is new.
       const auto& names_now = fresh[addr];
       const IpPrefix& a = addr;  // clang 14 cannot capture a structured binding
       if (std::all_of(names_now.begin(), names_now.end(),
-                      [&](const std::string& n) { return learned_.live_pair(n, a); })) {
+                      [&](const std::string& n) { return learned_.live_pair(n, a); }) ||
+          learned_.name_count(addr) > kCommentNamesChecked) {
         std::vector<std::string> names = names_now;
-        std::sort(names.begin(), names.end());
-        plain.push_back(nft::SetElem{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)});
-        continue;
-      }
-      if (learned_.name_count(addr) > kCommentNamesChecked) {
-        // An address behind many names (a wildcard's CDN): its comment holds
-        // a few of them at most (127 bytes), and comparing every name on
-        // every answer made a DNS flood's answers wait (ASan: 87 % answered).
-        // The element keeps the comment it has; the fresh names go in when
-        // the element is new.
-        std::vector<std::string> names = fresh[addr];
         std::sort(names.begin(), names.end());
         plain.push_back(nft::SetElem{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)});
         continue;
       }
       const std::set<std::string> before_all = allowed(learned_.names_for(addr, true));
       const std::set<std::string> before_live = allowed(learned_.names_for(addr));
-      std::vector<std::string> names = fresh[addr];  // first: they must fit
+      std::vector<std::string> names = names_now;  // first: they must fit
       std::sort(names.begin(), names.end());
       std::set<std::string> after = before_live;
       for (const auto& n : names) after.insert(n);
