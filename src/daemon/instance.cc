@@ -346,7 +346,15 @@ Status Instance::Impl::build() {
           pinq->cut([this](const AdmittedFlow& f) { return sandbox->pin_keeps(f.name, f.dst); });
       if (n > 0) log->info("{}pin: cut flows={} gen={} (admitted for names the new phase does not allow)", prefix(), n, gen);
     }
-    reaper->reap(std::move(phase), gen);
+    // The reaper's thread is woken after the reply has gone out (the reply is
+    // written before the loop runs posted work): on a busy host the woken
+    // thread could otherwise take this CPU while the orchestrator waits. The
+    // rules already cut those flows; the reaper only aborts their sockets.
+    ++queued;
+    boost::asio::post(io, [this, phase = std::move(phase), gen] {
+      --queued;
+      if (!closed) reaper->reap(phase, gen);
+    });
     if (opts.after_switch) opts.after_switch();
   };
   so.post = [this](std::function<void()> fn) {
