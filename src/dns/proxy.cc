@@ -29,6 +29,9 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <optional>
@@ -204,6 +207,42 @@ struct Client {
   std::size_t limit = kClassicUdpSize;
   std::shared_ptr<TcpConn> tcp;
 };
+
+// Datagrams taken per recvmmsg(2), and at most this many replies per
+// sendmmsg(2): one system call for what arrived together (issue 17).
+constexpr unsigned kMmsgBatch = 16;
+
+// The receive slots of recvmmsg. Every slot is one byte over the largest
+// query accepted (a datagram that fills it was cut short and is dropped).
+// One set per thread, not per proxy: an agent's hundreds of proxies share
+// its loop thread, and each drain parses what it received before the next
+// one runs (nothing keeps a span into a slot: what outlives handle() is
+// copied). Not zero-filled: only the bytes the kernel writes are touched.
+struct RecvSlots {
+  static constexpr std::size_t kSlot = kMaxUdpSize + 1;
+  std::unique_ptr<std::uint8_t[]> bytes{new std::uint8_t[kSlot * kMmsgBatch]};
+  std::array<mmsghdr, kMmsgBatch> msgs{};
+  std::array<iovec, kMmsgBatch> iov{};
+  std::array<sockaddr_storage, kMmsgBatch> from{};
+
+  std::uint8_t* slot(unsigned i) { return bytes.get() + i * kSlot; }
+  void arm() {
+    for (unsigned i = 0; i < kMmsgBatch; ++i) {
+      iov[i] = iovec{slot(i), kSlot};
+      msgs[i] = mmsghdr{};
+      msgs[i].msg_hdr.msg_name = &from[i];
+      msgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_storage);
+      msgs[i].msg_hdr.msg_iov = &iov[i];
+      msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+  }
+};
+
+RecvSlots& recv_slots() {
+  thread_local std::unique_ptr<RecvSlots> slots;
+  if (!slots) slots = std::make_unique<RecvSlots>();
+  return *slots;
+}
 
 // At most kLogBurst lines per second; says how many it swallowed.
 class LogLimit {
@@ -419,6 +458,14 @@ class Core : public std::enable_shared_from_this<Core> {
   // target, SERVFAIL if it does not (bounded).
   std::vector<std::pair<std::vector<std::uint8_t>, Client>> waiting_relays_;
   void flush_waiting(bool pinned);
+  // UDP replies of this turn of the loop (Core::reply), sent by flush_outbox.
+  struct OutReply {
+    udp::socket* sock;
+    udp::endpoint peer;
+    std::vector<std::uint8_t> bytes;
+  };
+  std::vector<OutReply> outbox_;
+  void flush_outbox();
   asio::steady_timer probe_timer_;
   bool probe_scheduled_ = false;
   Clock::time_point last_probe_{};
@@ -812,9 +859,6 @@ void Core::close() {
 }
 
 awaitable<void> Core::udp_loop([[maybe_unused]] std::shared_ptr<Core> self, udp::socket& sock) {
-  // One byte over the largest query we accept: a datagram that fills the
-  // buffer was cut short by the kernel and is dropped.
-  std::vector<std::uint8_t> buf(kMaxUdpSize + 1);
   error_code ec;
   while (!closed_) {
     co_await sock.async_wait(udp::socket::wait_read, asio::redirect_error(use_awaitable, ec));
@@ -823,20 +867,35 @@ awaitable<void> Core::udp_loop([[maybe_unused]] std::shared_ptr<Core> self, udp:
       log_->error("event=udp_wait_failed error=\"{}\"", ec.message());
       co_return;
     }
-    // Drain what is queued (bounded, so TCP and upstream answers get turns).
-    for (int i = 0; i < 64 && !closed_; ++i) {
-      udp::endpoint peer;
-      const std::size_t n = sock.receive_from(asio::buffer(buf), peer, 0, ec);
-      if (ec == asio::error::would_block || ec == asio::error::try_again) break;
-      if (ec) {
-        log_->debug("event=udp_receive_failed error=\"{}\"", ec.message());
+    // Drain what is queued, kMmsgBatch per system call, at most 64 per
+    // wake-up (so TCP, upstream answers and other proxies get turns). No
+    // co_await until the batch is handled: the slots are the thread's.
+    for (unsigned taken = 0; taken < 64 && !closed_;) {
+      RecvSlots& r = recv_slots();
+      r.arm();
+      const int n = ::recvmmsg(sock.native_handle(), r.msgs.data(), kMmsgBatch, MSG_DONTWAIT, nullptr);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+          log_->debug("event=udp_receive_failed error=\"{}\"", std::strerror(errno));
+        }
         break;
       }
-      if (n > kMaxUdpSize) {
-        ++counters_.malformed;
-        continue;
+      for (int i = 0; i < n && !closed_; ++i) {
+        const msghdr& h = r.msgs[i].msg_hdr;
+        const std::size_t len = r.msgs[i].msg_len;
+        if ((h.msg_flags & MSG_TRUNC) != 0 || len > kMaxUdpSize) {
+          ++counters_.malformed;
+          continue;
+        }
+        udp::endpoint peer;
+        if (h.msg_namelen > peer.capacity()) continue;
+        std::memcpy(peer.data(), &r.from[i], h.msg_namelen);
+        peer.resize(h.msg_namelen);
+        handle(std::span(r.slot(static_cast<unsigned>(i)), len), Client{&sock, peer, kClassicUdpSize, nullptr});
       }
-      handle(std::span(buf.data(), n), Client{&sock, peer, kClassicUdpSize, nullptr});
+      taken += static_cast<unsigned>(n);
+      if (static_cast<unsigned>(n) < kMmsgBatch) break;
     }
   }
 }
@@ -944,9 +1003,46 @@ void Core::reply(const Client& client, std::vector<std::uint8_t> answer) {
     const std::size_t qend = question_end(answer);
     answer = make_truncated(answer, qend != 0 ? Bytes(answer).subspan(kHeaderSize, qend - kHeaderSize) : Bytes());
   }
-  error_code ec;
-  client.udp_sock->send_to(asio::buffer(answer), client.peer, 0, ec);
-  if (ec) log_->debug("event=udp_send_failed error=\"{}\"", ec.message());
+  // Sent with the other replies of this turn of the loop in one sendmmsg(2)
+  // (answers released by one learned-address commit come together).
+  outbox_.push_back(OutReply{client.udp_sock, client.peer, std::move(answer)});
+  if (outbox_.size() == 1) asio::post(io_, [self = shared_from_this()] { self->flush_outbox(); });
+}
+
+void Core::flush_outbox() {
+  std::vector<OutReply> out;
+  out.swap(outbox_);
+  if (closed_) return;  // the sockets are closed
+  std::array<mmsghdr, kMmsgBatch> msgs{};
+  std::array<iovec, kMmsgBatch> iov{};
+  for (std::size_t i = 0; i < out.size();) {
+    // A run of replies through the same socket, at most kMmsgBatch.
+    std::size_t n = 0;
+    while (i + n < out.size() && n < kMmsgBatch && out[i + n].sock == out[i].sock) {
+      OutReply& o = out[i + n];
+      iov[n] = iovec{o.bytes.data(), o.bytes.size()};
+      msgs[n] = mmsghdr{};
+      msgs[n].msg_hdr.msg_name = o.peer.data();
+      msgs[n].msg_hdr.msg_namelen = static_cast<socklen_t>(o.peer.size());
+      msgs[n].msg_hdr.msg_iov = &iov[n];
+      msgs[n].msg_hdr.msg_iovlen = 1;
+      ++n;
+    }
+    for (std::size_t k = 0; k < n;) {
+      const int sent = ::sendmmsg(out[i].sock->native_handle(), msgs.data() + k, static_cast<unsigned>(n - k),
+                                  MSG_DONTWAIT);
+      if (sent > 0) {
+        k += static_cast<std::size_t>(sent);
+        continue;
+      }
+      if (sent < 0 && errno == EINTR) continue;
+      // The reply at k failed (a full send buffer, an unreachable peer): UDP
+      // drops it, as send_to did, and the client asks again.
+      log_->debug("event=udp_send_failed error=\"{}\"", std::strerror(errno));
+      ++k;
+    }
+    i += n;
+  }
 }
 
 void Core::forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client) {

@@ -749,6 +749,40 @@ TEST_CASE("malformed packets get FORMERR or are dropped, and the proxy keeps ser
   CHECK(f.upstream.seen.size() == 1);
 }
 
+TEST_CASE("queries that arrive together from many clients are each answered to their own client") {
+  // More than one recvmmsg batch waits before the loop runs; the replies of a
+  // turn leave in sendmmsg batches, each to the address it came from.
+  Fixture f;
+  f.hooks.allowed = {"pypi.org"};
+  f.start();
+  std::vector<std::unique_ptr<UdpClient>> clients;
+  for (int i = 0; i < 40; ++i) clients.push_back(std::make_unique<UdpClient>(f.io, f.proxy->port()));
+  for (int i = 0; i < 40; ++i) {
+    const auto id = static_cast<std::uint16_t>(0x100 + i);
+    clients[static_cast<std::size_t>(i)]->send(i % 2 == 0 ? query(id, "pypi.org") : query(id, "refused.example"));
+  }
+  // A datagram one byte over the largest query, in the middle of the batch:
+  // dropped, the others answered.
+  UdpClient big(f.io, f.proxy->port());
+  Msg oversized = query(0x0B16, "pypi.org");
+  oversized.resize(kMaxUdpSize + 1, 0);
+  big.send(oversized);
+  REQUIRE(run_until(f.io, [&] {
+    return std::all_of(clients.begin(), clients.end(), [](const auto& c) { return !c->got.empty(); });
+  }));
+  drain(f.io);
+  for (int i = 0; i < 40; ++i) {
+    const auto& got = clients[static_cast<std::size_t>(i)]->got;
+    REQUIRE(got.size() == 1);
+    CHECK(id_of(got[0]) == 0x100 + i);
+    CHECK(rcode_of(got[0]) == (i % 2 == 0 ? Rcode::noerror : Rcode::refused));
+  }
+  CHECK(big.got.empty());
+  CHECK(f.proxy->counters().malformed == 1);
+  CHECK(f.proxy->counters().forwarded == 20);
+  CHECK(f.proxy->counters().refused == 20);
+}
+
 TEST_CASE("beyond max_inflight, new queries get SERVFAIL at once") {
   Fixture f;
   f.upstream.silent = true;
