@@ -131,6 +131,7 @@ int cmd_run(const RunArgs& a) {
   o.resolv_conf = read_resolv_conf();
   o.hosts_file = hosts_file;
   o.after_switch = [&trim_when_idle] { trim_when_idle(); };
+  o.after_request = [&trim_when_idle] { trim_when_idle(); };
   auto made = Instance::create(io, std::move(o));
   if (!made) return report(made.error());
   Instance& inst = **made;

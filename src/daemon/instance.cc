@@ -512,9 +512,12 @@ Status Instance::Impl::build() {
     sopts.path = opts.socket;
     sopts.allowed_uids.insert(opts.allow_uids.begin(), opts.allow_uids.end());
     sopts.watch_interval = std::chrono::seconds(1);  // re-create the socket file if it goes
-    auto s = control::Server::listen(io, sopts, [sb = sandbox.get()](const nlohmann::json& req, control::Reply reply) {
-      sb->handle(req, std::move(reply));
-    });
+    auto s = control::Server::listen(io, sopts,
+                                     [sb = sandbox.get(), after = opts.after_request](const nlohmann::json& req,
+                                                                                      control::Reply reply) {
+                                       sb->handle(req, std::move(reply));
+                                       if (after) after();
+                                     });
     if (!s) return s.error();
     server = std::move(*s);
   }

@@ -54,6 +54,9 @@ struct InstanceOptions {
   std::optional<bool> can_log;  // the deny chain's log rule (nfnetlink_log); unset: probed
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
+  // Called after every request on the sandbox's own socket (the same: a
+  // status of 1k entries leaves its JSON's heap behind).
+  std::function<void()> after_request;
 };
 
 class Instance {

@@ -70,6 +70,11 @@ constexpr int kReplyTimeoutMs = 5000;
 // zero-filled, so only the pages a batch wrote are resident: an idle daemon
 // stays small (DESIGN §5), and an agent keeps no start-up batch per sandbox.
 constexpr std::size_t kKeptBatchBytes = 160 * 1024;
+// ... and kept only after a batch that wrote at most this much: the pages a
+// large batch wrote (a start-up or a switch with many elements) would stay
+// resident in an idle daemon, while the small batches that come often (one
+// loop turn's learned addresses) write a page or two.
+constexpr std::size_t kKeptWrittenBytes = 16 * 1024;
 // Receive buffer per expected ack: acks are tiny but each is its own skb,
 // accounted at its truesize (nftables' mnl_batch_talk uses the same 1 KiB).
 constexpr int kAckTruesize = 1024;
@@ -927,7 +932,7 @@ class NetlinkKernel final : public Kernel {
     w.end();
     t_->reserve_seq(w.next_seq() - w.first_seq());
     Status st = tags_.empty() ? Status{} : send_batch(w.len(), w.first_seq());
-    if (batch_.capacity() > kKeptBatchBytes) batch_.release();
+    if (batch_.capacity() > kKeptBatchBytes || w.len() > kKeptWrittenBytes) batch_.release();
     return st;
   }
 
