@@ -1,14 +1,28 @@
 #!/usr/bin/env python3
 """Hostname pinning (issue 16): egressd vs no rules vs HAProxy `req_ssl_sni`, side by side (DESIGN §5).
 
-    server namespace  <tag>-up                           four client namespaces <tag>-norules,
-      lo 198.51.100.53/32  dnsmasq :53 (the upstream)     -conntrack, -egressd, -haproxy, each eth0 192.0.2.(4k+2)/30,
+    server namespace  <tag>-up                           six client namespaces <tag>-norules, -conntrack,
+      lo 198.51.100.53/32  dnsmasq :53 (the upstream)     -queue1, -queue2, -egressd, -haproxy, each eth0 192.0.2.(4k+2)/30,
          203.0.113.10/32   pinload serve :443, :5201  <-veth->  routes to the two server addresses only
                                                                (no default route, no host-namespace veth)
 
   norules  no nftables table at all
   conntrack  the floor of any stateful design (as in datapath.py): a table that tracks every
            flow and accepts on a ct mark, no sets, no pinning; a diagnostic, no budget
+  queue1   the floor of any design that sends one packet per new flow to userspace through NFQUEUE
+           (a diagnostic, no budget, latency only): conntrack's nat chain, and iptables-nft's
+           filter OUTPUT (the queue is xtables' NFQUEUE target through nft_compat, as egressd
+           sends it: this kernel has no nft_queue) queues, of a flow to 203.0.113.10 whose ct mark
+           is still 0, the first client packet that carries payload (IP length > 80, more than
+           any header-only IPv4/TCP packet: the ClientHello; the handshake's bare ACK is not).
+           The reader, qfloor.c (compiled here like pinload.c, with -lmnl), binds the queue in
+           copy-packet mode (64 bytes) and answers every packet at once, NF_REPEAT with an skb
+           mark, as egressd's reader does; the re-run chain turns mark 0x51 into the ct mark 1,
+           so every later packet of the flow stays in the kernel. No parsing, no decision: what
+           is left is the trip through the queue.
+  queue2   the same, but every client packet of an undecided established flow is queued, so the
+           handshake's bare ACK makes a trip too (the reader answers it with mark 0x50: passed,
+           the flow stays undecided) before the ClientHello: two trips, as egressd makes now.
   egressd  egressd run --netns <tag>-egressd, phase `agent`: allowlist [pinned.bench.example]
            (pinning on: the default). The client resolves pinned.bench.example through egressd
            first, so 203.0.113.10 is a name-learned address and every new TCP flow to it has its
@@ -30,13 +44,16 @@ handshake crypto is in the numbers), and every client connection ends with a res
 (SO_LINGER 0) so no TIME_WAIT piles up.
 
 Before measuring, each side is checked: the good hello gets its answer everywhere; the bad one
-is refused by egressd and haproxy and answered with no rules.
+is refused by egressd and haproxy and answered with no rules, conntrack and the queue floors; and
+each queue floor's reader must have seen exactly the packets its side queues (1 or 2 per
+connection, asked with SIGUSR1), so a floor row cannot measure a queue that queued nothing.
 
 Three measurements, the sides rotating from round to round:
   latency     connect + first byte: `pinload lat`, one connection after the other (connect,
               hello, first byte of the answer), in slices that alternate between the sides;
               p50 per side and round, then added = p50(side) - p50(norules) within the round.
-              Budgets: egressd added p50 <= 100 µs, and <= 0.2 x haproxy's added p50.
+              Budgets: egressd added p50 <= 100 µs, and <= 0.2 x haproxy's added p50. The
+              queue floors are in this measurement only (not in throughput or rate).
   throughput  `pinload tput`: one connection sends the hello, waits for the answer (as TLS
               waits for the ServerHello), then streams for S seconds; the server counts what it
               received. Ratios egressd / norules (budget >= 0.97) and haproxy / norules.
@@ -70,6 +87,7 @@ import argparse
 import json
 import os
 import socket
+import signal
 import ssl
 import statistics
 import struct
@@ -96,7 +114,10 @@ RATE_PORTS = tuple(range(10001, 10009))
 REUSE_SPORTS = (20000, 20002)
 HAP_FB, HAP_TPUT = 10443, 10444
 NOBODY = 65534
-SIDES = ("norules", "conntrack", "egressd", "haproxy")
+SIDES = ("norules", "conntrack", "queue1", "queue2", "egressd", "haproxy")
+TPUT_SIDES = ("norules", "conntrack", "egressd", "haproxy")  # throughput: the queue floors queue one packet, no more
+QUEUE_TRIPS = {"queue1": 1, "queue2": 2}  # packets each queue floor sends to its reader per connection
+QUEUE_NUM = 17
 LAT_BUDGET_US = 100.0
 LAT_RATIO_BUDGET = 0.2
 TPUT_BUDGET = 0.97
@@ -125,6 +146,27 @@ def client_hello(name: str) -> bytes:
         raise dp.BenchError(f"could not make a ClientHello for {name}")
     return hello
 
+
+# The queue floors' rules, as iptables-nft-restore input (the NFQUEUE target exists only as
+# xtables' here: no nft_queue). Marks: the reader's verdicts, see qfloor.c. The first rule is the
+# fast path of a decided flow; a verdict's re-run (NF_REPEAT) finds the reader's mark in the next.
+QUEUE_IPT = """*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+-A OUTPUT -m connmark --mark 0x1 -j ACCEPT
+-A OUTPUT -m mark --mark 0x51 -j CONNMARK --set-mark 0x1
+-A OUTPUT -m mark --mark 0x51 -j ACCEPT
+-A OUTPUT -m mark --mark 0x50 -j ACCEPT
+-A OUTPUT -d {addr}/32 -p tcp -m conntrack --ctstate ESTABLISHED{payload} -j NFQUEUE --queue-num {num}
+COMMIT
+"""
+QUEUE_PAYLOAD = {"queue1": " -m length --length 81:65535", "queue2": ""}
+# The same nat hook as the conntrack floor's table (and egressd's): the queue rows are conntrack + trips.
+QUEUE_NAT = """table ip qfloor {
+  chain nat { type nat hook output priority -101; policy accept; }
+}
+"""
 
 HAPROXY_CFG = """global
     maxconn 9000
@@ -179,6 +221,8 @@ class Pinning:
         self.a, self.run = a, run
         self.tmp, self.topo, self.procs = run.tmp, run.topo, run.procs
         self.pinload = self.tmp / "pinload"
+        self.qfloor = self.tmp / "qfloor"
+        self.readers: dict[str, subprocess.Popen] = {}
         self.good, self.bad = self.tmp / "good.hello", self.tmp / "bad.hello"
         self.procs_by_name: dict[str, subprocess.Popen] = {}
         self.sport_next: dict[str, int] = {}
@@ -190,6 +234,10 @@ class Pinning:
                             capture_output=True, text=True, timeout=60)
         if cp.returncode != 0:
             raise dp.BenchError(f"cc pinload.c failed: {cp.stderr.strip()}")
+        cp = subprocess.run(["cc", "-O2", "-o", str(self.qfloor), str(HERE / "qfloor.c"), "-lmnl"],
+                            capture_output=True, text=True, timeout=60)
+        if cp.returncode != 0:
+            raise dp.BenchError(f"cc qfloor.c -lmnl failed (libmnl-dev?): {cp.stderr.strip()}")
         self.good.write_bytes(client_hello(NAME))
         self.bad.write_bytes(client_hello(OTHER))
 
@@ -255,6 +303,36 @@ class Pinning:
         self.procs_by_name["haproxy"] = p
         self.haproxy_version = lab.run(["haproxy", "-v"]).stdout.splitlines()[0]
 
+    def start_queue_floors(self):
+        for side in QUEUE_TRIPS:
+            ns = self.topo.clients[side]
+            log = self.tmp / f"qfloor-{side}.log"
+            p = self.procs.spawn([self.qfloor, QUEUE_NUM], ns, log)
+            lab.wait_for(lambda: dp.alive_or_fail(p, f"qfloor {side}") or "ready" in log.read_text(), 10,
+                         f"qfloor {side} bound to queue {QUEUE_NUM}")
+            # The rules only once the queue has its reader: a queued packet with none is dropped.
+            cp = ns.exec("iptables-nft-restore", input=QUEUE_IPT.format(
+                addr=PINNED, payload=QUEUE_PAYLOAD[side], num=QUEUE_NUM), check=False, timeout=30)
+            if cp.returncode != 0:
+                raise dp.BenchError(f"{side}: iptables-nft-restore: {cp.stderr.strip()}")
+            dp.nft(ns, "-f", "-", input=QUEUE_NAT)
+            self.readers[side] = p
+            self.procs_by_name[f"qfloor {side}"] = p
+
+    def queue_count(self, side: str) -> dict:
+        """The reader's counters (packets, data, bare), asked with SIGUSR1."""
+        p = self.readers[side]
+        start = p.log.stat().st_size
+        p.send_signal(signal.SIGUSR1)
+
+        def answered():
+            dp.alive_or_fail(p, f"qfloor {side}")
+            for line in p.log.read_bytes()[start:].decode(errors="replace").splitlines():
+                if line.startswith("count "):
+                    return {k: int(v) for k, v in (kv.split("=", 1) for kv in line.split()[1:])}
+            return None
+        return lab.wait_for(answered, 5, f"qfloor {side}'s count")
+
     def alive(self):
         for what, p in self.procs_by_name.items():
             dp.alive_or_fail(p, what)
@@ -314,14 +392,23 @@ class Pinning:
 
     def check_enforcement(self):
         for side in SIDES:
+            before = self.queue_count(side) if side in QUEUE_TRIPS else None
             g, ge = self.lat(side, 1)
             b, be = self.lat(side, 1, self.bad)
             if not g:
                 raise dp.BenchError(f"{side}: the ClientHello for {NAME} got no answer: {ge}")
-            if side in ("norules", "conntrack") and not b:
+            if side in ("norules", "conntrack", *QUEUE_TRIPS) and not b:
                 raise dp.BenchError(f"{side}: the ClientHello for {OTHER} got no answer: {be}")
             if side in ("egressd", "haproxy") and b:
                 raise dp.BenchError(f"{side}: the ClientHello for {OTHER} was answered, expected a refusal")
+            if before is not None:
+                # Two connections: each queued its ClientHello (and, queue2, its bare ACK) once.
+                after = self.queue_count(side)
+                d = {k: after[k] - before[k] for k in after}
+                trips = QUEUE_TRIPS[side]
+                want = {"packets": 2 * trips, "data": 2, "bare": 2 * (trips - 1)}
+                if d != want:
+                    raise dp.BenchError(f"{side}: its reader saw {d} for two connections, expected {want}")
 
 
     def first_answer(self, side: str, hello: Path, sport: int) -> str:
@@ -376,14 +463,15 @@ def main():
     ladder = [int(x) for x in a.rates.split(",")] if a.rates else ([2000] if a.quick else list(RATE_LADDER))
     compare_rate = ladder[-1] if a.quick else RATE_BUDGET
 
-    status = dp.preflight(("nft", "ip", "ss", "setpriv", "dnsmasq", "haproxy", "cc"))
+    status = dp.preflight(("nft", "ip", "ss", "setpriv", "dnsmasq", "haproxy", "cc", "iptables-nft-restore"))
     if status is not None:
         return status
     if not EGRESSCTL.exists():
         print(f"error: missing {EGRESSCTL}", file=sys.stderr)
         return 1
 
-    run = dp.BenchRun(PREFIX, ("egressd.log", "haproxy.log", "server.log", "upstream.out"))
+    run = dp.BenchRun(PREFIX, ("egressd.log", "haproxy.log", "server.log", "upstream.out", "qfloor-queue1.log",
+                                  "qfloor-queue2.log"))
     b = Pinning(a, run)
     rounds, rates = [], {"egressd": [], "egressd_kernel_ports": [], "norules": [], "haproxy": []}
     load_before = dp.loadavg()
@@ -394,7 +482,9 @@ def main():
         b.start_egressd()
         b.start_haproxy()
         dp.nft(b.topo.clients["conntrack"], "-f", "-", input=CONNTRACK_TABLE)
+        b.start_queue_floors()
         b.check_enforcement()
+        queued_before = {s: b.queue_count(s)["packets"] for s in QUEUE_TRIPS}
         reuse = b.tuple_reuse()
 
         per_slice = max(1, a.conns // a.slices)
@@ -413,7 +503,8 @@ def main():
                    "lat_n": {s: len(lat[s]) for s in SIDES},
                    "lat_errors": {s: errs[s] for s in SIDES}, "tput": {}}
             for side in order:
-                res["tput"][side] = b.tput(side, a.seconds)
+                if side in TPUT_SIDES:
+                    res["tput"][side] = b.tput(side, a.seconds)
             b.alive()
             rounds.append(res)
 
@@ -430,15 +521,17 @@ def main():
             if not res["sustained"]:
                 break
         final_pin = b.pin_counts()
+        # Packets per measured connection (latency only: no other measurement uses these sides).
+        queued = {s: b.queue_count(s)["packets"] - queued_before[s] for s in QUEUE_TRIPS}
     if run.failed:
         return 1
 
     elapsed = time.monotonic() - t_start
     p50 = {s: statistics.median(r["lat_p50_us"][s] for r in rounds) for s in SIDES}
     added = {s: [r["lat_p50_us"][s] - r["lat_p50_us"]["norules"] for r in rounds]
-             for s in ("conntrack", "egressd", "haproxy")}
+             for s in ("conntrack", *QUEUE_TRIPS, "egressd", "haproxy")}
     lat_ratio = [e / h if h > 0 else float("inf") for e, h in zip(added["egressd"], added["haproxy"])]
-    tput = {s: statistics.median(r["tput"][s]["bps"] for r in rounds) / 1e9 for s in SIDES}
+    tput = {s: statistics.median(r["tput"][s]["bps"] for r in rounds) / 1e9 for s in TPUT_SIDES}
     tput_ratio = {s: [r["tput"][s]["bps"] / r["tput"]["norules"]["bps"] for r in rounds]
                   for s in ("conntrack", "egressd", "haproxy")}
     lat_errors = {s: sum(len(r["lat_errors"][s]) for r in rounds) for s in SIDES}
@@ -458,6 +551,8 @@ def main():
         "rate_kernel_ports_errors": rates["egressd_kernel_ports"][0]["errors"],
         "lat_errors": lat_errors,
         "tuple_reuse_ok": reuse["ok"],
+        "queue_packets_per_conn": {s: queued[s] / max(1, sum(r["lat_n"][s] + len(r["lat_errors"][s]) for r in rounds))
+                                   for s in QUEUE_TRIPS},
     }
     verdict = lambda ok: "pass" if ok else "MISS"  # noqa: E731
 
@@ -469,7 +564,8 @@ def main():
     for s in SIDES:
         ad = f"{summary['lat_added_p50_us'][s]:+.0f}" if s in added else "-"
         tr = f"{summary['tput_ratio'][s]:.3f}" if s in tput_ratio else "-"
-        print(f"{s:<8} {p50[s]:>8.0f} {summary['lat_p99_us'][s]:>8.0f} {ad:>10} {tput[s]:>9.2f} {tr:>6}  {lat_errors[s]}")
+        tg = f"{tput[s]:.2f}" if s in tput else "-"
+        print(f"{s:<8} {p50[s]:>8.0f} {summary['lat_p99_us'][s]:>8.0f} {ad:>10} {tg:>9} {tr:>6}  {lat_errors[s]}")
 
     def spread(xs, fmt):
         return f" (rounds {fmt.format(min(xs))} .. {fmt.format(max(xs))})" if len(xs) > 1 else ""
@@ -480,6 +576,11 @@ def main():
     print(f"connect+first byte, haproxy added p50: {summary['lat_added_p50_us']['haproxy']:+.0f} µs"
           f"{spread(added['haproxy'], '{:+.0f}')}")
     lr = summary["lat_added_ratio_egressd_over_haproxy"]
+    for s, trips in QUEUE_TRIPS.items():
+        q = summary["lat_added_p50_us"][s]
+        print(f"connect+first byte, {s} added p50 (floor: conntrack + {trips} queue trip{'s' if trips > 1 else ''}, "
+              f"no budget): {q:+.0f} µs = {q / summary['lat_added_p50_us']['haproxy']:.2f} x haproxy's"
+              f"{spread(added[s], '{:+.0f}')}; queued {summary['queue_packets_per_conn'][s]:.2f} packets per connection")
     print(f"added p50 egressd / haproxy: {lr:.3f}   budget <= {LAT_RATIO_BUDGET:g}: {verdict(lr <= LAT_RATIO_BUDGET)}"
           f"{spread(lat_ratio, '{:.3f}')}")
     for s in ("conntrack", "egressd", "haproxy"):

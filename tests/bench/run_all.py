@@ -219,6 +219,10 @@ def rows_pinning(d):
             tr["haproxy"]),
     ] + ([row("TCP, conntrack alone (floor)", tput["conntrack"], "Gbit/s", "no rules", tput["norules"],
               tr["conntrack"])] if "conntrack" in tr else []) + [
+        # The floors of a queue-based design (no budget): conntrack + 1 or 2 NFQUEUE trips per flow.
+        row(f"connect+first byte added, {s_} (floor: {n} queue trip{'s' if n > 1 else ''})", added[s_], "us",
+            "haproxy req_ssl_sni, added", added["haproxy"], added[s_] / added["haproxy"])
+        for s_, n in (("queue1", 1), ("queue2", 2)) if s_ in added] + [
         row("new pinned TLS connections/s, 0 errors", best, "conn/s", budget=f">= {b['rate']}/s",
             verdict="" if d["config"]["quick"] else verdict(best >= b["rate"])),
         row(f"new pinned TLS at {s['rate_kernel_ports']}/s, kernel's ports: errors", s["rate_kernel_ports_errors"],
