@@ -206,7 +206,7 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
     out.push_back({it->second.ids[i], k});
   }
   ++(admit ? stats_.admitted : stats_.reset);
-  decided_[it->first] = {admit, now, it->second.ct_id};
+  set_decided(it->first, {admit, now, it->second.ct_id});
   if (it->second.quic) --quic_flows_;
   flows_.erase(it);
   stats_.held = flows_.size();
@@ -292,8 +292,8 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
     // handshake's ACK tells where the stream starts (ISN + 1), so a later
     // segment that arrives first is not mistaken for the first bytes.
     if (it == flows_.end() && !seg.rst && !seg.fin && starts_.size() < kMaxFlows) {
-      auto [st, fresh] = starts_.try_emplace(key, Start{seg.seq, now, seg.ct_id});
-      if (!fresh && st->second.ct_id != seg.ct_id) st->second = Start{seg.seq, now, seg.ct_id};
+      auto st = starts_.find(key);
+      if (st == starts_.end() || st->second.ct_id != seg.ct_id) set_start(key, Start{seg.seq, now, seg.ct_id});
     }
     return with_replaced({{id, PinVerdict::Kind::pass}});
   }
@@ -406,7 +406,7 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
       ++it;
       continue;
     }
-    decided_[it->first] = {false, now, it->second.ct_id};
+    set_decided(it->first, {false, now, it->second.ct_id});
     admitted_order_.erase(it->second.order);
     out.push_back(std::move(it->second));
     it = admitted_.erase(it);
@@ -424,9 +424,28 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
     }
     it = next;
   }
-  std::erase_if(decided_, [&](const auto& kv) { return now - kv.second.at >= kDecidedMemory; });
-  std::erase_if(starts_, [&](const auto& kv) { return now - kv.second.at >= kDecidedMemory; });
+  auto pop_old = [now](auto& order, auto& map) {
+    while (!order.empty() && now - order.front().first >= kDecidedMemory) {
+      const auto& [at, key] = order.front();
+      if (auto it = map.find(key); it != map.end() && it->second.at == at) map.erase(it);
+      order.pop_front();
+    }
+  };
+  pop_old(decided_order_, decided_);
+  pop_old(starts_order_, starts_);
   return out;
+}
+
+void PinFlows::set_decided(const Key& key, Decided d) {
+  const Clock::time_point at = d.at;
+  decided_[key] = std::move(d);
+  decided_order_.emplace_back(at, key);
+}
+
+void PinFlows::set_start(const Key& key, Start st) {
+  const Clock::time_point at = st.at;
+  starts_[key] = st;
+  starts_order_.emplace_back(at, key);
 }
 
 std::optional<PinFlows::Clock::time_point> PinFlows::next_deadline() const {

@@ -28,6 +28,7 @@
 #include <tuple>
 #include <utility>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -182,6 +183,13 @@ class PinFlows {
     std::uint32_t ct_id;
   };
   std::map<Key, Start> starts_;
+  // Every write of decided_ and starts_ as (time, key), oldest first: expire()
+  // pops what is past kDecidedMemory instead of walking both maps on every
+  // turn of the loop (their size grows with the rate of new flows: 10 s of
+  // them). An entry written again later is erased only by its last write's pair.
+  std::deque<std::pair<Clock::time_point, Key>> decided_order_, starts_order_;
+  void set_decided(const Key& key, Decided d);
+  void set_start(const Key& key, Start st);
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   std::vector<ServerReset> server_resets_;
   void remember(const Key& key, const Segment& seg, const std::string& name);

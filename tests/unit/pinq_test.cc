@@ -354,3 +354,31 @@ TEST_CASE("a refused TCP flow asks for its server end to be reset at the first b
   REQUIRE(f.packet(3, seg(1, "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 40009), t0)[0].kind == K::admit);
   CHECK(f.take_server_resets().empty());
 }
+
+TEST_CASE("a refused flow is remembered for 10 s after its last decision, not longer") {
+  Judge j;
+  PinFlows f(j);
+  using std::chrono::seconds;
+  const std::string bad = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n", more = "more";
+  auto packet_of = [&](std::uint32_t seq, const std::string& bytes, std::uint32_t ct) {
+    Segment s = seg(seq, bytes);
+    s.ct_id = ct;
+    return s;
+  };
+  REQUIRE(f.packet(1, packet_of(100, bad, 7), t0)[0].kind == K::reset);
+  // A later segment of the refused connection: refused from memory, not judged.
+  CHECK(f.packet(2, packet_of(100 + bad.size(), more, 7), t0 + seconds(5))[0].kind == K::reset);
+  CHECK(f.stats().inspected == 1);
+  // Another connection on the same four-tuple at +6 s: judged afresh, refused; its
+  // decision is the one remembered now.
+  REQUIRE(f.packet(3, packet_of(900, bad, 8), t0 + seconds(6))[0].kind == K::reset);
+  CHECK(f.stats().inspected == 2);
+  // +10 s: the first decision's time is up, the second's is not.
+  CHECK(f.expire(t0 + seconds(10)).empty());
+  CHECK(f.packet(4, packet_of(900 + bad.size(), more, 8), t0 + seconds(10))[0].kind == K::reset);
+  CHECK(f.stats().inspected == 2);
+  // +16 s: forgotten; the segment is judged as the start of a flow of its own.
+  CHECK(f.expire(t0 + seconds(16)).empty());
+  CHECK(f.packet(5, packet_of(900 + bad.size(), more, 8), t0 + seconds(16)).empty());
+  CHECK(f.stats().inspected == 3);
+}
