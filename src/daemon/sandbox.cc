@@ -30,6 +30,7 @@
 
 #include "control/protocol.h"
 #include "daemon/audit_log.h"
+#include "daemon/inline_state.h"
 #include "egressd/async_callback.h"
 #include "egressd/module_logger.h"
 #include "dns/message.h"
@@ -1125,10 +1126,7 @@ Status Sandbox::remove_table() {
 
 void Sandbox::save_inline_state() {
   if (opts_.state_file.empty() || !inline_) return;
-  json entries = json::array();
-  for (const auto& e : inline_->entries) entries.push_back(e.text);
-  const json j{{"generation", state_.generation}, {"mode", to_string(inline_->mode)}, {"allow", entries}};
-  auto write = [path = opts_.state_file, text = j.dump() + "\n", lg = log()] {
+  auto write = [path = opts_.state_file, text = encode_inline_state(state_.generation, *inline_), lg = log()] {
     if (auto s = write_atomically(path, text); !s) lg->warn("inline policy not saved for adoption: {}", s.error().message);
   };
   if (opts_.write_off_loop) {
@@ -1142,18 +1140,14 @@ std::optional<Phase> Sandbox::load_inline_state(std::uint64_t generation) {
   if (opts_.state_file.empty()) return std::nullopt;
   std::ifstream in(opts_.state_file);
   if (!in) return std::nullopt;
-  try {
-    const json j = json::parse(in);
-    if (j.at("generation").get<std::uint64_t>() != generation) return std::nullopt;
-    auto mode = parse_mode(j.at("mode").get<std::string>());
-    if (!mode) return std::nullopt;
-    auto ph = make_inline_phase("inline", *mode, j.at("allow").get<std::vector<std::string>>());
-    if (!ph) return std::nullopt;
-    return *ph;
-  } catch (const std::exception& e) {
-    log()->warn("state file {} unreadable: {}", opts_.state_file, e.what());
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto ph = decode_inline_state(text.str(), generation);
+  if (!ph) {
+    log()->warn("state file {} {}", opts_.state_file, ph.error().message);
     return std::nullopt;
   }
+  return std::move(ph).value();
 }
 
 }  // namespace egressd::daemon
