@@ -1,6 +1,7 @@
 // Sandbox: everything egressd keeps for one network namespace (DESIGN §1).
 // This file has the phase machine: start and adopt, the apply queue with
-// its pre-resolution, switches, learning from DNS answers and the status.
+// its pre-resolution, switches, learning from DNS answers, and gathers the
+// state the status reply is built from (status_view.cc builds it).
 //
 // Over 1,000 lines because these share one invariant: the kernel's table,
 // state_ and the learned-address store change together, in one place, on
@@ -29,6 +30,7 @@
 
 #include "control/protocol.h"
 #include "daemon/audit_log.h"
+#include "daemon/inline_state.h"
 #include "egressd/async_callback.h"
 #include "egressd/module_logger.h"
 #include "dns/message.h"
@@ -42,9 +44,6 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
-
-constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, EntryKind::ipv4,
-                                   EntryKind::ipv6, EntryKind::ipv4_cidr, EntryKind::ipv6_cidr};
 
 struct AddrLess {
   bool operator()(const IpPrefix& a, const IpPrefix& b) const {
@@ -199,11 +198,7 @@ PhaseFacts::PhaseFacts(const Phase& phase) : matcher(std::make_shared<const dns:
   }
 }
 
-json PhaseFacts::counts_json() const {
-  json j = json::object();
-  for (EntryKind k : kAllKinds) j[std::string(to_string(k))] = counts[static_cast<std::size_t>(k)];
-  return j;
-}
+json PhaseFacts::counts_json() const { return entry_counts_json(counts); }
 
 std::shared_ptr<const PhaseFacts> Sandbox::facts(const Phase& phase) const {
   const auto& named = opts_.policy.phases;
@@ -1083,130 +1078,37 @@ void Sandbox::status(std::function<void(json)> done) {
 
 json Sandbox::status_from(const Result<std::vector<nft::RuleInfo>>& output,
                           const Result<std::vector<nft::RuleInfo>>& deny) {
-  const Phase& ph = active_phase();
-  json entries = json::array();
-  const auto now = learned_.now();
-  auto live = [&](const std::string& name) { return learned_.live(name); };
+  StatusInput in;
+  in.phase = state_.phase;
+  in.mode = state_.mode;
+  in.generation = state_.generation;
+  in.entries_unknown = inline_unknown_;
   if (!inline_unknown_) {
-    for (const auto& e : ph.entries) {
-      // IP entries are in the kernel; names take effect through the DNS proxy:
-      // a hostname is "resolved" once addresses were learned for it, a
-      // wildcard is "active" (it matches at query time).
-      std::string state = "active";
-      if (e.is_name() && proxy_ == nullptr) {
-        state = "pending";
-      } else if (e.kind == EntryKind::hostname) {
-        state = live(e.text) ? "resolved" : "unresolved";
-      }
-      entries.push_back({{"entry", e.text}, {"kind", to_string(e.kind)}, {"state", state}});
+    const bool dns_running = proxy_ != nullptr;
+    const auto& entries = active_phase().entries;
+    in.entries.reserve(entries.size());
+    for (const auto& e : entries) {
+      const bool learned = dns_running && e.kind == EntryKind::hostname && learned_.live(e.text);
+      in.entries.push_back({e.text, e.kind, entry_state(e.kind, dns_running, learned)});
     }
   }
-  json learned = json::array();
-  for (const auto& [name, addrs] : learned_.by_name()) {
-    json list = json::array();
-    for (const auto& a : addrs) {
-      if (a.expires <= now) continue;
-      if (a.hosts) {
-        // From the hosts file: no expiry while it is there.
-        list.push_back({{"address", a.addr.to_string()}, {"expires_in_s", nullptr}, {"source", "hosts"}});
-        continue;
-      }
-      list.push_back({{"address", a.addr.to_string()},
-                      {"expires_in_s", std::chrono::duration_cast<std::chrono::seconds>(a.expires - now).count()},
-                      {"source", "dns"}});
-    }
-    if (!list.empty()) learned.push_back({{"name", name}, {"addresses", list}});
-  }
-  const Traffic t = traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
-  json by_family = json::object();
-  for (int f : {0, 1}) {
-    const auto& c = t.family[f];
-    by_family[f == 0 ? "ipv4" : "ipv6"] = {{"allowed_packets", c.allowed_packets},
-                                           {"allowed_bytes", c.allowed_bytes},
-                                           {"denied_packets", c.denied_packets},
-                                           {"denied_bytes", c.denied_bytes}};
-  }
-  json phases = json::array();
-  for (const auto& p : opts_.policy.phases) phases.push_back(p.name);
-  json j{{"phase", state_.phase},
-         {"mode", to_string(state_.mode)},
-         {"generation", state_.generation},
-         {"entries", entries},
-         {"entry_counts", active_facts_->counts_json()},
-         {"counters",
-          {{"allowed_packets", t.allowed_packets},
-           {"allowed_bytes", t.allowed_bytes},
-           {"denied_packets", t.denied_packets},
-           {"denied_bytes", t.denied_bytes}}},
-         {"counters_by_family", by_family},
-         {"learned", learned},
-         {"phases", phases},
-         {"netns", opts_.netns},
-         {"socket", opts_.socket}};
-  if (proxy_ != nullptr) {
-    const auto c = proxy_->counters();
-    j["dns"] = {{"forwarded", c.forwarded}, {"refused", c.refused}, {"failed", c.failed},
-                {"malformed", c.malformed}, {"relayed", c.relayed}};
-    j["dns"]["inflight"] = c.inflight;
-  } else {
-    j["dns"] = nullptr;
-  }
-  if (inline_unknown_) j["entries_unknown"] = true;
-  j["audit"] = audit_status();
-  // Hostname pinning (docs/pinning.md): flows the queue reader judged; null
-  // when the reader does not run (enforce.pin_names off, or no queue).
-  if (pin_counts_) {
-    const auto [inspected, admitted, reset] = pin_counts_();
-    j["pin"] = {{"inspected", inspected}, {"admitted", admitted}, {"reset", reset}};
-  } else {
-    j["pin"] = nullptr;
-  }
-  return j;
+  in.entry_counts = active_facts_->counts;
+  in.learned = &learned_.by_name();
+  in.now = learned_.now();
+  in.traffic = traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
+  for (const auto& p : opts_.policy.phases) in.phases.push_back(p.name);
+  in.netns = opts_.netns;
+  in.socket = opts_.socket;
+  if (proxy_ != nullptr) in.dns = proxy_->counters();
+  in.audit = audit_status();
+  if (pin_counts_) in.pin = pin_counts_();
+  return status_json(in);
 }
 
-Sandbox::Traffic Sandbox::traffic() {
+Traffic Sandbox::traffic() {
   auto output = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "output");
   auto deny = nft::read_chain(*kernel_, nft::kTableName, nft::Family::inet, "deny");
   return traffic_from(output ? &*output : nullptr, deny ? &*deny : nullptr);
-}
-
-Sandbox::Traffic Sandbox::traffic_from(const std::vector<nft::RuleInfo>* output,
-                                       const std::vector<nft::RuleInfo>* deny) {
-  // Cumulative across switches: `counter jump active` in chain output sees
-  // every packet the policy decides; what `deny` did not take was allowed
-  // (the chains are dumped one after the other, hence the clamps). The early
-  // denies in output count there and in deny. By family: the IPv4 share of
-  // each is counted by count-only rules (nft/compile.h), IPv6 is the rest.
-  // A chain that could not be read counts nothing.
-  struct Pb {
-    std::uint64_t p = 0, b = 0;
-    void add(const nft::RuleInfo& r) { p += r.packets, b += r.bytes; }
-  };
-  auto sub = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
-  Pb decided, denied, lo4, at4, past4, jump4, denied4;
-  if (deny != nullptr) {
-    for (const auto& r : *deny) (r.comment == nft::kCountV4Denied ? denied4 : denied).add(r);
-  }
-  if (output != nullptr) {
-    for (const auto& r : *output) {
-      if (r.comment == nft::kCountV4AtSaddrCheck) {
-        at4.add(r);
-      } else if (r.comment == nft::kCountV4PastSaddrCheck) {
-        past4.add(r);
-      } else if (r.comment == nft::kCountV4Decided) {
-        jump4.add(r);
-      } else {
-        decided.add(r);
-        if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);
-      }
-    }
-  }
-  Traffic t{sub(decided.p, denied.p), sub(decided.b, denied.b), denied.p, denied.b, {}};
-  const Pb decided4{lo4.p + sub(at4.p, past4.p) + jump4.p, lo4.b + sub(at4.b, past4.b) + jump4.b};
-  t.family[0] = {sub(decided4.p, denied4.p), sub(decided4.b, denied4.b), denied4.p, denied4.b};
-  const std::uint64_t d6p = sub(denied.p, denied4.p), d6b = sub(denied.b, denied4.b);
-  t.family[1] = {sub(sub(decided.p, decided4.p), d6p), sub(sub(decided.b, decided4.b), d6b), d6p, d6b};
-  return t;
 }
 
 Status Sandbox::remove_table() {
@@ -1224,10 +1126,7 @@ Status Sandbox::remove_table() {
 
 void Sandbox::save_inline_state() {
   if (opts_.state_file.empty() || !inline_) return;
-  json entries = json::array();
-  for (const auto& e : inline_->entries) entries.push_back(e.text);
-  const json j{{"generation", state_.generation}, {"mode", to_string(inline_->mode)}, {"allow", entries}};
-  auto write = [path = opts_.state_file, text = j.dump() + "\n", lg = log()] {
+  auto write = [path = opts_.state_file, text = encode_inline_state(state_.generation, *inline_), lg = log()] {
     if (auto s = write_atomically(path, text); !s) lg->warn("inline policy not saved for adoption: {}", s.error().message);
   };
   if (opts_.write_off_loop) {
@@ -1241,18 +1140,14 @@ std::optional<Phase> Sandbox::load_inline_state(std::uint64_t generation) {
   if (opts_.state_file.empty()) return std::nullopt;
   std::ifstream in(opts_.state_file);
   if (!in) return std::nullopt;
-  try {
-    const json j = json::parse(in);
-    if (j.at("generation").get<std::uint64_t>() != generation) return std::nullopt;
-    auto mode = parse_mode(j.at("mode").get<std::string>());
-    if (!mode) return std::nullopt;
-    auto ph = make_inline_phase("inline", *mode, j.at("allow").get<std::vector<std::string>>());
-    if (!ph) return std::nullopt;
-    return *ph;
-  } catch (const std::exception& e) {
-    log()->warn("state file {} unreadable: {}", opts_.state_file, e.what());
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto ph = decode_inline_state(text.str(), generation);
+  if (!ph) {
+    log()->warn("state file {} {}", opts_.state_file, ph.error().message);
     return std::nullopt;
   }
+  return std::move(ph).value();
 }
 
 }  // namespace egressd::daemon

@@ -25,6 +25,7 @@
 #include "control/dispatch.h"
 #include "daemon/learned.h"
 #include "daemon/netwatch.h"
+#include "daemon/status_view.h"
 #include "dns/matcher.h"
 #include "dns/proxy.h"
 #include "egressd/clock.h"
@@ -407,18 +408,9 @@ class Sandbox : public dns::PolicyHooks {
   Status apply_batch(const nft::Change& ch);
 
   // Packets and bytes chain output decided, from the kernel's counters
-  // (status and metrics).
-  struct Traffic {
-    std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
-    // The same split by family: [0] IPv4, [1] IPv6.
-    struct Counts {
-      std::uint64_t allowed_packets = 0, allowed_bytes = 0, denied_packets = 0, denied_bytes = 0;
-    };
-    Counts family[2];
-  };
+  // (status and metrics; traffic_from in status_view.h).
   Traffic traffic();
   std::string metrics_text_from(const Traffic& t);
-  static Traffic traffic_from(const std::vector<nft::RuleInfo>* output, const std::vector<nft::RuleInfo>* deny);
   // src/daemon/sandbox_rules.cc and sandbox_metrics.cc.
   void rules(std::function<void(nlohmann::json)> reply);
   static std::string request_label(const std::string& cmd);

@@ -215,6 +215,36 @@ TEST_CASE("an adopted inline policy keeps its entries through the state file") {
   rmdir(tmpl);
 }
 
+TEST_CASE("a state file that cannot be adopted leaves the inline policy's entries unknown") {
+  char tmpl[] = "/tmp/egressd-sandbox-test-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string state = std::string(tmpl) + "/state";
+  std::optional<nft::TableInfo> table;
+  {
+    Fixture f(policy(), std::nullopt, state);
+    REQUIRE(f.sb->start("environment").ok());
+    REQUIRE(f.sb->handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", {"198.51.100.7"}}})["ok"] == true);
+    table = f.kernel->table;
+  }
+  // Garbage, and a file of the generation before (the table's is 2).
+  for (const char* text : {"{\"generation\":2,", "{\"generation\":1,\"mode\":\"allowlist\",\"allow\":[]}\n"}) {
+    CAPTURE(text);
+    std::FILE* out = std::fopen(state.c_str(), "w");
+    REQUIRE(out != nullptr);
+    std::fputs(text, out);
+    std::fclose(out);
+    Fixture again(policy(), table, state);
+    REQUIRE(again.sb->start("environment").ok());
+    const json st = again.sb->status();
+    CHECK(st["phase"] == "inline");
+    CHECK(st["generation"] == 2);
+    CHECK(st["entries"] == json::array());
+    CHECK(st["entries_unknown"] == true);
+  }
+  std::remove(state.c_str());
+  rmdir(tmpl);
+}
+
 TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same config keeps the kernel's") {
   std::optional<nft::TableInfo> table;
   {

@@ -1,0 +1,28 @@
+// The inline state file (SandboxOptions::state_file): the inline policy in
+// force, kept beside the table so that a restart adopting the table knows
+// its entries (the table's state comment carries only phase, mode and
+// generation). Encoding and decoding only; the Sandbox reads and writes the
+// file.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "egressd/policy.h"
+#include "egressd/result.h"
+
+namespace egressd::daemon {
+
+// {"allow":[entry texts],"generation":G,"mode":"..."} and a newline: inline
+// phase `phase` in force at `generation`.
+std::string encode_inline_state(std::uint64_t generation, const Phase& phase);
+
+// The inline phase (named "inline") `text` saved for `generation`. Error, the
+// message a reason to log after the file's name, when there is none to adopt:
+// "unreadable: ..." (not JSON, or a field missing or of the wrong type), or
+// "not adopted: ..." (saved for another generation, an unknown mode, an
+// entry or mode the inline policy rules refuse).
+Result<Phase> decode_inline_state(std::string_view text, std::uint64_t generation);
+
+}  // namespace egressd::daemon
