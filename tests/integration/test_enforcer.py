@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -201,6 +202,44 @@ def test_switch_cuts_established_flows(lab, egressd):
         if out not in ("unreachable", "reset") or out.elapsed >= 1.0:
             wrong.append(f"{f}: {out!r}, want ICMP error / abort within 1 s")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_connection_opened_from_outside_survives_a_switch_to_no_network(lab, egressd, family):
+    """enforce.inbound_replies (default on): a connection a remote host opened to a server in
+    the sandbox keeps working after the switch to no-network that cuts the sandbox's own flows;
+    the flow reaper, which runs after the switch, tells the two apart by the listening port."""
+    d = egressd(POLICY, phase="environment")
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    srv = lab.sandbox.socket(af, socket.SOCK_STREAM)
+    srv.bind((addr, 0))
+    srv.listen(1)
+    srv.settimeout(5.0)
+    remote = lab.internet.socket(af, socket.SOCK_STREAM)
+    remote.settimeout(5.0)
+    remote.connect(srv.getsockname()[:2])
+    conn, _ = srv.accept()
+    conn.settimeout(5.0)
+    try:
+        remote.sendall(b"before")
+        assert conn.recv(16) == b"before"
+        # The sandbox's own flow no-network cuts: its abort is what shows the reaper has run.
+        canary = lab.tcp_flow(SERVERS_V4[0] if family == 4 else SERVERS_V6[0])
+        assert canary.exchange() == "ok"
+        assert d.ctl("apply", "verifier")[0] == 0
+        gen = d.status()["generation"]
+        reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+        labmod.wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary flow")
+        assert canary.exchange() == "reset"
+        assert reaped.search(d.log()).group(1) == "1", "the reaper aborted more than the canary"
+        remote.sendall(b"after")
+        assert conn.recv(16) == b"after", "the connection opened from outside was cut"
+        conn.sendall(b"reply")
+        assert remote.recv(16) == b"reply", "the reply to the connection opened from outside was dropped"
+    finally:
+        for s in (conn, remote, srv):
+            s.close()
 
 
 def test_switch_keeps_allowed_flows(lab, egressd):
