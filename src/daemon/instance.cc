@@ -258,6 +258,15 @@ struct Instance::Impl {
 
   std::string prefix() const { return opts.name.empty() ? std::string() : "sandbox=" + opts.name + " "; }
   Status build();
+  // Runs `fn` on the loop after the handler running now, unless the
+  // instance closed meanwhile (counted in `queued`).
+  void post(std::function<void()> fn) {
+    ++queued;
+    boost::asio::post(io, [this, fn = std::move(fn)] {
+      --queued;
+      if (!closed) fn();
+    });
+  }
 };
 
 Status Instance::Impl::build() {
@@ -350,20 +359,10 @@ Status Instance::Impl::build() {
     // written before the loop runs posted work): on a busy host the woken
     // thread could otherwise take this CPU while the orchestrator waits. The
     // rules already cut those flows; the reaper only aborts their sockets.
-    ++queued;
-    boost::asio::post(io, [this, phase = std::move(phase), gen] {
-      --queued;
-      if (!closed) reaper->reap(phase, gen);
-    });
+    post([this, phase = std::move(phase), gen] { reaper->reap(phase, gen); });
     if (opts.after_switch) opts.after_switch();
   };
-  so.post = [this](std::function<void()> fn) {
-    ++queued;
-    boost::asio::post(io, [this, fn = std::move(fn)] {
-      --queued;
-      if (!closed) fn();
-    });
-  };
+  so.post = [this](std::function<void()> fn) { post(std::move(fn)); };
   so.run_after = [this](std::chrono::milliseconds delay, std::function<void()> fn) {
     auto t = std::make_shared<boost::asio::steady_timer>(io, delay);
     timers.insert(t);
