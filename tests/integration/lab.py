@@ -111,6 +111,19 @@ def wait_for(cond, timeout: float, what: str):
         delay = min(delay * 2, 0.05)
 
 
+def switch_and_wait_for_reaper(d, canary, phase: str) -> int:
+    """Switches egressd `d` to `phase` and waits until its flow reaper has aborted `canary`, an
+    open flow of the sandbox that the phase cuts: the abort is what shows the reaper ran for
+    this switch. Returns how many sockets the reaper aborted."""
+    assert canary.exchange() == "ok"
+    assert d.ctl("apply", phase)[0] == 0
+    gen = d.status()["generation"]
+    reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+    wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary flow")
+    assert canary.exchange() == "reset"
+    return int(reaped.search(d.log()).group(1))
+
+
 def run(args, *, timeout: float = 10.0, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
     """Runs a command to completion, output captured as text. LabError on timeout, or on a
     non-zero exit when check."""

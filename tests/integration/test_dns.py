@@ -20,7 +20,6 @@ query log shows (or must not show) is exact.
 """
 import json
 import random
-import re
 import socket
 import struct
 import sys
@@ -210,19 +209,13 @@ def test_a_lookup_in_flight_at_a_switch_is_answered_not_aborted(lab, egressd):
         assert (r.outcome, r.rcode) == ("ok", "NOERROR"), f"public forwards: {r.outcome!r} {r.rcode}"
         held.append((s, tcp))
     # A flow no-network cuts: its abort is what shows the reaper has run.
-    canary = lab.tcp_flow(labmod.SERVERS_V4[0])
-    assert canary.exchange() == "ok"
-    assert d.ctl("apply", "verifier")[0] == 0
-    gen = d.status()["generation"]
-    reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
-    labmod.wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary flow")
-    assert canary.exchange() == "reset"
+    aborted = labmod.switch_and_wait_for_reaper(d, lab.tcp_flow(labmod.SERVERS_V4[0]), "verifier")
     got = {}
     for s, tcp in held:
         r = labmod.dns_exchange(s, f"{t}.wild.example.org", tcp=tcp)
         got["tcp" if tcp else "udp"] = f"{r.outcome!r} {r.rcode}" if r.outcome != "ok" else r.rcode
     assert got == {"udp": "REFUSED", "tcp": "REFUSED"}, f"sockets held across the switch: {got}"
-    assert reaped.search(d.log()).group(1) == "1", "the reaper aborted more than the canary"
+    assert aborted == 1, "the reaper aborted more than the canary"
     for s, _ in held:
         s.close()
 

@@ -192,17 +192,24 @@ TEST_CASE("a restart with a changed config restages in one batch and keeps phase
   CHECK(again.sb->state().generation == 2);
 }
 
+namespace {
+
+// The table a sandbox leaves after switching to an inline allowlist of
+// 198.51.100.7 (generation 2), its state file at `state`.
+std::optional<nft::TableInfo> table_with_inline_policy(const std::string& state) {
+  Fixture f(policy(), std::nullopt, state);
+  REQUIRE(f.sb->start("environment").ok());
+  REQUIRE(f.sb->handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", {"198.51.100.7"}}})["ok"] == true);
+  return f.kernel->table;
+}
+
+}  // namespace
+
 TEST_CASE("an adopted inline policy keeps its entries through the state file") {
   char tmpl[] = "/tmp/egressd-sandbox-test-XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   const std::string state = std::string(tmpl) + "/state";
-  std::optional<nft::TableInfo> table;
-  {
-    Fixture f(policy(), std::nullopt, state);
-    REQUIRE(f.sb->start("environment").ok());
-    REQUIRE(f.sb->handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", {"198.51.100.7"}}})["ok"] == true);
-    table = f.kernel->table;
-  }
+  const std::optional<nft::TableInfo> table = table_with_inline_policy(state);
   Fixture again(policy(), table, state);
   REQUIRE(again.sb->start("environment").ok());
   REQUIRE(again.kernel->applied.size() == 1);
@@ -219,13 +226,7 @@ TEST_CASE("a state file that cannot be adopted leaves the inline policy's entrie
   char tmpl[] = "/tmp/egressd-sandbox-test-XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   const std::string state = std::string(tmpl) + "/state";
-  std::optional<nft::TableInfo> table;
-  {
-    Fixture f(policy(), std::nullopt, state);
-    REQUIRE(f.sb->start("environment").ok());
-    REQUIRE(f.sb->handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", {"198.51.100.7"}}})["ok"] == true);
-    table = f.kernel->table;
-  }
+  const std::optional<nft::TableInfo> table = table_with_inline_policy(state);
   // Garbage, and a file of the generation before (the table's is 2).
   for (const char* text : {"{\"generation\":2,", "{\"generation\":1,\"mode\":\"allowlist\",\"allow\":[]}\n"}) {
     CAPTURE(text);
