@@ -359,7 +359,9 @@ Status Instance::Impl::build() {
     // written before the loop runs posted work): on a busy host the woken
     // thread could otherwise take this CPU while the orchestrator waits. The
     // rules already cut those flows; the reaper only aborts their sockets.
-    post([this, phase = std::move(phase), gen] { reaper->reap(phase, gen); });
+    post([this, phase = std::move(phase), gen] {
+      reaper->reap(phase, gen, proxy ? proxy->listener_inodes() : std::vector<std::uint64_t>{});
+    });
     if (opts.after_switch) opts.after_switch();
   };
   so.post = [this](std::function<void()> fn) { post(std::move(fn)); };

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -120,22 +121,25 @@ std::optional<long> tcp_inuse(int family) {
 
 }  // namespace
 
-Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
+Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
+                          const std::vector<std::uint64_t>& own_listeners) {
   // Opened per call on the reaper's thread (in the sandbox's namespace),
   // without an event loop: requests only.
   auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
   if (!t) return t.error();
   nft::Transport& s = **t;
-  int destroyed = 0;
+  Reaped out;
   for (int family : {AF_INET, AF_INET6}) {
     // Listening ports tell accepted (inbound) connections from outbound ones.
     std::set<std::uint16_t> listen_ports;
-    long listeners = 0;
+    long own = 0;  // egressd's own listeners, seen listening
     const std::optional<long> before = tcp_inuse(family);
     if (auto st = dump(s, family, IPPROTO_TCP, state_bit(TCP_LISTEN),
                        [&](const inet_diag_msg& m) {
                          listen_ports.insert(ntohs(m.id.idiag_sport));
-                         ++listeners;
+                         if (std::find(own_listeners.begin(), own_listeners.end(), m.idiag_inode) != own_listeners.end()) {
+                           ++own;
+                         }
                        });
         !st) {
       return st.error();
@@ -143,11 +147,16 @@ Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
     // The dump of TCP flows walks the host's whole established hash, shared
     // by every namespace (~0.6 ms here for an empty namespace, on a kernel
     // that does not give the CPU up meanwhile: an agent's loop waited behind
-    // it). When this namespace has no TCP socket but its listeners, before and
-    // after they were listed, it is skipped: a socket made since was made
-    // under the new phase's rules.
+    // it). It is skipped when the namespace's only TCP sockets are egressd's
+    // own listeners, before and after they were seen: any other socket there
+    // (a flow, or a listener of the sandbox's) makes `inuse` larger, and a
+    // socket made since was made under the new phase's rules. Only sockets
+    // egressd holds are counted against `inuse`, so the sandbox cannot
+    // balance its flow with listeners it opens and closes during the listing
+    // (it could with a count of every listener the dump saw).
     const std::optional<long> after = tcp_inuse(family);
-    const bool tcp_flows = !(before && after && *before == listeners && *after == listeners);
+    const bool tcp_flows = !(before && after && *before == own && *after == own);
+    if (tcp_flows) ++out.tcp_families;
     for (int proto : {IPPROTO_TCP, IPPROTO_UDP}) {
       if (proto == IPPROTO_TCP && !tcp_flows) continue;
       const std::uint32_t states = proto == IPPROTO_TCP
@@ -165,11 +174,11 @@ Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep) {
       if (!st) return st.error();
       for (const auto& m : victims) {
         if (auto d = destroy(s, family, proto, m); !d) return d.error();
-        ++destroyed;
+        ++out.destroyed;
       }
     }
   }
-  return destroyed;
+  return out;
 }
 
 struct FlowReaper::Impl {
@@ -178,7 +187,12 @@ struct FlowReaper::Impl {
   Report report;
   std::mutex mu;
   std::condition_variable cv;
-  std::optional<std::pair<std::shared_ptr<const Phase>, std::uint64_t>> job;  // newest request only
+  struct Job {
+    std::shared_ptr<const Phase> phase;
+    std::uint64_t generation = 0;
+    std::vector<std::uint64_t> own_listeners;
+  };
+  std::optional<Job> job;  // newest request only
   std::uint64_t latest = 0;                            // generation of the newest request
   bool stop = false;
   std::thread thread;
@@ -193,21 +207,28 @@ struct FlowReaper::Impl {
     // event loop (switches, DNS answers) must never wait behind it.
     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
     for (;;) {
-      std::pair<std::shared_ptr<const Phase>, std::uint64_t> j;
+      Job j;
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return stop || job.has_value(); });
         if (stop) return;
-        const std::uint64_t queued = job->second;
+        const std::uint64_t queued = job->generation;
         if (cv.wait_for(lock, kReapSettle, [&] { return stop || latest != queued; })) continue;  // superseded
         j = std::move(*job);
         job.reset();
       }
-      const std::uint64_t gen = j.second;
-      auto n = destroy_flows([&](const FlowInfo& f) {
-        return superseded(gen) || flow_may_survive(*j.first, f, inbound_replies, dns_redirect);
-      });
-      if (report) report(std::move(n), gen);
+      const std::uint64_t gen = j.generation;
+      auto n = destroy_flows(
+          [&](const FlowInfo& f) {
+            return superseded(gen) || flow_may_survive(*j.phase, f, inbound_replies, dns_redirect);
+          },
+          j.own_listeners);
+      if (!report) continue;
+      if (n) {
+        report(n->destroyed, gen);
+      } else {
+        report(n.error(), gen);
+      }
     }
   }
 };
@@ -228,7 +249,8 @@ FlowReaper::~FlowReaper() {
   impl_->thread.join();
 }
 
-void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generation) {
+void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generation,
+                      std::vector<std::uint64_t> own_listeners) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->latest = generation;
@@ -237,7 +259,7 @@ void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generati
       impl_->job.reset();
       return;
     }
-    impl_->job = std::make_pair(std::move(phase), generation);
+    impl_->job = Impl::Job{std::move(phase), generation, std::move(own_listeners)};
   }
   impl_->cv.notify_one();
 }

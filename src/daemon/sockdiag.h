@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "egressd/policy.h"
 #include "egressd/result.h"
@@ -23,11 +24,21 @@ struct FlowInfo {
   bool udp = false;
 };
 
+// What one destroy_flows call did.
+struct Reaped {
+  int destroyed = 0;        // sockets aborted
+  int tcp_families = 0;     // address families whose TCP flows were listed (0-2)
+};
+
 // Calls `keep` for every TCP socket (not listening) and every connected UDP
 // socket in the namespace; destroys those for which it returns false.
-// Returns how many were destroyed. Fails (runtime) when sock_diag is
+// Returns how many were destroyed, and how many TCP listings it made. Fails (runtime) when sock_diag is
 // unavailable; EOPNOTSUPP from the kernel means no CONFIG_INET_DIAG_DESTROY.
-Result<int> destroy_flows(const std::function<bool(const FlowInfo&)>& keep);
+// `own_listeners`: the inodes of egressd's own listening TCP sockets in the
+// namespace (dns::Proxy::listener_inodes). When they are its only TCP
+// sockets, the TCP flows are not listed (no flow can be there).
+Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
+                          const std::vector<std::uint64_t>& own_listeners = {});
 
 // Runs destroy_flows on a thread of its own so the event loop never waits for
 // sock_diag dumps (they walk the kernel's global socket hash tables: 1-5 ms of
@@ -53,8 +64,10 @@ class FlowReaper {
   FlowReaper(const FlowReaper&) = delete;
   FlowReaper& operator=(const FlowReaper&) = delete;
 
-  // Queues the abort of flows `phase` (in force at `generation`) does not allow.
-  void reap(std::shared_ptr<const Phase> phase, std::uint64_t generation);
+  // Queues the abort of flows `phase` (in force at `generation`) does not
+  // allow. `own_listeners` as for destroy_flows.
+  void reap(std::shared_ptr<const Phase> phase, std::uint64_t generation,
+            std::vector<std::uint64_t> own_listeners = {});
 
  private:
   struct Impl;

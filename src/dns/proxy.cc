@@ -27,6 +27,7 @@
 #include <linux/netfilter_ipv6/ip6_tables.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
@@ -341,6 +342,14 @@ class Core : public std::enable_shared_from_this<Core> {
   bool closed() const { return closed_; }
   std::uint16_t port() const { return port_; }
   bool port_fell_back() const { return port_fell_back_; }
+  std::vector<std::uint64_t> listener_inodes() const {
+    std::vector<std::uint64_t> out;
+    for (const auto& a : acceptors_) {
+      struct stat st {};
+      if (a->is_open() && ::fstat(a->native_handle(), &st) == 0) out.push_back(st.st_ino);
+    }
+    return out;
+  }
   ProxyCounters counters() const {
     ProxyCounters c = counters_;
     c.inflight = inflight_;
@@ -1451,6 +1460,7 @@ class ProxyImpl final : public Proxy {
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }
+  std::vector<std::uint64_t> listener_inodes() const override { return core_->listener_inodes(); }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done) override {
     core_->resolve(name, std::move(done));
   }

@@ -153,6 +153,10 @@ class Proxy {
   // True when port() is not the port asked for (it was held by someone else).
   virtual bool port_fell_back() const = 0;
   virtual ProxyCounters counters() const = 0;
+  // The inode numbers of the proxy's listening TCP sockets (what sock_diag
+  // reports as idiag_inode): the flow reaper tells egressd's own listeners
+  // from the sandbox's with them. Empty once closed.
+  virtual std::vector<std::uint64_t> listener_inodes() const = 0;
   // Resolves A and AAAA of `name` upstream (pre-resolution at apply time);
   // calls `done` with the addresses (empty + error on failure).
   virtual void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done) = 0;

@@ -237,6 +237,55 @@ def test_a_connection_opened_from_outside_survives_a_switch_to_no_network(lab, e
             s.close()
 
 
+# A sandbox process that opens and closes listeners as fast as it can: it tries to make the
+# flow reaper take the namespace for one without flows (issue 17's attack view on the reaper's
+# shortcut). argv: address family (4 or 6), bind address. Prints "ready" once churning.
+_LISTENER_CHURN = """
+import socket, sys
+fam = socket.AF_INET if sys.argv[1] == "4" else socket.AF_INET6
+print("ready", flush=True)
+while True:
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.bind((sys.argv[2], 0))
+    s.listen(1)
+    s.close()
+"""
+_TCP_CLOSE = 7  # <netinet/tcp.h> TCP_CLOSE: the state of a socket the reaper aborted
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_listener_churn_does_not_hide_a_flow_from_the_reaper(lab, egressd, family):
+    """The reaper skips the costly dump of TCP flows when the namespace holds no TCP socket but
+    egressd's own listeners. A sandbox process that opens and closes listeners without pause
+    while it holds an outbound flow must not make that shortcut keep its flow: at every switch
+    to no-network the flow is aborted (its socket closed, not only its packets rejected), and
+    its bytes never reach the server."""
+    d = egressd(POLICY, phase="environment")
+    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    servers = SERVERS_V4 if family == 4 else SERVERS_V6
+    churn = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", _LISTENER_CHURN,
+                              str(family), addr], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert labmod._read_line(churn, 5.0, "the listener churn to start").strip() == "ready"
+        for round_ in range(40):
+            flow = lab.tcp_flow(servers[0])
+            # A connected UDP socket: the reaper lists UDP after TCP, so its abort (the log
+            # line) shows the reaper has decided about the TCP flow.
+            canary = lab.udp_flow(servers[1])
+            assert d.ctl("apply", "verifier")[0] == 0
+            gen = d.status()["generation"]
+            reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+            labmod.wait_for(lambda: reaped.search(d.log()), 5.0, f"round {round_}: the reaper to abort the canary")
+            state = flow.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            assert state == _TCP_CLOSE, f"round {round_}: the flow survived the reaper (tcp state {state})"
+            assert flow.exchange(timeout=1.0) != "ok"
+            flow.close()
+            canary.close()
+            assert d.ctl("apply", "environment")[0] == 0
+    finally:
+        labmod._stop_process(churn)
+
+
 def test_switch_keeps_allowed_flows(lab, egressd):
     d = egressd(POLICY, phase="environment")
     keep = [lab.tcp_flow("198.51.100.10"), lab.udp_flow("198.51.100.10"),

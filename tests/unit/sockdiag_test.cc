@@ -4,6 +4,20 @@
 
 #include "daemon/sockdiag.h"
 
+#include <arpa/inet.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <thread>
+
 using namespace egressd;
 using namespace egressd::daemon;
 
@@ -64,4 +78,123 @@ TEST_CASE("allowlist keeps allowed addresses and, with hostname entries, every p
   CHECK_FALSE(flow_may_survive(ips, flow("203.0.113.7", 443), true, true));
   const Phase names = phase(Mode::allowlist, {"pypi.org"});
   CHECK(flow_may_survive(names, flow("203.0.113.7", 443), true, true));
+}
+
+// ---- destroy_flows against the kernel (kernel suite only: tests/meson.build
+// selects the cases "as root" by name; each runs in a namespace of its own).
+
+namespace {
+
+bool lo_up() {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ifreq ifr{};
+  std::strcpy(ifr.ifr_name, "lo");
+  bool ok = fd >= 0 && ::ioctl(fd, SIOCGIFFLAGS, &ifr) == 0;
+  ifr.ifr_flags = static_cast<short>(ifr.ifr_flags | IFF_UP);
+  ok = ok && ::ioctl(fd, SIOCSIFFLAGS, &ifr) == 0;
+  if (fd >= 0) ::close(fd);
+  return ok;
+}
+
+// A TCP socket listening on the loopback address of `family`, any port.
+int listener(int family) {
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  if (family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    len = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    len = sizeof *a;
+  }
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd, 4) != 0) return -1;
+  return fd;
+}
+
+std::uint64_t inode(int fd) {
+  struct stat st {};
+  return ::fstat(fd, &st) == 0 ? st.st_ino : 0;
+}
+
+// Runs `body` on a thread of its own in a new, empty network namespace.
+void in_new_netns(const std::function<void()>& body) {
+  std::thread([&] {
+    if (::unshare(CLONE_NEWNET) != 0 || !lo_up()) {
+      FAIL_CHECK("cannot make a network namespace: ", std::strerror(errno));
+      return;
+    }
+    body();
+  }).join();
+}
+
+const auto keep_all = [](const FlowInfo&) { return true; };
+
+}  // namespace
+
+TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace's only TCP sockets, as root") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: a network namespace of its own needs root");
+    return;
+  }
+  in_new_netns([] {
+    const int own = listener(AF_INET);
+    REQUIRE_MESSAGE(own >= 0, std::strerror(errno));
+    const std::vector<std::uint64_t> ours{inode(own)};
+
+    auto r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->tcp_families == 0);
+    // A listener egressd is not told is its own counts as the sandbox's.
+    r = destroy_flows(keep_all, {});
+    REQUIRE(r.ok());
+    CHECK(r->tcp_families == 1);
+
+    // A listener of the sandbox's makes its family listed.
+    const int theirs = listener(AF_INET6);
+    REQUIRE(theirs >= 0);
+    r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->tcp_families == 1);
+    ::close(theirs);
+
+    // A flow (to egressd's own listener, over loopback): both ends are
+    // listed, and aborting them takes the namespace back to the shortcut.
+    const int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in to{};
+    socklen_t len = sizeof to;
+    REQUIRE(::getsockname(own, reinterpret_cast<sockaddr*>(&to), &len) == 0);
+    REQUIRE(::connect(c, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
+    const int a = ::accept4(own, nullptr, nullptr, SOCK_CLOEXEC);
+    REQUIRE(a >= 0);
+    int seen = 0, inbound = 0;
+    r = destroy_flows(
+        [&](const FlowInfo& f) {
+          ++seen;
+          inbound += f.inbound ? 1 : 0;
+          return true;
+        },
+        ours);
+    REQUIRE(r.ok());
+    CHECK(r->tcp_families == 1);
+    CHECK(seen == 2);
+    CHECK(inbound == 1);
+    r = destroy_flows([](const FlowInfo&) { return false; }, ours);
+    REQUIRE(r.ok());
+    CHECK(r->destroyed == 2);
+    int err = 0;
+    socklen_t elen = sizeof err;
+    CHECK(::getsockopt(c, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    CHECK((err == ECONNABORTED || err == ECONNRESET));  // aborted, or reset by its aborted peer first
+    r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->tcp_families == 0);
+    ::close(a);
+    ::close(c);
+    ::close(own);
+  });
 }
