@@ -286,6 +286,50 @@ def test_listener_churn_does_not_hide_a_flow_from_the_reaper(lab, egressd, famil
         labmod._stop_process(churn)
 
 
+@pytest.mark.parametrize("family", [4, 6])
+def test_an_outbound_flow_dressed_as_inbound_is_still_cut(lab, egressd, family):
+    """The flow reaper takes a TCP socket for inbound (kept with enforce.inbound_replies) when
+    its local port is a listening port. A sandbox process can give its own outbound flow that
+    port: a listener and the flow's socket share it with SO_REUSEPORT. The reaper is fooled and
+    keeps the socket; the rules are not: the flow's next bytes are denied and get no answer.
+    (The reset the deny sends back carries the server's address and is dropped by the
+    forged-source check, so this client waits for its timeout instead of failing at once.)"""
+    d = egressd(POLICY, phase="environment")
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    servers = SERVERS_V4 if family == 4 else SERVERS_V6
+    wildcard = "0.0.0.0" if family == 4 else "::"
+    srv = lab.sandbox.socket(af, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    srv.bind((wildcard, 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    s = lab.sandbox.socket(af, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((addr, port))
+    s.settimeout(2.0)
+    s.connect((servers[0], labmod.ECHO_PORT))
+    flow = labmod.TcpFlow(s, servers[0], labmod.ECHO_PORT)
+    try:
+        assert flow.exchange() == "ok"
+        canary = lab.udp_flow(servers[1])
+        assert d.ctl("apply", "verifier")[0] == 0
+        gen = d.status()["generation"]
+        reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+        labmod.wait_for(lambda: reaped.search(d.log()), 5.0, "the reaper to abort the canary")
+        state = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        assert state == 1, f"tcp state {state}: the reaper aborted the flow (update this test: it is not fooled now)"
+        before = d.status()["counters"]["denied_packets"]
+        for _ in range(3):
+            out = flow.exchange(timeout=1.0)
+            assert out != "ok", "a flow no-network cut was answered"
+        # Its packets met the deny (and were not merely lost on the way).
+        assert d.status()["counters"]["denied_packets"] > before
+    finally:
+        flow.close()
+        srv.close()
+
+
 def test_switch_keeps_allowed_flows(lab, egressd):
     d = egressd(POLICY, phase="environment")
     keep = [lab.tcp_flow("198.51.100.10"), lab.udp_flow("198.51.100.10"),
