@@ -217,11 +217,15 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // created (class 3: a sandbox that made the flow first, e.g. from
     // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
     // query as its reply), and only to the upstream sets' DNS port: even a
-    // sandbox that guessed the mark reaches nothing else.
+    // sandbox that guessed the mark reaches nothing else. The flow is marked
+    // egressd's own: with ct mark 0 it would look like an undecided flow of
+    // the sandbox's, whose TCP replies over `lo` pass for pinning's resets,
+    // and a sandbox process that sniffed egressd's TCP exchange (AF_PACKET)
+    // could send its socket an answer from the upstream's address over `lo`.
     for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
         c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
-                            MatchDport{proto, 53}, to_pass()},
+                            MatchDport{proto, 53}, StmtCtMarkSet{kOwnFlowMark}, to_pass()},
                            ""});
       }
     }

@@ -97,8 +97,12 @@ inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
 // Flows that arrived from outside the namespace (input, iif != lo, ct state
 // new): the only ones whose reply direction output accepts as such.
 inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
-// egressd's own flows to a loopback upstream: their replies (Docker's resolver
-// answering) pass the block on loopback upstreams.
+// egressd's own upstream flows. To a loopback upstream: their replies
+// (Docker's resolver answering) pass the block on loopback upstreams. To any
+// upstream: the flow is never mistaken for one of the sandbox's undecided
+// flows (ct mark 0), whose TCP replies over `lo` pass for hostname pinning's
+// resets (a sandbox process could otherwise send egressd's TCP socket an
+// "answer" from the upstream's address over `lo`).
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 // A flow hostname pinning admitted for a name that the phase switched to does
 // not allow (docs/pinning.md "Switches"): the daemon gives it this ct mark

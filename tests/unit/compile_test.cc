@@ -250,18 +250,19 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
   CHECK(render_rule(nat->rules[0]) == "meta mark != 0x1234abcd udp dport 53 redirect to :5353");
   CHECK(render_rule(nat->rules[1]) == "meta mark != 0x1234abcd tcp dport 53 redirect to :5353");
   // egressd's own upstream traffic reaches the upstream sets' port 53 only, on flows it
-  // created itself; a loopback upstream (Docker's 127.0.0.11) on any port, and nobody else
-  // reaches it at all.
+  // created itself, which it marks as its own (never ct mark 0: with pinning, TCP replies of
+  // ct mark 0 flows pass over lo); a loopback upstream (Docker's 127.0.0.11) on any port, and
+  // nobody else reaches it at all.
   std::vector<std::string> marked;
   for (const auto& r : find_chain(t, "output")->rules) {
     const std::string text = render_rule(r);
     if (text.find("upstream") != std::string::npos) marked.push_back(text);
   }
   CHECK(marked == std::vector<std::string>{
-                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 udp dport 53 goto pass",
-                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 tcp dport 53 goto pass",
-                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 udp dport 53 goto pass",
-                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 tcp dport 53 goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 udp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 tcp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 udp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 tcp dport 53 ct mark set 0x7ffffffe goto pass",
                       "meta mark 0x1234abcd ct direction original ip daddr @lo_upstream4 ct mark set 0x7ffffffe "
                       "meta mark set 0x00000000 accept",
                       "meta mark 0x1234abcd ct direction original ip6 daddr @lo_upstream6 ct mark set 0x7ffffffe "
