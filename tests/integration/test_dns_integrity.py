@@ -237,6 +237,7 @@ def test_forged_upstream_answers_teach_nothing(lab, egressd, how, phase):
 SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
     import socket, struct, sys, threading, time
     addr, real, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
     def question_end(q):
         i = 12
         while q[i]:
@@ -248,9 +249,9 @@ SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
             return q[:2] + b"\x83\x80\x00\x01\x00\x00\x00\x00\x00\x00" + q[12:end]
         return (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:end] + b"\xc0\x0c"
                 + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(real))
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u = socket.socket(fam, socket.SOCK_DGRAM)
     u.bind((addr, 53))
-    t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    t = socket.socket(fam, socket.SOCK_STREAM)
     t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     t.bind((addr, 53))
     t.listen(16)
@@ -281,11 +282,13 @@ SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
 TCP_INJECT = textwrap.dedent(r'''
     import json, socket, struct, sys, time
     upstream, me, forged, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-    up, mine = socket.inet_aton(upstream), socket.inet_aton(me)
+    v6 = ":" in upstream
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    up, mine = socket.inet_pton(fam, upstream), socket.inet_pton(fam, me)
     sniff = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0003))  # both ways, no link header
     sniff.bind(("eth0", 0))
     sniff.settimeout(0.05)
-    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    raw = socket.socket(fam, socket.SOCK_RAW, socket.IPPROTO_RAW)  # the whole IP header is ours (v6 too)
     def csum(b):
         if len(b) % 2:
             b += b"\0"
@@ -314,17 +317,22 @@ TCP_INJECT = textwrap.dedent(r'''
             pkt = sniff.recv(65535)
         except socket.timeout:
             continue
-        if len(pkt) < 40 or pkt[0] >> 4 != 4 or pkt[9] != 6:
-            continue
-        ihl = (pkt[0] & 0xF) * 4
-        tcp = pkt[ihl:struct.unpack_from("!H", pkt, 2)[0]]
+        if v6:
+            if len(pkt) < 60 or pkt[0] >> 4 != 6 or pkt[6] != 6:
+                continue
+            src, dst, tcp = pkt[8:24], pkt[24:40], pkt[40:40 + struct.unpack_from("!H", pkt, 4)[0]]
+        else:
+            if len(pkt) < 40 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+                continue
+            ihl = (pkt[0] & 0xF) * 4
+            src, dst, tcp = pkt[12:16], pkt[16:20], pkt[ihl:struct.unpack_from("!H", pkt, 2)[0]]
         sport, dport, seq, ack = struct.unpack_from("!HHII", tcp)
         flags = tcp[13]
         data = tcp[(tcp[12] >> 4) * 4:]
-        if pkt[12:16] == up and sport == 53 and flags & 0x12 == 0x12:  # SYN-ACK to egressd
+        if src == up and sport == 53 and flags & 0x12 == 0x12:  # SYN-ACK to egressd
             server_isn[dport] = seq
             server_ts[dport] = ts_option(tcp)
-        elif pkt[16:20] == up and dport == 53 and len(data) > 14 and sport in server_isn:
+        elif dst == up and dport == 53 and len(data) > 14 and sport in server_isn:
             seen += 1
             q = data[2:]
             i = 12
@@ -340,9 +348,14 @@ TCP_INJECT = textwrap.dedent(r'''
             hdr_len = 20 + len(opts)
             seg = struct.pack("!HHIIBBHHH", 53, sport, server_isn[sport] + 1, seq + len(data), (hdr_len // 4) << 4,
                               0x18, 65535, 0, 0) + opts + payload
-            pseudo = up + mine + struct.pack("!BBH", 0, 6, len(seg))
-            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
+            if v6:
+                pseudo = up + mine + struct.pack("!I3xB", len(seg), 6)
+                seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+                ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + up + mine
+            else:
+                pseudo = up + mine + struct.pack("!BBH", 0, 6, len(seg))
+                seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+                ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
             try:
                 raw.sendto(ip + seg, (me, 0))
             except PermissionError:  # a deny in chain output: the segment went nowhere
@@ -353,7 +366,8 @@ TCP_INJECT = textwrap.dedent(r'''
 ''')
 
 
-def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, egressd):
+@pytest.mark.parametrize("family", [4, 6])
+def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, egressd, family):
     """egressd falls back to TCP when the upstream truncates. A sandbox process with NET_RAW sees
     that exchange on eth0 (AF_PACKET) and answers egressd's query before the upstream does,
     from the upstream's address, with the right sequence numbers, ID and question, and sends it
@@ -361,14 +375,17 @@ def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, e
     reply direction of egressd's flow; the ruleset must not let it reach egressd's socket (with
     hostname pinning on, chain output and input let TCP replies of flows with ct mark 0 through
     lo, for pinning's own resets: egressd's upstream flows must not look like those)."""
-    upstream, real = "198.51.100.98", WILD_V4
-    lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
+    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
+    me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    real = WILD_V4  # the names asked are A; the exchange with the upstream is over `family`
+    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
+                    *([] if family == 4 else ["nodad"]))
     slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, real, "0.3"], netns=lab.internet,
                      stdout=subprocess.PIPE)
     assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
     lab.add_servers([FORGED_V4])
     d = egressd(policy(upstream))
-    p = attacker(lab, TCP_INJECT, upstream, labmod.SANDBOX_V4, FORGED_V4, 4.0, caps=DOCKER_CAPS)
+    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, caps=DOCKER_CAPS)
     t = tok()
     answers = []
     for i in range(2):
