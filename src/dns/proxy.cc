@@ -1080,10 +1080,26 @@ void Core::forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, cons
   // our random ID and case, and nothing else the sandbox wrote.
   std::array<std::uint8_t, kCaseBits> bits;
   upstream_->random_case(bits);
-  ForwardQuery fq = build_forward_query(q, msg, upstream_->random_id(), bits);
+  const std::uint16_t id = upstream_->random_id();
+  ForwardQuery fq = build_forward_query(q, msg, id, bits);
   // Registered as in flight (when a local upstream could relay it back)
   // under its question bytes for as long as `p` lives.
   if (loop_watch_) {
+    // A sandbox query with exactly these question bytes would be taken for
+    // Docker relaying this one (handle()): the same name asked again while
+    // this one is in flight, written in the case the draw happened to give
+    // (all lower case, for a name with few letters, is a likely draw). So
+    // the case is drawn again until it differs from the client's; a name
+    // without letters cannot differ.
+    const auto same_as_client = [&] {
+      return fq.question_end == q.question_end &&
+             std::equal(fq.wire.begin() + kHeaderSize, fq.wire.begin() + static_cast<std::ptrdiff_t>(fq.question_end),
+                        msg.begin() + kHeaderSize);
+    };
+    for (int tries = 0; tries < 16 && same_as_client(); ++tries) {
+      upstream_->random_case(bits);
+      fq = build_forward_query(q, msg, id, bits);
+    }
     p->key.assign(reinterpret_cast<const char*>(fq.wire.data()) + kHeaderSize, fq.question_end - kHeaderSize);
     ++inflight_q_[p->key].queries;
   }

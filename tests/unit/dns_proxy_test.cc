@@ -783,6 +783,28 @@ TEST_CASE("queries that arrive together from many clients are each answered to t
   CHECK(f.proxy->counters().refused == 20);
 }
 
+TEST_CASE("with a loopback upstream, the same name asked twice at once is answered twice, whatever case egressd drew") {
+  // With a local upstream the proxy takes a query whose question bytes are
+  // those of one of its own in flight for Docker relaying it. Its case is
+  // random: for "x.9" (one letter) the draw matches the client's lower case
+  // half the time, and the second client got SERVFAIL (no relay target). The
+  // forwarded case now always differs from the client's.
+  Fixture f;
+  f.hooks.allowed = {"x.9"};
+  f.start();
+  for (int round = 0; round < 24; ++round) {
+    UdpClient a(f.io, f.proxy->port()), b(f.io, f.proxy->port());
+    const auto id = static_cast<std::uint16_t>(0x200 + round);
+    a.send(query(id, "x.9"));
+    b.send(query(id, "x.9"));
+    REQUIRE(run_until(f.io, [&] { return !a.got.empty() && !b.got.empty(); }));
+    CHECK(rcode_of(a.got[0]) == Rcode::noerror);
+    CHECK(rcode_of(b.got[0]) == Rcode::noerror);
+  }
+  CHECK(f.proxy->counters().failed == 0);
+  CHECK(f.proxy->counters().relayed == 0);
+}
+
 TEST_CASE("beyond max_inflight, new queries get SERVFAIL at once") {
   Fixture f;
   f.upstream.silent = true;
