@@ -13,6 +13,8 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fstream>
+#include <optional>
+#include <string_view>
 
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
@@ -35,6 +37,69 @@ Status join_netns(const RunArgs& a) {
   if (!fd.ok()) return Error::invalid("cannot open network namespace " + path + ": " + errno_text(errno));
   if (::setns(fd.get(), CLONE_NEWNET) != 0) return errno_error("cannot join network namespace " + path, errno);
   return {};
+}
+
+// The address of an upstream as Instance::upstream() prints it ("127.0.0.11",
+// "127.0.0.11:53", "[::1]:53", "::1").
+std::optional<IpPrefix> upstream_address(std::string_view u) {
+  if (!u.empty() && u.front() == '[') {
+    const auto end = u.find(']');
+    return end == std::string_view::npos ? std::nullopt : parse_ip(u.substr(1, end - 1));
+  }
+  if (const auto colon = u.find(':'); colon != std::string_view::npos && colon == u.rfind(':')) {
+    u = u.substr(0, colon);
+  }
+  return parse_ip(u);
+}
+
+// Whether CAP_NET_RAW is in the bounding set of process `pid` (/proc/PID/status,
+// CapBnd): then a process of its own can hold it (root, a file capability, a setuid
+// binary). nullopt when that cannot be read.
+std::optional<bool> may_hold_net_raw(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("CapBnd:", 0) != 0) continue;
+    try {
+      return ((std::stoull(line.substr(7), nullptr, 16) >> 13) & 1) != 0;  // CAP_NET_RAW = 13
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+// The one forged-answer path egressd does not close (docs/security.md, "An upstream
+// inside the namespace"): with the resolver on loopback in the sandbox's namespace
+// (Docker's 127.0.0.11), a task process with raw sockets sniffs egressd's query there
+// and answers it from the resolver's own port before the resolver does. Said once at
+// start, where the operator who can drop NET_RAW looks, with what to do.
+void warn_if_task_can_forge_answers(int pid, const std::vector<std::string>& upstreams) {
+  std::string lo;
+  for (const auto& u : upstreams) {
+    const auto addr = upstream_address(u);
+    if (addr && ((addr->family == 4 && addr->bytes[0] == 127) || (addr->family == 6 && *addr == *parse_ip("::1")))) {
+      lo = u;
+      break;
+    }
+  }
+  if (lo.empty()) return;
+  const auto raw = may_hold_net_raw(pid);
+  if (raw && !*raw) return;
+  const std::string risk =
+      "a task process that sniffs egressd's queries there can answer them from the resolver's own port before it "
+      "does, and egressd cannot tell the two apart (docs/security.md, \"An upstream inside the namespace\")";
+  const std::string remedy =
+      "drop NET_RAW from the task (--cap-drop NET_RAW) or use an upstream outside the namespace (dns.upstream)";
+  audit_event("upstream_exposed",
+              {{"pid", pid},
+               {"upstream", lo},
+               {"net_raw", raw ? "in the bounding set" : "unknown"},
+               {"risk", risk},
+               {"remedy", remedy}},
+              spdlog::level::warn,
+              fmt::format("upstream {} is on loopback in the sandbox and the task (pid {}) may use raw sockets{}: {}; {}",
+                          lo, pid, raw ? "" : " (its capabilities cannot be read)", risk, remedy));
 }
 
 }  // namespace
@@ -156,6 +221,8 @@ int cmd_run(const RunArgs& a) {
               fmt::format("ready phase={} mode={} gen={} socket={} dns_port={} upstream={} startup_us={}",
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
                           a.socket, inst.dns_port(), ups.empty() ? "-" : ups, inst.startup_us()));
+
+  if (a.netns_pid != 0) warn_if_task_can_forge_answers(a.netns_pid, inst.upstream());
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);

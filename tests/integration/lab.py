@@ -931,8 +931,10 @@ class Egressd:
     """
 
     def __init__(self, lab: "Lab", config: Path, *, phase: str | None = None, extra=(), name: str = "egressd",
-                 binary: list[str] | None = None):
+                 binary: list[str] | None = None, netns_pid: int | None = None):
         self.lab, self.config, self.phase, self.extra, self.name = lab, Path(config), phase, list(extra), name
+        # --netns-pid PID instead of --netns: the sandbox is that process's namespace.
+        self.netns_pid = netns_pid
         # argv prefix that stands for `egressd` (tests of the lab itself substitute a fake).
         self.binary = list(binary) if binary else [str(egressd_binary())]
         self.socket_path = lab.tmp / f"{name}.sock"
@@ -944,7 +946,8 @@ class Egressd:
         a = [*self.binary, "run", "--socket", str(self.socket_path), "--config", str(self.config)]
         if self.phase:
             a += ["--phase", self.phase]
-        a += ["--netns", self.lab.sandbox.path, "--ready-file", str(self.ready_path)]
+        a += ["--netns-pid", str(self.netns_pid)] if self.netns_pid else ["--netns", self.lab.sandbox.path]
+        a += ["--ready-file", str(self.ready_path)]
         return a + self.extra
 
     def start(self, timeout: float = 5.0) -> "Egressd":
@@ -1234,12 +1237,14 @@ class Lab:
         return path
 
     def egressd(self, config: str | Path, *, phase: str | None = None, extra=(), start: bool = True,
-                name: str | None = None, timeout: float = 5.0, binary: list[str] | None = None) -> Egressd:
-        """An Egressd for this lab's sandbox; config is a path or the policy text itself."""
+                name: str | None = None, timeout: float = 5.0, binary: list[str] | None = None,
+                netns_pid: int | None = None) -> Egressd:
+        """An Egressd for this lab's sandbox; config is a path or the policy text itself. With
+        netns_pid, egressd joins the sandbox through that process (--netns-pid)."""
         if not isinstance(config, Path):
             config = self.write_config(config, f"policy-{len(self.daemons) + 1}.yaml")
         d = Egressd(self, config, phase=phase, extra=extra, name=name or f"egressd{len(self.daemons) or ''}",
-                    binary=binary)
+                    binary=binary, netns_pid=netns_pid)
         self.daemons.append(d)
         return d.start(timeout) if start else d
 

@@ -802,6 +802,30 @@ def test_loopback_upstream_precreated_flows_and_sniffed_answers_with_net_raw(lab
     assert d.running
 
 
+@pytest.mark.parametrize("caps", [DOCKER_CAPS, "-all,+net_bind_service"], ids=["docker-default", "net-raw-dropped"])
+def test_a_task_that_can_forge_loopback_answers_is_reported_at_start(lab, egressd, caps):
+    """The forged answer from Docker's resolver's own port is not closed (docs/security.md, "An
+    upstream inside the namespace"), so egressd says so when it can see it: started with
+    --netns-pid on a task whose bounding set holds NET_RAW (Docker's default) and with a
+    loopback upstream, it logs `upstream_exposed` naming the task, the upstream and the cure.
+    A task without NET_RAW (--cap-drop NET_RAW) gets no such warning."""
+    serve(lab)
+    DockerResolver(lab)
+    task = lab.spawn(["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", "sleep", "60"],
+                     netns=lab.sandbox, stdin=subprocess.DEVNULL)
+    labmod.wait_for(lambda: Path(f"/proc/{task.pid}/comm").read_text().strip() == "sleep", 5.0,
+                    "the task to be running in the sandbox")
+    d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"], netns_pid=task.pid)
+    assert lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0).addresses == [WILD_V4]
+    warned = events(d, "upstream_exposed")
+    if "net_raw" in caps:
+        assert len(warned) == 1, d.log()
+        assert warned[0]["pid"] == task.pid and warned[0]["upstream"].startswith("127.0.0.11"), warned
+        assert "--cap-drop NET_RAW" in warned[0]["remedy"], warned
+    else:
+        assert warned == [], warned
+
+
 # --- class 10: port 53 squatted while egressd was down ----------------------------------------------
 
 SQUAT = textwrap.dedent(r'''
