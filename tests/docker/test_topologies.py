@@ -143,9 +143,15 @@ def test_netns_pid_topology(sandboxes, session):
     assert f"upstream={DOCKER_DNS}" in sb.logs(), sb.logs()
     assert sb.reachable() == {SERVER_A}
     assert "table inet egressd" not in dockerlab.labmod.run(["nft", "list", "tables"]).stdout
-    # The task's processes keep Docker's default capabilities.
+    # The task's processes keep Docker's default capabilities, NET_RAW among them, and
+    # egressd says at start what that exposes with Docker's resolver as upstream (the open
+    # hole of docs/security.md, "An upstream inside the namespace") and what to do.
     cap_eff = sb.task.exec("grep", "CapEff", "/proc/self/status").stdout.split()[1]
     assert int(cap_eff, 16) & (1 << 13), cap_eff
+    warned = [line for line in sb.logs().splitlines() if "may use raw sockets" in line]
+    assert len(warned) == 1, sb.logs()
+    assert f"upstream {DOCKER_DNS}" in warned[0] and f"(pid {sb.task.pid})" in warned[0], warned
+    assert "--cap-drop NET_RAW" in warned[0], warned
 
 
 def test_compose_example_as_shipped(sandboxes):
