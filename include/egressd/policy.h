@@ -37,6 +37,9 @@ struct IpPrefix {
 // Parses a bare IPv4/IPv6 address ("192.0.2.1", "2001:db8::1"); nullopt if it is not one.
 std::optional<IpPrefix> parse_ip(std::string_view text);
 
+// A loopback address: in 127.0.0.0/8, or ::1.
+bool is_loopback(const IpPrefix& a);
+
 // One normalized allowlist entry.
 struct Entry {
   EntryKind kind = EntryKind::hostname;

@@ -110,12 +110,6 @@ std::string addr_hint(const IpPrefix& a) {
   return "add " + a.to_string() + ", or a CIDR such as " + net.to_string();
 }
 
-bool is_loopback(const IpPrefix& a) {
-  if (a.family == 4) return a.bytes[0] == 127;
-  IpPrefix lo6 = *parse_ip("::1");
-  return a == lo6;
-}
-
 // Multicast (224.0.0.0/4, ff00::/8) or the limited broadcast 255.255.255.255.
 bool is_group_address(const IpPrefix& a) {
   if (a.family == 6) return a.bytes[0] == 0xff;

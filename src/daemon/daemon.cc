@@ -13,8 +13,8 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fstream>
+#include <algorithm>
 #include <optional>
-#include <string_view>
 
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
@@ -39,19 +39,6 @@ Status join_netns(const RunArgs& a) {
   return {};
 }
 
-// The address of an upstream as Instance::upstream() prints it ("127.0.0.11",
-// "127.0.0.11:53", "[::1]:53", "::1").
-std::optional<IpPrefix> upstream_address(std::string_view u) {
-  if (!u.empty() && u.front() == '[') {
-    const auto end = u.find(']');
-    return end == std::string_view::npos ? std::nullopt : parse_ip(u.substr(1, end - 1));
-  }
-  if (const auto colon = u.find(':'); colon != std::string_view::npos && colon == u.rfind(':')) {
-    u = u.substr(0, colon);
-  }
-  return parse_ip(u);
-}
-
 // Whether CAP_NET_RAW is in the bounding set of process `pid` (/proc/PID/status,
 // CapBnd): then a process of its own can hold it (root, a file capability, a setuid
 // binary). nullopt when that cannot be read.
@@ -74,16 +61,10 @@ std::optional<bool> may_hold_net_raw(int pid) {
 // (Docker's 127.0.0.11), a task process with raw sockets sniffs egressd's query there
 // and answers it from the resolver's own port before the resolver does. Said once at
 // start, where the operator who can drop NET_RAW looks, with what to do.
-void warn_if_task_can_forge_answers(int pid, const std::vector<std::string>& upstreams) {
-  std::string lo;
-  for (const auto& u : upstreams) {
-    const auto addr = upstream_address(u);
-    if (addr && ((addr->family == 4 && addr->bytes[0] == 127) || (addr->family == 6 && *addr == *parse_ip("::1")))) {
-      lo = u;
-      break;
-    }
-  }
-  if (lo.empty()) return;
+void warn_if_task_can_forge_answers(int pid, const std::vector<IpPrefix>& upstreams) {
+  const auto lo_upstream = std::find_if(upstreams.begin(), upstreams.end(), is_loopback);
+  if (lo_upstream == upstreams.end()) return;
+  const std::string lo = lo_upstream->to_string();
   const auto raw = may_hold_net_raw(pid);
   if (raw && !*raw) return;
   const std::string risk =
@@ -222,7 +203,7 @@ int cmd_run(const RunArgs& a) {
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
                           a.socket, inst.dns_port(), ups.empty() ? "-" : ups, inst.startup_us()));
 
-  if (a.netns_pid != 0) warn_if_task_can_forge_answers(a.netns_pid, inst.upstream());
+  if (a.netns_pid != 0) warn_if_task_can_forge_answers(a.netns_pid, sandbox.compile_options().upstreams);
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);

@@ -383,7 +383,7 @@ Status Sandbox::remove_relay_upstream(const IpPrefix& addr) {
 }
 
 std::string Sandbox::upstream_set(const IpPrefix& addr) {
-  const bool lo = (addr.family == 4 && addr.bytes[0] == 127) || (addr.family == 6 && addr == *parse_ip("::1"));
+  const bool lo = is_loopback(addr);
   if (addr.family == 4) return lo ? nft::kLoUpstreamSet4 : nft::kUpstreamSet4;
   return lo ? nft::kLoUpstreamSet6 : nft::kUpstreamSet6;
 }

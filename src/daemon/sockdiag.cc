@@ -265,9 +265,7 @@ void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generati
 }
 
 bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replies, bool dns_redirect) {
-  const bool loopback = (f.dst.family == 4 && f.dst.bytes[0] == 127) ||
-                        (f.dst.family == 6 && f.dst == *parse_ip("::1"));
-  if (loopback) return true;
+  if (is_loopback(f.dst)) return true;
   if (f.inbound && inbound_replies) return true;
   // A query in flight at a switch is answered by the proxy under the new
   // phase; aborting its socket would only fail a lookup the sandbox may make.

@@ -83,12 +83,6 @@ constexpr unsigned kLogBurst = 50;
 // sandbox process that copies egressd's query cannot multiply it further.
 constexpr int kMaxRelaysPerQuery = 8;
 
-bool is_loopback(const IpPrefix& ip) {
-  if (ip.family == 4) return ip.bytes[0] == 127;
-  static constexpr std::uint8_t kLo6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
-  return ip.family == 6 && std::equal(std::begin(kLo6), std::end(kLo6), ip.bytes.begin());
-}
-
 asio::ip::address to_address(const IpPrefix& ip) {
   if (ip.family == 4) {
     asio::ip::address_v4::bytes_type b;

@@ -48,10 +48,6 @@ IpPrefix prefix(const char* addr, int len) {
   return p;
 }
 
-bool is_loopback(const IpPrefix& a) {
-  return (a.family == 4 && a.bytes[0] == 127) || (a.family == 6 && a == *parse_ip("::1"));
-}
-
 // Hostname pinning is on for the table: the policy asks for it and the
 // daemon runs the queue reader.
 bool pinning(const Policy& policy, const CompileOptions& opts) { return opts.pin && policy.enforce.pin_names; }

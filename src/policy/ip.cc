@@ -89,4 +89,9 @@ std::optional<IpPrefix> parse_ip(std::string_view text) {
   return ip;
 }
 
+bool is_loopback(const IpPrefix& a) {
+  static const IpPrefix lo6 = *parse_ip("::1");
+  return (a.family == 4 && a.bytes[0] == 127) || a == lo6;
+}
+
 }  // namespace egressd
