@@ -69,9 +69,11 @@ void warn_if_task_can_forge_answers(int pid, const std::vector<IpPrefix>& upstre
   if (raw && !*raw) return;
   const std::string risk =
       "a task process that sniffs egressd's queries there can answer them from the resolver's own port before it "
-      "does, and egressd cannot tell the two apart (docs/security.md, \"An upstream inside the namespace\")";
+      "does, and egressd cannot tell the two apart without the resolver's cgroup (docs/security.md, \"An upstream "
+      "inside the namespace\")";
   const std::string remedy =
-      "drop NET_RAW from the task (--cap-drop NET_RAW) or use an upstream outside the namespace (dns.upstream)";
+      "run egressd where it sees the resolver's cgroup (the host's cgroup namespace), drop NET_RAW from the task "
+      "(--cap-drop NET_RAW) or use an upstream outside the namespace (dns.upstream)";
   audit_event("upstream_exposed",
               {{"pid", pid},
                {"upstream", lo},
@@ -203,7 +205,12 @@ int cmd_run(const RunArgs& a) {
                           sandbox.state().phase, to_string(sandbox.state().mode), sandbox.state().generation,
                           a.socket, inst.dns_port(), ups.empty() ? "-" : ups, inst.startup_us()));
 
-  if (a.netns_pid != 0) warn_if_task_can_forge_answers(a.netns_pid, sandbox.compile_options().upstreams);
+  // Only while the hole is open: the resolver's cgroup unknown (chain output
+  // cannot tell its sockets from a raw socket of the task's) or no netdev
+  // egress hook (chain lo_replies cannot stop frames written to `lo`).
+  if (a.netns_pid != 0 && (!sandbox.compile_options().lo_resolver || !sandbox.compile_options().netdev)) {
+    warn_if_task_can_forge_answers(a.netns_pid, sandbox.compile_options().upstreams);
+  }
 
   int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);

@@ -257,6 +257,52 @@ struct Instance::Impl {
   std::unique_ptr<MetricsFile> metrics;
 
   std::string prefix() const { return opts.name.empty() ? std::string() : "sandbox=" + opts.name + " "; }
+
+  // A loopback upstream (Docker's resolver) answers from sockets of its own
+  // cgroup: found here, in the sandbox's namespace, so that chain output
+  // drops "answers" a sandbox process sends from the same address and port
+  // with a raw socket. When it cannot be found, egressd says so and runs
+  // without that rule (the frames check, chain lo_replies, still holds).
+  void find_resolver_cgroup(nft::CompileOptions& c) {
+    std::vector<IpPrefix> lo;
+    for (const auto& u : c.upstreams) {
+      if (is_loopback(u)) lo.push_back(u);
+    }
+    if (lo.empty()) return;
+    std::vector<std::string> names;
+    for (const auto& u : lo) names.push_back(u.to_string());
+    const std::string where = fmt::format("{}", fmt::join(names, ","));
+    nlohmann::json f{{"upstream", where}};
+    if (!opts.name.empty()) f["sandbox"] = opts.name;
+    std::string why;
+    auto ids = socket_cgroups(lo);
+    if (!ids) {
+      why = "its sockets cannot be listed: " + ids.error().message;
+    } else if (ids->empty()) {
+      why = "no socket listens there yet";
+    } else if (ids->size() > 1) {
+      why = fmt::format("its sockets are in {} different cgroups", ids->size());
+    } else if (const auto level = cgroup_level(ids->front()); !level) {
+      why = fmt::format("its cgroup (id {}) is not in the cgroup v2 hierarchy egressd sees (a cgroup namespace of "
+                        "its own: run egressd with --cgroupns host)",
+                        ids->front());
+    } else {
+      c.lo_resolver = nft::CompileOptions::ResolverCgroup{ids->front(), *level};
+      f["cgroup_id"] = ids->front();
+      f["level"] = *level;
+      audit_event("resolver_cgroup", f, spdlog::level::info,
+                  fmt::format("{}upstream {} answers from cgroup id {} (level {}): answers from any other socket "
+                              "are dropped",
+                              prefix(), where, ids->front(), *level));
+      return;
+    }
+    f["reason"] = why;
+    f["risk"] = "a sandbox process with NET_RAW that sniffs egressd's queries can answer them from a raw socket";
+    audit_event("resolver_unverified", f, spdlog::level::warn,
+                fmt::format("{}upstream {}: the resolver's cgroup is unknown ({}); a sandbox process with NET_RAW that "
+                            "sniffs egressd's queries can answer them from a raw socket",
+                            prefix(), where, why));
+  }
   Status build();
   // Runs `fn` on the loop after the handler running now, unless the
   // instance closed meanwhile (counted in `queued`).
@@ -331,6 +377,7 @@ Status Instance::Impl::build() {
     forwarder.probe = false;  // Docker said where it forwards: nothing to guess
   }
   so.compile = compile_options(upstream, opts.dns_port);
+  if (upstream_inside && opts.dns_port != 0) find_resolver_cgroup(so.compile);
   // A fresh table gets secrets nobody can predict (see nft/compile.h).
   so.random = random32;
   so.policy = policy;

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <optional>
@@ -280,6 +282,92 @@ bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replie
     if (e.ip.family == f.dst.family && e.ip.contains(f.dst)) return true;
   }
   return false;
+}
+
+Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs) {
+  auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
+  if (!t) return t.error();
+  std::vector<std::uint64_t> out;
+  for (int family : {AF_INET, AF_INET6}) {
+    for (const auto& [proto, states] : {std::pair{IPPROTO_UDP, ~0u}, {IPPROTO_TCP, state_bit(TCP_LISTEN)}}) {
+      int err = EINTR;
+      std::vector<std::uint64_t> got;
+      for (int attempt = 0; attempt < 3 && err == EINTR; ++attempt) {
+        got.clear();
+        Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 0, family, proto, states);
+        err = (*t)->request(&r.nlh, [&](const nlmsghdr* h) {
+          if (h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) return;
+          const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+          const IpPrefix local = to_prefix(m->idiag_family, m->id.idiag_src);
+          if (std::find(addrs.begin(), addrs.end(), local) == addrs.end()) return;
+          // The attributes follow the message, each 4-byte aligned.
+          const auto* a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(m) + NLMSG_ALIGN(sizeof *m));
+          std::size_t left = h->nlmsg_len - NLMSG_LENGTH(NLMSG_ALIGN(sizeof *m));
+          while (left >= sizeof(nlattr) && a->nla_len >= sizeof(nlattr) && a->nla_len <= left) {
+            if ((a->nla_type & NLA_TYPE_MASK) == INET_DIAG_CGROUP_ID && a->nla_len >= NLA_HDRLEN + sizeof(std::uint64_t)) {
+              std::uint64_t id = 0;
+              std::memcpy(&id, reinterpret_cast<const char*>(a) + NLA_HDRLEN, sizeof id);
+              got.push_back(id);
+            }
+            const std::size_t step = NLA_ALIGN(a->nla_len);
+            if (step >= left) break;
+            left -= step;
+            a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(a) + step);
+          }
+        }, std::chrono::milliseconds(2000));
+      }
+      if (err == ETIMEDOUT) return Error::runtime("sock_diag dump: no answer within 2 s");
+      if (err != 0) return errno_error("sock_diag dump", err);
+      for (auto id : got) {
+        if (std::find(out.begin(), out.end(), id) == out.end()) out.push_back(id);
+      }
+    }
+  }
+  return out;
+}
+
+std::optional<std::uint32_t> cgroup_level(std::uint64_t id, const std::string& mount) {
+  std::string root = mount;
+  if (root.empty()) {
+    // The cgroup2 mount whose root is the hierarchy's (as this namespace sees it).
+    std::ifstream in("/proc/self/mountinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto dash = line.find(" - ");
+      if (dash == std::string::npos) continue;
+      std::istringstream pre(line.substr(0, dash)), post(line.substr(dash + 3));
+      std::string mid, parent, dev, mroot, point, fstype;
+      if (!(pre >> mid >> parent >> dev >> mroot >> point) || !(post >> fstype)) continue;
+      if (fstype == "cgroup2" && mroot == "/") {
+        root = point;
+        break;
+      }
+    }
+    if (root.empty()) return std::nullopt;
+  }
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  struct stat st{};
+  if (::stat(root.c_str(), &st) != 0) return std::nullopt;
+  if (static_cast<std::uint64_t>(st.st_ino) == id) return 0;
+  // Breadth first, bounded: a busy host has a few thousand cgroups.
+  std::vector<std::pair<fs::path, std::uint32_t>> level{{fs::path(root), 0}};
+  std::size_t seen = 0;
+  while (!level.empty() && seen < 100000) {
+    std::vector<std::pair<fs::path, std::uint32_t>> next;
+    for (const auto& [dir, depth] : level) {
+      for (fs::directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end; !ec && it != end;
+           it.increment(ec)) {
+        if (!it->is_directory(ec) || it->is_symlink(ec)) continue;
+        ++seen;
+        if (::stat(it->path().c_str(), &st) == 0 && static_cast<std::uint64_t>(st.st_ino) == id) return depth + 1;
+        next.emplace_back(it->path(), depth + 1);
+      }
+      ec.clear();
+    }
+    level = std::move(next);
+  }
+  return std::nullopt;
 }
 
 }  // namespace egressd::daemon

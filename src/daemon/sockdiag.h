@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "egressd/policy.h"
@@ -39,6 +41,19 @@ struct Reaped {
 // sockets, the TCP flows are not listed (no flow can be there).
 Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
                           const std::vector<std::uint64_t>& own_listeners = {});
+
+// The cgroup v2 ids (sock_diag INET_DIAG_CGROUP_ID) of the UDP sockets and
+// listening TCP sockets bound to one of `addrs` in the calling thread's
+// namespace, each id once: where a loopback upstream (Docker's resolver)
+// really listens. Fails when sock_diag is unavailable.
+Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs);
+
+// The level (0: the root) of cgroup `id` in the cgroup v2 hierarchy mounted
+// in egressd's mount namespace, found by its directory's inode number (a
+// cgroup's id); nullopt when no cgroup2 mount holds it (egressd in a cgroup
+// namespace of its own that does not contain it). `mount` overrides the
+// mount point (tests).
+std::optional<std::uint32_t> cgroup_level(std::uint64_t id, const std::string& mount = "");
 
 // Runs destroy_flows on a thread of its own so the event loop never waits for
 // sock_diag dumps (they walk the kernel's global socket hash tables: 1-5 ms of

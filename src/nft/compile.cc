@@ -204,6 +204,20 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
   return r;
 }
 
+// The loopback upstreams, single addresses (chain lo_replies matches each).
+std::vector<IpPrefix> loopback_upstreams(const CompileOptions& opts) {
+  std::vector<IpPrefix> out;
+  if (opts.dns_port == 0) return out;
+  for (const auto* list : {&opts.upstreams, &opts.extra_upstreams}) {
+    for (const IpPrefix& u : *list) {
+      if (is_loopback(u) && u.prefix_len == u.size() * 8 && std::find(out.begin(), out.end(), u) == out.end()) {
+        out.push_back(u);
+      }
+    }
+  }
+  return out;
+}
+
 Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   Chain c{"output", BaseChain{HookType::filter, 0, true}, {}};
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
@@ -237,6 +251,34 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     }
     for (const auto& [set, type] : lo_sets) {
       c.rules.push_back({{MatchDaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark}, accept()}, ""});
+    }
+    // The answers on those flows: from the resolver's own sockets only (its
+    // cgroup, when egressd found it: a raw socket of the sandbox's sends from
+    // the same address and port).
+    if (opts.lo_resolver) {
+      const std::uint32_t level = opts.lo_resolver->level;
+      for (const auto& [set, type] : lo_sets) {
+        c.rules.push_back({{MatchSaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark},
+                            MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
+                           ""});
+        c.rules.push_back({{MatchSaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark},
+                            MatchSocketCgroupv2{level, opts.lo_resolver->id, true}, StmtCounter{},
+                            StmtVerdict{VerdictKind::drop, ""}},
+                           ""});
+      }
+    }
+    // Every reply that leaves `lo` from a loopback upstream's address (the
+    // resolver's answers to egressd, the proxy's answers to the sandbox's
+    // queries to it, reject's resets) is signed here and checked, and
+    // cleared, by chain lo_replies of the netdev table, which drops what is
+    // not signed: frames written to `lo` with AF_PACKET never meet this
+    // chain. No verdict: the rules below decide as before.
+    if (opts.netdev && !loopback_upstreams(opts).empty()) {
+      for (const auto& [set, type] : lo_sets) {
+        c.rules.push_back({{MatchCtDirectionReply{}, MatchCtOriginalDaddrSet{set, type},
+                            StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}},
+                           ""});
+      }
     }
     // Class 4: nobody else reaches a loopback upstream, on any port, in any
     // phase: Docker's resolver forwards from the host when the host's own
@@ -570,6 +612,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.interfaces.clear();
   o.onlink6.clear();
   o.extra_upstreams.clear();
+  o.lo_resolver.reset();
   std::string text = render_table(staged_table(policy, o));
   if (o.netdev) text += "netdev";
   char buf[17];
@@ -653,6 +696,16 @@ std::optional<Table> build_netdev_table(const ActiveState& state, const CompileO
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   for (const auto& n : names) t.chains.push_back(egress_chain(n));
+  if (const auto lo = loopback_upstreams(opts); !lo.empty()) {
+    Chain c{kLoRepliesChain, BaseChain{HookType::filter, 0, false, Hook::egress, "lo"}, {}};
+    for (const auto& a : lo) {
+      c.rules.push_back({{MatchFrameSaddr{a}, MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority},
+                          StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()},
+                         ""});
+      c.rules.push_back({{MatchFrameSaddr{a}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+    }
+    t.chains.push_back(std::move(c));
+  }
   return t;
 }
 

@@ -147,6 +147,11 @@ inline constexpr const char* kLoUpstreamSet6 = "lo_upstream6";
 inline constexpr const char* kOnlinkSet6 = "onlink6";
 // The netdev chain every egress base chain jumps to.
 inline constexpr const char* kEgressCheckChain = "egress_check";
+// The netdev egress chain of `lo`, there only with a loopback upstream:
+// frames from a loopback upstream's address leave `lo` only when chain output
+// signed them as replies on egressd's own flows (an AF_PACKET frame written
+// to `lo` never meets chain output).
+inline constexpr const char* kLoRepliesChain = "lo_replies";
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source
@@ -184,6 +189,18 @@ struct CompileOptions {
   std::vector<std::string> interfaces;
   std::vector<IpPrefix> onlink6;
   std::vector<IpPrefix> extra_upstreams;
+  // The cgroup (v2) of the sockets a loopback upstream listens on (Docker's
+  // resolver: dockerd's), and its level in the hierarchy as egressd sees it.
+  // Replies on egressd's own flows to a loopback upstream are dropped unless
+  // their socket is in exactly that cgroup: a sandbox process with NET_RAW
+  // that sniffed egressd's query could otherwise answer it from the
+  // resolver's address and port. Unknown: no such rule (egressd says so).
+  struct ResolverCgroup {
+    std::uint64_t id = 0;
+    std::uint32_t level = 0;
+    bool operator==(const ResolverCgroup&) const = default;
+  };
+  std::optional<ResolverCgroup> lo_resolver;
 };
 
 // The four secrets of a table, as its comment carries them.

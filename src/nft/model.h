@@ -128,6 +128,23 @@ enum class AddrType : std::uint8_t { unicast = 1, local = 2, broadcast = 3, anyc
 struct MatchFibAddrType { bool daddr; AddrType type; bool negate = false; };
 // socket mark value: the SO_MARK of the local socket a packet is for (input).
 struct MatchSocketMark { std::uint32_t value; };
+// socket cgroupv2 level N [!=] ID: the cgroup v2 id of the sending socket's
+// ancestor at `level` (output). With `any`, the id is compared with 0 by !=,
+// so the rule matches whenever the socket's cgroup is at least that deep.
+// Breaks (no match) when the socket is not a full socket (a TCP request
+// socket's SYN-ACK) or its cgroup is shallower than `level`.
+struct MatchSocketCgroupv2 { std::uint32_t level; std::uint64_t id = 0; bool negate = false; };
+// ip saddr @set / ip6 saddr @set (family from the set type)
+struct MatchSaddrSet { std::string set; SetType type; };
+// ct original ip daddr @set / ct original ip6 daddr @set: where the flow was
+// first addressed, before any DNAT or redirect (the kernel's key is per
+// family: a flow of the other family does not match).
+struct MatchCtOriginalDaddrSet { std::string set; SetType type; };
+// In a netdev chain, from the frame itself (the link-layer header, which the
+// device's egress hook always has): the Ethernet type is IPv4/IPv6 and the IP
+// source is `addr` (a single address). skb->protocol is not trusted: an
+// AF_PACKET sender chooses it apart from the frame.
+struct MatchFrameSaddr { IpPrefix addr; };
 // exthdr rt exists: an IPv6 routing header (source routing, SRv6).
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
@@ -177,7 +194,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

@@ -521,6 +521,45 @@ class RuleBuilder {
     add(std::move(e));
     cmp_u32(NFT_CMP_EQ, m.value);
   }
+  void operator()(const MatchSocketCgroupv2& m) {
+    auto e = expr("socket");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_KEY, NFT_SOCKET_CGROUPV2);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_LEVEL, m.level);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_DREG, NFT_REG_1);
+    add(std::move(e));
+    // The id in host byte order, as the kernel stores it in the register.
+    cmp(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, &m.id, sizeof m.id);
+  }
+  void operator()(const MatchSaddrSet& m) {
+    const int family = key_family(m.type);
+    nfproto(family);
+    payload(NFT_PAYLOAD_NETWORK_HEADER, family == 4 ? 12 : 8, family == 4 ? 4 : 16);
+    auto e = expr("lookup");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
+    nftnl_expr_set_str(e.get(), NFTNL_EXPR_LOOKUP_SET, m.set.c_str());
+    if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
+    add(std::move(e));
+  }
+  void operator()(const MatchCtOriginalDaddrSet& m) {
+    auto e = expr("ct");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_CT_KEY, key_family(m.type) == 4 ? NFT_CT_DST_IP : NFT_CT_DST_IP6);
+    nftnl_expr_set_u8(e.get(), NFTNL_EXPR_CT_DIR, IP_CT_DIR_ORIGINAL);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_CT_DREG, NFT_REG_1);
+    add(std::move(e));
+    auto l = expr("lookup");
+    nftnl_expr_set_u32(l.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
+    nftnl_expr_set_str(l.get(), NFTNL_EXPR_LOOKUP_SET, m.set.c_str());
+    if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(l.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
+    add(std::move(l));
+  }
+  void operator()(const MatchFrameSaddr& m) {
+    const bool v4 = m.addr.family == 4;
+    const std::uint16_t type = htons(v4 ? 0x0800 : 0x86dd);
+    payload(NFT_PAYLOAD_LL_HEADER, 12, 2);
+    cmp(NFT_CMP_EQ, &type, sizeof type);
+    payload(NFT_PAYLOAD_LL_HEADER, v4 ? 14 + 12 : 14 + 8, static_cast<std::uint32_t>(m.addr.size()));
+    cmp(NFT_CMP_EQ, m.addr.bytes.data(), m.addr.size());
+  }
   void operator()(const MatchIpv6RoutingHeader&) {
     nfproto(6);
     exthdr_present(IPPROTO_ROUTING, NFT_EXTHDR_OP_IPV6);

