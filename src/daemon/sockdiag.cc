@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -287,6 +288,15 @@ bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replie
 Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs) {
   auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
   if (!t) return t.error();
+  // egressd's own sockets on the address (it holds a loopback upstream's
+  // port 53 against squatters) are not the resolver's.
+  std::set<std::uint64_t> own;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string link = std::filesystem::read_symlink(it->path(), ec).string();
+    if (!ec && link.rfind("socket:[", 0) == 0) own.insert(std::strtoull(link.c_str() + 8, nullptr, 10));
+    ec.clear();
+  }
   std::vector<std::uint64_t> out;
   for (int family : {AF_INET, AF_INET6}) {
     for (const auto& [proto, states] : {std::pair{IPPROTO_UDP, ~0u}, {IPPROTO_TCP, state_bit(TCP_LISTEN)}}) {
@@ -299,7 +309,7 @@ Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& a
           if (h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) return;
           const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
           const IpPrefix local = to_prefix(m->idiag_family, m->id.idiag_src);
-          if (std::find(addrs.begin(), addrs.end(), local) == addrs.end()) return;
+          if (std::find(addrs.begin(), addrs.end(), local) == addrs.end() || own.count(m->idiag_inode) != 0) return;
           // The attributes follow the message, each 4-byte aligned.
           const auto* a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(m) + NLMSG_ALIGN(sizeof *m));
           std::size_t left = h->nlmsg_len - NLMSG_LENGTH(NLMSG_ALIGN(sizeof *m));

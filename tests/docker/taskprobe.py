@@ -21,6 +21,10 @@ decides pass or fail: the test does.
                                         IP_TRANSPARENT) to TARGET:PORT sends one datagram over
                                         loopback to our own address; then our socket sends to
                                         TARGET:PORT (the conntrack "reply" direction); echo?
+  sniff-answer FORGED SECONDS           sniff egressd's queries to Docker's resolver on lo (after
+                                        the DNAT: 127.0.0.11:<its real port>) and answer each from
+                                        that address and port over a raw socket, ID and case
+                                        copied, with FORGED; report tries and send errors
   raw-frame DSTMAC DST PORT TOKEN       issue 14 class 5: AF_PACKET frames (plain and with
                                         PACKET_QDISC_BYPASS) carrying UDP to DST:PORT
   tls ADDR PORT SNI                     a TLS handshake presenting SNI (no verification), then
@@ -404,6 +408,47 @@ def checksum(data):
     return ~total & 0xFFFF
 
 
+def cmd_sniff_answer(args):
+    forged, seconds = args[0], float(args[1])
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.02)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    resolver = socket.inet_aton(DOCKER_DNS)
+    with open("/proc/self/cgroup") as f:
+        cgroup = [l for l in f.read().splitlines() if l.startswith("0::")]
+    out({"uid": os.getuid(), "cgroup": cgroup})
+    seen, tried, sent, errors = set(), 0, 0, set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            frame = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        pkt = frame[14:]
+        if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != resolver:
+            continue
+        ihl = (pkt[0] & 0xF) * 4
+        sport, dport = struct.unpack_from("!HH", pkt, ihl)
+        q = pkt[ihl + 8:]
+        if dport == 53 or len(q) < 17 or q[2] & 0x80 or (sport, q[:2]) in seen:
+            continue
+        seen.add((sport, q[:2]))
+        try:
+            a = forged_answer(q, forged, ttl=300)
+        except (IndexError, struct.error):
+            continue
+        udp = struct.pack("!HHHH", dport, sport, 8 + len(a), 0) + a
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, resolver, pkt[12:16])
+        tried += 1
+        try:
+            raw.sendto(ip + udp, (socket.inet_ntoa(pkt[12:16]), 0))
+            sent += 1
+        except OSError as e:
+            errors.add(err_name(e))
+    out({"tried": tried, "sent": sent, "errors": sorted(errors)})
+
+
 def cmd_raw_frame(args):
     dst_mac, dst, port, token = args[0], args[1], int(args[2]), args[3]
     src = own_address(socket.AF_INET)
@@ -485,6 +530,7 @@ COMMANDS = {
     "squat": cmd_squat,
     "hijack-upstream": cmd_hijack_upstream,
     "forged-flow": cmd_forged_flow,
+    "sniff-answer": cmd_sniff_answer,
     "raw-frame": cmd_raw_frame,
     "tls": cmd_tls,
     "http": cmd_http,

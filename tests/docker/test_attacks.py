@@ -15,6 +15,7 @@ The attack code is tests/docker/taskprobe.py, run in the task with the host's py
 Tests marked "shared" reuse one sandbox per (topology, mode): they change no policy.
 """
 import os
+import re
 import socket
 import time
 
@@ -121,6 +122,42 @@ def test_loopback_upstream_cannot_be_hijacked(sandboxes, session, topology):
         f"egressd's upstream query reached the task's socket on 127.0.0.11:53 (bind {attacker.ready['bind']}, "
         f"egressd's port {ports}, it asked for {res['queries_seen']}) and the client got {got}")
     assert SERVER_A not in sb.reachable(), "the forged address was learned: SERVER_A is open"
+
+
+@pytest.mark.parametrize("topology", NET_RAW_TOPOLOGIES)
+def test_answers_from_the_resolvers_own_port(sandboxes, session, topology):
+    """Root in the task with Docker's default NET_RAW sniffs egressd's queries to Docker's
+    resolver on lo (after Docker's DNAT they show its real port) and answers each from
+    127.0.0.11:<that port> over a raw socket with SERVER_A, ID and case copied. Where egressd
+    found the resolver's cgroup (dockerd's; egressd logs resolver_cgroup) chain output drops
+    every such answer: the raw socket is in the container's cgroup. Where it could not (a
+    sidecar that does not see the host's cgroup hierarchy) egressd must have said so at start
+    (resolver_unverified). Either way the names still resolve through Docker's resolver."""
+    sb = sandboxes(topology, "allowlist", ["*.wild.example.org"])
+    logs = sb.logs()
+    found = "resolver_cgroup" in logs or "answers from cgroup id" in logs
+    assert found or "the resolver's cgroup is unknown" in logs or "resolver_unverified" in logs, logs
+    attacker = sb.task.probe_proc("sniff-answer", SERVER_A, "6")
+    try:
+        assert attacker.ready["uid"] == 0, attacker.ready
+        tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        answers = [sb.probe("query", f"q{i}-{tag}.wild.example.org", DOCKER_DNS) for i in range(3)]
+        res = attacker.result(timeout=30.0)
+    finally:
+        attacker.close()
+    said = [l for l in logs.splitlines() if "resolver" in l and "cgroup" in l]
+    print(f"\n{topology}: {said}; attacker {res}; answers {answers}")
+    assert res["tried"] >= 1, f"the attacker saw none of egressd's queries to the resolver: {res}"
+    assert all(a["outcome"] == "ok" and a["rcode"] == "NOERROR" and a["addresses"] for a in answers), answers
+    if not found:
+        return
+    assert res["sent"] == 0 and res["errors"] == ["EPERM"], res
+    assert all(SERVER_A not in a["addresses"] for a in answers), answers
+    assert SERVER_A not in sb.reachable(), "the forged address was learned: SERVER_A is open"
+    table = dockerlab.labmod.run(["nsenter", "-t", str(sb.task.pid), "-n", "nft", "list", "table", "inet",
+                                  "egressd"]).stdout
+    dropped = [int(n) for n in re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)", table)]
+    assert sum(dropped) >= res["tried"], table
 
 
 # --- class 10 --------------------------------------------------------------------------------
