@@ -498,11 +498,7 @@ class RuleBuilder {
   }
   void operator()(const MatchDaddrSet& m) {
     daddr(key_family(m.type));
-    auto e = expr("lookup");
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
-    nftnl_expr_set_str(e.get(), NFTNL_EXPR_LOOKUP_SET, m.set.c_str());
-    if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
-    add(std::move(e));
+    lookup(m.set);
   }
   void operator()(const MatchDaddr& m) { addr_match(m.addr, true); }
   void operator()(const MatchSaddr& m) { addr_match(m.addr, false); }
@@ -534,11 +530,7 @@ class RuleBuilder {
     const int family = key_family(m.type);
     nfproto(family);
     payload(NFT_PAYLOAD_NETWORK_HEADER, family == 4 ? 12 : 8, family == 4 ? 4 : 16);
-    auto e = expr("lookup");
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
-    nftnl_expr_set_str(e.get(), NFTNL_EXPR_LOOKUP_SET, m.set.c_str());
-    if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
-    add(std::move(e));
+    lookup(m.set);
   }
   void operator()(const MatchCtOriginalDaddrSet& m) {
     auto e = expr("ct");
@@ -546,11 +538,7 @@ class RuleBuilder {
     nftnl_expr_set_u8(e.get(), NFTNL_EXPR_CT_DIR, IP_CT_DIR_ORIGINAL);
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_CT_DREG, NFT_REG_1);
     add(std::move(e));
-    auto l = expr("lookup");
-    nftnl_expr_set_u32(l.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
-    nftnl_expr_set_str(l.get(), NFTNL_EXPR_LOOKUP_SET, m.set.c_str());
-    if (const std::uint32_t id = w_.set_id(m.set); id != 0) nftnl_expr_set_u32(l.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
-    add(std::move(l));
+    lookup(m.set);
   }
   void operator()(const MatchFrameSaddr& m) {
     const bool v4 = m.addr.family == 4;
@@ -727,6 +715,14 @@ class RuleBuilder {
     nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, zero.data(), static_cast<std::uint32_t>(full));
     add(std::move(e));
     cmp(NFT_CMP_EQ, masked.data(), full);
+  }
+  // Register 1 looked up in `set` (by name, and by id while the set is new in this batch).
+  void lookup(const std::string& set) {
+    auto e = expr("lookup");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SREG, NFT_REG_1);
+    nftnl_expr_set_str(e.get(), NFTNL_EXPR_LOOKUP_SET, set.c_str());
+    if (const std::uint32_t id = w_.set_id(set); id != 0) nftnl_expr_set_u32(e.get(), NFTNL_EXPR_LOOKUP_SET_ID, id);
+    add(std::move(e));
   }
   void ct_load(std::uint32_t key) {
     auto e = expr("ct");
