@@ -72,7 +72,8 @@ void warn_if_task_can_forge_answers(int pid, const std::vector<IpPrefix>& upstre
       "does, and egressd cannot tell the two apart without the resolver's cgroup (docs/security.md, \"An upstream "
       "inside the namespace\")";
   const std::string remedy =
-      "run egressd where it sees the resolver's cgroup (the host's cgroup namespace), drop NET_RAW from the task "
+      "run egressd where it sees the host's cgroup v2 hierarchy (dockerd in the hierarchy's root) or where the "
+      "resolver is listening when egressd starts, drop NET_RAW from the task "
       "(--cap-drop NET_RAW) or use an upstream outside the namespace (dns.upstream)";
   audit_event("upstream_exposed",
               {{"pid", pid},

@@ -282,18 +282,19 @@ struct Instance::Impl {
       why = "no socket listens there yet";
     } else if (ids->size() > 1) {
       why = fmt::format("its sockets are in {} different cgroups", ids->size());
-    } else if (const auto level = cgroup_level(ids->front()); !level) {
-      why = fmt::format("its cgroup (id {}) is not in the cgroup v2 hierarchy egressd sees (a cgroup namespace of "
-                        "its own: run egressd with --cgroupns host)",
-                        ids->front());
+    } else if (ids->front() == kCgroup2RootId && !cgroup2_root_in_sight()) {
+      // Every socket of a host without cgroup v2 is there, the sandbox's too.
+      why = "it is in the root of the cgroup v2 hierarchy, where every process of a cgroup v1 host is, and egressd "
+            "cannot see that hierarchy to tell (run egressd with the host's cgroup v2 mount)";
     } else {
-      c.lo_resolver = nft::CompileOptions::ResolverCgroup{ids->front(), *level};
+      // Its level need not be known: chain lo_answers tries them all (egressd
+      // in a cgroup namespace of its own sees neither dockerd's cgroup nor
+      // its depth, but the id is the kernel's, in every namespace).
+      c.lo_resolver = nft::CompileOptions::ResolverCgroup{ids->front()};
       f["cgroup_id"] = ids->front();
-      f["level"] = *level;
       audit_event("resolver_cgroup", f, spdlog::level::info,
-                  fmt::format("{}upstream {} answers from cgroup id {} (level {}): answers from any other socket "
-                              "are dropped",
-                              prefix(), where, ids->front(), *level));
+                  fmt::format("{}upstream {} answers from cgroup id {}: answers from any other socket are dropped",
+                              prefix(), where, ids->front()));
       return;
     }
     f["reason"] = why;

@@ -336,48 +336,22 @@ Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& a
   return out;
 }
 
-std::optional<std::uint32_t> cgroup_level(std::uint64_t id, const std::string& mount) {
-  std::string root = mount;
-  if (root.empty()) {
-    // The cgroup2 mount whose root is the hierarchy's (as this namespace sees it).
-    std::ifstream in("/proc/self/mountinfo");
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto dash = line.find(" - ");
-      if (dash == std::string::npos) continue;
-      std::istringstream pre(line.substr(0, dash)), post(line.substr(dash + 3));
-      std::string mid, parent, dev, mroot, point, fstype;
-      if (!(pre >> mid >> parent >> dev >> mroot >> point) || !(post >> fstype)) continue;
-      if (fstype == "cgroup2" && mroot == "/") {
-        root = point;
-        break;
-      }
+bool cgroup2_root_in_sight() {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto dash = line.find(" - ");
+    if (dash == std::string::npos) continue;
+    std::istringstream pre(line.substr(0, dash)), post(line.substr(dash + 3));
+    std::string mid, parent, dev, mroot, point, fstype;
+    if (!(pre >> mid >> parent >> dev >> mroot >> point) || !(post >> fstype)) continue;
+    struct stat st{};
+    if (fstype == "cgroup2" && mroot == "/" && ::stat(point.c_str(), &st) == 0 &&
+        static_cast<std::uint64_t>(st.st_ino) == kCgroup2RootId) {
+      return true;
     }
-    if (root.empty()) return std::nullopt;
   }
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  struct stat st{};
-  if (::stat(root.c_str(), &st) != 0) return std::nullopt;
-  if (static_cast<std::uint64_t>(st.st_ino) == id) return 0;
-  // Breadth first, bounded: a busy host has a few thousand cgroups.
-  std::vector<std::pair<fs::path, std::uint32_t>> level{{fs::path(root), 0}};
-  std::size_t seen = 0;
-  while (!level.empty() && seen < 100000) {
-    std::vector<std::pair<fs::path, std::uint32_t>> next;
-    for (const auto& [dir, depth] : level) {
-      for (fs::directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end; !ec && it != end;
-           it.increment(ec)) {
-        if (!it->is_directory(ec) || it->is_symlink(ec)) continue;
-        ++seen;
-        if (::stat(it->path().c_str(), &st) == 0 && static_cast<std::uint64_t>(st.st_ino) == id) return depth + 1;
-        next.emplace_back(it->path(), depth + 1);
-      }
-      ec.clear();
-    }
-    level = std::move(next);
-  }
-  return std::nullopt;
+  return false;
 }
 
 }  // namespace egressd::daemon

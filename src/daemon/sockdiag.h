@@ -48,12 +48,14 @@ Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
 // really listens. Fails when sock_diag is unavailable.
 Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs);
 
-// The level (0: the root) of cgroup `id` in the cgroup v2 hierarchy mounted
-// in egressd's mount namespace, found by its directory's inode number (a
-// cgroup's id); nullopt when no cgroup2 mount holds it (egressd in a cgroup
-// namespace of its own that does not contain it). `mount` overrides the
-// mount point (tests).
-std::optional<std::uint32_t> cgroup_level(std::uint64_t id, const std::string& mount = "");
+// The id of the cgroup v2 hierarchy's root (kernfs' first node, on 64-bit
+// kernels), where every socket of a cgroup v1 host is.
+inline constexpr std::uint64_t kCgroup2RootId = 1;
+
+// Whether egressd's mount namespace has the cgroup v2 hierarchy mounted from
+// its root (the host's view, not a cgroup namespace's): then a socket in the
+// root cgroup is there on a host that uses cgroup v2, not on one without it.
+bool cgroup2_root_in_sight();
 
 // Runs destroy_flows on a thread of its own so the event loop never waits for
 // sock_diag dumps (they walk the kernel's global socket hash tables: 1-5 ms of

@@ -93,6 +93,25 @@ std::vector<Set> phase_sets(const std::string& chain, const Phase& phase) {
   return out;
 }
 
+// Chain lo_answers (see compile.h). The socket's cgroup at level L is the
+// resolver's (`socket cgroupv2 level L ID`) for exactly one L, the level of
+// the resolver's cgroup, whichever it is: a socket there returns, one in a
+// cgroup below it (it has a level L+1) is dropped. A full socket anywhere
+// else has a root cgroup (level 0, id != 0) and meets the last rule. A packet
+// without a full socket (a SYN-ACK of a request socket) matches no
+// `socket cgroupv2` and returns: no process sends those.
+Chain lo_answers_chain(const CompileOptions::ResolverCgroup& r) {
+  Chain c{kLoAnswersChain, std::nullopt, {}};
+  for (std::uint32_t level = 0; level < kResolverLevels; ++level) {
+    c.rules.push_back({{MatchSocketCgroupv2{level, r.id, false}, MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{},
+                        StmtVerdict{VerdictKind::drop, ""}},
+                       ""});
+    c.rules.push_back({{MatchSocketCgroupv2{level, r.id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
+  }
+  c.rules.push_back({{MatchSocketCgroupv2{0, 0, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  return c;
+}
+
 // Chain `pin` (see compile.h): TCP packets of undecided flows to addresses
 // allowed only through learned names.
 Chain pin_chain(const CompileOptions& opts) {
@@ -254,16 +273,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     }
     // The answers on those flows: from the resolver's own sockets only (its
     // cgroup, when egressd found it: a raw socket of the sandbox's sends from
-    // the same address and port).
+    // the same address and port). Chain lo_answers judges them.
     if (opts.lo_resolver) {
-      const std::uint32_t level = opts.lo_resolver->level;
       for (const auto& [set, type] : lo_sets) {
         c.rules.push_back({{MatchSaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark},
-                            MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
-                           ""});
-        c.rules.push_back({{MatchSaddrSet{set, type}, MatchCtDirectionReply{}, MatchCtMark{kOwnFlowMark},
-                            MatchSocketCgroupv2{level, opts.lo_resolver->id, true}, StmtCounter{},
-                            StmtVerdict{VerdictKind::drop, ""}},
+                            StmtVerdict{VerdictKind::jump, kLoAnswersChain}},
                            ""});
       }
     }
@@ -489,6 +503,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   }
   t.chains.push_back(input_chain(policy, opts));
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
+  if (opts.dns_port != 0 && opts.lo_resolver) t.chains.push_back(lo_answers_chain(*opts.lo_resolver));
   return t;
 }
 

@@ -152,6 +152,13 @@ inline constexpr const char* kEgressCheckChain = "egress_check";
 // signed them as replies on egressd's own flows (an AF_PACKET frame written
 // to `lo` never meets chain output).
 inline constexpr const char* kLoRepliesChain = "lo_replies";
+// Chain inet lo_answers, there only with the resolver's cgroup known
+// (CompileOptions::lo_resolver): the answers on egressd's own flows to a
+// loopback upstream return from it only when their socket is in exactly
+// that cgroup, at any of the first kResolverLevels levels of the cgroup v2
+// hierarchy; every other full socket's packet is dropped.
+inline constexpr const char* kLoAnswersChain = "lo_answers";
+inline constexpr std::uint32_t kResolverLevels = 16;
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source
@@ -190,14 +197,15 @@ struct CompileOptions {
   std::vector<IpPrefix> onlink6;
   std::vector<IpPrefix> extra_upstreams;
   // The cgroup (v2) of the sockets a loopback upstream listens on (Docker's
-  // resolver: dockerd's), and its level in the hierarchy as egressd sees it.
-  // Replies on egressd's own flows to a loopback upstream are dropped unless
-  // their socket is in exactly that cgroup: a sandbox process with NET_RAW
-  // that sniffed egressd's query could otherwise answer it from the
-  // resolver's address and port. Unknown: no such rule (egressd says so).
+  // resolver: dockerd's), by id; its level in the hierarchy need not be
+  // known (egressd in a cgroup namespace of its own cannot see it): chain
+  // lo_answers tries every level. Replies on egressd's own flows to a
+  // loopback upstream are dropped unless their socket is in exactly that
+  // cgroup: a sandbox process with NET_RAW that sniffed egressd's query could
+  // otherwise answer it from the resolver's address and port. Unknown: no
+  // such rule (egressd says so).
   struct ResolverCgroup {
     std::uint64_t id = 0;
-    std::uint32_t level = 0;
     bool operator==(const ResolverCgroup&) const = default;
   };
   std::optional<ResolverCgroup> lo_resolver;

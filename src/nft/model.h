@@ -187,7 +187,7 @@ struct StmtRejectAdminProhibited {};
 // every kernel with xt_NFQUEUE runs, nft_queue or not; nft lists it as
 // `queue num N` all the same.
 struct StmtQueue { std::uint16_t num; };
-enum class VerdictKind { accept, drop, jump, goto_ };
+enum class VerdictKind { accept, drop, jump, goto_, return_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,

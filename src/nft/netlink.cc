@@ -626,6 +626,7 @@ class RuleBuilder {
       case VerdictKind::drop: code = NF_DROP; break;
       case VerdictKind::jump: code = NFT_JUMP; break;
       case VerdictKind::goto_: code = NFT_GOTO; break;
+      case VerdictKind::return_: code = NFT_RETURN; break;
     }
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_IMM_VERDICT, static_cast<std::uint32_t>(code));
     if (v.kind == VerdictKind::jump || v.kind == VerdictKind::goto_) {

@@ -206,6 +206,7 @@ struct StmtText {
       case VerdictKind::drop: return "drop";
       case VerdictKind::jump: return "jump " + v.chain;
       case VerdictKind::goto_: return "goto " + v.chain;
+      case VerdictKind::return_: return "return";
     }
     return "";
   }

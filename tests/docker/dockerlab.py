@@ -186,12 +186,39 @@ def compose_available() -> bool:
     return labmod.run([*cmd, "version"], timeout=60, check=False).returncode == 0
 
 
+def cgroup2_mount() -> Path | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        if post.split()[0] == "cgroup2" and pre.split()[3] == "/":
+            return Path(pre.split()[4])
+    return None
+
+
+def dockerd_cgroup() -> str | None:
+    """The cgroup (v2) dockerd is in, as /proc/PID/cgroup says ("/": the root), from its pidfile
+    (the default one, or --pidfile in $DOCKERD_ARGS); None if it cannot be read."""
+    args = os.environ.get("DOCKERD_ARGS", "").split()
+    pidfile = next((a.split("=", 1)[1] for a in args if a.startswith("--pidfile=")), None)
+    if pidfile is None and "--pidfile" in args[:-1]:
+        pidfile = args[args.index("--pidfile") + 1]
+    try:
+        pid = int(Path(pidfile or "/var/run/docker.pid").read_text().strip())
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    return next((l[3:] for l in lines if l.startswith("0::")), None)
+
+
 class Daemon:
-    """The Docker daemon: the running one, or one this session starts (and then stops)."""
+    """The Docker daemon: the running one, or one this session starts (and then stops). One
+    it starts runs in a cgroup (v2) of its own, as systemd starts it (docker.service): the
+    sockets of Docker's embedded resolver are dockerd's, and egressd tells them from a
+    container's by that cgroup."""
 
     def __init__(self, log_path: Path):
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.cgroup: Path | None = None
 
     @staticmethod
     def responding() -> bool:
@@ -205,6 +232,12 @@ class Daemon:
         # $DOCKERD_ARGS: extra arguments for a daemon the session starts (e.g. a second,
         # isolated one: -H, --data-root, --exec-root, --pidfile), a word list.
         argv = ["dockerd", *os.environ.get("DOCKERD_ARGS", "").split()]
+        mount = cgroup2_mount()
+        if mount is not None:
+            own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+            self.cgroup = mount / own.lstrip("/") / f"egressd-test-dockerd-{os.getpid()}.service"
+            self.cgroup.mkdir(exist_ok=True)
+            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs"), *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
                                      start_new_session=True)
 
@@ -228,16 +261,32 @@ class Daemon:
     def stop(self, timeout: float = 30.0) -> list[str]:
         """Stops the daemon if this session started it. Returns problems."""
         if self.proc is None or self.proc.poll() is not None:
-            return []
+            return self.remove_cgroup()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-            return [f"dockerd did not stop within {timeout:g}s after SIGTERM; killed"]
+            return [f"dockerd did not stop within {timeout:g}s after SIGTERM; killed", *self.remove_cgroup()]
         finally:
             self.log.close()
+        return self.remove_cgroup()
+
+    def remove_cgroup(self) -> list[str]:
+        """Removes dockerd's cgroup; what outlived dockerd in it (containerd, a shim) is moved
+        to the parent first."""
+        if self.cgroup is None or not self.cgroup.exists():
+            return []
+        for pid in (self.cgroup / "cgroup.procs").read_text().split():
+            try:
+                (self.cgroup.parent / "cgroup.procs").write_text(pid)
+            except ProcessLookupError:
+                pass
+        try:
+            self.cgroup.rmdir()
+        except OSError as e:
+            return [f"cannot remove dockerd's cgroup {self.cgroup}: {e}"]
         return []
 
 

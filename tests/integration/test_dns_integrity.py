@@ -25,6 +25,7 @@ Docker's default NET_RAW and NET_BIND_SERVICE (setpriv), with Docker's
 Every name carries a random label. Nothing is sent anywhere but documentation addresses.
 """
 import json
+import os
 import random
 import re
 import socket
@@ -109,6 +110,11 @@ def attacker_result(p: subprocess.Popen, timeout: float = 30.0) -> dict:
     assert p.returncode == 0, err.decode(errors="replace")
     out = getattr(p, "_lab_pending", b"") + out  # what _read_line read past READY
     return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def ask(lab, names: list[str]) -> list[tuple[str, list[str]]]:
+    """(rcode, addresses) of each name, asked one after the other from the sandbox."""
+    return [(r.rcode, r.addresses) for r in (lab.dns_query(n, timeout=3.0) for n in names)]
 
 
 def events(d, name: str) -> list[dict]:
@@ -561,7 +567,7 @@ class DockerResolver:
     and forwarding every other query as received to the lab's DNS (192.0.2.1) from inside the
     namespace; resolv.conf would say `nameserver 127.0.0.11`."""
 
-    def __init__(self, lab, services=None, slow=None, forward=DNS_V4):
+    def __init__(self, lab, services=None, slow=None, forward=DNS_V4, cgroup: Path | None = None):
         self.lab = lab
         self.log_path = lab.tmp / f"dockerlike-{random.getrandbits(24):06x}.jsonl"
         args = [sys.executable, str(HERE / "dnsserver.py"), "docker", "--addr", "127.0.0.11", "--forward", forward,
@@ -570,6 +576,12 @@ class DockerResolver:
             args += ["--service", f"{name}={addr}"]
         for label, ms in (slow or {}).items():
             args += ["--slow", f"{label}={ms}"]
+        if cgroup is not None:
+            # In that cgroup (dockerd's, say) before it opens a socket: a socket keeps the cgroup
+            # it was made in. `ip netns exec` mounts a sysfs of its own on /sys: the hierarchy
+            # is reached through this process's root.
+            procs = f"/proc/{os.getpid()}/root{cgroup}/cgroup.procs"
+            args = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *args]
         self.proc = lab.spawn(args, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
         line = labmod._read_line(self.proc, 10.0, "the Docker-like resolver")
@@ -711,10 +723,7 @@ def test_loopback_upstream_cannot_be_hijacked_after_dns_is_idle(lab, egressd):
     conntrack_flush(lab)
     p = attacker(lab, HIJACK, FORGED_V4, 4.0, uid=True)
     t = tok()
-    answers = []
-    for i in range(3):
-        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
-        answers.append((r.rcode, r.addresses))
+    answers = ask(lab, [f"h{i}.{t}.wild.example.org" for i in range(3)])
     res = attacker_result(p)
     print(f"\nhijack attempt: {res}; answers {answers}; docker saw {len(docker.events('query', t))} queries")
     assert not res["bound"], f"a sandbox process bound 127.0.0.11:53: {res}"
@@ -783,17 +792,12 @@ def test_loopback_upstream_precreated_flows_and_sniffed_answers_with_net_raw(lab
     DockerResolver(lab)
     d = egressd(policy("127.0.0.11"))
     rc, out, _ = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
-    if "chain input" not in out:
-        pytest.skip("waits on the ruleset of branch i14-nft (chain input: socket mark <own> ct direction "
-                    "original drop; ct direction original on the own-traffic exemption)")
+    assert "chain input" in out, out  # socket mark <own> ct direction original drop
     lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
     conntrack_flush(lab)
     p = attacker(lab, HIJACK_RAW, FORGED_V4, 5.0, caps=DOCKER_CAPS)
     t = tok()
-    answers = []
-    for i in range(3):
-        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
-        answers.append((r.rcode, r.addresses))
+    answers = ask(lab, [f"h{i}.{t}.wild.example.org" for i in range(3)])
     res = attacker_result(p)
     print(f"\nNET_RAW hijack attempt: {res}; answers {answers}")
     assert all(FORGED_V4 not in a for _, a in answers), answers
@@ -876,8 +880,50 @@ def cgroup2_mount() -> Path:
     raise labmod.LabError("no cgroup2 mount: the lab needs the cgroup v2 hierarchy (unified or hybrid)")
 
 
-@pytest.mark.parametrize("how", ["raw", "packet"])
-def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egressd, how):
+@pytest.fixture
+def cgroups():
+    """child(tag): a new cgroup (v2) below the test's own; every one is removed afterwards, the
+    processes still in it moved back to the test's cgroup first."""
+    own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+    parent = cgroup2_mount() / own.lstrip("/")
+    made = []
+
+    def child(tag: str) -> Path:
+        cg = parent / f"egt-{tag}-{tok()}"
+        cg.mkdir()
+        made.append(cg)
+        return cg
+
+    yield child
+    for cg in reversed(made):
+        def emptied():
+            for pid in (cg / "cgroup.procs").read_text().split():
+                try:
+                    (parent / "cgroup.procs").write_text(pid)
+                except ProcessLookupError:
+                    pass
+            return not (cg / "cgroup.procs").read_text().strip() or None
+        labmod.wait_for(emptied, 10.0, f"cgroup {cg.name} to empty")
+        cg.rmdir()
+
+
+def hidden_cgroups(lab) -> list[str]:
+    """An egressd command line that runs it without the cgroup v2 hierarchy in sight, as in a
+    container whose cgroup mounts are its own."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'umount -l "$0" && exec "$@"',
+            str(cgroup2_mount()), str(labmod.egressd_binary())]
+
+
+def own_cgroupns(cgroup: Path) -> list[str]:
+    """An egressd command line that runs it in `cgroup`, in a cgroup namespace rooted there: a
+    sidecar on a cgroup v2 host (Docker's default there). The kernel counts the levels of the
+    rules it installs from that root."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec unshare --cgroup "$@"', str(cgroup / "cgroup.procs"),
+            str(labmod.egressd_binary())]
+
+
+@pytest.mark.parametrize("how", ["raw", "raw-hidden", "raw-cgroupns", "packet"])
+def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egressd, cgroups, how):
     """Docker's resolver as the upstream, a task process with Docker's default caps: it sniffs
     egressd's query on `lo` and answers it from the resolver's real address and port, the ID
     and case copied, while the resolver takes 400 ms. That answer is the reply direction of
@@ -886,13 +932,20 @@ def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egre
     are), the sending socket's cgroup is not the resolver's (chain output); as a frame on `lo`
     ("packet", from the resolver's own cgroup even), it lacks the signature chain output puts
     on the resolver's answers (netdev chain lo_replies). The client gets the resolver's answer,
-    egressd learns nothing forged."""
+    egressd learns nothing forged. "raw-hidden": the resolver in a cgroup of its own (dockerd's
+    under systemd: /system.slice/docker.service) and egressd unable to see the hierarchy: its
+    id, the kernel's, is enough. "raw-cgroupns": the same with egressd in a cgroup namespace of
+    its own, rooted at a third cgroup beside the two (a sidecar's on a cgroup v2 host)."""
     serve(lab)
     lab.add_servers([FORGED_V4])
-    DockerResolver(lab, slow={"slow": 400})
-    d = docker_egressd(lab, egressd)
+    resolver_cg = cgroups("resolver") if how in ("raw-hidden", "raw-cgroupns") else None
+    DockerResolver(lab, slow={"slow": 400}, cgroup=resolver_cg)
+    binary = {"raw-hidden": lambda: hidden_cgroups(lab), "raw-cgroupns": lambda: own_cgroupns(cgroups("sidecar"))}
+    d = docker_egressd(lab, egressd, binary=binary[how]() if how in binary else None)
     found = events(d, "resolver_cgroup")
     assert len(found) == 1 and found[0]["upstream"] == "127.0.0.11", d.log()
+    if resolver_cg is not None:
+        assert found[0]["cgroup_id"] == resolver_cg.stat().st_ino, (found, resolver_cg)
     cg = None
     if how == "packet":
         # The kernel drops frames to 127.0.0.1 that arrive without a route as martians unless
@@ -900,75 +953,66 @@ def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egre
         # With it on, only chain lo_replies stands between the frame and egressd's socket.
         for conf in ("all", "lo"):
             lab.sandbox.sysctl(f"net.ipv4.conf.{conf}.route_localnet", 1)
-    if how == "raw":
-        own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
-        cg = cgroup2_mount() / own.lstrip("/") / f"egt-atk-{tok()}"
-        cg.mkdir()
-    try:
-        p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
-                       sys.executable, "-c", SNIFF_AND_ANSWER, FORGED_V4, 4.0, how],
-                      netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        if cg is not None:
-            (cg / "cgroup.procs").write_text(str(p.pid))
-        p.stdin.write(b"go\n")
-        p.stdin.flush()
-        assert labmod._read_line(p, 10.0, "the attacker") == "READY"
-        t = tok()
-        answers = []
-        for i in range(2):
-            r = lab.dns_query(f"slow{i}.{t}.wild.example.org", timeout=3.0)
-            answers.append((r.rcode, r.addresses))
-        res = attacker_result(p)
-    finally:
-        if cg is not None:
-            labmod.wait_for(lambda: not (cg / "cgroup.procs").read_text().strip() or None, 10.0,
-                            "the attacker's cgroup to empty")
-            cg.rmdir()
+    if how.startswith("raw"):
+        cg = cgroups("atk")
+    p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                   sys.executable, "-c", SNIFF_AND_ANSWER, FORGED_V4, 4.0, how.split("-")[0]],
+                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if cg is not None:
+        (cg / "cgroup.procs").write_text(str(p.pid))
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert labmod._read_line(p, 10.0, "the attacker") == "READY"
+    t = tok()
+    answers = ask(lab, [f"slow{i}.{t}.wild.example.org" for i in range(2)])
+    res = attacker_result(p)
     print(f"\nanswers from the resolver's own port ({how}): {res}; egressd answered {answers}")
     assert res["tried"] >= 2, f"the attacker saw no query of egressd's to answer: {res}"
-    if how == "raw":
-        assert res["cgroup"] != ["0::" + own], res
+    if cg is not None:
+        assert res["cgroup"] == ["0::/" + str(cg.relative_to(cgroup2_mount()))], res
     assert answers == [("NOERROR", [WILD_V4])] * 2, answers
     assert FORGED_V4 not in learned_set(lab, 4)
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
     # The rule that stopped it counted the forged answers.
     rc, out, _ = lab.nft(lab.sandbox, "list", "table", "netdev" if how == "packet" else "inet", "egressd")
-    dropped = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)" if how == "raw"
+    dropped = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)" if how.startswith("raw")
                          else r"@ll,208,32 .*counter packets (\d+) bytes \d+ drop", out)
     assert sum(map(int, dropped)) >= 2, out
     assert events(d, "tamper") == [], d.log()  # the new rules are egressd's own, as it expects them
 
 
-@pytest.mark.parametrize("caps,cgroups_seen", [(DOCKER_CAPS, False), ("-all,+net_bind_service", False),
-                                               (DOCKER_CAPS, True)],
-                         ids=["docker-default", "net-raw-dropped", "resolver-cgroup-known"])
-def test_a_task_that_can_forge_loopback_answers_is_reported_at_start(lab, egressd, caps, cgroups_seen):
+@pytest.mark.parametrize("caps,where", [(DOCKER_CAPS, "root-hidden"), ("-all,+net_bind_service", "root-hidden"),
+                                        (DOCKER_CAPS, "root-seen"), (DOCKER_CAPS, "child-hidden")],
+                         ids=["docker-default", "net-raw-dropped", "resolver-cgroup-seen", "resolver-cgroup-hidden"])
+def test_a_task_that_can_forge_loopback_answers_is_reported_at_start(lab, egressd, cgroups, caps, where):
     """The forged answer from Docker's resolver's own port over a raw socket is stopped only
-    when egressd knows the resolver's cgroup (the test above). When it cannot — here egressd
-    runs in a mount namespace without the cgroup v2 hierarchy, as in a container that does not
-    share the host's — it says so (`resolver_unverified`), and, started with --netns-pid on a
-    task whose bounding set holds NET_RAW (Docker's default), logs `upstream_exposed` naming
-    the task, the upstream and the cures. A task without NET_RAW (--cap-drop NET_RAW) gets no
-    such warning, nor does any task once the cgroup is known."""
+    when egressd knows the resolver's cgroup (the test above). A resolver in a cgroup of its own
+    is known by its id, whether or not egressd sees the hierarchy. One in the hierarchy's root is
+    known only when egressd sees that root: on a host without cgroup v2 every socket is there,
+    the task's too. When egressd cannot tell — here the resolver in the root and egressd in a
+    mount namespace without the hierarchy — it says so (`resolver_unverified`), and, started
+    with --netns-pid on a task whose bounding set holds NET_RAW (Docker's default), logs
+    `upstream_exposed` naming the task, the upstream and the cures. A task without NET_RAW
+    (--cap-drop NET_RAW) gets no such warning, nor does any task once the cgroup is known."""
     serve(lab)
-    DockerResolver(lab)
+    resolver_cg = cgroup2_mount() if where.startswith("root") else cgroups("resolver")
+    DockerResolver(lab, cgroup=resolver_cg)
     task = lab.spawn(["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", "sleep", "60"],
                      netns=lab.sandbox, stdin=subprocess.DEVNULL)
     labmod.wait_for(lambda: Path(f"/proc/{task.pid}/comm").read_text().strip() == "sleep", 5.0,
                     "the task to be running in the sandbox")
-    binary = None
-    if not cgroups_seen:
-        binary = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'umount -l "$0" && exec "$@"',
-                  str(cgroup2_mount()), str(labmod.egressd_binary())]
+    binary = hidden_cgroups(lab) if where.endswith("hidden") else None
     d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"], netns_pid=task.pid, binary=binary)
     assert lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0).addresses == [WILD_V4]
     warned = events(d, "upstream_exposed")
-    if cgroups_seen:
-        assert len(events(d, "resolver_cgroup")) == 1 and events(d, "resolver_unverified") == [], d.log()
+    if where != "root-hidden":
+        found = events(d, "resolver_cgroup")
+        assert len(found) == 1 and events(d, "resolver_unverified") == [], d.log()
+        assert found[0]["cgroup_id"] == resolver_cg.stat().st_ino, found
         assert warned == [], warned
         return
     unverified = events(d, "resolver_unverified")
-    assert len(unverified) == 1 and "not in the cgroup v2 hierarchy egressd sees" in unverified[0]["reason"], d.log()
+    assert len(unverified) == 1 and "root of the cgroup v2 hierarchy" in unverified[0]["reason"], d.log()
     if "net_raw" in caps:
         assert len(warned) == 1, d.log()
         assert warned[0]["pid"] == task.pid and warned[0]["upstream"].startswith("127.0.0.11"), warned

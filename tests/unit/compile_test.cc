@@ -318,18 +318,35 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   // The resolver's cgroup unknown: every reply from the upstream's address signed (the frame
   // check), no cgroup match. The signature is no verdict: the rules after it decide.
   CHECK(answers(o) == std::vector<std::string>{sign4, sign6});
-  // Known (dockerd's cgroup, level 2): egressd's own flows take answers only from sockets in
-  // exactly that cgroup, deeper or other ones are dropped before anything is signed.
-  o.lo_resolver = CompileOptions::ResolverCgroup{4242, 2};
+  // Known (dockerd's cgroup): egressd's own flows take answers only from sockets in exactly
+  // that cgroup, judged in chain lo_answers before anything is signed.
+  o.lo_resolver = CompileOptions::ResolverCgroup{4242};
   const auto known = answers(o);
   CHECK(known == std::vector<std::string>{
-                     "ip saddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 3 != 0 counter drop",
-                     "ip saddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 2 != 4242 counter drop",
-                     "ip6 saddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 3 != 0 counter drop",
-                     "ip6 saddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe socket cgroupv2 level 2 != 4242 counter drop",
+                     "ip saddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe jump lo_answers",
+                     "ip6 saddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe jump lo_answers",
                      sign4,
                      sign6,
                  });
+  {
+    // At whatever level of the hierarchy the cgroup is (egressd need not see it): a socket
+    // there returns, one below it or anywhere else (every full socket has a root) is dropped.
+    const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+    const Chain* la = find_chain(t, kLoAnswersChain);
+    REQUIRE(la != nullptr);
+    CHECK_FALSE(la->base.has_value());
+    REQUIRE(la->rules.size() == 2 * kResolverLevels + 1);
+    CHECK(render_rule(la->rules[0]) == "socket cgroupv2 level 0 4242 socket cgroupv2 level 1 != 0 counter drop");
+    CHECK(render_rule(la->rules[1]) == "socket cgroupv2 level 0 4242 return");
+    CHECK(render_rule(la->rules[4]) == "socket cgroupv2 level 2 4242 socket cgroupv2 level 3 != 0 counter drop");
+    CHECK(render_rule(la->rules[5]) == "socket cgroupv2 level 2 4242 return");
+    CHECK(render_rule(la->rules[2 * kResolverLevels - 1]) ==
+          "socket cgroupv2 level " + std::to_string(kResolverLevels - 1) + " 4242 return");
+    CHECK(render_rule(la->rules.back()) == "socket cgroupv2 level 0 != 0 counter drop");
+    CompileOptions none = o;
+    none.lo_resolver.reset();
+    CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), none), kLoAnswersChain) == nullptr);
+  }
   // Ahead of the loopback accept that would otherwise take them.
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   std::vector<std::string> out;
@@ -356,10 +373,9 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
         "@ll,96,16 0x800 @ll,208,32 0x7f00000b meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 "
         "meta priority set none accept");
   CHECK(render_rule(lo->rules[1]) == "@ll,96,16 0x800 @ll,208,32 0x7f00000b counter drop");
-  // Without the netdev hook neither the chain nor the signature.
+  // Without the netdev hook neither the chain nor the signature; the cgroup check stays.
   o.netdev = false;
-  CHECK_FALSE(build_netdev_table(named(p, "agent", 1), o).has_value());
-  CHECK(answers(o).size() == 4);
+  CHECK(answers(o).size() == 2);
 }
 
 TEST_CASE("the table comment carries the secrets and a restart reads them back") {

@@ -105,6 +105,7 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchSaddr{ip("::")}) == "ip6 saddr ::");
   CHECK(one(MatchSaddr{ip("192.0.2.1")}) == "ip saddr 192.0.2.1");
   CHECK(one(StmtVerdict{VerdictKind::goto_, "ph_agent"}) == "goto ph_agent");
+  CHECK(one(StmtVerdict{VerdictKind::return_, ""}) == "return");
 }
 
 TEST_CASE("rules join statements with spaces and end with the comment") {
