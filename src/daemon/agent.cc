@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -356,11 +357,45 @@ class Agent {
   boost::asio::steady_timer reap_timer_;
 };
 
+// Every attached sandbox holds about a dozen descriptors (its netlink
+// sockets, DNS proxy sockets, control socket, queue and timers). A shell or
+// service manager starts a process with a soft limit of 1024 out of a far
+// larger hard one: held to it, the agent would refuse `sandbox add` with
+// EMFILE near the 80th sandbox. Raised to the hard limit, as a server that
+// needs them does. The kernel's table of them grows by doubling, and while
+// the process has threads each growth waits for an RCU grace period (~20 ms
+// here, inside whichever `sandbox add` opened the descriptor); grown once now,
+// before any thread, to room for kTableRoom.
+void prepare_descriptors() {
+  constexpr rlim_t kTableRoom = 4096;
+  auto log = spdlog::get("egressd");
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  if (rl.rlim_cur < rl.rlim_max) {
+    const rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &rl) == 0) {
+      log->info("descriptors: soft limit raised from {} to {} (a dozen per sandbox)", was, rl.rlim_max);
+    } else {
+      rl.rlim_cur = was;
+      log->warn("descriptors: soft limit {} cannot be raised ({}): about {} sandboxes fit", was, errno_text(errno),
+                was / 12);
+    }
+  }
+  const rlim_t room = std::min<rlim_t>(rl.rlim_cur, kTableRoom);
+  UniqueFd probe(::open("/", O_PATH | O_CLOEXEC));
+  if (probe.ok() && room > 1) {
+    const int high = ::fcntl(probe.get(), F_DUPFD_CLOEXEC, static_cast<int>(room - 1));
+    if (high >= 0) ::close(high);
+  }
+}
+
 }  // namespace
 
 int cmd_agent(const AgentArgs& a) {
   setup_logging(a.log_format == "json" ? LogFormat::json : LogFormat::text);
   ::signal(SIGPIPE, SIG_IGN);
+  prepare_descriptors();
   if (!a.state_dir.empty()) {
     std::error_code ec;
     fs::create_directories(a.state_dir, ec);

@@ -62,9 +62,9 @@ class Agent:
         self.log_path = lab.tmp / "agent.log"
         self.proc = None
 
-    def start(self):
+    def start(self, prefix=()):
         self.socket.unlink(missing_ok=True)
-        self.proc = self.lab.spawn([labmod.egressd_binary(), "agent", "--socket", self.socket,
+        self.proc = self.lab.spawn([*prefix, labmod.egressd_binary(), "agent", "--socket", self.socket,
                                     "--state-dir", self.state_dir],
                                    netns=self.ns, stderr=open(self.log_path, "a"))
         wait_for(lambda: self.proc.poll() is not None or self.ctl("ping")[0] == 0, 10.0, "the agent to answer")
@@ -152,6 +152,29 @@ def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
     # Each sandbox's table lives in its own namespace.
     for ns in (lab.sandbox, sb2):
         assert lab.nft(ns, "list", "table", "inet", "egressd")[0] == 0
+
+
+def test_the_agent_is_not_held_to_a_shells_descriptor_limit(lab, agent):
+    """A shell or service manager starts a process with 1024 descriptors (soft) out of a far
+    larger hard limit; every attached sandbox holds about a dozen, so an agent held to the soft
+    limit would refuse `sandbox add` (EMFILE) near the 80th sandbox. The agent raises its soft
+    limit to the hard one at start. Here soft 64, hard 4096, and 12 sandboxes: more
+    descriptors than the soft limit allows, every add succeeds, each sandbox enforces."""
+    agent.stop()
+    agent.start(prefix=["prlimit", "--nofile=64:4096", "--"])
+    limits = Path(f"/proc/{agent.proc.pid}/limits").read_text()
+    assert re.search(r"Max open files\s+4096\s+4096", limits), limits
+    assert "soft limit raised from 64 to 4096" in agent.log(), agent.log()
+    spaces = [lab.extra_netns("fd") for _ in range(12)]
+    for i, ns in enumerate(spaces):
+        agent.ok("sandbox", "add", f"fd{i}", "--netns", ns.path, "--mode", "allowlist", "--allow", "203.0.113.10")
+    held = len(list(Path(f"/proc/{agent.proc.pid}/fd").iterdir()))
+    assert held > 64, f"the test proves nothing: the agent holds only {held} descriptors"
+    listed = agent.listing()
+    assert all(listed[f"fd{i}"]["phase"] for i in range(12)), listed
+    for ns in spaces:
+        rc, out, _ = lab.nft(ns, "list", "table", "inet", "egressd")
+        assert rc == 0 and "203.0.113.10" in out, out
 
 
 def test_upstream_dns_leaves_from_the_agents_namespace(lab, agent):
