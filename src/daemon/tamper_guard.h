@@ -9,7 +9,11 @@
 //              the table, compare with the phase in force, restore if it
 //              differs; log a `monitor_overrun` event.
 //   timer      every verify_interval, the same comparison (safety net for
-//              anything the events could not show).
+//              anything the events could not show), unless the namespace's
+//              ruleset generation is the one the last clean comparison saw:
+//              nothing in nftables changes without a commit, and every
+//              commit moves it. (200 sandboxes' dumps every 5 s on one loop
+//              delayed the other sandboxes' requests.)
 //   unheard    egressd's own large batches (Sandbox::kLargeBatchElements set
 //              elements or more) are sent with the subscription dropped: the
 //              kernel would write a notification per element to this socket,
@@ -48,6 +52,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <string>
 
@@ -93,6 +98,10 @@ class TamperGuard {
   Status apply_unheard(const std::function<Status()>& apply);
 
   std::uint64_t tampers() const { return tampers_; }
+  // Periodic verification rounds, and those that dumped the table (the
+  // generation had moved since the last clean comparison, or is unknown).
+  std::uint64_t verification_rounds() const { return rounds_; }
+  std::uint64_t full_verifications() const { return full_rounds_; }
   std::uint64_t restores() const { return restores_; }
 
  private:
@@ -144,6 +153,10 @@ class TamperGuard {
   std::chrono::steady_clock::time_point tokens_at_;
   std::uint64_t suppressed_ = 0;
   std::uint64_t tampers_ = 0;
+  std::uint64_t rounds_ = 0, full_rounds_ = 0;
+  // The ruleset generation read just before the last comparison that found
+  // the table as it should be; reset by any other outcome.
+  std::optional<std::uint32_t> verified_gen_;
   std::uint64_t restores_ = 0;
   std::uint64_t overruns_ = 0;
 };

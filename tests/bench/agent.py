@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -48,6 +49,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise dp.BenchError(f"no VmRSS for pid {pid}")
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of pid, all threads, in seconds."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def settled_rss(pids: list[int], still_s: float = 1.0, limit_s: float = 15.0) -> int:
@@ -148,7 +155,16 @@ def main():
         for i, ns in enumerate(sbs):
             _, dt = c.call({"cmd": "sandbox_add", "name": f"s{i}", "netns": ns.path, "config": str(policy)})
             adds.append(dt)
+        added = time.monotonic()
         agent_rss = settled_rss([p.pid])
+        idle_cpu = None
+        if not a.quick:
+            # Idle: every sandbox past its first tamper verification (5 s after its add), then
+            # the agent's CPU over 10 s with nothing asked of it.
+            time.sleep(max(0.0, added + 6.0 - time.monotonic()))
+            c0, t0 = cpu_s(p.pid), time.monotonic()
+            time.sleep(10.0)
+            idle_cpu = (cpu_s(p.pid) - c0) / (time.monotonic() - t0)
         # Paced (one switch every --gap-ms, a busy harness's rate: the figure the budget is
         # for), then back to back (each switch's flow reaper, a sock_diag walk of the host's
         # socket hash on a thread of its own, then competes with the next switches for CPU).
@@ -195,7 +211,8 @@ def main():
             "burst_p50_ms": pct(burst, 50) * 1e3, "burst_p99_ms": pct(burst, 99) * 1e3,
             "ping_p50_ms": pct(pings, 50) * 1e3, "ping_p99_ms": pct(pings, 99) * 1e3,
             "switch_own_p50_ms": pct(own, 50) * 1e3, "switch_own_p99_ms": pct(own, 99) * 1e3,
-            "restart_s": restart, "adopted": adopted,
+            "restart_s": restart, "adopted": adopted, "add_ms": [round(x * 1e3, 2) for x in adds],
+            "idle_cpu_pct": None if idle_cpu is None else idle_cpu * 100,
         })
     if run.failed:
         return 1
@@ -219,6 +236,9 @@ def main():
           f"{out['ping_p99_ms']:10.3f}ms  (request and reply with nothing to do: the machine's share)")
     print(f"{'named switch, egressd own p50/p99':36} {out['switch_own_p50_ms']:10.3f}ms "
           f"{out['switch_own_p99_ms']:10.3f}ms  (duration_us of each paced switch's reply)")
+    if out["idle_cpu_pct"] is not None:
+        print(f"{'idle, CPU of one core':36} {out['idle_cpu_pct']:10.2f} %  (tamper verification: a dump only "
+              f"when the ruleset generation moved)")
     print(f"{'restart: exec -> all listed':36} {out['restart_s'] * 1e3:10.1f}ms {'':>12} {'':>7}  <= 1 s: "
           f"{'within' if out['restart_s'] <= 1 else 'MISSED'} ({out['adopted']} tables adopted)")
     if a.json_out:

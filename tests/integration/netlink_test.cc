@@ -1203,6 +1203,56 @@ TEST_CASE("a tamper guard destroyed with a repair posted runs none of it, and th
   CHECK(ns.exec("nft list set inet egressd " + next_set).out.find("203.0.113.99") != std::string::npos);
 }
 
+TEST_CASE("the verification dumps the table only when the ruleset generation moved") {
+  // 200 sandboxes of one agent each dumped and compared their table every
+  // 5 s on the one loop: other sandboxes' requests waited behind them. A
+  // ruleset changes only by a commit, and every commit moves the namespace's
+  // generation: an unchanged one needs no dump. Any commit, egressd's own or
+  // one the events do not show, makes the next round compare again.
+  TestNetns ns;
+  boost::asio::io_context io;
+  daemon::SandboxOptions o;
+  Policy p;
+  p.phases.push_back(phase("setup", Mode::public_, {}));
+  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
+  p.initial_phase = "agent";
+  o.policy = p;
+  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+  daemon::Sandbox sb(std::move(o), ns.kernel(), daemon::Capabilities{true, true, true, true, true});
+  daemon::TamperGuardOptions go;
+  go.verify_interval = std::chrono::milliseconds(10);
+  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
+  REQUIRE(guard.ok());
+  REQUIRE(sb.start("agent").ok());
+  (*guard)->start();
+  auto run_until = [&](auto done) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+    return done();
+  };
+  auto rounds_from = [&](std::uint64_t n) { return [&, n] { return (*guard)->verification_rounds() >= n; }; };
+  REQUIRE(run_until(rounds_from(6)));
+  CHECK((*guard)->full_verifications() == 1);  // the first; then the same generation five times
+
+  // egressd's own switch: compared again once, clean.
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "setup"}})["ok"] == true);
+  std::uint64_t r = (*guard)->verification_rounds();
+  REQUIRE(run_until(rounds_from(r + 4)));
+  CHECK((*guard)->full_verifications() == 2);
+  CHECK((*guard)->tampers() == 0);
+
+  // A change the events do not show: the generation moved, so it is found and undone.
+  auto blind = ns.kernel();
+  (*guard)->add_own_portid(blind->portid());
+  add_accept_rule(*blind);
+  REQUIRE(run_until([&] { return (*guard)->tampers() > 0; }));
+  CHECK_FALSE(has_accept_rule(ns));
+  r = (*guard)->verification_rounds();
+  const std::uint64_t full = (*guard)->full_verifications();
+  REQUIRE(run_until(rounds_from(r + 4)));
+  CHECK((*guard)->full_verifications() == full + 1);  // the restore committed; once more, then quiet
+}
+
 TEST_CASE("a tamper guard destroyed after its verification timer fired, before the loop ran it, verifies nothing") {
   TestNetns ns;
   boost::asio::io_context io;
