@@ -186,14 +186,6 @@ def compose_available() -> bool:
     return labmod.run([*cmd, "version"], timeout=60, check=False).returncode == 0
 
 
-def cgroup2_mount() -> Path | None:
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        pre, _, post = line.partition(" - ")
-        if post.split()[0] == "cgroup2" and pre.split()[3] == "/":
-            return Path(pre.split()[4])
-    return None
-
-
 def dockerd_cgroup() -> str | None:
     """The cgroup (v2) dockerd is in, as /proc/PID/cgroup says ("/": the root), from its pidfile
     (the default one, or --pidfile in $DOCKERD_ARGS); None if it cannot be read."""
@@ -203,10 +195,9 @@ def dockerd_cgroup() -> str | None:
         pidfile = args[args.index("--pidfile") + 1]
     try:
         pid = int(Path(pidfile or "/var/run/docker.pid").read_text().strip())
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except (OSError, ValueError):
         return None
-    return next((l[3:] for l in lines if l.startswith("0::")), None)
+    return labmod.cgroup_of(pid)
 
 
 class Daemon:
@@ -232,9 +223,8 @@ class Daemon:
         # $DOCKERD_ARGS: extra arguments for a daemon the session starts (e.g. a second,
         # isolated one: -H, --data-root, --exec-root, --pidfile), a word list.
         argv = ["dockerd", *os.environ.get("DOCKERD_ARGS", "").split()]
-        mount = cgroup2_mount()
-        if mount is not None:
-            own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
+        mount, own = labmod.cgroup2_mount(), labmod.cgroup_of()
+        if mount is not None and own is not None:
             self.cgroup = mount / own.lstrip("/") / f"egressd-test-dockerd-{os.getpid()}.service"
             self.cgroup.mkdir(exist_ok=True)
             argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs"), *argv]

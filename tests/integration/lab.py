@@ -124,6 +124,24 @@ def switch_and_wait_for_reaper(d, canary, phase: str) -> int:
     return int(reaped.search(d.log()).group(1))
 
 
+def cgroup2_mount() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted from its root (unified or hybrid host), or None."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        if post.split()[0] == "cgroup2" and pre.split()[3] == "/":
+            return Path(pre.split()[4])
+    return None
+
+
+def cgroup_of(pid: int | str = "self") -> str | None:
+    """The cgroup (v2) of a process, as /proc/PID/cgroup says ("/": the root); None if unreadable."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    return next((l[3:] for l in lines if l.startswith("0::")), None)
+
+
 def run(args, *, timeout: float = 10.0, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
     """Runs a command to completion, output captured as text. LabError on timeout, or on a
     non-zero exit when check."""

@@ -1067,52 +1067,66 @@ TEST_CASE("own large batches are not heard, and a commit by others meanwhile is 
   (*guard)->close();
 }
 
+// A sandbox in `ns` (phases: environment public, agent allowlist
+// 198.51.100.11) started in "agent", and its tamper guard verifying every
+// `interval`, started.
+struct GuardedSandbox {
+  GuardedSandbox(TestNetns& ns, std::chrono::milliseconds interval)
+      : sb(options(io), ns.kernel(), daemon::Capabilities{true, true, true, true, true}) {
+    daemon::TamperGuardOptions go;
+    go.verify_interval = interval;
+    auto opened = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
+    REQUIRE(opened.ok());
+    guard = std::move(*opened);
+    REQUIRE(sb.start("agent").ok());
+    guard->start();
+  }
+  static daemon::SandboxOptions options(boost::asio::io_context& io) {
+    daemon::SandboxOptions o;
+    o.policy.phases.push_back(phase("environment", Mode::public_, {}));
+    o.policy.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
+    o.policy.initial_phase = "agent";
+    o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
+    return o;
+  }
+  // Runs the loop (events, timers) until `done` or the deadline.
+  bool run_until(const std::function<bool()>& done, std::chrono::milliseconds deadline) {
+    const auto end = std::chrono::steady_clock::now() + deadline;
+    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+    return done();
+  }
+  boost::asio::io_context io;
+  daemon::Sandbox sb;
+  std::unique_ptr<daemon::TamperGuard> guard;
+};
+
 TEST_CASE("the verification timer undoes a change the change events did not show") {
   // The safety net of DESIGN's tamper detection: a change whose notification
   // the event path cannot use (here: committed from a socket registered as
   // egressd's own, as a lost or misattributed notification would be) is found
   // by the periodic re-dump and undone.
   TestNetns ns;
-  boost::asio::io_context io;
-  daemon::SandboxOptions o;
-  Policy p;
-  p.phases.push_back(phase("environment", Mode::public_, {}));
-  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
-  p.initial_phase = "agent";
-  o.policy = p;
-  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
-  daemon::Sandbox sb(std::move(o), ns.kernel(), daemon::Capabilities{true, true, true, true, true});
-  daemon::TamperGuardOptions go;
-  go.verify_interval = std::chrono::milliseconds(50);
-  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
-  REQUIRE(guard.ok());
-  REQUIRE(sb.start("agent").ok());
-  (*guard)->start();
+  const auto interval = std::chrono::milliseconds(50);
+  GuardedSandbox g(ns, interval);
   const std::string installed = ns.listing();
 
-  // Runs the loop (events, timers) until `done` or the deadline.
-  auto run_until = [&](auto done, std::chrono::milliseconds deadline) {
-    const auto end = std::chrono::steady_clock::now() + deadline;
-    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
-    return done();
-  };
   // Three verification rounds of egressd's own table find nothing.
   const auto t0 = std::chrono::steady_clock::now();
-  (void)run_until([&] { return (*guard)->tampers() > 0 || std::chrono::steady_clock::now() - t0 > 3 * go.verify_interval; },
-                  std::chrono::milliseconds(1000));
-  CHECK((*guard)->tampers() == 0);
+  (void)g.run_until([&] { return g.guard->tampers() > 0 || std::chrono::steady_clock::now() - t0 > 3 * interval; },
+                    std::chrono::milliseconds(1000));
+  CHECK(g.guard->tampers() == 0);
 
   auto blind = ns.kernel();
-  (*guard)->add_own_portid(blind->portid());
+  g.guard->add_own_portid(blind->portid());
   Change ch{kTableName, {}};
   ch.ops.push_back(OpAddRule{"output", Rule{{StmtVerdict{VerdictKind::accept, ""}}, ""}});
   REQUIRE(blind->apply(ch).ok());
   CHECK(ns.exec("nft list chain inet egressd output").out.find("\t\taccept\n") != std::string::npos);
 
-  REQUIRE(run_until([&] { return (*guard)->restores() >= 1; }, std::chrono::milliseconds(2000)));
-  CHECK((*guard)->tampers() == 1);
+  REQUIRE(g.run_until([&] { return g.guard->restores() >= 1; }, std::chrono::milliseconds(2000)));
+  CHECK(g.guard->tampers() == 1);
   CHECK(ns.listing() == installed);
-  (*guard)->close();
+  g.guard->close();
 }
 
 // ---- shutdown with work pending (the guard's stop token, not liveness flags) ----
@@ -1210,47 +1224,31 @@ TEST_CASE("the verification dumps the table only when the ruleset generation mov
   // generation: an unchanged one needs no dump. Any commit, egressd's own or
   // one the events do not show, makes the next round compare again.
   TestNetns ns;
-  boost::asio::io_context io;
-  daemon::SandboxOptions o;
-  Policy p;
-  p.phases.push_back(phase("setup", Mode::public_, {}));
-  p.phases.push_back(phase("agent", Mode::allowlist, {"198.51.100.11"}));
-  p.initial_phase = "agent";
-  o.policy = p;
-  o.post = [&io](std::function<void()> fn) { boost::asio::post(io, std::move(fn)); };
-  daemon::Sandbox sb(std::move(o), ns.kernel(), daemon::Capabilities{true, true, true, true, true});
-  daemon::TamperGuardOptions go;
-  go.verify_interval = std::chrono::milliseconds(10);
-  auto guard = ns.in_netns([&] { return daemon::TamperGuard::open(io, sb, go); });
-  REQUIRE(guard.ok());
-  REQUIRE(sb.start("agent").ok());
-  (*guard)->start();
-  auto run_until = [&](auto done) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-    while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
-    return done();
+  GuardedSandbox g(ns, std::chrono::milliseconds(10));
+  auto rounds_from = [&](std::uint64_t n) {
+    return [&, n] { return g.guard->verification_rounds() >= n; };
   };
-  auto rounds_from = [&](std::uint64_t n) { return [&, n] { return (*guard)->verification_rounds() >= n; }; };
-  REQUIRE(run_until(rounds_from(6)));
-  CHECK((*guard)->full_verifications() == 1);  // the first; then the same generation five times
+  const auto deadline = std::chrono::seconds(3);
+  REQUIRE(g.run_until(rounds_from(6), deadline));
+  CHECK(g.guard->full_verifications() == 1);  // the first; then the same generation five times
 
   // egressd's own switch: compared again once, clean.
-  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "setup"}})["ok"] == true);
-  std::uint64_t r = (*guard)->verification_rounds();
-  REQUIRE(run_until(rounds_from(r + 4)));
-  CHECK((*guard)->full_verifications() == 2);
-  CHECK((*guard)->tampers() == 0);
+  REQUIRE(g.sb.handle({{"cmd", "apply"}, {"phase", "environment"}})["ok"] == true);
+  std::uint64_t r = g.guard->verification_rounds();
+  REQUIRE(g.run_until(rounds_from(r + 4), deadline));
+  CHECK(g.guard->full_verifications() == 2);
+  CHECK(g.guard->tampers() == 0);
 
   // A change the events do not show: the generation moved, so it is found and undone.
   auto blind = ns.kernel();
-  (*guard)->add_own_portid(blind->portid());
+  g.guard->add_own_portid(blind->portid());
   add_accept_rule(*blind);
-  REQUIRE(run_until([&] { return (*guard)->tampers() > 0; }));
+  REQUIRE(g.run_until([&] { return g.guard->tampers() > 0; }, deadline));
   CHECK_FALSE(has_accept_rule(ns));
-  r = (*guard)->verification_rounds();
-  const std::uint64_t full = (*guard)->full_verifications();
-  REQUIRE(run_until(rounds_from(r + 4)));
-  CHECK((*guard)->full_verifications() == full + 1);  // the restore committed; once more, then quiet
+  r = g.guard->verification_rounds();
+  const std::uint64_t full = g.guard->full_verifications();
+  REQUIRE(g.run_until(rounds_from(r + 4), deadline));
+  CHECK(g.guard->full_verifications() == full + 1);  // the restore committed; once more, then quiet
 }
 
 TEST_CASE("a tamper guard destroyed after its verification timer fired, before the loop ran it, verifies nothing") {

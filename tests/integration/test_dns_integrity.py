@@ -873,19 +873,17 @@ SNIFF_AND_ANSWER = textwrap.dedent(r'''
 
 
 def cgroup2_mount() -> Path:
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        pre, _, post = line.partition(" - ")
-        if post.split()[0] == "cgroup2" and pre.split()[3] == "/":
-            return Path(pre.split()[4])
-    raise labmod.LabError("no cgroup2 mount: the lab needs the cgroup v2 hierarchy (unified or hybrid)")
+    mount = labmod.cgroup2_mount()
+    if mount is None:
+        raise labmod.LabError("no cgroup2 mount: the lab needs the cgroup v2 hierarchy (unified or hybrid)")
+    return mount
 
 
 @pytest.fixture
 def cgroups():
     """child(tag): a new cgroup (v2) below the test's own; every one is removed afterwards, the
     processes still in it moved back to the test's cgroup first."""
-    own = next(l[3:] for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::"))
-    parent = cgroup2_mount() / own.lstrip("/")
+    parent = cgroup2_mount() / labmod.cgroup_of().lstrip("/")
     made = []
 
     def child(tag: str) -> Path:
