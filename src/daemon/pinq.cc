@@ -110,6 +110,7 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   s.fin = (flags & 0x01) != 0;
   s.syn = (flags & 0x02) != 0;
   s.rst = (flags & 0x04) != 0;
+  s.urg = (flags & 0x20) != 0;
   s.payload = pkt.subspan(off + doff, end - off - doff);
   return s;
 }
@@ -169,6 +170,9 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
 }
 
 // ---- PinFlows -------------------------------------------------------------------------------
+
+constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
+constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
 
 std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
   std::vector<std::uint8_t> out;
@@ -286,12 +290,17 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
     stats_.held = flows_.size();
     return with_replaced(std::move(out));
   }
+  if (seg.payload.empty() && seg.urg && it != flows_.end()) {
+    it->second.ids.push_back(id);
+    return with_replaced(reset_flow(it, kUrgentReason, now));
+  }
   if (seg.payload.empty()) {
     // An ACK, FIN or RST without data carries no name: it passes and the
     // flow stays undecided (a held flow keeps its held packets). The
     // handshake's ACK tells where the stream starts (ISN + 1), so a later
-    // segment that arrives first is not mistaken for the first bytes.
-    if (it == flows_.end() && !seg.rst && !seg.fin && starts_.size() < kMaxFlows) {
+    // segment that arrives first is not mistaken for the first bytes; only
+    // the socket's own ACK says so (a raw one could move the start).
+    if (it == flows_.end() && !seg.rst && !seg.fin && seg.from_socket && starts_.size() < kMaxFlows) {
       auto st = starts_.find(key);
       if (st == starts_.end() || st->second.ct_id != seg.ct_id) set_start(key, Start{seg.seq, now, seg.ct_id});
     }
@@ -317,6 +326,14 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
   }
   Flow& f = it->second;
   f.ids.push_back(id);
+  // Insertion: the server must take exactly the bytes judged here. A segment
+  // a raw socket wrote may be one it drops (a wrong checksum, a timestamp
+  // PAWS refuses, a TTL that runs out on the way) while the socket later
+  // sends other bytes at the same sequence numbers, which the admitted flow
+  // lets through unread; and an urgent byte is taken out of the stream by
+  // the server's stack, so it reads other bytes than these.
+  if (!seg.from_socket) return reset_flow(it, kRawReason, now);
+  if (seg.urg) return reset_flow(it, kUrgentReason, now);
   // Sequence numbers relative to the first byte held (mod 2^32). A segment
   // that starts before it (reordered) moves the start back.
   std::uint32_t rel = seg.seq - f.base;
@@ -484,6 +501,13 @@ Status configure(nft::Transport& t) {
   params.copy_mode = NFQNL_COPY_PACKET;
   mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
   mnl_attr_put_u32(nlh, NFQA_CFG_QUEUE_MAXLEN, htonl(kQueueMaxLen));
+  // Packets as the stack made them: a TCP socket's segment still has its
+  // checksum left to the device and says so (NFQA_SKB_CSUMNOTREADY), where
+  // without the flag the kernel would complete every checksum before
+  // copying and a raw socket's segment would look the same (Segment::from_socket).
+  // GSO packets then come whole (at most 64 KiB: the copy range).
+  mnl_attr_put_u32(nlh, NFQA_CFG_FLAGS, htonl(NFQA_CFG_F_GSO));
+  mnl_attr_put_u32(nlh, NFQA_CFG_MASK, htonl(NFQA_CFG_F_GSO));
   const int err = t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
   const std::string q = "pinning queue " + std::to_string(nft::kPinQueueNum);
   if (err == ETIMEDOUT) return errno_error(q + ": no answer to the bind request", EAGAIN);
@@ -565,6 +589,9 @@ class Queue : public PinQueue {
       ++errors_;
       pending_.push_back({id, PinVerdict::Kind::drop});
       return;
+    }
+    if (tb[NFQA_SKB_INFO] != nullptr && mnl_attr_get_payload_len(tb[NFQA_SKB_INFO]) == 4) {
+      seg->from_socket = (ntohl(mnl_attr_get_u32(tb[NFQA_SKB_INFO])) & NFQA_SKB_CSUMNOTREADY) != 0;
     }
     // Chain pin set the packet's mark to its conntrack id.
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {

@@ -74,6 +74,14 @@ struct Segment {
   std::uint32_t seq = 0;  // TCP only
   std::uint32_t ct_id = 0;  // the flow's conntrack id (chain pin puts it in the packet's mark)
   bool syn = false, fin = false, rst = false;
+  bool urg = false;  // TCP: the urgent flag (a byte the server's stack takes out of the stream)
+  // Written by the connection's own TCP socket. The queue tells: the stack
+  // leaves a TCP segment's checksum to the device (CHECKSUM_PARTIAL, the
+  // queue's NFQA_SKB_CSUMNOTREADY), a raw socket writes it itself. A segment
+  // a raw socket wrote can carry a flaw the server drops it for (a wrong
+  // checksum, an old timestamp, a TTL that runs out), so the reader would
+  // judge bytes the server never takes. Unknown: false (fail closed).
+  bool from_socket = false;
   std::span<const std::uint8_t> payload;
 };
 // Parses an IPv4 or IPv6 TCP or UDP packet (IPv6 extension headers walked; a

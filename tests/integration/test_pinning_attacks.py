@@ -6,14 +6,16 @@ flow queued before the kernel marked it get the same answer. That memory must ne
 same source port again at once, reaching the same address and port on the same four-tuple.
 Chain pin hands the reader each packet's conntrack id, and a new connection has a new one.
 """
+import json
 import socket
 import ssl
 import struct
 
 import pytest
 
-from test_pinning import TLS_PORT, V4, V6, assert_reset, learn, outcome, servers, tls  # noqa: F401 (fixture)
+from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, connect, learn, outcome, servers, tls  # noqa: F401 (fixture)
 from test_pinning import pinned  # noqa: F401 (fixture)
+import lab as labmod
 from lab import wait_for
 
 
@@ -148,3 +150,67 @@ def test_tcp_fast_open_data_in_a_syn_is_never_let_through(lab, pinned, tmp_path)
     text = seen.read_bytes() if seen.exists() else b""
     assert b"same-ip.test" not in text, f"the server received a request for same-ip.test: {text!r}"
     assert b"allowed.test" in text
+
+
+DOCKER_CAPS = "-all,+net_raw,+net_bind_service"
+
+
+def pin_counts(d) -> tuple[int, int]:
+    p = d.status()["pin"]
+    return p["admitted"], p["reset"]
+
+
+@pytest.mark.parametrize("mode", ["bad-checksum", "old-timestamp"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_first_segment_written_with_a_raw_socket_is_refused(lab, pinned, addr, mode):  # noqa: F811
+    """Insertion: with Docker's default NET_RAW, a sandbox process writes its connection's first
+    segment itself (the allowed Host) with a flaw the server drops it for — a wrong checksum,
+    or a timestamp older than the connection's (PAWS) — then sends another Host at the same
+    sequence numbers through its socket. Admitting on the raw copy let the second one through
+    on the fast path: the server answered for same-ip.test. egressd refuses a flow whose first
+    bytes were not written by a TCP socket."""
+    import subprocess
+    before = pin_counts(pinned)
+    p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                   "/usr/bin/python3", str(labmod.HERE / "pin_insert.py"), labmod.SANDBOX_IF, addr,
+                   HTTP_PORT, mode],
+                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the raw first segment").strip() == "inserted"
+    # The reader has judged the raw copy (admitted before the fix, refused after it).
+    wait_for(lambda: pin_counts(pinned) != before, 3.0, "the reader to judge the inserted segment")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
+    assert "same-ip.test" not in result.get("data", ""), f"the server answered for same-ip.test: {result}"
+    assert result["outcome"] == "reset", result
+    admitted, reset = pin_counts(pinned)
+    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    records = pinned.request({"cmd": "denied"})["records"]
+    assert any("written by a raw socket" in (r.get("pin") or "") for r in records), records
+
+
+def test_urgent_data_in_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
+    """No capability needed: a byte sent with MSG_OOB is the urgent byte, which the server's
+    stack takes out of the stream (SO_OOBINLINE is off by default) while the reader saw it in
+    place. "Host: allowed.test\\r\\nX" + "Host: same-ip.test\\r\\n\\r\\n" with the X urgent is one
+    Host (allowed.test) to the reader, two to the server, which answered for the last one."""
+    before = pin_counts(pinned)
+
+    def run():
+        with connect(lab, V4, HTTP_PORT) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.send(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nX", socket.MSG_OOB)
+            s.sendall(b"Host: same-ip.test\r\n\r\n")
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return data
+                data += chunk
+    result = outcome(run)
+    assert b"same-ip.test" not in (result[1] if isinstance(result[1], bytes) else b""), result
+    assert_reset(result, "a request whose first bytes carry urgent data")
+    admitted, reset = pin_counts(pinned)
+    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    records = pinned.request({"cmd": "denied"})["records"]
+    assert any("urgent data" in (r.get("pin") or "") for r in records), records

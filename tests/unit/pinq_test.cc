@@ -30,6 +30,7 @@ Segment seg(std::uint32_t seq, const std::string& bytes, std::uint16_t sport = 4
   s.sport = sport;
   s.dport = 80;
   s.seq = seq;
+  s.from_socket = true;
   s.payload = {reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()};
   return s;
 }
@@ -381,4 +382,66 @@ TEST_CASE("a refused flow is remembered for 10 s after its last decision, not lo
   CHECK(f.expire(t0 + seconds(16)).empty());
   CHECK(f.packet(5, packet_of(900 + bad.size(), more, 8), t0 + seconds(16)).empty());
   CHECK(f.stats().inspected == 3);
+}
+
+TEST_CASE("first bytes the server may never take are refused: a raw socket's segment, urgent data") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  // Written by a raw socket (the queue saw a finished checksum): a complete, allowed request,
+  // refused; the server's end is reset at its first byte.
+  Segment raw = seg(1000, ok);
+  raw.from_socket = false;
+  auto v = f.packet(1, raw, t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  REQUIRE(j.reasons.size() == 1);
+  CHECK(j.reasons[0].find("raw socket") != std::string::npos);
+  const auto resets = f.take_server_resets();
+  REQUIRE(resets.size() == 1);
+  CHECK(resets[0].seq == 1000);
+  // Held bytes from the socket, then a raw segment that would complete them: all refused.
+  const std::string head = "GET / HTTP/1.1\r\nHost: allowed.test\r\n";
+  const std::string crlf = "\r\n";
+  CHECK(f.packet(2, seg(5000, head, 40001), t0).empty());
+  Segment tail = seg(5000 + static_cast<std::uint32_t>(head.size()), crlf, 40001);
+  tail.from_socket = false;
+  v = f.packet(3, tail, t0);
+  REQUIRE(v.size() == 2);
+  CHECK(v[0].kind == K::reset);
+  CHECK(v[1].kind == K::drop);
+  // Urgent data, from the socket: refused, held with other bytes or alone, with or without payload.
+  Segment urg = seg(7000, ok, 40002);
+  urg.urg = true;
+  CHECK(f.packet(4, urg, t0)[0].kind == K::reset);
+  CHECK(f.packet(5, seg(8000, head, 40003), t0).empty());
+  const std::string none;
+  Segment urg_ack = seg(8000 + static_cast<std::uint32_t>(head.size()), none, 40003);
+  urg_ack.urg = true;
+  v = f.packet(6, urg_ack, t0);
+  REQUIRE(v.size() == 2);
+  CHECK(v[0].kind == K::reset);
+  CHECK(f.stats().admitted == 0);
+  CHECK(f.stats().reset == 4);
+  // The same request from the socket is admitted.
+  CHECK(f.packet(7, seg(9000, ok, 40004), t0)[0].kind == K::admit);
+}
+
+TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
+  Judge j;
+  PinFlows f(j);
+  const std::string none;
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  // A raw ACK claims the stream starts earlier than it does (the first bytes would wait for
+  // a gap that never fills); it passes but moves nothing.
+  Segment fake = seg(900, none);
+  fake.from_socket = false;
+  CHECK(f.packet(1, fake, t0)[0].kind == K::pass);
+  CHECK(f.packet(2, seg(1000, ok), t0)[0].kind == K::admit);
+  // The socket's ACK does set it: a segment past it waits for the bytes before it.
+  CHECK(f.packet(3, seg(3000, none, 40001), t0)[0].kind == K::pass);
+  CHECK(f.packet(4, seg(3000 + 5, ok.substr(5), 40001), t0).empty());
+  const auto v = f.packet(5, seg(3000, ok.substr(0, 5), 40001), t0);
+  REQUIRE(v.size() == 2);
+  CHECK(v[0].kind == K::admit);
 }
