@@ -211,7 +211,19 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
   }
   ++(admit ? stats_.admitted : stats_.reset);
   set_decided(it->first, {admit, now, it->second.ct_id});
-  if (it->second.quic) --quic_flows_;
+  if (it->second.quic) {
+    --quic_flows_;
+    if (admit) {
+      // Kept to judge the flow's later Initials (quic_follow).
+      followed_[it->first] = Followed{std::move(it->second.quic), now};
+      followed_order_.emplace_back(now, it->first);
+      while (followed_.size() > kMaxQuicFollowed && !followed_order_.empty()) {
+        const auto& [at, k] = followed_order_.front();
+        if (auto f = followed_.find(k); f != followed_.end() && f->second.at == at) followed_.erase(f);
+        followed_order_.pop_front();
+      }
+    }
+  }
   flows_.erase(it);
   stats_.held = flows_.size();
   return out;
@@ -236,6 +248,16 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
 
 std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, Clock::time_point now) {
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+  if (seg.proto == kUdp && !flows_.contains(key)) {
+    // A long-header datagram of an admitted QUIC flow: its Initials must
+    // repeat the judged hello, or be another connection's, judged afresh.
+    if (auto fo = followed_.find(key); fo != followed_.end()) return quic_follow(id, fo, seg, now);
+    // Its assembler forgotten: what holds no Initial starts no connection.
+    if (admitted_.contains(key) &&
+        !pin::quic_datagram_has_initial(pin::Bytes(seg.payload.data(), seg.payload.size()))) {
+      return {{id, PinVerdict::Kind::admit}};
+    }
+  }
   if (auto d = decided_.find(key); d != decided_.end() && !flows_.contains(key)) {
     if (d->second.admitted) {
       // A straggler queued before its flow's mark was set, or the first
@@ -402,11 +424,42 @@ std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, 
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
 }
 
-void PinFlows::remember(const Key& key, const Segment& seg, const std::string& name) {
+std::vector<PinVerdict> PinFlows::quic_follow(std::uint32_t id, std::map<Key, Followed>::iterator fo,
+                                              const Segment& seg, Clock::time_point now) {
+  const Key key = fo->first;
+  const pin::QuicFollow r = fo->second.quic->follow(pin::Bytes(seg.payload.data(), seg.payload.size()));
+  switch (r.kind) {
+    case pin::QuicFollow::Kind::same:
+      return {{id, PinVerdict::Kind::admit}};
+    case pin::QuicFollow::Kind::other:
+      // Another connection on the four-tuple: judged on its own Initials.
+      followed_.erase(fo);
+      decided_.erase(key);
+      return quic_packet(id, key, seg, now);
+    case pin::QuicFollow::Kind::invalid:
+      break;
+  }
+  followed_.erase(fo);
+  forget_admitted(key);
+  ++stats_.inspected;
+  ++stats_.reset;
+  pin::Decision d;
+  d.kind = pin::Decision::Kind::reset;
+  d.reason = "quic Initial after the flow was admitted: " + r.reason;
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  set_decided(key, {false, now, seg.ct_id});
+  return {{id, PinVerdict::Kind::reset}};
+}
+
+void PinFlows::forget_admitted(const Key& key) {
   if (auto old = admitted_.find(key); old != admitted_.end()) {
     admitted_order_.erase(old->second.order);
     admitted_.erase(old);
   }
+}
+
+void PinFlows::remember(const Key& key, const Segment& seg, const std::string& name) {
+  forget_admitted(key);
   const std::uint64_t order = next_order_++;
   admitted_.emplace(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, order, seg.ct_id});
   admitted_order_.emplace(order, key);
@@ -424,6 +477,7 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
       continue;
     }
     set_decided(it->first, {false, now, it->second.ct_id});
+    followed_.erase(it->first);
     admitted_order_.erase(it->second.order);
     out.push_back(std::move(it->second));
     it = admitted_.erase(it);
@@ -450,6 +504,11 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
   };
   pop_old(decided_order_, decided_);
   pop_old(starts_order_, starts_);
+  while (!followed_order_.empty() && now - followed_order_.front().first >= kQuicFollowTime) {
+    const auto& [at, key] = followed_order_.front();
+    if (auto it = followed_.find(key); it != followed_.end() && it->second.at == at) followed_.erase(it);
+    followed_order_.pop_front();
+  }
   return out;
 }
 

@@ -92,6 +92,13 @@ inline constexpr std::chrono::milliseconds kHoldTime{2000};
 inline constexpr std::size_t kMaxFlows = 4096;
 // QUIC flows held at once (each holds a ~25 KiB Initial assembler).
 inline constexpr std::size_t kMaxQuicFlows = 256;
+// Admitted QUIC flows whose assembler is kept to judge their later long-header
+// datagrams (QuicInitialAssembler::follow), and for how long: a client sends
+// Initials only during its handshake. One forgotten earlier has its later
+// Initials judged as a new connection's (a resent whole hello passes, an
+// Initial without one is refused: the client falls back to TCP).
+inline constexpr std::size_t kMaxQuicFollowed = 256;
+inline constexpr std::chrono::seconds kQuicFollowTime{30};
 
 // A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI).
 struct AdmittedFlow {
@@ -143,6 +150,7 @@ class PinFlows {
   // still reaches the reader is refused.
   std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
   std::size_t admitted_remembered() const { return admitted_.size(); }
+  std::size_t quic_followed() const { return followed_.size(); }
   // The refused flows whose server end should be reset, since the last call.
   std::vector<ServerReset> take_server_resets() { return std::exchange(server_resets_, {}); }
 
@@ -163,6 +171,17 @@ class PinFlows {
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
+  // A long-header datagram of an admitted QUIC flow (chain active keeps them
+  // off the fast path).
+  struct Followed {
+    std::unique_ptr<pin::QuicInitialAssembler> quic;
+    Clock::time_point at;
+  };
+  std::vector<PinVerdict> quic_follow(std::uint32_t id, std::map<Key, Followed>::iterator fo, const Segment& seg,
+                                      Clock::time_point now);
+  std::map<Key, Followed> followed_;
+  std::deque<std::pair<Clock::time_point, Key>> followed_order_;
+  void forget_admitted(const Key& key);
   struct Decided {
     bool admitted;
     Clock::time_point at;

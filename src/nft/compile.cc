@@ -172,10 +172,19 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
+        // A QUIC flow's long-header packets (its handshake) come here even
+        // once it is decided (chain active keeps them off the fast path), so
+        // the reader sees every Initial: a second connection on the same
+        // four-tuple, or an Initial resent after one the server never got,
+        // is judged too. The reader's admit re-runs them with the admit mark,
+        // whatever the flow's ct mark.
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
                             MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
       };
@@ -208,6 +217,11 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
     r.push_back({{MatchIpv6RoutingHeader{}, to_deny()}, ""});
     r.push_back({{MatchIpv4SourceRoute{false}, to_deny()}, ""});
     r.push_back({{MatchIpv4SourceRoute{true}, to_deny()}, ""});
+  }
+  // QUIC's long-header packets (a handshake's) to UDP 443 walk the phase
+  // chain even on a decided flow, where pinning sees them (phase chain).
+  if (pin && st.mode == Mode::allowlist) {
+    r.push_back({{MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{}, StmtVerdict{VerdictKind::goto_, target}}, ""});
   }
   r.push_back({{MatchCtMark{st.mark}, StmtCounter{}, to_pass()}, st.to_comment()});
   if (guarded) {

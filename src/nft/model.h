@@ -152,6 +152,10 @@ struct MatchIpv4SourceRoute { bool strict; };
 // `tcp option fastopen exists` (kind 34) / `tcp option 254 exists` (the
 // experimental TCP Fast Open option).
 struct MatchTcpOption { std::uint8_t kind; };
+// `@th,64,8 & 0x80 == 0x80`: the first byte after a UDP header has its top
+// bit set, a QUIC long header (Initial, 0-RTT, Handshake: a handshake's
+// packets). Put it after MatchDport{udp, ...}, which loads the protocol.
+struct MatchUdpLongHeader {};
 // counter (anonymous; packets/bytes read back for status). `listed`: the
 // values were read from the kernel (`egressctl rules`), and the text shows
 // them as `nft list` does; egressd never sends them (a new counter starts at 0).
@@ -194,7 +198,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

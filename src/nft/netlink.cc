@@ -557,6 +557,19 @@ class RuleBuilder {
     exthdr_present(m.strict ? IPOPT_SSRR : IPOPT_LSRR, NFT_EXTHDR_OP_IPV4);
   }
   void operator()(const MatchTcpOption& m) { exthdr_present(m.kind, NFT_EXTHDR_OP_TCPOPT); }
+  void operator()(const MatchUdpLongHeader&) {
+    // [ payload load 1b @ transport header + 8 ] [ bitwise & 0x80 ] [ cmp eq 0x80 ], as nft.
+    const std::uint8_t bit = 0x80, zero = 0;
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 8, 1);
+    auto e = expr("bitwise");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
+    add(std::move(e));
+    cmp(NFT_CMP_EQ, &bit, sizeof bit);
+  }
   void operator()(const StmtCounter&) { add(expr("counter")); }
   void operator()(const StmtLimit& s) {
     auto e = expr("limit");

@@ -179,6 +179,7 @@ struct StmtText {
   std::string operator()(const MatchTcpOption& m) const {
     return m.kind == 34 ? "tcp option fastopen exists" : "tcp option " + std::to_string(m.kind) + " exists";
   }
+  std::string operator()(const MatchUdpLongHeader&) const { return "@th,64,8 & 0x80 == 0x80"; }
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }

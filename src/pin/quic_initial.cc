@@ -80,6 +80,78 @@ QuicInitialKeys quic_client_initial_keys(QuicVersion version, Bytes dcid) {
   return k;
 }
 
+namespace {
+
+// One long-header packet of a datagram, read up to its packet number.
+struct LongPacket {
+  std::uint8_t first = 0;
+  QuicVersion version = QuicVersion::v1;
+  LongType type = LongType::initial;
+  Bytes dcid;
+  Bytes packet;  // the whole packet
+  std::size_t pn_offset = 0;
+};
+
+enum class HeaderRead { ok, short_header, bad };
+
+// Reads the packet at r's position (RFC 9000 §17.2). bad: `why` says what.
+HeaderRead read_long_packet(Reader& r, Bytes datagram, LongPacket& out, const char*& why) {
+  const std::size_t start = r.pos();
+  std::uint32_t wire = 0;
+  std::uint8_t dcid_len = 0, scid_len = 0;
+  Bytes scid;
+  (void)r.u8(out.first);
+  // A short header packet carries no length: it runs to the end of the
+  // datagram, and it cannot be opened with Initial keys.
+  if ((out.first & 0x80) == 0) return HeaderRead::short_header;
+  if (!r.u32(wire) || !r.u8(dcid_len) || dcid_len > 20 || !r.bytes(dcid_len, out.dcid) || !r.u8(scid_len) ||
+      scid_len > 20 || !r.bytes(scid_len, scid)) {
+    why = "malformed quic long header";
+    return HeaderRead::bad;
+  }
+  const auto version = quic_version(wire);
+  if (!version) {
+    why = "quic version other than 1 and 2";
+    return HeaderRead::bad;
+  }
+  out.version = *version;
+  out.type = long_type(*version, out.first);
+  if (out.type == LongType::initial) {
+    std::uint64_t token_len = 0;
+    if (!r.varint(token_len) || token_len > r.left() || !r.skip(static_cast<std::size_t>(token_len))) {
+      why = "malformed quic Initial token";
+      return HeaderRead::bad;
+    }
+  }
+  if (out.type != LongType::retry) {
+    std::uint64_t length = 0;
+    if (!r.varint(length) || length > r.left()) {
+      why = "truncated quic packet";
+      return HeaderRead::bad;
+    }
+    out.pn_offset = r.pos() - start;
+    (void)r.skip(static_cast<std::size_t>(length));
+  } else {
+    (void)r.skip(r.left());
+  }
+  out.packet = datagram.subspan(start, r.pos() - start);
+  return HeaderRead::ok;
+}
+
+}  // namespace
+
+bool quic_datagram_has_initial(Bytes datagram) {
+  Reader r(datagram);
+  while (!r.empty()) {
+    LongPacket lp;
+    const char* why = "";
+    const HeaderRead h = read_long_packet(r, datagram, lp, why);
+    if (h == HeaderRead::short_header) return false;
+    if (h == HeaderRead::bad || lp.type == LongType::initial || lp.type == LongType::retry) return true;
+  }
+  return false;
+}
+
 Parse QuicInitialAssembler::feed(Bytes datagram) {
   if (final_) return *final_;
   auto finish = [&](Parse p) {
@@ -91,60 +163,70 @@ Parse QuicInitialAssembler::feed(Bytes datagram) {
   Reader r(datagram);
   bool first_in_datagram = true;
   while (!r.empty()) {
-    const std::size_t start = r.pos();
-    std::uint8_t first = 0;
-    std::uint32_t wire = 0;
-    std::uint8_t dcid_len = 0, scid_len = 0;
-    Bytes dcid, scid;
-    (void)r.u8(first);
-    if ((first & 0x80) == 0) {
-      // A short header packet carries no length: it runs to the end of the
-      // datagram, and it cannot be opened with Initial keys.
+    LongPacket lp;
+    const char* why = "";
+    const HeaderRead h = read_long_packet(r, datagram, lp, why);
+    if (h == HeaderRead::short_header) {
       if (first_in_datagram && !version_) return finish(Parse::invalid("quic datagram does not start with an Initial"));
       break;
     }
-    if (!r.u32(wire) || !r.u8(dcid_len) || dcid_len > 20 || !r.bytes(dcid_len, dcid) || !r.u8(scid_len) ||
-        scid_len > 20 || !r.bytes(scid_len, scid)) {
-      return finish(Parse::invalid("malformed quic long header"));
-    }
-    const auto version = quic_version(wire);
-    if (!version) return finish(Parse::invalid("quic version other than 1 and 2"));
-    // The fixed bit is 1 until a peer says it may be greased, which cannot
-    // have happened before the handshake.
-    if ((first & 0x40) == 0) return finish(Parse::invalid("quic fixed bit is 0"));
-    const LongType type = long_type(*version, first);
+    if (h == HeaderRead::bad) return finish(Parse::invalid(why));
+    // The fixed bit is 1 until a peer says it may be greased (RFC 9287),
+    // which cannot have happened before the handshake. (Later, a client
+    // that was told may clear it: follow() takes that.)
+    if ((lp.first & 0x40) == 0) return finish(Parse::invalid("quic fixed bit is 0"));
     if (!version_) {
-      if (type != LongType::initial) return finish(Parse::invalid("first quic packet is not an Initial"));
+      if (lp.type != LongType::initial) return finish(Parse::invalid("first quic packet is not an Initial"));
       // RFC 9000 §7.2: at least 8 bytes, or servers drop the packet.
-      if (dcid_len < 8) return finish(Parse::invalid("quic Initial with a Destination Connection ID under 8 bytes"));
-      version_ = version;
+      if (lp.dcid.size() < 8) {
+        return finish(Parse::invalid("quic Initial with a Destination Connection ID under 8 bytes"));
+      }
+      version_ = lp.version;
       // The keys of every client Initial come from the first one's DCID
       // (RFC 9001 §5.2), even if the client later switches to the server's.
-      keys_ = quic_client_initial_keys(*version, dcid);
+      keys_ = quic_client_initial_keys(lp.version, lp.dcid);
       aes128_set_encrypt_key(&hp_, keys_.hp.data());
       gcm_aes128_set_key(&gcm_, keys_.key.data());
-    } else if (*version != *version_) {
+    } else if (lp.version != *version_) {
       return finish(Parse::invalid("quic version changed between packets"));
     }
-    if (type == LongType::retry) return finish(Parse::invalid("quic Retry packet from a client"));
-    if (type == LongType::initial) {
-      std::uint64_t token_len = 0;
-      if (!r.varint(token_len) || token_len > r.left() || !r.skip(static_cast<std::size_t>(token_len))) {
-        return finish(Parse::invalid("malformed quic Initial token"));
-      }
-    }
-    std::uint64_t length = 0;
-    if (!r.varint(length) || length > r.left()) return finish(Parse::invalid("truncated quic packet"));
-    const std::size_t pn_offset = r.pos() - start;
-    (void)r.skip(static_cast<std::size_t>(length));
-    const Bytes packet = datagram.subspan(start, r.pos() - start);
+    if (lp.type == LongType::retry) return finish(Parse::invalid("quic Retry packet from a client"));
     first_in_datagram = false;
-    if (type != LongType::initial) continue;  // 0-RTT, Handshake: not ours to open
-    if (Parse p = open_initial(packet, pn_offset); p.verdict != Verdict::need_more) return finish(p);
+    if (lp.type != LongType::initial) continue;  // 0-RTT, Handshake: not ours to open
+    if (Parse p = open_initial(lp.packet, lp.pn_offset); p.verdict != Verdict::need_more) return finish(p);
   }
   if (Parse p = judge(); p.verdict != Verdict::need_more) return finish(p);
   if (datagrams_ >= kMaxDatagrams) return finish(Parse::invalid("no whole ClientHello in 16 quic datagrams"));
   return Parse::more(fed_);
+}
+
+QuicFollow QuicInitialAssembler::follow(Bytes datagram) {
+  if (!final_ || final_->verdict != Verdict::complete) return {QuicFollow::Kind::invalid, "quic flow not admitted"};
+  Reader r(datagram);
+  bool first_in_datagram = true;
+  while (!r.empty()) {
+    LongPacket lp;
+    const char* why = "";
+    const HeaderRead h = read_long_packet(r, datagram, lp, why);
+    if (h == HeaderRead::short_header) break;  // nothing in it starts a connection
+    // What this connection's Initials cannot be may still be another
+    // connection's first one: judged afresh, with its own reason if bad.
+    if (h == HeaderRead::bad || lp.version != *version_) {
+      if (first_in_datagram) return {QuicFollow::Kind::other, ""};
+      return {QuicFollow::Kind::invalid, h == HeaderRead::bad ? why : "quic version changed between packets"};
+    }
+    if (lp.type == LongType::retry) return {QuicFollow::Kind::invalid, "quic Retry packet from a client"};
+    const bool first = first_in_datagram;
+    first_in_datagram = false;
+    if (lp.type != LongType::initial) continue;
+    following_ = true;
+    auth_failed_ = false;
+    const Parse p = open_initial(lp.packet, lp.pn_offset);
+    following_ = false;
+    if (auth_failed_ && first) return {QuicFollow::Kind::other, ""};
+    if (p.verdict == Verdict::invalid) return {QuicFollow::Kind::invalid, p.reason};
+  }
+  return {QuicFollow::Kind::same, ""};
 }
 
 // Removes header protection and the AEAD of one Initial (RFC 9001 §5.3, §5.4)
@@ -190,7 +272,10 @@ Parse QuicInitialAssembler::open_initial(Bytes packet, std::size_t pn_offset) {
   gcm_aes128_decrypt(&gcm_, ct_len, payload, payload);
   std::array<std::uint8_t, kTag> tag{};
   gcm_aes128_digest(&gcm_, tag.size(), tag.data());
-  if (!memeql_sec(tag.data(), payload + ct_len, kTag)) return Parse::invalid("quic Initial fails authentication");
+  if (!memeql_sec(tag.data(), payload + ct_len, kTag)) {
+    auth_failed_ = true;
+    return Parse::invalid("quic Initial fails authentication");
+  }
   // Reserved bits are checked only once the packet is authentic (RFC 9000 §17.2).
   if ((p[0] & 0x0c) != 0) return Parse::invalid("quic Initial with reserved bits set");
   largest_pn_ = std::max<std::int64_t>(largest_pn_, static_cast<std::int64_t>(pn));
@@ -251,6 +336,18 @@ Parse QuicInitialAssembler::frames(Bytes plaintext) {
 Parse QuicInitialAssembler::add_crypto(std::size_t offset, Bytes data) {
   if (data.empty()) return Parse::more(fed_);
   const std::size_t end = offset + data.size();
+  if (following_) {
+    // After the decision: CRYPTO data may only repeat what was judged.
+    for (std::size_t i = 0; i < npieces_; ++i) {
+      if (pieces_[i].begin <= offset && end <= pieces_[i].end) {
+        if (std::memcmp(crypto_.data() + offset, data.data(), data.size()) != 0) {
+          return Parse::invalid("quic CRYPTO data contradicts the judged ClientHello");
+        }
+        return Parse::more(fed_);
+      }
+    }
+    return Parse::invalid("quic CRYPTO data the judged ClientHello does not hold");
+  }
   // A retransmission must repeat what was sent: differing bytes would let a
   // server and egressd read different hellos.
   for (std::size_t i = 0; i < npieces_; ++i) {

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include <nettle/aes.h>
 #include <nettle/gcm.h>
@@ -34,6 +35,25 @@ struct QuicInitialKeys {
 // Destination Connection ID of the client's first Initial), RFC 9001 §5.2 /
 // RFC 9369 §3.3: version-specific salt and labels.
 QuicInitialKeys quic_client_initial_keys(QuicVersion version, Bytes dcid);
+
+// What a datagram of an admitted QUIC flow is (QuicInitialAssembler::follow).
+struct QuicFollow {
+  enum class Kind {
+    same,     // nothing new: 0-RTT/Handshake packets, Initials of the judged
+              // connection whose CRYPTO data repeats the judged ClientHello
+    other,    // its first packet is not this connection's (another
+              // Destination Connection ID's keys, another version): a new
+              // connection on the same four-tuple, to be judged afresh
+    invalid,  // this connection's Initial with CRYPTO data the judged hello
+              // does not hold or contradicts, a bad frame, a client Retry
+  };
+  Kind kind = Kind::invalid;
+  std::string reason;  // invalid: why (fixed text)
+};
+
+// Whether any packet of `datagram` is an Initial, or may be one (a header
+// that does not parse counts: the caller judges it rather than let it by).
+bool quic_datagram_has_initial(Bytes datagram);
 
 // One per UDP flow to a pinned address: feed it the client's datagrams in
 // the order they were sent. Not thread-safe.
@@ -62,6 +82,13 @@ class QuicInitialAssembler {
   // Once complete or invalid, every later call returns the same verdict.
   Parse feed(Bytes datagram);
 
+  // After feed() said complete (the flow was admitted): a later datagram of
+  // the flow. Its Initials are opened with the judged connection's keys; the
+  // server must never get a ClientHello egressd did not judge, so a second
+  // connection on the four-tuple, or an Initial resent after the first one
+  // never reached the server, is caught here.
+  QuicFollow follow(Bytes datagram);
+
   // The CRYPTO bytes received contiguously from offset 0 (for tests).
   Bytes crypto_prefix() const { return {crypto_.data(), contiguous_}; }
 
@@ -71,6 +98,8 @@ class QuicInitialAssembler {
   Parse judge();
 
   std::optional<Parse> final_;
+  bool following_ = false;    // add_crypto: only repeats of held bytes
+  bool auth_failed_ = false;  // open_initial: the AEAD tag did not verify
   std::optional<QuicVersion> version_;
   QuicInitialKeys keys_{};
   // keys_ scheduled once per flow, not once per packet.

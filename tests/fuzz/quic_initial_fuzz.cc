@@ -10,7 +10,9 @@
 // Properties checked for every input:
 //  - no crash, no out-of-bounds read, no UB (ASan/UBSan);
 //  - verdicts are well-formed (pin_fuzz_common.h);
-//  - complete and invalid are final: every later datagram gets the same.
+//  - complete and invalid are final: every later datagram gets the same;
+//  - after complete, follow() (an admitted flow's later datagrams) answers
+//    same / other / invalid, with a reason exactly when invalid.
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -35,6 +37,14 @@ void feed_all(const std::vector<pintest::Buf>& datagrams) {
     if (final_verdict) {
       FUZZ_CHECK(p.verdict == final_verdict->verdict && p.name == final_verdict->name &&
                  p.reason == final_verdict->reason);
+      // An admitted flow's later datagrams (what the reader does with them).
+      const QuicFollow f = a.follow(Bytes(d.data(), d.size()));
+      if (final_verdict->verdict != Verdict::complete) {
+        FUZZ_CHECK(f.kind == QuicFollow::Kind::invalid);
+      } else {
+        FUZZ_CHECK((f.kind == QuicFollow::Kind::invalid) == !f.reason.empty());
+        FUZZ_CHECK(f.reason.size() < 200);
+      }
     } else if (p.verdict != Verdict::need_more) {
       final_verdict = p;
     }

@@ -6,6 +6,7 @@ flow queued before the kernel marked it get the same answer. That memory must ne
 same source port again at once, reaching the same address and port on the same four-tuple.
 Chain pin hands the reader each packet's conntrack id, and a new connection has a new one.
 """
+import errno
 import json
 import socket
 import ssl
@@ -214,3 +215,56 @@ def test_urgent_data_in_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
     assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("urgent data" in (r.get("pin") or "") for r in records), records
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_every_initial_of_an_admitted_quic_flow_is_judged(lab, pinned, addr):  # noqa: F811
+    """No capability needed. A QUIC flow (the UDP four-tuple) used to be judged once, by its
+    first Initials; every later datagram took the fast path unread. So a sandbox process
+    opened a connection naming allowed.test and then, from the same socket, a second one (a new
+    connection ID) naming same-ip.test — or resent its Initial with another hello (as after a
+    first one the server never received: a UDP socket may lower its own TTL). The server got
+    both. Now a decided flow's long-header packets still go to the reader. The lab's UDP echo
+    server on 443 of the shared address answers every datagram it receives with itself."""
+    import os
+    import quic_initial as qi
+    allowed, other = qi.client_hello("allowed.test"), qi.client_hello("same-ip.test")
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    def flow():
+        s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)
+        s.connect((addr, 443))
+        s.settimeout(2.0)
+        return s
+
+    def delivered(s, datagram):
+        s.send(datagram)
+        assert s.recv(4096) == datagram, "the server did not echo the datagram"
+
+    def refused(s, datagram, what):
+        s.send(datagram)
+        try:
+            echo = s.recv(4096)
+        except OSError as e:
+            # ICMP administratively prohibited: EHOSTUNREACH (v4) or EACCES (v6).
+            assert e.errno in (errno.EHOSTUNREACH, errno.EACCES, errno.ECONNREFUSED), e
+            return
+        assert echo != datagram, f"{what} reached the server"
+        raise AssertionError(f"{what}: no refusal, got {echo!r}")
+
+    # A second connection on the admitted four-tuple, naming another site.
+    s1, a, b = flow(), os.urandom(8), os.urandom(8)
+    delivered(s1, qi.initial(a, allowed))
+    refused(s1, qi.initial(b, other), "a second QUIC connection naming same-ip.test")
+    # The same connection resent with another hello.
+    s2, c = flow(), os.urandom(8)
+    delivered(s2, qi.initial(c, allowed))
+    refused(s2, qi.initial(c, other, pn=1), "an Initial resent with another hello")
+    # A resent Initial with the same hello, and a second connection naming the allowed site: fine.
+    s3, d, e = flow(), os.urandom(8), os.urandom(8)
+    delivered(s3, qi.initial(d, allowed))
+    delivered(s3, qi.initial(d, allowed, pn=1))
+    delivered(s3, qi.initial(e, allowed))
+    lines = [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
+    assert any(line.startswith("quic sni same-ip.test to ") for line in lines), lines
+    assert any("quic Initial after the flow was admitted: quic CRYPTO data contradicts" in line for line in lines), lines

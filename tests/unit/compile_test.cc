@@ -559,26 +559,40 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
   // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
   // the learned set as before (flows decided under another phase).
-  REQUIRE(rules.size() == 15);
+  REQUIRE(rules.size() == 17);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[2] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
         "0x45470002 goto pass");
   CHECK(rules[3] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
-  // QUIC: UDP 443 only; other UDP ports are decided by the address.
+  // QUIC: UDP 443 only; other UDP ports are decided by the address. The reader's admit
+  // holds on a decided flow too, and a decided flow's long-header packets (its handshake's:
+  // a second connection's Initials) go to the reader as well.
   CHECK(rules[4] ==
-        "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
-        "0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
   CHECK(rules[5] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[6] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[10] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[12] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[6] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[7] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[11] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[13] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[14] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
   const Chain* active = find_chain(t, "active");
   REQUIRE(!active->rules.empty());
   CHECK(render_rule(active->rules[0]) == "ct mark 0x7ffffffd counter goto deny");
   CHECK(kPinCutMark != phase_mark(p, "agent", o.mark_salt));
+  // QUIC long headers skip the fast path (to the phase chain), in allowlist phases only.
+  std::vector<std::string> act;
+  for (const auto& r : active->rules) act.push_back(render_rule(r));
+  const auto lh = std::find(act.begin(), act.end(), "udp dport 443 @th,64,8 & 0x80 == 0x80 goto ph_agent");
+  REQUIRE(lh != act.end());
+  REQUIRE(lh + 1 != act.end());
+  CHECK(lh[1].starts_with("ct mark 0x45470002 counter goto pass"));
+  for (const char* other : {"environment", "verifier"}) {
+    const Table ot = build_table(p, nullptr, named(p, other, 2), o);
+    for (const auto& r : find_chain(ot, "active")->rules) CHECK(render_rule(r).find("@th,64,8") == std::string::npos);
+  }
 
   // enforce.pin_names: false, or a daemon without the reader: none of it.
   p.enforce.pin_names = false;

@@ -1,6 +1,8 @@
 // Hostname pinning's reassembly and verdicts (daemon/pinq.h, PinFlows): no sockets.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include "daemon/pinq.h"
 #include "data/quic_rfc_vectors.h"
 #include "support/pin_support.h"
@@ -148,9 +150,8 @@ TEST_CASE("QUIC: an Initial whose ClientHello names a learned, allowed name is a
   REQUIRE(v.size() == 1);
   CHECK(v[0].kind == K::admit);
   CHECK(f.stats().admitted == 1);
-  // A retransmitted Initial queued before the mark was set: back to the hook, where the
-  // flow's mark lets it on.
-  CHECK(f.packet(2, quic(rfc), t0)[0].kind == K::recheck);
+  // A retransmitted Initial (the same hello): judged against the admitted one, let on.
+  CHECK(f.packet(2, quic(rfc), t0)[0].kind == K::admit);
 
   Judge other;  // example.com allowed, but the address was learned for allowed.test
   other.allows = "example.com";
@@ -444,4 +445,110 @@ TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
   const auto v = f.packet(5, seg(3000, ok.substr(0, 5), 40001), t0);
   REQUIRE(v.size() == 2);
   CHECK(v[0].kind == K::admit);
+}
+
+namespace {
+
+using pin::QuicVersion;
+
+// RFC 9001 A.2's CRYPTO frame (ClientHello, SNI example.com), or the same hello naming
+// examplx.com (same length: a hello for another site).
+pintest::Buf rfc_frame(bool other_name = false) {
+  pintest::Buf f = pintest::hex(pintest::rfc::kV1CryptoFrame);
+  if (other_name) {
+    const std::string from = "example.com";
+    auto it = std::search(f.begin(), f.end(), from.begin(), from.end());
+    REQUIRE(it != f.end());
+    it[6] = 'x';
+  }
+  return f;
+}
+
+// A Handshake packet (v1): a long header nothing in the reader opens.
+pintest::Buf handshake_packet(const pintest::Buf& dcid) {
+  pintest::Buf b = {0xe0, 0x00, 0x00, 0x00, 0x01, static_cast<std::uint8_t>(dcid.size())};
+  b.insert(b.end(), dcid.begin(), dcid.end());
+  b.push_back(0x00);  // no source connection id
+  b.push_back(0x20);  // length 32
+  b.insert(b.end(), 32, 0x55);
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("QUIC after admission: the flow's later Initials must repeat the judged hello") {
+  const pintest::Buf dcid = pintest::hex("8394c8f03e515708"), server_cid = pintest::hex("f067a5502a4262b5");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  const auto first = pintest::seal_initial(QuicVersion::v1, dcid, {}, 0, rfc_frame());
+  REQUIRE(f.packet(1, quic(first), t0)[0].kind == K::admit);
+  CHECK(f.quic_followed() == 1);
+  // Resent, with the same hello: let on.
+  CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 1, rfc_frame())), t0)[0].kind == K::admit);
+  // After the server's answer the client writes the server's connection id; the keys stay
+  // the first one's. An Initial with only a PING, and a Handshake packet: let on.
+  const auto keys = pin::quic_client_initial_keys(QuicVersion::v1, dcid);
+  const pintest::Buf ping = {0x01};
+  pintest::Buf acked;
+  pintest::seal_initial_into(acked, QuicVersion::v1, server_cid, {}, 2, ping.data(), ping.size(), 1200, {}, 0, &keys);
+  CHECK(f.packet(3, quic(acked), t0)[0].kind == K::admit);
+  CHECK(f.packet(4, quic(handshake_packet(server_cid)), t0)[0].kind == K::admit);
+  // ... also with the fixed bit cleared, which a client told it may (RFC 9287) does.
+  pintest::Buf greased = handshake_packet(server_cid);
+  greased[0] &= 0xbf;
+  CHECK(f.packet(5, quic(greased), t0)[0].kind == K::admit);
+  CHECK(f.stats().inspected == 1);
+  // The same connection's keys, another hello (the first Initial never reached the server,
+  // say its TTL ran out): refused, and the flow stays refused.
+  const auto swapped = pintest::seal_initial(QuicVersion::v1, dcid, {}, 3, rfc_frame(true));
+  CHECK(f.packet(6, quic(swapped), t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "quic Initial after the flow was admitted: quic CRYPTO data contradicts the judged ClientHello");
+  CHECK(f.packet(7, quic(first), t0)[0].kind == K::reset);
+  CHECK(f.quic_followed() == 0);
+  CHECK(f.stats().reset == 1);
+}
+
+TEST_CASE("QUIC after admission: a second connection on the four-tuple is judged on its own hello") {
+  const pintest::Buf a = pintest::hex("8394c8f03e515708"), b = pintest::hex("0011223344556677");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  // A new connection id, the allowed name: admitted again (the admit mark re-runs the hook).
+  CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  CHECK(f.stats().inspected == 2);
+  // Another new one naming another site: refused with the usual line.
+  const pintest::Buf c = pintest::hex("8899aabbccddeeff");
+  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, c, {}, 0, rfc_frame(true))), t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "quic sni examplx.com to 203.0.113.10:443; address learned for example.com");
+  CHECK(f.stats().admitted == 2);
+  CHECK(f.stats().reset == 1);
+}
+
+TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and number") {
+  const pintest::Buf a = pintest::hex("8394c8f03e515708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  const auto later = t0 + kQuicFollowTime;
+  (void)f.expire(later);
+  CHECK(f.quic_followed() == 0);
+  // Forgotten: a datagram without an Initial starts no connection and is let on; one with
+  // another hello is judged as a new connection's.
+  CHECK(f.packet(2, quic(handshake_packet(a)), later)[0].kind == K::admit);
+  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, pintest::hex("0011223344556677"), {}, 0,
+                                               rfc_frame(true))), later)[0].kind == K::reset);
+  // At most kMaxQuicFollowed are kept, the oldest forgotten first.
+  PinFlows g(j);
+  for (std::size_t i = 0; i < kMaxQuicFollowed + 10; ++i) {
+    const auto d = pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame());
+    REQUIRE(g.packet(static_cast<std::uint32_t>(i + 1), quic(d, static_cast<std::uint16_t>(20000 + i)), t0)[0].kind ==
+            K::admit);
+  }
+  CHECK(g.quic_followed() == kMaxQuicFollowed);
 }
