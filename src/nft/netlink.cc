@@ -559,15 +559,9 @@ class RuleBuilder {
   void operator()(const MatchTcpOption& m) { exthdr_present(m.kind, NFT_EXTHDR_OP_TCPOPT); }
   void operator()(const MatchUdpLongHeader&) {
     // [ payload load 1b @ transport header + 8 ] [ bitwise & 0x80 ] [ cmp eq 0x80 ], as nft.
-    const std::uint8_t bit = 0x80, zero = 0;
+    const std::uint8_t bit = 0x80;
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 8, 1);
-    auto e = expr("bitwise");
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
-    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
-    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
-    add(std::move(e));
+    mask_u8(bit);
     cmp(NFT_CMP_EQ, &bit, sizeof bit);
   }
   void operator()(const StmtCounter&) { add(expr("counter")); }
@@ -678,16 +672,21 @@ class RuleBuilder {
     add(std::move(e));
     cmp_u32(negate ? NFT_CMP_EQ : NFT_CMP_NEQ, 0);
   }
-  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
-  void bit_test_u8(std::uint8_t bit) {
+  // [ bitwise reg 1 = (reg 1 & mask) ^ 0 ] on one byte.
+  void mask_u8(std::uint8_t mask) {
     const std::uint8_t zero = 0;
     auto e = expr("bitwise");
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
-    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof mask);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &mask, sizeof mask);
     nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
     add(std::move(e));
+  }
+  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
+  void bit_test_u8(std::uint8_t bit) {
+    const std::uint8_t zero = 0;
+    mask_u8(bit);
     cmp(NFT_CMP_NEQ, &zero, sizeof zero);
   }
   // `exthdr rt exists`, `ip option lsrr exists`: a present-flag load of one
