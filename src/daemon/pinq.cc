@@ -371,7 +371,10 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
   if (rel < pin::kMaxInspect) {
     auto& slot = f.segs[rel];
     // A retransmission may carry more than the first copy; keep the longer.
-    if (seg.payload.size() > slot.size()) slot.assign(seg.payload.begin(), seg.payload.end());
+    // Only what the parsers may look at is kept: a GSO packet (the queue
+    // hands them over whole) can carry 64 KiB.
+    const std::size_t keep = std::min<std::size_t>(seg.payload.size(), pin::kMaxInspect - rel);
+    if (keep > slot.size()) slot.assign(seg.payload.begin(), seg.payload.begin() + static_cast<std::ptrdiff_t>(keep));
   }
   const std::vector<std::uint8_t> bytes = stream(f);
   const pin::Bytes view(bytes.data(), bytes.size());
@@ -522,6 +525,14 @@ void PinFlows::set_start(const Key& key, Start st) {
   const Clock::time_point at = st.at;
   starts_[key] = st;
   starts_order_.emplace_back(at, key);
+}
+
+std::size_t PinFlows::held_bytes() const {
+  std::size_t n = 0;
+  for (const auto& [k, f] : flows_) {
+    for (const auto& [o, b] : f.segs) n += b.size();
+  }
+  return n;
 }
 
 std::optional<PinFlows::Clock::time_point> PinFlows::next_deadline() const {

@@ -151,6 +151,8 @@ class PinFlows {
   std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
   std::size_t admitted_remembered() const { return admitted_.size(); }
   std::size_t quic_followed() const { return followed_.size(); }
+  // TCP payload bytes held across all flows (each flow keeps at most kMaxInspect).
+  std::size_t held_bytes() const;
   // The refused flows whose server end should be reset, since the last call.
   std::vector<ServerReset> take_server_resets() { return std::exchange(server_resets_, {}); }
 

@@ -25,7 +25,7 @@ import time
 import pytest
 
 import lab as labmod
-from lab import DEFAULT_HOSTS, DNS_V4
+from lab import DEFAULT_HOSTS, DNS_V4, wait_for
 
 V4, V6 = "203.0.113.10", "2001:db8:3::10"
 IP_ENTRY_V4 = "198.51.100.10"  # allowed by an IP entry: never inspected
@@ -454,3 +454,32 @@ def test_kill_with_a_hello_queued_admits_nothing_and_a_restart_adopts(lab, egres
     learn(lab)
     assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
     assert_reset(tls(lab, V4, "same-ip.test"), "tls with sni same-ip.test after the restart")
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_large_first_write_is_judged_and_let_through(lab, pinned, addr):
+    """A first write of 60 KB leaves the socket as one GSO packet, which the queue hands to the
+    reader whole: judged on its first bytes, admitted, and delivered."""
+    before = pinned.status()["pin"]
+    # An HTTP request head and its body in one write: admitted on the head. (The lab's HTTP
+    # server answers after the head and closes with the body unread, so its end resets: the
+    # decision is what is checked here.)
+    body = b"b" * 60000
+    with connect(lab, addr, HTTP_PORT) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: pinned.status()["pin"]["admitted"] == before["admitted"] + 1, 3.0,
+                 "the reader to admit the request")
+    # Every byte arrives: the banner service echoes a 60 KB first write (the address decides).
+    first = b"SSH-2.0-client\r\n" + body
+    with connect(lab, addr, BANNER_PORT) as s:
+        s.sendall(first)
+        want = b"SSH-2.0-lab\r\n" + first
+        got = b""
+        while len(got) < len(want):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    assert got == want, (len(got), len(want))
+    st = pinned.status()["pin"]
+    assert st["reset"] == before["reset"] and st["admitted"] == before["admitted"] + 2, (before, st)

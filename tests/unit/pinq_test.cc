@@ -552,3 +552,19 @@ TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and num
   }
   CHECK(g.quic_followed() == kMaxQuicFollowed);
 }
+
+TEST_CASE("a GSO packet (64 KiB, handed over whole) is judged, and a held flow keeps at most 16 KiB of it") {
+  Judge j;
+  PinFlows f(j);
+  // A request head and a large body in one write: admitted on the head.
+  const std::string big = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 65000\r\n\r\n" +
+                          std::string(65000, 'b');
+  CHECK(f.packet(1, seg(1000, big), t0)[0].kind == K::admit);
+  // Behind a gap (the socket's ACK said the stream starts 100 bytes earlier): held, and only
+  // what the parsers may read is kept.
+  const std::string none;
+  CHECK(f.packet(2, seg(4900, none, 40001), t0)[0].kind == K::pass);
+  CHECK(f.packet(3, seg(5000, big, 40001), t0).empty());
+  CHECK(f.held_bytes() <= pin::kMaxInspect);
+  CHECK(f.held_bytes() > 0);
+}
