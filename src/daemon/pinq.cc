@@ -172,6 +172,7 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
 // ---- PinFlows -------------------------------------------------------------------------------
 
 constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
+constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
 
 std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
@@ -248,6 +249,7 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
 
 std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, Clock::time_point now) {
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+  if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {
     // A long-header datagram of an admitted QUIC flow: its Initials must
     // repeat the judged hello, or be another connection's, judged afresh.
@@ -449,6 +451,27 @@ std::vector<PinVerdict> PinFlows::quic_follow(std::uint32_t id, std::map<Key, Fo
   pin::Decision d;
   d.kind = pin::Decision::Kind::reset;
   d.reason = "quic Initial after the flow was admitted: " + r.reason;
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  set_decided(key, {false, now, seg.ct_id});
+  return {{id, PinVerdict::Kind::reset}};
+}
+
+// Datagrams sent in one GSO batch (UDP_SEGMENT) reach the reader as one
+// packet with no boundaries: refused, whatever the flow's state (the client
+// sees ICMP and falls back to TCP, or sends its datagrams one by one).
+std::vector<PinVerdict> PinFlows::quic_gso(std::uint32_t id, const Key& key, const Segment& seg,
+                                           Clock::time_point now) {
+  if (auto it = flows_.find(key); it != flows_.end()) {
+    it->second.ids.push_back(id);
+    return reset_flow(it, kGsoReason, now);
+  }
+  followed_.erase(key);
+  forget_admitted(key);
+  ++stats_.inspected;
+  ++stats_.reset;
+  pin::Decision d;
+  d.kind = pin::Decision::Kind::reset;
+  d.reason = kGsoReason;
   judge_.pin_decided(d, seg.dst, seg.dport);
   set_decided(key, {false, now, seg.ct_id});
   return {{id, PinVerdict::Kind::reset}};
@@ -661,7 +684,9 @@ class Queue : public PinQueue {
       return;
     }
     if (tb[NFQA_SKB_INFO] != nullptr && mnl_attr_get_payload_len(tb[NFQA_SKB_INFO]) == 4) {
-      seg->from_socket = (ntohl(mnl_attr_get_u32(tb[NFQA_SKB_INFO])) & NFQA_SKB_CSUMNOTREADY) != 0;
+      const std::uint32_t info = ntohl(mnl_attr_get_u32(tb[NFQA_SKB_INFO]));
+      seg->from_socket = (info & NFQA_SKB_CSUMNOTREADY) != 0;
+      seg->gso = (info & NFQA_SKB_GSO) != 0;
     }
     // Chain pin set the packet's mark to its conntrack id.
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {

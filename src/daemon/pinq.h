@@ -82,6 +82,11 @@ struct Segment {
   // checksum, an old timestamp, a TTL that runs out), so the reader would
   // judge bytes the server never takes. Unknown: false (fail closed).
   bool from_socket = false;
+  // A GSO packet (NFQA_SKB_GSO): several datagrams or segments in one. For
+  // UDP the reader cannot tell where one datagram ends and the next begins
+  // (a short-header QUIC packet runs to the end of its datagram), so a batch
+  // could hide a second connection's Initial behind one it can read.
+  bool gso = false;
   std::span<const std::uint8_t> payload;
 };
 // Parses an IPv4 or IPv6 TCP or UDP packet (IPv6 extension headers walked; a
@@ -173,6 +178,7 @@ class PinFlows {
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> quic_gso(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
   // A long-header datagram of an admitted QUIC flow (chain active keeps them
   // off the fast path).
   struct Followed {

@@ -66,6 +66,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (!seg) continue;
     seg->ct_id = ctl & 0x07;
     seg->from_socket = (ctl & 0x20) == 0;
+    seg->gso = (ctl & 0x40) != 0;
     const std::uint32_t id = next_id++;
     queued.insert(id);
     take(flows.packet(id, *seg, now));

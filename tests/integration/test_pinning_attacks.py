@@ -268,3 +268,32 @@ def test_every_initial_of_an_admitted_quic_flow_is_judged(lab, pinned, addr):  #
     lines = [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
     assert any(line.startswith("quic sni same-ip.test to ") for line in lines), lines
     assert any("quic Initial after the flow was admitted: quic CRYPTO data contradicts" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_gso_batch_of_datagrams_cannot_hide_an_initial(lab, pinned, addr):  # noqa: F811
+    """No capability needed: UDP_SEGMENT sends several datagrams as one packet through the
+    hooks, and the reader gets it whole without the datagram boundaries. [an Initial naming
+    allowed.test][a short-header packet][an Initial naming same-ip.test] read as one datagram
+    stops at the short header (it runs to the datagram's end), so the third was admitted
+    unread. A GSO batch to a pinned QUIC address is refused."""
+    import os
+    import quic_initial as qi
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)
+    s.connect((addr, 443))
+    s.settimeout(2.0)
+    s.setsockopt(socket.IPPROTO_UDP, 103, 1200)  # UDP_SEGMENT
+    first = qi.initial(os.urandom(8), qi.client_hello("allowed.test"))
+    short = bytes([0x40]) + os.urandom(1199)
+    hidden = qi.initial(os.urandom(8), qi.client_hello("same-ip.test"))
+    assert len(first) == len(short) == len(hidden) == 1200
+    s.send(first + short + hidden)
+    try:
+        echo = s.recv(4096)
+    except OSError as e:
+        assert e.errno in (errno.EHOSTUNREACH, errno.EACCES, errno.ECONNREFUSED), e
+    else:
+        raise AssertionError(f"the batch reached the server (echo of {len(echo)} bytes)")
+    lines = [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
+    assert any("quic datagrams sent as one GSO batch" in line for line in lines), lines

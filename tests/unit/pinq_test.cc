@@ -568,3 +568,27 @@ TEST_CASE("a GSO packet (64 KiB, handed over whole) is judged, and a held flow k
   CHECK(f.held_bytes() <= pin::kMaxInspect);
   CHECK(f.held_bytes() > 0);
 }
+
+TEST_CASE("QUIC datagrams sent as one GSO batch are refused: their boundaries cannot be read") {
+  const pintest::Buf a = pintest::hex("8394c8f03e515708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  // An undecided flow: its first batch (an Initial the reader can read, then more).
+  Segment batch = quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()));
+  batch.gso = true;
+  CHECK(f.packet(1, batch, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("quic datagrams sent as one GSO batch"));
+  // An admitted flow: a batch on it is refused too, and the flow stays refused.
+  REQUIRE(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()), 40002), t0)[0].kind ==
+          K::admit);
+  Segment later = quic(pintest::seal_initial(QuicVersion::v1, a, {}, 1, rfc_frame()), 40002);
+  later.gso = true;
+  CHECK(f.packet(3, later, t0)[0].kind == K::reset);
+  CHECK(f.quic_followed() == 0);
+  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 2, rfc_frame()), 40002), t0)[0].kind ==
+        K::reset);
+  CHECK(f.stats().admitted == 1);
+  CHECK(f.stats().reset == 2);
+}
