@@ -171,6 +171,15 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
 
 // ---- PinFlows -------------------------------------------------------------------------------
 
+// Drops the oldest (time, key) write of `order`, and the entry of `map` it
+// names if that entry was not written again since.
+template <typename Order, typename Map>
+void pop_oldest(Order& order, Map& map) {
+  const auto& [at, key] = order.front();
+  if (auto it = map.find(key); it != map.end() && it->second.at == at) map.erase(it);
+  order.pop_front();
+}
+
 constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
@@ -218,11 +227,7 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
       // Kept to judge the flow's later Initials (quic_follow).
       followed_[it->first] = Followed{std::move(it->second.quic), now};
       followed_order_.emplace_back(now, it->first);
-      while (followed_.size() > kMaxQuicFollowed && !followed_order_.empty()) {
-        const auto& [at, k] = followed_order_.front();
-        if (auto f = followed_.find(k); f != followed_.end() && f->second.at == at) followed_.erase(f);
-        followed_order_.pop_front();
-      }
+      while (followed_.size() > kMaxQuicFollowed && !followed_order_.empty()) pop_oldest(followed_order_, followed_);
     }
   }
   flows_.erase(it);
@@ -444,13 +449,19 @@ std::vector<PinVerdict> PinFlows::quic_follow(std::uint32_t id, std::map<Key, Fo
     case pin::QuicFollow::Kind::invalid:
       break;
   }
-  followed_.erase(fo);
+  return refuse_decided(id, key, seg, "quic Initial after the flow was admitted: " + r.reason, now);
+}
+
+// A datagram of a decided QUIC flow, refused: the flow is refused from now on.
+std::vector<PinVerdict> PinFlows::refuse_decided(std::uint32_t id, const Key& key, const Segment& seg,
+                                                 const std::string& why, Clock::time_point now) {
+  followed_.erase(key);
   forget_admitted(key);
   ++stats_.inspected;
   ++stats_.reset;
   pin::Decision d;
   d.kind = pin::Decision::Kind::reset;
-  d.reason = "quic Initial after the flow was admitted: " + r.reason;
+  d.reason = why;
   judge_.pin_decided(d, seg.dst, seg.dport);
   set_decided(key, {false, now, seg.ct_id});
   return {{id, PinVerdict::Kind::reset}};
@@ -465,16 +476,7 @@ std::vector<PinVerdict> PinFlows::quic_gso(std::uint32_t id, const Key& key, con
     it->second.ids.push_back(id);
     return reset_flow(it, kGsoReason, now);
   }
-  followed_.erase(key);
-  forget_admitted(key);
-  ++stats_.inspected;
-  ++stats_.reset;
-  pin::Decision d;
-  d.kind = pin::Decision::Kind::reset;
-  d.reason = kGsoReason;
-  judge_.pin_decided(d, seg.dst, seg.dport);
-  set_decided(key, {false, now, seg.ct_id});
-  return {{id, PinVerdict::Kind::reset}};
+  return refuse_decided(id, key, seg, kGsoReason, now);
 }
 
 void PinFlows::forget_admitted(const Key& key) {
@@ -521,20 +523,12 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
     }
     it = next;
   }
-  auto pop_old = [now](auto& order, auto& map) {
-    while (!order.empty() && now - order.front().first >= kDecidedMemory) {
-      const auto& [at, key] = order.front();
-      if (auto it = map.find(key); it != map.end() && it->second.at == at) map.erase(it);
-      order.pop_front();
-    }
+  auto pop_old = [now](auto& order, auto& map, auto age) {
+    while (!order.empty() && now - order.front().first >= age) pop_oldest(order, map);
   };
-  pop_old(decided_order_, decided_);
-  pop_old(starts_order_, starts_);
-  while (!followed_order_.empty() && now - followed_order_.front().first >= kQuicFollowTime) {
-    const auto& [at, key] = followed_order_.front();
-    if (auto it = followed_.find(key); it != followed_.end() && it->second.at == at) followed_.erase(it);
-    followed_order_.pop_front();
-  }
+  pop_old(decided_order_, decided_, kDecidedMemory);
+  pop_old(starts_order_, starts_, kDecidedMemory);
+  pop_old(followed_order_, followed_, kQuicFollowTime);
   return out;
 }
 

@@ -179,6 +179,8 @@ class PinFlows {
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> quic_gso(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> refuse_decided(std::uint32_t id, const Key& key, const Segment& seg, const std::string& why,
+                                         Clock::time_point now);
   // A long-header datagram of an admitted QUIC flow (chain active keeps them
   // off the fast path).
   struct Followed {
