@@ -252,7 +252,7 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
   return h;
 }
 
-std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, Clock::time_point now) {
+std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {
@@ -312,7 +312,7 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
     // never leave; its RST/FIN does (the server closes its end), and the
     // addresses and ports are free for a new connection, judged afresh.
     std::vector<PinVerdict> out;
-    for (const std::uint32_t held : it->second.ids) out.push_back({held, PinVerdict::Kind::drop});
+    for (const PinPacketId held : it->second.ids) out.push_back({held, PinVerdict::Kind::drop});
     out.push_back({id, PinVerdict::Kind::pass});
     if (it->second.quic) --quic_flows_;
     flows_.erase(it);
@@ -410,7 +410,7 @@ std::vector<PinVerdict> PinFlows::packet(std::uint32_t id, const Segment& seg, C
 // A datagram of an undecided UDP flow to port 443: QUIC Initials whose
 // ClientHello is judged like a TLS flow's. Anything that is not a v1/v2
 // Initial the parser can open is refused (ICMP), so clients fall back to TCP.
-std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, const Segment& seg,
+std::vector<PinVerdict> PinFlows::quic_packet(PinPacketId id, const Key& key, const Segment& seg,
                                               Clock::time_point now) {
   auto it = flows_.find(key);
   if (it == flows_.end()) {
@@ -434,7 +434,7 @@ std::vector<PinVerdict> PinFlows::quic_packet(std::uint32_t id, const Key& key, 
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
 }
 
-std::vector<PinVerdict> PinFlows::quic_follow(std::uint32_t id, std::map<Key, Followed>::iterator fo,
+std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Followed>::iterator fo,
                                               const Segment& seg, Clock::time_point now) {
   const Key key = fo->first;
   const pin::QuicFollow r = fo->second.quic->follow(pin::Bytes(seg.payload.data(), seg.payload.size()));
@@ -453,7 +453,7 @@ std::vector<PinVerdict> PinFlows::quic_follow(std::uint32_t id, std::map<Key, Fo
 }
 
 // A datagram of a decided QUIC flow, refused: the flow is refused from now on.
-std::vector<PinVerdict> PinFlows::refuse_decided(std::uint32_t id, const Key& key, const Segment& seg,
+std::vector<PinVerdict> PinFlows::refuse_decided(PinPacketId id, const Key& key, const Segment& seg,
                                                  const std::string& why, Clock::time_point now) {
   followed_.erase(key);
   forget_admitted(key);
@@ -470,7 +470,7 @@ std::vector<PinVerdict> PinFlows::refuse_decided(std::uint32_t id, const Key& ke
 // Datagrams sent in one GSO batch (UDP_SEGMENT) reach the reader as one
 // packet with no boundaries: refused, whatever the flow's state (the client
 // sees ICMP and falls back to TCP, or sends its datagrams one by one).
-std::vector<PinVerdict> PinFlows::quic_gso(std::uint32_t id, const Key& key, const Segment& seg,
+std::vector<PinVerdict> PinFlows::quic_gso(PinPacketId id, const Key& key, const Segment& seg,
                                            Clock::time_point now) {
   if (auto it = flows_.find(key); it != flows_.end()) {
     it->second.ids.push_back(id);
@@ -566,20 +566,22 @@ namespace {
 
 constexpr std::uint16_t msg_type(std::uint8_t t) { return static_cast<std::uint16_t>(NFNL_SUBSYS_QUEUE << 8 | t); }
 
-nlmsghdr* put_queue_header(char* buf, std::uint8_t type, std::uint16_t flags) {
+nlmsghdr* put_queue_header(char* buf, std::uint8_t type, std::uint16_t flags, std::uint16_t queue) {
   nlmsghdr* nlh = mnl_nlmsg_put_header(buf);
   nlh->nlmsg_type = msg_type(type);
   nlh->nlmsg_flags = flags;
   auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
   nfg->nfgen_family = AF_UNSPEC;
   nfg->version = NFNETLINK_V0;
-  nfg->res_id = htons(nft::kPinQueueNum);
+  nfg->res_id = htons(queue);
   return nlh;
 }
 
-Status configure(nft::Transport& t) {
+// Binds `queue`; `gso`: packets as the stack made them (NFQA_CFG_F_GSO),
+// else the kernel splits GSO packets and completes checksums first.
+Status bind_queue(nft::Transport& t, std::uint16_t queue, bool gso) {
   std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
-  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK);
+  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, queue);
   nfqnl_msg_config_cmd cmd{};
   cmd.command = NFQNL_CFG_CMD_BIND;
   mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
@@ -588,19 +590,27 @@ Status configure(nft::Transport& t) {
   params.copy_mode = NFQNL_COPY_PACKET;
   mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
   mnl_attr_put_u32(nlh, NFQA_CFG_QUEUE_MAXLEN, htonl(kQueueMaxLen));
-  // Packets as the stack made them: a TCP socket's segment still has its
-  // checksum left to the device and says so (NFQA_SKB_CSUMNOTREADY), where
-  // without the flag the kernel would complete every checksum before
-  // copying and a raw socket's segment would look the same (Segment::from_socket).
-  // GSO packets then come whole (at most 64 KiB: the copy range).
-  mnl_attr_put_u32(nlh, NFQA_CFG_FLAGS, htonl(NFQA_CFG_F_GSO));
+  mnl_attr_put_u32(nlh, NFQA_CFG_FLAGS, htonl(gso ? NFQA_CFG_F_GSO : 0));
   mnl_attr_put_u32(nlh, NFQA_CFG_MASK, htonl(NFQA_CFG_F_GSO));
   const int err = t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
-  const std::string q = "pinning queue " + std::to_string(nft::kPinQueueNum);
+  const std::string q = "pinning queue " + std::to_string(queue);
   if (err == ETIMEDOUT) return errno_error(q + ": no answer to the bind request", EAGAIN);
   if (err == EBUSY) return Error::runtime(q + " is already bound by another listener in this network namespace");
   if (err != 0) return errno_error(q + ": cannot bind", err);
   return {};
+}
+
+Status configure(nft::Transport& t) {
+  // TCP: packets as the stack made them. A TCP socket's segment still has
+  // its checksum left to the device and says so (NFQA_SKB_CSUMNOTREADY),
+  // where a queue without the flag completes every checksum before copying
+  // and a raw socket's segment would look the same (Segment::from_socket).
+  // GSO packets then come whole (at most 64 KiB: the copy range).
+  if (auto s = bind_queue(t, nft::kPinQueueNum, true); !s) return s;
+  // QUIC: a GSO batch (UDP_SEGMENT) is split by the kernel into its
+  // datagrams, each queued and judged on its own; whole, its boundaries
+  // could not be read (a short-header packet runs to its datagram's end).
+  return bind_queue(t, nft::kPinUdpQueueNum, false);
 }
 
 class Queue : public PinQueue {
@@ -665,7 +675,8 @@ class Queue : public PinQueue {
       return;
     }
     const auto* ph = static_cast<const nfqnl_msg_packet_hdr*>(mnl_attr_get_payload(tb[NFQA_PACKET_HDR]));
-    const std::uint32_t id = ntohl(ph->packet_id);
+    const auto* nfg = static_cast<const nfgenmsg*>(mnl_nlmsg_get_payload(nlh));
+    const PinPacketId id = pin_packet_id(ntohs(nfg->res_id), ntohl(ph->packet_id));
     std::optional<Segment> seg;
     // A packet cut short by the copy range cannot be judged: reset (fail closed).
     if (tb[NFQA_PAYLOAD] != nullptr && tb[NFQA_CAP_LEN] == nullptr) {
@@ -705,10 +716,11 @@ class Queue : public PinQueue {
     const std::uint32_t pass_mark = judge_.pass_mark();
     for (const PinVerdict& v : pending_) {
       if (buf.size() - used < 256) send();
-      nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST);
+      nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST,
+                                       static_cast<std::uint16_t>(v.packet_id >> 32));
       nlh->nlmsg_seq = t_->next_seq();
       nfqnl_msg_verdict_hdr vh{};
-      vh.id = htonl(v.packet_id);
+      vh.id = htonl(static_cast<std::uint32_t>(v.packet_id));
       vh.verdict = htonl(v.kind == PinVerdict::Kind::drop ? NF_DROP : NF_REPEAT);
       mnl_attr_put(nlh, NFQA_VERDICT_HDR, sizeof vh, &vh);
       switch (v.kind) {

@@ -129,12 +129,19 @@ std::vector<std::uint8_t> server_reset_packet(const ServerReset& r);
 // Admitted flows remembered for switches (the most recent ones).
 inline constexpr std::size_t kMaxAdmitted = 65536;
 
+// A queued packet: the queue's number in the high 32 bits, the kernel's
+// packet id (counted per queue) in the low 32.
+using PinPacketId = std::uint64_t;
+constexpr PinPacketId pin_packet_id(std::uint16_t queue, std::uint32_t id) {
+  return PinPacketId{queue} << 32 | id;
+}
+
 // The verdict for one queued packet.
 struct PinVerdict {
   // recheck: NF_REPEAT with no mark: the packet takes the fast path if its
   // flow's ct mark is set by now, else it comes back to the reader.
   enum class Kind { admit, reset, pass, drop, recheck };
-  std::uint32_t packet_id = 0;
+  PinPacketId packet_id = 0;
   Kind kind = Kind::drop;
 };
 
@@ -144,7 +151,7 @@ class PinFlows {
   explicit PinFlows(PinJudge& judge) : judge_(judge) {}
   // One queued packet: returns the verdicts that can be given now (none
   // while the flow's first bytes are still incomplete).
-  std::vector<PinVerdict> packet(std::uint32_t id, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> packet(PinPacketId id, const Segment& seg, Clock::time_point now);
   // Flows held past kHoldTime: reset (their packets' verdicts).
   std::vector<PinVerdict> expire(Clock::time_point now);
   const PinStats& stats() const { return stats_; }
@@ -171,15 +178,15 @@ class PinFlows {
     Clock::time_point started;
     std::uint32_t base = 0;                            // TCP: sequence number of the first byte held
     std::map<std::uint32_t, std::vector<std::uint8_t>> segs;  // TCP: offset from base -> bytes
-    std::vector<std::uint32_t> ids;                    // packets held, in arrival order
+    std::vector<PinPacketId> ids;                      // packets held, in arrival order
     std::unique_ptr<pin::QuicInitialAssembler> quic;   // QUIC: the Initials' CRYPTO stream
     std::uint32_t ct_id = 0;
   };
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
-  std::vector<PinVerdict> quic_packet(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
-  std::vector<PinVerdict> quic_gso(std::uint32_t id, const Key& key, const Segment& seg, Clock::time_point now);
-  std::vector<PinVerdict> refuse_decided(std::uint32_t id, const Key& key, const Segment& seg, const std::string& why,
+  std::vector<PinVerdict> quic_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> quic_gso(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> refuse_decided(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
                                          Clock::time_point now);
   // A long-header datagram of an admitted QUIC flow (chain active keeps them
   // off the fast path).
@@ -187,7 +194,7 @@ class PinFlows {
     std::unique_ptr<pin::QuicInitialAssembler> quic;
     Clock::time_point at;
   };
-  std::vector<PinVerdict> quic_follow(std::uint32_t id, std::map<Key, Followed>::iterator fo, const Segment& seg,
+  std::vector<PinVerdict> quic_follow(PinPacketId id, std::map<Key, Followed>::iterator fo, const Segment& seg,
                                       Clock::time_point now);
   std::map<Key, Followed> followed_;
   std::deque<std::pair<Clock::time_point, Key>> followed_order_;
@@ -236,12 +243,13 @@ class PinFlows {
   PinStats stats_;
 };
 
-// The reader on queue nft::kPinQueueNum of the current network namespace
+// The reader on queues nft::kPinQueueNum (TCP) and nft::kPinUdpQueueNum
+// (QUIC) of the current network namespace
 // (open it after joining the sandbox's, like NflogReader).
 class PinQueue {
  public:
-  // Binds the queue (copy-packet mode). Runtime error when netlink fails or
-  // another listener holds the queue.
+  // Binds both queues (copy-packet mode). Runtime error when netlink fails or
+  // another listener holds one.
   static Result<std::unique_ptr<PinQueue>> open(boost::asio::io_context& io, PinJudge& judge);
   virtual ~PinQueue() = default;
   virtual PinStats stats() const = 0;

@@ -138,7 +138,9 @@ Chain pin_chain(const CompileOptions& opts) {
   // its mark: a decision the reader remembers for a flow's stragglers must
   // never answer a new connection on the same addresses and ports (a socket
   // can bind the port of a flow admitted a moment ago). No bypass: with no
-  // reader the kernel drops it (fail closed).
+  // reader the kernel drops it (fail closed). QUIC has a queue of its own,
+  // where the kernel splits GSO batches into their datagrams.
+  c.rules.push_back({{MatchL4Proto{kUdp}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
   c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
   return c;
 }
@@ -187,6 +189,12 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
+        // ... and so do its packets longer than one datagram: a GSO batch
+        // whose first datagram is a short-header packet can carry an Initial
+        // after it (the reader's queue gets the batch split).
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
+                            MatchMetaLengthOver{kQuicOneDatagramMax}, StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
       };
       for (const auto* set : {&s.a4, &s.n4, &s.d4}) {
         if (set == &s.d4) pinned(*set, SetType::ipv4_addr);
@@ -218,10 +226,15 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
     r.push_back({{MatchIpv4SourceRoute{false}, to_deny()}, ""});
     r.push_back({{MatchIpv4SourceRoute{true}, to_deny()}, ""});
   }
-  // QUIC's long-header packets (a handshake's) to UDP 443 walk the phase
-  // chain even on a decided flow, where pinning sees them (phase chain).
+  // QUIC's long-header packets (a handshake's) to UDP 443, and packets
+  // longer than one datagram (a GSO batch, which can hide one after a short
+  // header), walk the phase chain even on a decided flow, where pinning sees
+  // them (phase chain).
   if (pin && st.mode == Mode::allowlist) {
     r.push_back({{MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{}, StmtVerdict{VerdictKind::goto_, target}}, ""});
+    r.push_back({{MatchDport{kUdp, kQuicPort}, MatchMetaLengthOver{kQuicOneDatagramMax},
+                  StmtVerdict{VerdictKind::goto_, target}},
+                 ""});
   }
   r.push_back({{MatchCtMark{st.mark}, StmtCounter{}, to_pass()}, st.to_comment()});
   if (guarded) {

@@ -113,8 +113,8 @@ inline constexpr std::uint32_t kPinCutMark = 0x7ffffffd;
 // policy's enforce.pin_names, in allowlist phases a TCP flow, or a UDP flow
 // to port 443 (QUIC), whose address is in a learned set only (no IP/CIDR
 // entry) and whose ct mark is still 0 goes to chain `pin`: the TCP handshake
-// passes unmarked, every later packet (every QUIC datagram) goes to
-// nfnetlink_queue kPinQueueNum (no bypass: no reader, no traffic). The
+// passes unmarked, every later packet goes to nfnetlink_queue kPinQueueNum,
+// every QUIC datagram to kPinUdpQueueNum (no bypass: no reader, no traffic). The
 // reader's verdict re-runs the hook (NF_REPEAT) with an skb mark: the admit
 // mark (admitted: the phase chain sets the flow's ct mark to the phase's, and
 // the fast path takes every later packet), kPinResetMark (refused: chain pin
@@ -125,6 +125,19 @@ inline constexpr std::uint32_t kPinCutMark = 0x7ffffffd;
 // kernels lack (and then ignore it silently).
 inline constexpr const char* kPinChain = "pin";
 inline constexpr std::uint16_t kPinQueueNum = 16;
+// UDP's own queue, bound without NFQA_CFG_F_GSO: the kernel splits a GSO
+// batch (UDP_SEGMENT) before queueing it, so the reader judges each datagram
+// on its own (the TCP queue keeps GSO packets whole: it needs their checksum
+// state, and a byte stream has no boundaries to lose).
+inline constexpr std::uint16_t kPinUdpQueueNum = 17;
+// A UDP 443 packet longer than this may be a GSO batch, whose datagrams after
+// the first the long-header match cannot see: it leaves the fast path of a
+// decided QUIC flow for the reader. A QUIC client sends no datagram longer
+// than its path's MTU (1500 on Ethernet; it sets DF and never fragments), and
+// a batch hiding an Initial a server accepts (RFC 9000 §14.1: in a datagram of
+// at least 1200 bytes) behind a first datagram at least as long is at least
+// 2 × 1200 bytes plus headers.
+inline constexpr std::uint32_t kQuicOneDatagramMax = 1500;
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"

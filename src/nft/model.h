@@ -156,6 +156,8 @@ struct MatchTcpOption { std::uint8_t kind; };
 // bit set, a QUIC long header (Initial, 0-RTT, Handshake: a handshake's
 // packets). Put it after MatchDport{udp, ...}, which loads the protocol.
 struct MatchUdpLongHeader {};
+// `meta length > N`: the packet's length (IP header included, at the inet hooks).
+struct MatchMetaLengthOver { std::uint32_t bytes; };
 // counter (anonymous; packets/bytes read back for status). `listed`: the
 // values were read from the kernel (`egressctl rules`), and the text shows
 // them as `nft list` does; egressd never sends them (a new counter starts at 0).
@@ -198,7 +200,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
                           MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

@@ -564,6 +564,19 @@ class RuleBuilder {
     mask_u8(bit);
     cmp(NFT_CMP_EQ, &bit, sizeof bit);
   }
+  void operator()(const MatchMetaLengthOver& m) {
+    // [ meta load len ] [ byteorder reg 1 = hton(reg 1, 4, 4) ] [ cmp gt ], as nft:
+    // cmp compares bytes, so the host-order length is made big-endian first.
+    meta(NFT_META_LEN);
+    auto e = expr("byteorder");
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BYTEORDER_SREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BYTEORDER_DREG, NFT_REG_1);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BYTEORDER_OP, NFT_BYTEORDER_HTON);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BYTEORDER_LEN, 4);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BYTEORDER_SIZE, 4);
+    add(std::move(e));
+    cmp_u32(NFT_CMP_GT, htonl(m.bytes));
+  }
   void operator()(const StmtCounter&) { add(expr("counter")); }
   void operator()(const StmtLimit& s) {
     auto e = expr("limit");

@@ -180,6 +180,7 @@ struct StmtText {
     return m.kind == 34 ? "tcp option fastopen exists" : "tcp option " + std::to_string(m.kind) + " exists";
   }
   std::string operator()(const MatchUdpLongHeader&) const { return "@th,64,8 & 0x80 == 0x80"; }
+  std::string operator()(const MatchMetaLengthOver& m) const { return "meta length > " + std::to_string(m.bytes); }
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }

@@ -41,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Judge judge;
   PinFlows flows(judge);
   auto now = PinFlows::Clock::time_point{} + std::chrono::hours(1);
-  std::set<std::uint32_t> queued, answered;
+  std::set<PinPacketId> queued, answered;
   auto take = [&](const std::vector<PinVerdict>& vs) {
     for (const PinVerdict& v : vs) {
       FUZZ_CHECK(queued.contains(v.packet_id));
@@ -67,7 +67,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     seg->ct_id = ctl & 0x07;
     seg->from_socket = (ctl & 0x20) == 0;
     seg->gso = (ctl & 0x40) != 0;
-    const std::uint32_t id = next_id++;
+    // As the reader names packets: the queue (by protocol, as chain pin sends them) and its id.
+    const PinPacketId id = pin_packet_id(seg->proto == Segment::kUdp ? 17 : 16, next_id++);
     queued.insert(id);
     take(flows.packet(id, *seg, now));
     const PinStats& st = flows.stats();
