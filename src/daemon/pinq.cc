@@ -254,6 +254,11 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
 
 std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+  if (seg.proto == kTcp) {
+    if (seg.followed) return http_packet(id, key, seg, now);
+    // A new connection on the addresses and ports of a followed one.
+    if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id != seg.ct_id) forget_followed(key);
+  }
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {
     // A long-header datagram of an admitted QUIC flow: its Initials must
@@ -373,8 +378,10 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     for (auto& [o, b] : f.segs) moved.emplace(o + back, std::move(b));
     f.segs = std::move(moved);
     f.base = seg.seq;
+    f.extent += back;
     rel = 0;
   }
+  if (rel < 0x80000000u) f.extent = std::max<std::uint32_t>(f.extent, rel + static_cast<std::uint32_t>(seg.payload.size()));
   if (rel < pin::kMaxInspect) {
     auto& slot = f.segs[rel];
     // A retransmission may carry more than the first copy; keep the longer.
@@ -404,7 +411,129 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   }
   judge_.pin_decided(d, seg.dst, seg.dport);
   if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
+  if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::http) return follow_http(it, d.name, now);
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+// ---- HTTP: the requests after the first ----------------------------------------------------
+
+// An HTTP flow admitted on its first request head: read from its first byte
+// as requests, so a second head already held (pipelined) is judged too, and
+// followed from then on.
+std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, const std::string& name,
+                                              Clock::time_point now) {
+  Flow& f = it->second;
+  HttpFollowed h;
+  h.name = name;
+  h.dst = f.dst;
+  h.dport = f.dport;
+  h.ct_id = f.ct_id;
+  h.next = f.base + f.extent;
+  const std::vector<std::uint8_t> bytes = stream(f);
+  const pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(bytes.data(), bytes.size()));
+  std::optional<std::string> bad = step.invalid;
+  if (!bad && f.extent > bytes.size()) bad = h.requests.skip(f.extent - bytes.size());
+  if (bad) {
+    forget_admitted(it->first);
+    return reset_flow(it, "http " + *bad, now);
+  }
+  const pin::PinFacts& facts = judge_.pin_facts();
+  for (std::size_t i = 1; i < step.heads.size(); ++i) {
+    if (step.heads[i] && *step.heads[i] == name) continue;
+    const pin::Decision d =
+        pin::decide(pin::PinProto::http, pin::Parse::complete_with(step.heads[i]), f.dst, f.dport, facts);
+    if (d.kind != pin::Decision::Kind::admit) {
+      forget_admitted(it->first);
+      return reset_flow(it, "a later request on the connection: " + d.reason, now);
+    }
+  }
+  const Key key = it->first;
+  std::vector<PinVerdict> out = finish(it, true, now);
+  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
+  forget_followed(key);
+  http_lru_.push_front(key);
+  h.lru = http_lru_.begin();
+  http_.emplace(key, std::move(h));
+  if (http_.size() > kMaxHttpFollowed) forget_followed(http_lru_.back());
+  return out;
+}
+
+void PinFlows::forget_followed(const Key& key) {
+  if (auto it = http_.find(key); it != http_.end()) {
+    http_lru_.erase(it->second.lru);
+    http_.erase(it);
+  }
+}
+
+// A packet of a followed HTTP connection (queue kPinFollowQueueNum).
+std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, const Segment& seg,
+                                              Clock::time_point now) {
+  auto hf = http_.find(key);
+  if (hf == http_.end() || hf->second.ct_id != seg.ct_id) {
+    // Refused already: the same answer, without another record.
+    if (auto d = decided_.find(key); d != decided_.end() && !d->second.admitted && d->second.ct_id == seg.ct_id) {
+      return {{id, seg.payload.empty() ? PinVerdict::Kind::drop : PinVerdict::Kind::reset}};
+    }
+    if (seg.payload.empty() && (seg.fin || seg.rst)) return {{id, PinVerdict::Kind::pass}};
+    // The kernel says followed, the reader does not know the connection (it
+    // restarted, or forgot it for newer ones): its next request could not be
+    // judged, so it is refused rather than let through unread.
+    pin::Decision d;
+    d.kind = pin::Decision::Kind::reset;
+    d.reason = "http connection followed before egressd restarted, or one of more than 4096 followed at once";
+    return refuse_followed(id, key, seg, std::move(d), seg.seq, now);
+  }
+  HttpFollowed& h = hf->second;
+  http_lru_.splice(http_lru_.begin(), http_lru_, h.lru);
+  auto refuse = [&](const std::string& why) {
+    pin::Decision d;
+    d.kind = pin::Decision::Kind::reset;
+    d.reason = why;
+    return refuse_followed(id, key, seg, std::move(d), h.next, now);
+  };
+  // The bytes read must be the bytes the server takes (as for the first ones).
+  if (!seg.payload.empty() && !seg.from_socket) return refuse(kRawReason);
+  if (seg.urg) return refuse("tcp urgent data on a followed http connection (the server's stack takes it out of the stream)");
+  if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
+  const auto ahead = static_cast<std::int32_t>(seg.seq - h.next);
+  // Bytes after a gap: the ones before them have not come through here yet
+  // (the stack sends this segment again once they have).
+  if (ahead > 0) return {{id, PinVerdict::Kind::drop}};
+  const auto seen = static_cast<std::size_t>(-static_cast<std::int64_t>(ahead));
+  // A retransmission of bytes already read: the socket sends the same bytes again.
+  if (seen >= seg.payload.size()) return {{id, PinVerdict::Kind::pass}};
+  const pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(seg.payload.data() + seen, seg.payload.size() - seen));
+  const std::uint32_t server_seq = h.next;
+  h.next = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
+  if (step.invalid) {
+    pin::Decision d;
+    d.kind = pin::Decision::Kind::reset;
+    d.reason = "http " + *step.invalid;
+    return refuse_followed(id, key, seg, std::move(d), server_seq, now);
+  }
+  for (const auto& name : step.heads) {
+    if (name && *name == h.name) continue;
+    pin::Decision d =
+        pin::decide(pin::PinProto::http, pin::Parse::complete_with(name), h.dst, h.dport, judge_.pin_facts());
+    if (d.kind == pin::Decision::Kind::admit) continue;
+    d.reason = "a later request on the connection: " + d.reason;
+    return refuse_followed(id, key, seg, std::move(d), server_seq, now);
+  }
+  return {{id, PinVerdict::Kind::pass}};
+}
+
+// A followed connection refused: the client gets a reset, the server's end
+// too (at the first byte it has not been given).
+std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key, const Segment& seg,
+                                                  pin::Decision d, std::uint32_t server_seq, Clock::time_point now) {
+  forget_followed(key);
+  forget_admitted(key);
+  ++stats_.inspected;
+  ++stats_.reset;
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  set_decided(key, {false, now, seg.ct_id});
+  if (server_resets_.size() < kMaxFlows) server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, server_seq});
+  return {{id, PinVerdict::Kind::reset}};
 }
 
 // A datagram of an undecided UDP flow to port 443: QUIC Initials whose
@@ -506,6 +635,7 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
     }
     set_decided(it->first, {false, now, it->second.ct_id});
     followed_.erase(it->first);
+    forget_followed(it->first);
     admitted_order_.erase(it->second.order);
     out.push_back(std::move(it->second));
     it = admitted_.erase(it);
@@ -610,7 +740,9 @@ Status configure(nft::Transport& t) {
   // QUIC: a GSO batch (UDP_SEGMENT) is split by the kernel into its
   // datagrams, each queued and judged on its own; whole, its boundaries
   // could not be read (a short-header packet runs to its datagram's end).
-  return bind_queue(t, nft::kPinUdpQueueNum, false);
+  if (auto s = bind_queue(t, nft::kPinUdpQueueNum, false); !s) return s;
+  // Followed HTTP connections: TCP, as queue 16.
+  return bind_queue(t, nft::kPinFollowQueueNum, true);
 }
 
 class Queue : public PinQueue {
@@ -676,7 +808,8 @@ class Queue : public PinQueue {
     }
     const auto* ph = static_cast<const nfqnl_msg_packet_hdr*>(mnl_attr_get_payload(tb[NFQA_PACKET_HDR]));
     const auto* nfg = static_cast<const nfgenmsg*>(mnl_nlmsg_get_payload(nlh));
-    const PinPacketId id = pin_packet_id(ntohs(nfg->res_id), ntohl(ph->packet_id));
+    const std::uint16_t queue = ntohs(nfg->res_id);
+    const PinPacketId id = pin_packet_id(queue, ntohl(ph->packet_id));
     std::optional<Segment> seg;
     // A packet cut short by the copy range cannot be judged: reset (fail closed).
     if (tb[NFQA_PAYLOAD] != nullptr && tb[NFQA_CAP_LEN] == nullptr) {
@@ -693,6 +826,7 @@ class Queue : public PinQueue {
       seg->from_socket = (info & NFQA_SKB_CSUMNOTREADY) != 0;
       seg->gso = (info & NFQA_SKB_GSO) != 0;
     }
+    seg->followed = queue == nft::kPinFollowQueueNum;
     // Chain pin set the packet's mark to its conntrack id.
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
       seg->ct_id = ntohl(mnl_attr_get_u32(tb[NFQA_MARK]));
@@ -728,6 +862,7 @@ class Queue : public PinQueue {
         case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
         case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pass_mark)); break;
         case PinVerdict::Kind::recheck: mnl_attr_put_u32(nlh, NFQA_MARK, 0); break;
+        case PinVerdict::Kind::follow: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_follow_mark(pass_mark))); break;
         case PinVerdict::Kind::drop: break;
       }
       used += NLMSG_ALIGN(nlh->nlmsg_len);

@@ -29,6 +29,7 @@
 #include <utility>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <functional>
 #include <map>
 #include <memory>
@@ -40,6 +41,7 @@
 #include "egressd/policy.h"
 #include "egressd/result.h"
 #include "pin/decide.h"
+#include "pin/http_follow.h"
 #include "pin/quic_initial.h"
 
 namespace egressd::daemon {
@@ -87,6 +89,9 @@ struct Segment {
   // (a short-header QUIC packet runs to the end of its datagram), so a batch
   // could hide a second connection's Initial behind one it can read.
   bool gso = false;
+  // From queue kPinFollowQueueNum: the flow's ct mark says the reader follows
+  // it (an HTTP connection it admitted).
+  bool followed = false;
   std::span<const std::uint8_t> payload;
 };
 // Parses an IPv4 or IPv6 TCP or UDP packet (IPv6 extension headers walked; a
@@ -104,6 +109,9 @@ inline constexpr std::size_t kMaxQuicFlows = 256;
 // Initial without one is refused: the client falls back to TCP).
 inline constexpr std::size_t kMaxQuicFollowed = 256;
 inline constexpr std::chrono::seconds kQuicFollowTime{30};
+// HTTP connections followed at once (their later requests are judged); the
+// least recently active is forgotten past this, and its next packet refused.
+inline constexpr std::size_t kMaxHttpFollowed = 4096;
 
 // A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI).
 struct AdmittedFlow {
@@ -140,7 +148,9 @@ constexpr PinPacketId pin_packet_id(std::uint16_t queue, std::uint32_t id) {
 struct PinVerdict {
   // recheck: NF_REPEAT with no mark: the packet takes the fast path if its
   // flow's ct mark is set by now, else it comes back to the reader.
-  enum class Kind { admit, reset, pass, drop, recheck };
+  // follow: admitted for an HTTP request, the flow stays followed
+  // (nft::kPinFollowMark): its later packets come back to the reader.
+  enum class Kind { admit, reset, pass, drop, recheck, follow };
   PinPacketId packet_id = 0;
   Kind kind = Kind::drop;
 };
@@ -163,6 +173,7 @@ class PinFlows {
   std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
   std::size_t admitted_remembered() const { return admitted_.size(); }
   std::size_t quic_followed() const { return followed_.size(); }
+  std::size_t http_followed() const { return http_.size(); }
   // TCP payload bytes held across all flows (each flow keeps at most kMaxInspect).
   std::size_t held_bytes() const;
   // The refused flows whose server end should be reset, since the last call.
@@ -181,7 +192,27 @@ class PinFlows {
     std::vector<PinPacketId> ids;                      // packets held, in arrival order
     std::unique_ptr<pin::QuicInitialAssembler> quic;   // QUIC: the Initials' CRYPTO stream
     std::uint32_t ct_id = 0;
+    std::uint32_t extent = 0;  // TCP: the furthest byte held (offset from base), kept or not
   };
+  // An HTTP connection admitted for `name`: its later bytes are read as
+  // requests (pin::HttpRequestStream), each head's host judged.
+  struct HttpFollowed {
+    pin::HttpRequestStream requests;
+    std::string name;
+    IpPrefix dst;
+    std::uint16_t dport = 0;
+    std::uint32_t ct_id = 0;
+    std::uint32_t next = 0;  // sequence number of the first byte not yet read
+    std::list<Key>::iterator lru;
+  };
+  std::map<Key, HttpFollowed> http_;
+  std::list<Key> http_lru_;  // most recently active first
+  std::vector<PinVerdict> follow_http(std::map<Key, Flow>::iterator it, const std::string& name,
+                                      Clock::time_point now);
+  std::vector<PinVerdict> http_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> refuse_followed(PinPacketId id, const Key& key, const Segment& seg, pin::Decision d,
+                                          std::uint32_t server_seq, Clock::time_point now);
+  void forget_followed(const Key& key);
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);

@@ -141,6 +141,8 @@ Chain pin_chain(const CompileOptions& opts) {
   // reader the kernel drops it (fail closed). QUIC has a queue of its own,
   // where the kernel splits GSO batches into their datagrams.
   c.rules.push_back({{MatchL4Proto{kUdp}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
+  // A followed HTTP connection (its later requests are judged too).
+  c.rules.push_back({{MatchCtMark{kPinFollowMark}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinFollowQueueNum}}, ""});
   c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
   return c;
 }
@@ -171,7 +173,16 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
+        // An HTTP flow the reader admitted stays followed: its own ct mark,
+        // and every later packet back to chain pin (compile.h kPinFollowMark).
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                            MatchMetaMark{pin_follow_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{kPinFollowMark},
+                            to_pass()},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
         // A QUIC flow's long-header packets (its handshake) come here even
@@ -350,8 +361,12 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // reset comes from the remote address over `lo` in the reply direction of
   // a confirmed TCP flow that is still undecided (ct mark 0). Nothing else a
   // process sends looks like that but a packet to itself.
+  // The same for a followed HTTP connection's (ct mark kPinFollowMark).
   if (pinning(policy, opts)) {
     c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
+    c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{kPinFollowMark}, MatchL4Proto{kTcp},
+                        accept()},
+                       ""});
   }
   // IPv6 duplicate address detection: a neighbour solicitation from the
   // unspecified address, before the address is the namespace's own.
@@ -421,6 +436,9 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::dnat}, accept()}, ""});
   if (pinning(policy, opts)) {  // hostname pinning's reset (see chain output)
     c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
+    c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{kPinFollowMark}, MatchL4Proto{kTcp},
+                        accept()},
+                       ""});
   }
   c.rules.push_back({{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true},
                       StmtVerdict{VerdictKind::drop, ""}},

@@ -88,11 +88,11 @@ inline constexpr std::uint32_t kOwnTrafficMark = 0x65677264;  // "egrd"
 inline constexpr std::uint32_t kPassMark = 0x70617373;      // "pass"
 inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:7264
 // ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
-// [1, 0x7ffffffc]; inline policies get kInlineMarkBit | (generation + salt -
+// [1, 0x7ffffffb]; inline policies get kInlineMarkBit | (generation + salt -
 // kDefaultMarkSalt). With the default salt these are 0x45470001... and
 // 0x80000000 | generation.
 inline constexpr std::uint32_t kDefaultMarkSalt = 0x45470000;
-inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffc;
+inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffb;  // the marks above it are kPinFollowMark...
 inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
 // Flows that arrived from outside the namespace (input, iif != lo, ct state
 // new): the only ones whose reply direction output accepts as such.
@@ -138,6 +138,17 @@ inline constexpr std::uint16_t kPinUdpQueueNum = 17;
 // at least 1200 bytes) behind a first datagram at least as long is at least
 // 2 × 1200 bytes plus headers.
 inline constexpr std::uint32_t kQuicOneDatagramMax = 1500;
+// Cleartext HTTP: every request on a keep-alive connection names its own
+// host, so a flow the reader admitted for an HTTP request is not given the
+// phase's mark (and the fast path) but kPinFollowMark: chain pin sends its
+// packets to queue kPinFollowQueueNum, where the reader judges each later
+// request head (docs/pinning.md "Later requests"). The reader's verdict
+// `follow` re-runs the hook with pin_follow_mark, which the phase chain turns
+// into the ct mark. A packet from that queue the reader does not follow (it
+// restarted, or forgot the connection) is refused: the flow is never
+// admitted unread.
+inline constexpr std::uint32_t kPinFollowMark = 0x7ffffffc;
+inline constexpr std::uint16_t kPinFollowQueueNum = 18;
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"
@@ -145,6 +156,7 @@ inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"
 // so as secret as it (a sandbox guessing it would skip only the name check,
 // never the address check before it).
 constexpr std::uint32_t pin_admit_mark(std::uint32_t pass_mark) { return ~pass_mark; }
+constexpr std::uint32_t pin_follow_mark(std::uint32_t pass_mark) { return ~pass_mark ^ 1u; }
 
 // The port egressd's DNS proxy listens on (127.0.0.1 and ::1 in the sandbox).
 inline constexpr std::uint16_t kDefaultDnsPort = 53;

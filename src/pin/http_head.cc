@@ -67,12 +67,19 @@ Host parse_host(std::string_view v) {
 
 }  // namespace
 
-Parse parse_http_head(Bytes stream) {
+Parse parse_http_head(Bytes stream) { return read_http_head(stream).parse; }
+
+HttpHead read_http_head(Bytes stream) {
+  HttpHead out;
+  auto done = [&](Parse p) {
+    out.parse = std::move(p);
+    return out;
+  };
   const Bytes in = stream.first(std::min(stream.size(), kMaxInspect));
   const std::string_view s(reinterpret_cast<const char*>(in.data()), in.size());
   auto more_or_too_large = [&] {
-    if (stream.size() >= kMaxInspect) return Parse::invalid("request head larger than 16384 bytes");
-    return Parse::more(stream.size());
+    if (stream.size() >= kMaxInspect) return done(Parse::invalid("request head larger than 16384 bytes"));
+    return done(Parse::more(stream.size()));
   };
 
   // RFC 9112 §2.2: servers SHOULD ignore at least one empty line before the
@@ -83,7 +90,7 @@ Parse parse_http_head(Bytes stream) {
       ++pos;
     } else if (s[pos] == '\r') {
       if (pos + 1 == s.size()) return more_or_too_large();
-      if (s[pos + 1] != '\n') return Parse::invalid("bare CR before the request line");
+      if (s[pos + 1] != '\n') return done(Parse::invalid("bare CR before the request line"));
       pos += 2;
     } else {
       break;
@@ -93,7 +100,7 @@ Parse parse_http_head(Bytes stream) {
   // The HTTP/2 prior-knowledge preface: its frames name the host in
   // HPACK-coded :authority, which is not parsed; refused as a whole.
   if (rest.starts_with(kH2Preface.substr(0, std::min(rest.size(), kH2Preface.size())))) {
-    if (rest.size() >= kH2Preface.size()) return Parse::invalid("h2c preface");
+    if (rest.size() >= kH2Preface.size()) return done(Parse::invalid("h2c preface"));
     return more_or_too_large();
   }
 
@@ -110,6 +117,7 @@ Parse parse_http_head(Bytes stream) {
     }
   }
   if (end == std::string_view::npos) return more_or_too_large();
+  out.size = end + 1;
 
   // Lines of the head, each without its LF and one CR before it; any other
   // CR is refused (servers disagree on bare CRs, so they could disagree with
@@ -120,29 +128,33 @@ Parse parse_http_head(Bytes stream) {
   std::optional<std::string> host_name;
   bool have_host = false;
   bool first = true;
+  std::string_view method;
+  int te_count = 0, cl_count = 0;
+  bool chunked = false;
+  std::uint64_t length = 0;
   while (!head.empty()) {
     const auto lf = head.find('\n');
     std::string_view line = head.substr(0, lf);
     head = lf == std::string_view::npos ? std::string_view{} : head.substr(lf + 1);
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    if (line.find('\r') != std::string_view::npos) return Parse::invalid("bare CR in the request head");
+    if (line.find('\r') != std::string_view::npos) return done(Parse::invalid("bare CR in the request head"));
     if (line.empty()) break;  // the empty line ending the head
     if (first) {
       first = false;
-      if (line.front() == ' ' || line.front() == '\t') return Parse::invalid("whitespace before the request line");
+      if (line.front() == ' ' || line.front() == '\t') return done(Parse::invalid("whitespace before the request line"));
       const auto sp1 = line.find(' ');
-      if (sp1 == std::string_view::npos) return Parse::invalid("malformed request line");
+      if (sp1 == std::string_view::npos) return done(Parse::invalid("malformed request line"));
       const auto sp2 = line.find(' ', sp1 + 1);
-      if (sp2 == std::string_view::npos) return Parse::invalid("request line without a version (HTTP/0.9)");
-      const std::string_view method = line.substr(0, sp1);
+      if (sp2 == std::string_view::npos) return done(Parse::invalid("request line without a version (HTTP/0.9)"));
+      method = line.substr(0, sp1);
       const std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
       const std::string_view version = line.substr(sp2 + 1);
-      if (!is_token(method)) return Parse::invalid("malformed request method");
+      if (!is_token(method)) return done(Parse::invalid("malformed request method"));
       if (target.empty() || !std::all_of(target.begin(), target.end(), [](char c) { return c > 0x20 && c < 0x7f; })) {
-        return Parse::invalid("malformed request target");
+        return done(Parse::invalid("malformed request target"));
       }
       if (version.size() != 8 || !version.starts_with("HTTP/1.") || version[7] < '0' || version[7] > '9') {
-        return Parse::invalid("request version is not HTTP/1.x");
+        return done(Parse::invalid("request version is not HTTP/1.x"));
       }
       std::string_view authority;
       if (method == "CONNECT") {
@@ -154,49 +166,80 @@ Parse parse_http_head(Bytes stream) {
         // host to the origin server.
         const std::string_view scheme = target.substr(0, scheme_end);
         if (!iequals(scheme, "http") && !iequals(scheme, "https")) {
-          return Parse::invalid("request target scheme is not http or https");
+          return done(Parse::invalid("request target scheme is not http or https"));
         }
         authority = target.substr(scheme_end + 3);
         authority = authority.substr(0, authority.find_first_of("/?#"));
         have_authority = true;
       } else if (target.front() != '/' && target != "*") {
-        return Parse::invalid("malformed request target");
+        return done(Parse::invalid("malformed request target"));
       }
       if (have_authority) {
         // userinfo ("http://allowed.test@other.test/") hides the host from
         // a reader that stops at the first name.
-        if (authority.find('@') != std::string_view::npos) return Parse::invalid("userinfo in the request target");
+        if (authority.find('@') != std::string_view::npos) return done(Parse::invalid("userinfo in the request target"));
         Host h = parse_host(authority);
-        if (!h.ok || !h.name) return Parse::invalid("malformed request target authority");
+        if (!h.ok || !h.name) return done(Parse::invalid("malformed request target authority"));
         authority_name = std::move(h.name);
       }
       continue;
     }
     // RFC 9112 §5.2: obs-fold is obsolete; a server may join the line to the
     // one before or refuse it, so its meaning is not ours to guess.
-    if (line.front() == ' ' || line.front() == '\t') return Parse::invalid("obs-fold line in the request head");
+    if (line.front() == ' ' || line.front() == '\t') return done(Parse::invalid("obs-fold line in the request head"));
     const auto colon = line.find(':');
-    if (colon == std::string_view::npos) return Parse::invalid("header line without a colon");
+    if (colon == std::string_view::npos) return done(Parse::invalid("header line without a colon"));
     const std::string_view field = line.substr(0, colon);
     // RFC 9112 §5.1: whitespace between name and colon MUST be rejected.
-    if (!is_token(field)) return Parse::invalid("malformed header field name");
+    if (!is_token(field)) return done(Parse::invalid("malformed header field name"));
+    if (iequals(field, "transfer-encoding") || iequals(field, "content-length")) {
+      std::string_view value = line.substr(colon + 1);
+      while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+      while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+      if (iequals(field, "transfer-encoding")) {
+        ++te_count;
+        chunked = iequals(value, "chunked");
+        if (!chunked) return done(Parse::invalid("Transfer-Encoding other than chunked"));
+      } else {
+        ++cl_count;
+        if (value.empty() || value.size() > 18 ||
+            !std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+          return done(Parse::invalid("malformed Content-Length"));
+        }
+        length = 0;
+        for (char c : value) length = length * 10 + static_cast<std::uint64_t>(c - '0');
+      }
+      continue;
+    }
     if (!iequals(field, "host")) continue;
-    if (have_host) return Parse::invalid("duplicate Host header");
+    if (have_host) return done(Parse::invalid("duplicate Host header"));
     have_host = true;
     std::string_view value = line.substr(colon + 1);
     while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
     while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
     Host h = parse_host(value);
-    if (!h.ok) return Parse::invalid("malformed Host header");
+    if (!h.ok) return done(Parse::invalid("malformed Host header"));
     host_name = std::move(h.name);
+  }
+  // Where the body ends: the next request starts there.
+  if (te_count + cl_count > 1) return done(Parse::invalid("more than one Transfer-Encoding or Content-Length"));
+  if (chunked) {
+    out.body = HttpHead::Body::chunked;
+  } else if (cl_count == 1 && length > 0) {
+    out.body = HttpHead::Body::length;
+    out.length = length;
+  }
+  if (out.body != HttpHead::Body::none &&
+      (method == "GET" || method == "HEAD" || method == "TRACE" || method == "CONNECT")) {
+    return done(Parse::invalid("a body on a GET, HEAD, TRACE or CONNECT request"));
   }
   if (have_authority) {
     // A client MUST send Host equal to the authority (RFC 9112 §3.2.2); a
     // server behind a proxy-ish front might route by either.
-    if (have_host && host_name != authority_name) return Parse::invalid("Host differs from the request target authority");
-    return Parse::complete_with(std::move(authority_name));
+    if (have_host && host_name != authority_name) return done(Parse::invalid("Host differs from the request target authority"));
+    return done(Parse::complete_with(std::move(authority_name)));
   }
-  return Parse::complete_with(std::move(host_name));
+  return done(Parse::complete_with(std::move(host_name)));
 }
 
 }  // namespace egressd::pin

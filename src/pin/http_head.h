@@ -22,4 +22,19 @@ namespace egressd::pin {
 //     in the target; a target authority and Host that name different hosts.
 Parse parse_http_head(Bytes stream);
 
+// The head as parse_http_head reads it, and where the request's body ends
+// (RFC 9112 §6.3), for reading the requests after it on the same connection
+// (HttpRequestStream). Framing that servers could read differently is
+// invalid: Transfer-Encoding other than exactly "chunked", Transfer-Encoding
+// and Content-Length together, more than one of either, a Content-Length
+// that is not 1-18 digits, and a body on GET, HEAD, TRACE or CONNECT (RFC
+// 9110 §9.3.1: such content has no meaning and servers disagree on it).
+struct HttpHead {
+  Parse parse;
+  std::size_t size = 0;  // complete: the head's bytes, leading empty lines included
+  enum class Body { none, length, chunked } body = Body::none;
+  std::uint64_t length = 0;  // Body::length
+};
+HttpHead read_http_head(Bytes stream);
+
 }  // namespace egressd::pin

@@ -67,8 +67,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     seg->ct_id = ctl & 0x07;
     seg->from_socket = (ctl & 0x20) == 0;
     seg->gso = (ctl & 0x40) != 0;
+    seg->followed = (ctl & 0x80) != 0 && seg->proto == Segment::kTcp;
     // As the reader names packets: the queue (by protocol, as chain pin sends them) and its id.
-    const PinPacketId id = pin_packet_id(seg->proto == Segment::kUdp ? 17 : 16, next_id++);
+    const PinPacketId id = pin_packet_id(seg->proto == Segment::kUdp ? 17 : seg->followed ? 18 : 16, next_id++);
     queued.insert(id);
     take(flows.packet(id, *seg, now));
     const PinStats& st = flows.stats();

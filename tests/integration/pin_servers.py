@@ -5,7 +5,7 @@
 
 On every ADDR: TLS on 8443 (any SNI; after the handshake it answers each read with
 b"tls:" + what it read), HTTP on 8081 (answers every request head with 200 and the Host it
-saw), and a server-speaks-first banner service on 2222 ("SSH-2.0-lab\r\n", then echo).
+saw; keep-alive when asked), and a server-speaks-first banner service on 2222 ("SSH-2.0-lab\r\n", then echo).
 Prints "ready" once every socket listens. Stdlib only.
 """
 import socket
@@ -36,22 +36,58 @@ def tls_handler(ctx):
 
 
 def http_handler(conn):
+    """Each request: 200 with body b"host=" + its Host. Keeps the connection open for the next
+    request (pipelined or not) when the request asks (`Connection: keep-alive`); reads a
+    request's body by Content-Length or chunked, as a real server would, so what follows it
+    is the next request."""
     try:
         conn.settimeout(10)
         buf = b""
-        while b"\r\n\r\n" not in buf:
-            data = conn.recv(4096)
-            if not data:
+
+        def need(n):
+            nonlocal buf
+            while len(buf) < n:
+                data = conn.recv(65536)
+                if not data:
+                    raise EOFError
+                buf += data
+
+        def line():
+            nonlocal buf
+            while b"\r\n" not in buf:
+                need(len(buf) + 1)
+            out, buf = buf.split(b"\r\n", 1)
+            return out
+
+        while True:
+            while b"\r\n\r\n" not in buf:
+                need(len(buf) + 1)
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            fields = {}
+            for ln in head.lstrip(b"\r\n").split(b"\r\n")[1:]:
+                name, _, value = ln.partition(b":")
+                fields[name.strip().lower()] = value.strip()
+            if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+                while True:
+                    size = int(line().split(b";")[0], 16)
+                    if size == 0:
+                        while line():
+                            pass
+                        break
+                    need(size + 2)
+                    buf = buf[size + 2:]
+            else:
+                n = int(fields.get(b"content-length", b"0"))
+                need(n)
+                buf = buf[n:]
+            keep = fields.get(b"connection", b"").lower() == b"keep-alive"
+            body = b"host=" + fields.get(b"host", b"")
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: %s\r\n\r\n%s" %
+                         (len(body), b"keep-alive" if keep else b"close", body))
+            if not keep:
+                conn.close()
                 return
-            buf += data
-        host = b""
-        for line in buf.split(b"\r\n")[1:]:
-            if line.lower().startswith(b"host:"):
-                host = line[5:].strip()
-        body = b"host=" + host
-        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-        conn.close()
-    except OSError:
+    except (OSError, EOFError, ValueError):
         pass
 
 

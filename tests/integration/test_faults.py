@@ -66,6 +66,7 @@ def table_json(lab) -> dict:
 
 
 PIN_CUT_MARK = 0x7ffffffd  # nft::kPinCutMark
+PIN_FOLLOW_MARK = 0x7ffffffc  # nft::kPinFollowMark
 
 
 def active_policy(t: dict) -> tuple[int, str]:
@@ -92,6 +93,8 @@ def active_policy(t: dict) -> tuple[int, str]:
     assert matched == [mark], f"state rule matches ct mark {matched}, its comment says {mark:#x}"
     target = [r for r in t["rules"] if r["chain"] == gotos[0]]
     set_marks = {e["mangle"]["value"] for r in target for e in r["expr"] if "mangle" in e}
+    # ... besides the mark of an HTTP connection pinning follows (0x7ffffffc), in allowlist phases.
+    set_marks.discard(PIN_FOLLOW_MARK)
     assert set_marks == {mark}, f"chain {gotos[0]} sets ct marks {set_marks}, want {mark:#x}"
     used = {e["match"]["right"] for r in target for e in r["expr"]
             if "match" in e and isinstance(e["match"]["right"], str) and e["match"]["right"].startswith("@")}

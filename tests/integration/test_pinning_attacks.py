@@ -352,3 +352,124 @@ def test_a_gso_batch_on_an_admitted_quic_flow_is_delivered_datagram_by_datagram(
     for _ in batch:
         got.append(s.recv(65536))
     assert sorted(got) == sorted(batch)
+
+
+# ---- Later requests on a cleartext HTTP connection ---------------------------------------------
+
+def _req(host, body=b"", chunked=False, method=b"POST", keep=True):
+    head = b"%s / HTTP/1.1\r\nHost: %s\r\n" % (method if body or chunked else b"GET", host.encode())
+    if keep:
+        head += b"Connection: keep-alive\r\n"
+    if chunked:
+        data = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in body) + b"0\r\n\r\n"
+        return head + b"Transfer-Encoding: chunked\r\n\r\n" + data
+    if body:
+        head += b"Content-Length: %d\r\n" % len(body)
+    return head + b"\r\n" + body
+
+
+def _responses(s, n):
+    """The bodies of the next `n` responses on `s` (each with a Content-Length)."""
+    buf, out = b"", []
+    while len(out) < n:
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise EOFError(f"closed after {len(out)} responses: {buf!r}")
+            buf += chunk
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        length = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+        while len(buf) < length:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise EOFError("closed in a body")
+            buf += chunk
+        out.append(buf[:length])
+        buf = buf[length:]
+    return out
+
+
+def _exchange(lab, addr, steps):
+    """One connection: for each (bytes, responses expected) sends the bytes and reads the
+    responses. outcome(): ('ok', [bodies...]) or ('reset', seconds) etc."""
+    def run():
+        bodies = []
+        with connect(lab, addr, HTTP_PORT) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for data, n in steps:
+                s.sendall(data)
+                bodies += _responses(s, n)
+        return bodies
+    return outcome(run)
+
+
+def _pin_lines(pinned):
+    return [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_later_request_on_a_keep_alive_connection_is_judged(lab, pinned, addr):  # noqa: F811
+    """No capability needed. A connection was judged by its first request and then let
+    through unread, so on HTTP/1.1 keep-alive the next request named another site on the same
+    address and the server (as a CDN routes every request by its Host) answered for it. Now
+    an HTTP connection stays followed: every request head is judged."""
+    kind, got = _exchange(lab, addr, [(_req("allowed.test"), 1), (_req("allowed.test"), 1)])
+    assert (kind, got) == ("ok", [b"host=allowed.test"] * 2), (kind, got)
+    res = _exchange(lab, addr, [(_req("allowed.test"), 1), (_req("same-ip.test"), 1)])
+    assert_reset(res, "a second request naming same-ip.test")
+    assert any(line.startswith("a later request on the connection: http host same-ip.test to ")
+               for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_pipelined_requests_are_each_judged(lab, pinned, addr):  # noqa: F811
+    """Both requests in one write: the second is judged before any byte leaves."""
+    assert _exchange(lab, addr, [(_req("allowed.test") + _req("allowed.test"), 2)]) == \
+        ("ok", [b"host=allowed.test"] * 2)
+    assert_reset(_exchange(lab, addr, [(_req("allowed.test") + _req("same-ip.test"), 2)]),
+                 "a pipelined request naming same-ip.test")
+
+
+def test_bodies_are_skipped_as_the_server_reads_them_and_the_request_after_is_judged(lab, pinned):  # noqa: F811
+    """The reader finds each request where the server does: after a Content-Length or chunked
+    body. A body that looks like a request naming another site is a body (the server answers
+    for allowed.test); the request after it is judged."""
+    inner = _req("same-ip.test")
+    steps = [(_req("allowed.test", body=inner), 1),
+             (_req("allowed.test", body=[inner[:10], inner[10:]], chunked=True), 1),
+             (_req("allowed.test"), 1)]
+    assert _exchange(lab, V4, steps) == ("ok", [b"host=allowed.test"] * 3)
+    steps[-1] = (_req("same-ip.test"), 1)
+    assert_reset(_exchange(lab, V4, steps), "a request naming same-ip.test after two bodies")
+    # Framing servers could read differently is refused, not guessed.
+    smuggle = (b"POST / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n"
+               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    assert_reset(_exchange(lab, V4, [(_req("allowed.test"), 1), (smuggle, 1)]),
+                 "Content-Length with Transfer-Encoding")
+    get_body = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: %d\r\n\r\n%s" % (len(inner), inner)
+    assert_reset(_exchange(lab, V4, [(get_body, 1)]), "a GET with a body")
+    # HTTP/0.9 has no head to end (a server that speaks it answers the request line alone).
+    assert_reset(_exchange(lab, V4, [(_req("allowed.test"), 1), (b"GET http://same-ip.test/\r\n", 1)]),
+                 "an HTTP/0.9 request line naming same-ip.test")
+    # A tunnel's or an upgraded protocol's bytes cannot be read as requests: refused once they
+    # hold what would end a request head.
+    upgrade = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\nUpgrade: websocket\r\n\r\n"
+    assert_reset(_exchange(lab, V4, [(upgrade, 1), (b"\x81\x85junk\r\n\r\n", 1)]), "websocket frames after an upgrade")
+
+
+def test_a_followed_connection_is_refused_after_a_restart_not_let_through(lab, pinned):  # noqa: F811
+    """The reader's memory of a followed connection dies with egressd; the kernel still marks
+    the connection followed, so after a restart its next request cannot go through unread: it
+    is refused."""
+    s = connect(lab, V4, HTTP_PORT, timeout=5.0)
+    s.sendall(_req("allowed.test"))
+    assert _responses(s, 1) == [b"host=allowed.test"]
+    pinned.kill()
+    pinned.wait()
+    pinned.start()
+    learn(lab)
+    s.sendall(_req("same-ip.test"))
+    res = outcome(lambda: _responses(s, 1))
+    s.close()
+    assert_reset(res, "a request on a connection followed before the restart")
+    assert any("followed before egressd restarted" in line for line in _pin_lines(pinned)), _pin_lines(pinned)

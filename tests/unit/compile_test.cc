@@ -404,12 +404,14 @@ TEST_CASE("phase and inline marks derive from the salt and stay clear of the fix
   const Policy p = three_phases();
   CHECK(phase_mark(p, "environment") == 0x45470001);  // the default salt: what render prints
   CHECK(inline_mark(7) == 0x80000007);
-  for (std::uint32_t salt : {0u, 0x7ffffffcu, 0x7ffffffdu, 0xfffffffeu, 0xffffffffu, 0x12345678u}) {
+  for (std::uint32_t salt : {0u, 0x7ffffffau, 0x7ffffffbu, 0x7ffffffcu, 0x7ffffffdu, 0xfffffffeu, 0xffffffffu, 0x12345678u}) {
     CAPTURE(salt);
     for (const auto& ph : p.phases) {
       const std::uint32_t m = phase_mark(p, ph.name, salt);
       CHECK(m >= 1);
-      CHECK(m <= 0x7ffffffd);  // never INBOUND (0x7fffffff), egressd's own (0x7ffffffe), or inline
+      // never INBOUND (0x7fffffff), egressd's own (0x7ffffffe), pinning's cut (0x7ffffffd) or
+      // followed (0x7ffffffc) flows, or inline
+      CHECK(m <= 0x7ffffffb);
     }
     CHECK(phase_mark(p, "environment", salt) != phase_mark(p, "agent", salt));
     CHECK((inline_mark(3, salt) & kInlineMarkBit) != 0);
@@ -542,7 +544,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 8);
+  REQUIRE(pin->rules.size() == 9);
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
@@ -555,34 +557,43 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
   CHECK(render_rule(pin->rules[6]) == "meta l4proto udp meta mark set ct id counter queue num 17");
-  CHECK(render_rule(pin->rules[7]) == "meta mark set ct id counter queue num 16");
+  // A followed HTTP connection has a queue of its own (the reader refuses what it does not follow).
+  CHECK(render_rule(pin->rules[7]) == "ct mark 0x7ffffffc meta mark set ct id counter queue num 18");
+  CHECK(render_rule(pin->rules[8]) == "meta mark set ct id counter queue num 16");
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
   // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
   // the learned set as before (flows decided under another phase).
-  REQUIRE(rules.size() == 19);
+  REQUIRE(rules.size() == 23);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[2] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
         "0x45470002 goto pass");
-  CHECK(rules[3] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
+  // An HTTP flow the reader admits stays followed (its own ct mark, back to chain pin).
+  CHECK(rules[3] ==
+        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8d counter ct mark set "
+        "0x7ffffffc goto pass");
+  CHECK(rules[4] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[5] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc goto pin");
   // QUIC: UDP 443 only; other UDP ports are decided by the address. The reader's admit
   // holds on a decided flow too, and a decided flow's long-header packets (its handshake's:
   // a second connection's Initials) go to the reader as well.
-  CHECK(rules[4] ==
+  CHECK(rules[6] ==
         "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[5] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[6] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[7] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
   // ... and so do packets longer than one datagram (a GSO batch can hide an Initial after
   // a short-header packet).
-  CHECK(rules[7] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
-  CHECK(rules[8] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[12] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[14] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[15] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
-  CHECK(rules[16] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[10] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[15] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
+  CHECK(rules[18] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[19] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
+  CHECK(pin_follow_mark(o.pass_mark) == 0x8f9e8c8d);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
   const Chain* active = find_chain(t, "active");
   REQUIRE(!active->rules.empty());

@@ -101,3 +101,109 @@ TEST_CASE("a head of 16 KiB without its end is invalid") {
   CHECK(name_of(req) == "invalid: request head larger than 16384 bytes");
   CHECK(name_of(std::string(kMaxInspect, '\n')) == "invalid: request head larger than 16384 bytes");
 }
+
+// ---- Where a request ends: the requests after the first (pin/http_follow.h) ---------------
+
+#include "pin/http_follow.h"
+
+namespace {
+
+// Heads (names, "-" for none) of a stream fed whole, then cut after every byte; "invalid: why"
+// last if refused. Both cuts must agree.
+std::vector<std::string> follow(std::string_view s) {
+  auto run = [&](std::size_t piece) {
+    HttpRequestStream st;
+    std::vector<std::string> out;
+    for (std::size_t off = 0; off < s.size(); off += piece) {
+      const auto step = st.feed(as_bytes(s.substr(off, piece)));
+      for (const auto& h : step.heads) out.push_back(h ? *h : "-");
+      if (step.invalid) {
+        out.push_back("invalid: " + *step.invalid);
+        break;
+      }
+    }
+    return out;
+  };
+  const auto whole = run(s.size() + 1);
+  CHECK(run(1) == whole);
+  return whole;
+}
+
+using V = std::vector<std::string>;
+
+}  // namespace
+
+TEST_CASE("a head says where its body ends: Content-Length, chunked, or no body") {
+  auto head = [](std::string_view s) { return read_http_head(as_bytes(s)); };
+  const auto none = head("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nrest");
+  CHECK(none.parse.verdict == Verdict::complete);
+  CHECK(none.size == 32);
+  CHECK(none.body == HttpHead::Body::none);
+  const auto len = head("\r\nPOST / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 12\r\n\r\n");
+  CHECK(len.size == 55);
+  CHECK(len.body == HttpHead::Body::length);
+  CHECK(len.length == 12);
+  CHECK(head("POST / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").body == HttpHead::Body::chunked);
+  CHECK(head("GET / HTTP/1.1\r\nContent-Length: 0\r\n\r\n").body == HttpHead::Body::none);
+  // Framing two servers could read two ways is refused.
+  auto why = [&](std::string_view s) { return head(s).parse.reason; };
+  CHECK(why("POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n") ==
+        "more than one Transfer-Encoding or Content-Length");
+  CHECK(why("POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n") ==
+        "more than one Transfer-Encoding or Content-Length");
+  CHECK(why("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n") == "Transfer-Encoding other than chunked");
+  CHECK(why("POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\n") == "malformed Content-Length");
+  CHECK(why("POST / HTTP/1.1\r\nContent-Length: 1234567890123456789\r\n\r\n") == "malformed Content-Length");
+  CHECK(why("GET / HTTP/1.1\r\nContent-Length: 3\r\n\r\n") == "a body on a GET, HEAD, TRACE or CONNECT request");
+  CHECK(why("HEAD / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n") ==
+        "a body on a GET, HEAD, TRACE or CONNECT request");
+}
+
+TEST_CASE("later requests: each head is found after the body before it, at every cut") {
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nGET / HTTP/1.1\r\nHost: b.test\r\n\r\n") ==
+        V{"a.test", "b.test"});
+  // A body that looks like a request is a body.
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 33\r\n\r\n"
+               "GET / HTTP/1.1\r\nHost: b.test\r\n\r\n"
+               "GET / HTTP/1.1\r\nHost: c.test\r\n\r\n") == V{"a.test", "c.test"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+               "5;ext=1\r\nGET /\r\n1B\r\n HTTP/1.1\r\nHost: b.test\r\n\r\n\r\n0\r\nX-T: 1\r\n\r\n"
+               "GET http://c.test/ HTTP/1.1\r\n\r\n"
+               "GET / HTTP/1.1\r\n\r\n") == V{"a.test", "c.test", "-"});
+  // A head still incomplete is no head yet.
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nGET / HTTP/1.1\r\nHost: b.test\r\n") == V{"a.test"});
+}
+
+TEST_CASE("later requests: what cannot be read as requests is refused, naming why") {
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\n\x81\x85junk\r\n\r\n") ==
+        V{"a.test", "invalid: a later request on the connection: malformed request line"});
+  // HTTP/0.9 has no head to end: a server answers its request line alone.
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nGET http://b.test/\r\n") ==
+        V{"a.test", "invalid: a later request on the connection: request line without a version (HTTP/0.9)"});
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: b") == V{"a.test"});
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nPRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") ==
+        V{"a.test", "invalid: a later request on the connection: h2c preface"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n") ==
+        V{"a.test", "invalid: malformed http chunk size"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc") ==
+        V{"a.test", "invalid: http chunk line without CRLF"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX\r\n") ==
+        V{"a.test", "invalid: no CRLF after an http chunk"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nno colon\r\n") ==
+        V{"a.test", "invalid: malformed http trailer line"});
+  CHECK(follow("POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n1000000000000000\r\n") ==
+        V{"a.test", "invalid: malformed http chunk size"});
+  CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\n" + std::string(kMaxInspect + 1, 'x')) ==
+        V{"a.test", "invalid: a later request on the connection: request head larger than 16384 bytes"});
+}
+
+TEST_CASE("later requests: bytes let through unread are fine only inside a body of known length") {
+  HttpRequestStream s;
+  CHECK(s.feed(as_bytes("POST / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 100\r\n\r\nab")).heads.size() == 1);
+  CHECK(!s.skip(90));
+  CHECK(s.skip(9).has_value());  // 8 left
+  HttpRequestStream t;
+  (void)t.feed(as_bytes("GET / HTTP/1.1\r\nHost: a.test\r\n\r\n"));
+  CHECK(t.skip(1).has_value());
+  CHECK(!t.skip(0));
+}

@@ -50,7 +50,7 @@ TEST_CASE("a request split over segments is held, then judged whole; all held pa
   CHECK(f.stats().held == 1);
   const auto v = f.packet(2, seg(1000 + a.size(), b), t0);
   REQUIRE(v.size() == 2);
-  CHECK((v[0].packet_id == 1 && v[0].kind == K::admit && v[1].packet_id == 2 && v[1].kind == K::admit));
+  CHECK((v[0].packet_id == 1 && v[0].kind == K::follow && v[1].packet_id == 2 && v[1].kind == K::follow));
   CHECK(f.stats().admitted == 1);
   CHECK(f.stats().held == 0);
 }
@@ -215,8 +215,8 @@ TEST_CASE("admitted flows are remembered with their name; a switch cuts those th
   Judge j;
   PinFlows f(j);
   const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
-  REQUIRE(f.packet(1, seg(1, ok, 40000), t0)[0].kind == K::admit);
-  REQUIRE(f.packet(2, seg(1, ok, 40001), t0)[0].kind == K::admit);
+  REQUIRE(f.packet(1, seg(1, ok, 40000), t0)[0].kind == K::follow);
+  REQUIRE(f.packet(2, seg(1, ok, 40001), t0)[0].kind == K::follow);
   // Another protocol is admitted by address, not for a name: nothing to cut by name.
   REQUIRE(f.packet(3, seg(1, "SSH-2.0-x\r\n", 40002), t0)[0].kind == K::admit);
   CHECK(f.admitted_remembered() == 2);
@@ -241,7 +241,7 @@ TEST_CASE("the admitted-flow memory is bounded: the oldest is forgotten first") 
   for (std::uint32_t i = 0; i < kMaxAdmitted + 3; ++i) {
     Segment s = seg(1, ok, static_cast<std::uint16_t>(i % 60000));
     s.src.bytes[3] = static_cast<std::uint8_t>(i / 60000);  // distinct flows past 60000 ports
-    REQUIRE(f.packet(i, s, t0)[0].kind == K::admit);
+    REQUIRE(f.packet(i, s, t0)[0].kind == K::follow);
   }
   CHECK(f.admitted_remembered() == kMaxAdmitted);
   std::vector<std::uint16_t> ports;
@@ -259,7 +259,7 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   const std::string other = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
   Segment a = seg(1000, ok);
   a.ct_id = 7;
-  REQUIRE(f.packet(1, a, t0)[0].kind == K::admit);
+  REQUIRE(f.packet(1, a, t0)[0].kind == K::follow);
   // A straggler of the same connection: back to the hook, no new decision.
   const std::string x = "x";
   Segment straggler = seg(1000 + ok.size(), x);
@@ -287,7 +287,7 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   CHECK(f.packet(6, again, t0)[0].kind == K::reset);
   Segment fresh = seg(9000, ok);
   fresh.ct_id = 9;
-  CHECK(f.packet(7, fresh, t0)[0].kind == K::admit);
+  CHECK(f.packet(7, fresh, t0)[0].kind == K::follow);
 }
 
 TEST_CASE("a held connection replaced by a new one on the same four-tuple cannot lend it its bytes") {
@@ -353,7 +353,7 @@ TEST_CASE("a refused TCP flow asks for its server end to be reset at the first b
   while (ipsum >> 16) ipsum = (ipsum & 0xffff) + (ipsum >> 16);
   CHECK(ipsum == 0xffff);
   // An admitted flow asks for nothing.
-  REQUIRE(f.packet(3, seg(1, "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 40009), t0)[0].kind == K::admit);
+  REQUIRE(f.packet(3, seg(1, "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 40009), t0)[0].kind == K::follow);
   CHECK(f.take_server_resets().empty());
 }
 
@@ -425,7 +425,7 @@ TEST_CASE("first bytes the server may never take are refused: a raw socket's seg
   CHECK(f.stats().admitted == 0);
   CHECK(f.stats().reset == 4);
   // The same request from the socket is admitted.
-  CHECK(f.packet(7, seg(9000, ok, 40004), t0)[0].kind == K::admit);
+  CHECK(f.packet(7, seg(9000, ok, 40004), t0)[0].kind == K::follow);
 }
 
 TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
@@ -438,13 +438,13 @@ TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
   Segment fake = seg(900, none);
   fake.from_socket = false;
   CHECK(f.packet(1, fake, t0)[0].kind == K::pass);
-  CHECK(f.packet(2, seg(1000, ok), t0)[0].kind == K::admit);
+  CHECK(f.packet(2, seg(1000, ok), t0)[0].kind == K::follow);
   // The socket's ACK does set it: a segment past it waits for the bytes before it.
   CHECK(f.packet(3, seg(3000, none, 40001), t0)[0].kind == K::pass);
   CHECK(f.packet(4, seg(3000 + 5, ok.substr(5), 40001), t0).empty());
   const auto v = f.packet(5, seg(3000, ok.substr(0, 5), 40001), t0);
   REQUIRE(v.size() == 2);
-  CHECK(v[0].kind == K::admit);
+  CHECK(v[0].kind == K::follow);
 }
 
 namespace {
@@ -559,7 +559,7 @@ TEST_CASE("a GSO packet (64 KiB, handed over whole) is judged, and a held flow k
   // A request head and a large body in one write: admitted on the head.
   const std::string big = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 65000\r\n\r\n" +
                           std::string(65000, 'b');
-  CHECK(f.packet(1, seg(1000, big), t0)[0].kind == K::admit);
+  CHECK(f.packet(1, seg(1000, big), t0)[0].kind == K::follow);
   // Behind a gap (the socket's ACK said the stream starts 100 bytes earlier): held, and only
   // what the parsers may read is kept.
   const std::string none;
@@ -591,4 +591,103 @@ TEST_CASE("QUIC datagrams sent as one GSO batch are refused: their boundaries ca
         K::reset);
   CHECK(f.stats().admitted == 1);
   CHECK(f.stats().reset == 2);
+}
+
+TEST_CASE("an admitted HTTP connection stays followed: every later request is judged") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  const std::string other = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
+  REQUIRE(f.packet(1, seg(1000, ok), t0)[0].kind == K::follow);
+  CHECK(f.http_followed() == 1);
+  auto later = [&](std::uint32_t seq, const std::string& bytes) {
+    Segment s = seg(seq, bytes);
+    s.followed = true;
+    return s;
+  };
+  std::uint32_t next = 1000 + static_cast<std::uint32_t>(ok.size());
+  // The same name again, in two segments: the first half passes (a server acts on no half head).
+  CHECK(f.packet(2, later(next, ok.substr(0, 9)), t0)[0].kind == K::pass);
+  CHECK(f.packet(3, later(next + 9, ok.substr(9)), t0)[0].kind == K::pass);
+  next += static_cast<std::uint32_t>(ok.size());
+  // A retransmission of bytes read passes; bytes after a gap wait for the stack to resend them.
+  CHECK(f.packet(4, later(next - 5, ok.substr(ok.size() - 5)), t0)[0].kind == K::pass);
+  CHECK(f.packet(5, later(next + 3, ok), t0)[0].kind == K::drop);
+  const std::string none;
+  CHECK(f.packet(6, later(next, none), t0)[0].kind == K::pass);  // an ACK
+  // Another name: reset, the server's end too, at the first byte it was not given.
+  (void)f.take_server_resets();
+  const auto v = f.packet(7, later(next, other), t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(j.reasons.back() ==
+        "a later request on the connection: http host same-ip.test to 203.0.113.10:80; address learned for allowed.test");
+  const auto rs = f.take_server_resets();
+  REQUIRE(rs.size() == 1);
+  CHECK(rs[0].seq == next);
+  CHECK(f.http_followed() == 0);
+  // Its later packets get the same answer, without another record.
+  const std::size_t records = j.reasons.size();
+  CHECK(f.packet(8, later(next, other), t0)[0].kind == K::reset);
+  CHECK(j.reasons.size() == records);
+  CHECK(f.stats().admitted == 1);
+  CHECK(f.stats().reset == 1);
+  CHECK(f.stats().inspected == 2);
+}
+
+TEST_CASE("a followed connection the reader does not know is refused, never let through unread") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  Segment s = seg(5000, ok);
+  s.followed = true;  // the kernel says followed: egressd restarted since
+  CHECK(f.packet(1, s, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("http connection followed before egressd restarted"));
+  const std::string none;
+  Segment fin = seg(7000, none, 40001);
+  fin.followed = true;
+  fin.fin = true;
+  CHECK(f.packet(2, fin, t0)[0].kind == K::pass);  // closing is fine
+  // Raw segments and urgent data on a followed connection: refused as on a new one.
+  REQUIRE(f.packet(3, seg(1, ok, 40002), t0)[0].kind == K::follow);
+  Segment raw = seg(1 + static_cast<std::uint32_t>(ok.size()), ok, 40002);
+  raw.followed = true;
+  raw.from_socket = false;
+  CHECK(f.packet(4, raw, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "tcp segment written by a raw socket, not by the connection's socket");
+  REQUIRE(f.packet(5, seg(1, ok, 40003), t0)[0].kind == K::follow);
+  Segment urg = seg(1 + static_cast<std::uint32_t>(ok.size()), none, 40003);
+  urg.followed = true;
+  urg.urg = true;
+  CHECK(f.packet(6, urg, t0)[0].kind == K::reset);
+}
+
+TEST_CASE("pipelined requests held with the first are judged before any leaves; followed flows are bounded") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  const std::string other = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
+  const auto v = f.packet(1, seg(1, ok + other), t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("a later request on the connection: http host same-ip.test"));
+  CHECK(f.http_followed() == 0);
+  CHECK(f.admitted_remembered() == 0);
+  // A first write larger than what is kept: fine inside its body, refused past it.
+  const std::string body(20000, 'b');
+  const std::string post = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 20000\r\n\r\n" + body;
+  CHECK(f.packet(2, seg(1, post, 40001), t0)[0].kind == K::follow);
+  CHECK(f.packet(3, seg(1, post + ok, 40002), t0)[0].kind == K::reset);
+  // The oldest followed connection is forgotten past the bound; its next request is refused.
+  for (std::uint32_t i = 0; i < kMaxHttpFollowed; ++i) {
+    Segment s = seg(1, ok, static_cast<std::uint16_t>(41000 + i));
+    REQUIRE(f.packet(10 + i, s, t0)[0].kind == K::follow);
+  }
+  CHECK(f.http_followed() == kMaxHttpFollowed);
+  Segment oldest = seg(1 + static_cast<std::uint32_t>(post.size()), ok, 40001);
+  oldest.followed = true;
+  CHECK(f.packet(9000, oldest, t0)[0].kind == K::reset);
+  Segment newest = seg(1 + static_cast<std::uint32_t>(ok.size()), ok, static_cast<std::uint16_t>(41000 + kMaxHttpFollowed - 1));
+  newest.followed = true;
+  CHECK(f.packet(9001, newest, t0)[0].kind == K::pass);
 }
