@@ -182,6 +182,8 @@ void pop_oldest(Order& order, Map& map) {
 
 constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
+constexpr const char* kUrgentPinnedReason =
+    "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
 
 std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
@@ -258,6 +260,18 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     if (seg.followed) return http_packet(id, key, seg, now);
     // A new connection on the addresses and ports of a followed one.
     if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id != seg.ct_id) forget_followed(key);
+    // Urgent data on a flow whose bytes are not held: an admitted one (the
+    // server would take a byte out of what it has not read yet), or an
+    // undecided one, where a payload-less segment's urgent pointer names a
+    // byte still to come (written with a raw socket). Refused either way.
+    if (seg.urg && !flows_.contains(key)) {
+      // An undecided flow's server end waits at the stream's start: reset it there.
+      if (auto st = starts_.find(key);
+          st != starts_.end() && st->second.ct_id == seg.ct_id && server_resets_.size() < kMaxFlows) {
+        server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, st->second.seq});
+      }
+      return refuse_decided(id, key, seg, kUrgentPinnedReason, now);
+    }
   }
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {

@@ -185,6 +185,11 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
+        // Urgent data, on any flow to such an address (chain active keeps it
+        // off the fast path): the server's stack takes the urgent byte out of
+        // the stream, so what the reader judged is not what the server reads
+        // (the reader refuses it).
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchTcpFlagUrg{}, StmtVerdict{VerdictKind::goto_, kPinChain}}, ""});
         // A QUIC flow's long-header packets (its handshake) come here even
         // once it is decided (chain active keeps them off the fast path), so
         // the reader sees every Initial: a second connection on the same
@@ -241,11 +246,13 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
   // longer than one datagram (a GSO batch, which can hide one after a short
   // header), walk the phase chain even on a decided flow, where pinning sees
   // them (phase chain).
+  // So do TCP segments with urgent data (pinning refuses them).
   if (pin && st.mode == Mode::allowlist) {
     r.push_back({{MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{}, StmtVerdict{VerdictKind::goto_, target}}, ""});
     r.push_back({{MatchDport{kUdp, kQuicPort}, MatchMetaLengthOver{kQuicOneDatagramMax},
                   StmtVerdict{VerdictKind::goto_, target}},
                  ""});
+    r.push_back({{MatchTcpFlagUrg{}, StmtVerdict{VerdictKind::goto_, target}}, ""});
   }
   r.push_back({{MatchCtMark{st.mark}, StmtCounter{}, to_pass()}, st.to_comment()});
   if (guarded) {

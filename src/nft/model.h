@@ -107,6 +107,8 @@ struct MatchCtMark { std::uint32_t value; };
 // tcp flags syn: the SYN bit is set (emits meta l4proto tcp + the flags
 // byte, masked, compared with zero).
 struct MatchTcpFlagSyn {};
+// `tcp flags urg` (loads the protocol itself).
+struct MatchTcpFlagUrg {};
 // meta l4proto <proto> (6 tcp, 17 udp)
 struct MatchL4Proto { std::uint8_t proto; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
@@ -199,7 +201,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
-                          MatchCtMark, MatchTcpFlagSyn, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchCtMark, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;

@@ -476,6 +476,12 @@ class RuleBuilder {
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
     bit_test_u8(0x02);                              // SYN
   }
+  void operator()(const MatchTcpFlagUrg&) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(IPPROTO_TCP);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
+    bit_test_u8(0x20);                              // URG
+  }
   void operator()(const MatchL4Proto& m) {
     meta(NFT_META_L4PROTO);
     cmp_u8(m.proto);

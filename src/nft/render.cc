@@ -137,6 +137,7 @@ struct StmtText {
   }
   std::string operator()(const MatchCtMark& m) const { return "ct mark " + hex32(m.value); }
   std::string operator()(const MatchTcpFlagSyn&) const { return "tcp flags syn"; }
+  std::string operator()(const MatchTcpFlagUrg&) const { return "tcp flags urg"; }
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);

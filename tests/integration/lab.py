@@ -497,7 +497,7 @@ _NFT_QUEUE: list[bool] = []
 
 def nft_loadable(text: str, scratch) -> str:
     """`text` (an `egressd render` script) as nft -f can load it on this kernel. Without
-    nft_queue (CONFIG_NFT_QUEUE) nft cannot load pinning's `queue num 16` (egressd sends the
+    nft_queue (CONFIG_NFT_QUEUE) nft cannot load pinning's `queue num 16` (17, 18; egressd sends the
     xtables NFQUEUE target instead, which nft lists the same way but cannot parse), so the
     rule becomes a commented drop: same rule count, and test_enforcer.normalize_ruleset turns
     it back. `scratch()` gives a namespace for the one probe (nft -c: nothing is loaded); it
@@ -506,7 +506,7 @@ def nft_loadable(text: str, scratch) -> str:
         cp = run(["ip", "netns", "exec", scratch().name, "nft", "-c", "-f", "-"], check=False,
                  input="table inet egressd_probe { chain c { queue num 16 } }\n")
         _NFT_QUEUE.append(cp.returncode == 0)
-    return text if _NFT_QUEUE[0] else text.replace("queue num 16", 'drop comment "pin-queue"')
+    return text if _NFT_QUEUE[0] else re.sub(r"queue num (\d+)", r'drop comment "pin-queue \1"', text)
 
 
 class Netns:

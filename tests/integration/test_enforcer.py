@@ -526,7 +526,7 @@ def normalize_ruleset(text: str) -> str:
     # kernel with xt_NFQUEUE), which nft lists as `queue num N` after a warning line; see
     # nft_loadable for kernels without nft_queue.
     text = re.sub(r"^# Warning: table \S+ \S+ is managed by iptables-nft, do not touch!\n", "", text, flags=re.M)
-    text = text.replace('drop comment "pin-queue"', "queue num 16")
+    text = re.sub(r'drop comment "pin-queue (\d+)"', r"queue num \1", text)
     text = re.sub(r"\s*# handle \d+", "", text)
     text = re.sub(r"(meta mark|socket mark) (!= |set )?0x[0-9a-f]{8}", r"\1 \2SECRET", text)
     text = re.sub(r"meta priority (set )?[0-9a-f]+:[0-9a-f]+", r"meta priority \1SECRET", text)

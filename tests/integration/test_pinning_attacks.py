@@ -190,6 +190,65 @@ def test_a_first_segment_written_with_a_raw_socket_is_refused(lab, pinned, addr,
     assert any("written by a raw socket" in (r.get("pin") or "") for r in records), records
 
 
+def test_an_urgent_pointer_sent_ahead_of_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
+    """With Docker's default NET_RAW, a sandbox process writes a payload-less ACK with URG whose
+    urgent pointer names a byte of the request its socket sends next. The ACK carried no bytes,
+    so it passed; the server's stack then took the named byte (the X of
+    "Host: allowed.test\\r\\nXHost: same-ip.test") out of the stream: one Host to the reader, two
+    to the server, which answered for the last. Urgent data on a pinned flow is refused."""
+    import subprocess
+    p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                   "/usr/bin/python3", str(labmod.HERE / "pin_insert.py"), labmod.SANDBOX_IF, V4,
+                   HTTP_PORT, "urgent-ack"],
+                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the urgent ACK").strip() == "inserted"
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
+    assert "same-ip.test" not in result.get("data", ""), f"the server answered for same-ip.test: {result}"
+    assert result["outcome"] == "reset", result
+    records = pinned.request({"cmd": "denied"})["records"]
+    assert any("tcp urgent data on a pinned flow" in (r.get("pin") or "") for r in records), records
+
+
+@pytest.mark.parametrize("proto", ["tls", "http"])
+def test_urgent_data_after_admission_is_refused(lab, pinned, proto):  # noqa: F811
+    """After admission the kernel passed a TLS flow unread, so a byte sent with MSG_OOB was
+    taken out of what the server had received and not yet read (a raw segment with an old
+    sequence number can point it there): the server's stack dropped the byte and went on
+    (the echo server answered the next write). Urgent data to a pinned address never takes
+    the fast path: the segment is refused and never reaches the server, so nothing after it
+    does either (the client's socket times out, as a cut flow's does); a followed HTTP
+    connection is reset."""
+    import os
+
+    def run():
+        with connect(lab, V4, TLS_PORT if proto == "tls" else HTTP_PORT) as s:
+            if proto == "http":
+                s.sendall(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n\r\n")
+                assert s.recv(4096).endswith(b"host=allowed.test")
+                s.send(b"!", socket.MSG_OOB)
+                return s.recv(4096)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            t = ctx.wrap_socket(s, server_hostname="allowed.test")
+            t.sendall(b"one")
+            assert t.recv(100) == b"tls:one"
+            # An SSL socket takes no flags: the same connection through a second descriptor.
+            with socket.socket(fileno=os.dup(t.fileno())) as plain:
+                plain.send(b"!", socket.MSG_OOB)
+            t.sendall(b"two")
+            return t.recv(100)
+    res = outcome(run)
+    if proto == "http":
+        assert_reset(res, "urgent data on a followed http connection")
+    else:
+        assert res[0] != "ok", f"the server read past the urgent byte: {res}"
+    records = pinned.request({"cmd": "denied"})["records"]
+    assert any("urgent data" in (r.get("pin") or "") for r in records), records
+
+
 def test_urgent_data_in_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
     """No capability needed: a byte sent with MSG_OOB is the urgent byte, which the server's
     stack takes out of the stream (SO_OOBINLINE is off by default) while the reader saw it in

@@ -565,7 +565,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
   // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
   // the learned set as before (flows decided under another phase).
-  REQUIRE(rules.size() == 23);
+  REQUIRE(rules.size() == 25);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[2] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
@@ -576,22 +576,25 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
         "0x7ffffffc goto pass");
   CHECK(rules[4] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
   CHECK(rules[5] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc goto pin");
+  // Urgent data, decided flow or not: the reader refuses it (the server would take a byte out).
+  CHECK(rules[6] == "ip daddr @ph_agent_d4 tcp flags urg goto pin");
   // QUIC: UDP 443 only; other UDP ports are decided by the address. The reader's admit
   // holds on a decided flow too, and a decided flow's long-header packets (its handshake's:
   // a second connection's Initials) go to the reader as well.
-  CHECK(rules[6] ==
+  CHECK(rules[7] ==
         "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[7] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
   // ... and so do packets longer than one datagram (a GSO batch can hide an Initial after
   // a short-header packet).
-  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
-  CHECK(rules[10] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[15] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
-  CHECK(rules[18] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[19] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
-  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[10] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[11] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[17] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
+  CHECK(rules[18] == "ip6 daddr @ph_agent_d6 tcp flags urg goto pin");
+  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[21] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[22] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
   CHECK(pin_follow_mark(o.pass_mark) == 0x8f9e8c8d);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
@@ -605,14 +608,16 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   for (const auto& r : active->rules) act.push_back(render_rule(r));
   const auto lh = std::find(act.begin(), act.end(), "udp dport 443 @th,64,8 & 0x80 == 0x80 goto ph_agent");
   REQUIRE(lh != act.end());
-  REQUIRE(lh + 2 < act.end());
+  REQUIRE(lh + 3 < act.end());
   CHECK(lh[1] == "udp dport 443 meta length > 1500 goto ph_agent");
-  CHECK(lh[2].starts_with("ct mark 0x45470002 counter goto pass"));
+  CHECK(lh[2] == "tcp flags urg goto ph_agent");
+  CHECK(lh[3].starts_with("ct mark 0x45470002 counter goto pass"));
   for (const char* other : {"environment", "verifier"}) {
     const Table ot = build_table(p, nullptr, named(p, other, 2), o);
     for (const auto& r : find_chain(ot, "active")->rules) {
       CHECK(render_rule(r).find("@th,64,8") == std::string::npos);
       CHECK(render_rule(r).find("meta length") == std::string::npos);
+      CHECK(render_rule(r).find("tcp flags urg") == std::string::npos);
     }
   }
 

@@ -691,3 +691,32 @@ TEST_CASE("pipelined requests held with the first are judged before any leaves; 
   newest.followed = true;
   CHECK(f.packet(9001, newest, t0)[0].kind == K::pass);
 }
+
+TEST_CASE("urgent data on a pinned flow is refused whatever its state: ahead of the first bytes, after admission") {
+  Judge j;
+  PinFlows f(j);
+  const std::string none;
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\nXHost: same-ip.test\r\n\r\n";
+  // A payload-less ACK with URG (a raw socket's) names a byte still to come: refused, and
+  // the server's end is reset where the stream starts (the socket's handshake ACK said where).
+  CHECK(f.packet(1, seg(1000, none), t0)[0].kind == K::pass);
+  Segment ahead = seg(1000, none);
+  ahead.urg = true;
+  ahead.from_socket = false;
+  CHECK(f.packet(2, ahead, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("tcp urgent data on a pinned flow"));
+  const auto rs = f.take_server_resets();
+  REQUIRE(rs.size() == 1);
+  CHECK(rs[0].seq == 1000);
+  // The bytes that follow belong to a refused flow.
+  CHECK(f.packet(3, seg(1000, ok), t0)[0].kind == K::reset);
+  CHECK(f.stats().admitted == 0);
+  // After admission (a TLS flow takes the fast path; chain active sends URG here).
+  const std::string tls_other = "SSH-2.0-x\r\n";
+  REQUIRE(f.packet(4, seg(1, tls_other, 40001), t0)[0].kind == K::admit);
+  const std::string bang = "!";
+  Segment oob = seg(100, bang, 40001);
+  oob.urg = true;
+  CHECK(f.packet(5, oob, t0)[0].kind == K::reset);
+  CHECK(f.admitted_remembered() == 0);
+}
