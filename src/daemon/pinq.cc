@@ -449,7 +449,7 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   if (!bad && f.extent > bytes.size()) bad = h.requests.skip(f.extent - bytes.size());
   if (bad) {
     forget_admitted(it->first);
-    return reset_flow(it, "http " + *bad, now);
+    return reset_flow(it, *bad, now);
   }
   const pin::PinFacts& facts = judge_.pin_facts();
   for (std::size_t i = 1; i < step.heads.size(); ++i) {
@@ -522,7 +522,7 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
   if (step.invalid) {
     pin::Decision d;
     d.kind = pin::Decision::Kind::reset;
-    d.reason = "http " + *step.invalid;
+    d.reason = *step.invalid;
     return refuse_followed(id, key, seg, std::move(d), server_seq, now);
   }
   for (const auto& name : step.heads) {
