@@ -492,22 +492,19 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
     // The kernel says followed, the reader does not know the connection (it
     // restarted, or forgot it for newer ones): its next request could not be
     // judged, so it is refused rather than let through unread.
-    pin::Decision d;
-    d.kind = pin::Decision::Kind::reset;
-    d.reason = "http connection followed before egressd restarted, or one of more than 4096 followed at once";
-    return refuse_followed(id, key, seg, std::move(d), seg.seq, now);
+    return refuse_followed(id, key, seg,
+                           "http connection followed before egressd restarted, or one of more than 4096 followed at once",
+                           seg.seq, now);
   }
   HttpFollowed& h = hf->second;
   http_lru_.splice(http_lru_.begin(), http_lru_, h.lru);
-  auto refuse = [&](const std::string& why) {
-    pin::Decision d;
-    d.kind = pin::Decision::Kind::reset;
-    d.reason = why;
-    return refuse_followed(id, key, seg, std::move(d), h.next, now);
-  };
   // The bytes read must be the bytes the server takes (as for the first ones).
-  if (!seg.payload.empty() && !seg.from_socket) return refuse(kRawReason);
-  if (seg.urg) return refuse("tcp urgent data on a followed http connection (the server's stack takes it out of the stream)");
+  if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, h.next, now);
+  if (seg.urg) {
+    return refuse_followed(id, key, seg,
+                           "tcp urgent data on a followed http connection (the server's stack takes it out of the stream)",
+                           h.next, now);
+  }
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
   const auto ahead = static_cast<std::int32_t>(seg.seq - h.next);
   // Bytes after a gap: the ones before them have not come through here yet
@@ -519,35 +516,25 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
   const pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(seg.payload.data() + seen, seg.payload.size() - seen));
   const std::uint32_t server_seq = h.next;
   h.next = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
-  if (step.invalid) {
-    pin::Decision d;
-    d.kind = pin::Decision::Kind::reset;
-    d.reason = *step.invalid;
-    return refuse_followed(id, key, seg, std::move(d), server_seq, now);
-  }
+  if (step.invalid) return refuse_followed(id, key, seg, *step.invalid, server_seq, now);
   for (const auto& name : step.heads) {
     if (name && *name == h.name) continue;
-    pin::Decision d =
+    const pin::Decision d =
         pin::decide(pin::PinProto::http, pin::Parse::complete_with(name), h.dst, h.dport, judge_.pin_facts());
     if (d.kind == pin::Decision::Kind::admit) continue;
-    d.reason = "a later request on the connection: " + d.reason;
-    return refuse_followed(id, key, seg, std::move(d), server_seq, now);
+    return refuse_followed(id, key, seg, "a later request on the connection: " + d.reason, server_seq, now);
   }
   return {{id, PinVerdict::Kind::pass}};
 }
 
-// A followed connection refused: the client gets a reset, the server's end
-// too (at the first byte it has not been given).
+// A followed connection refused as any decided flow is; the server's end is
+// reset too (at the first byte it has not been given).
 std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key, const Segment& seg,
-                                                  pin::Decision d, std::uint32_t server_seq, Clock::time_point now) {
+                                                  const std::string& why, std::uint32_t server_seq,
+                                                  Clock::time_point now) {
   forget_followed(key);
-  forget_admitted(key);
-  ++stats_.inspected;
-  ++stats_.reset;
-  judge_.pin_decided(d, seg.dst, seg.dport);
-  set_decided(key, {false, now, seg.ct_id});
   if (server_resets_.size() < kMaxFlows) server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, server_seq});
-  return {{id, PinVerdict::Kind::reset}};
+  return refuse_decided(id, key, seg, why, now);
 }
 
 // A datagram of an undecided UDP flow to port 443: QUIC Initials whose
@@ -595,7 +582,8 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
   return refuse_decided(id, key, seg, "quic Initial after the flow was admitted: " + r.reason, now);
 }
 
-// A datagram of a decided QUIC flow, refused: the flow is refused from now on.
+// A packet of a decided flow (a QUIC datagram, a TCP segment with urgent
+// data, a followed HTTP connection's), refused: the flow is refused from now on.
 std::vector<PinVerdict> PinFlows::refuse_decided(PinPacketId id, const Key& key, const Segment& seg,
                                                  const std::string& why, Clock::time_point now) {
   followed_.erase(key);

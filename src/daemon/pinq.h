@@ -210,7 +210,7 @@ class PinFlows {
   std::vector<PinVerdict> follow_http(std::map<Key, Flow>::iterator it, const std::string& name,
                                       Clock::time_point now);
   std::vector<PinVerdict> http_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
-  std::vector<PinVerdict> refuse_followed(PinPacketId id, const Key& key, const Segment& seg, pin::Decision d,
+  std::vector<PinVerdict> refuse_followed(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
                                           std::uint32_t server_seq, Clock::time_point now);
   void forget_followed(const Key& key);
   static std::uint64_t fingerprint(const Segment& seg);
