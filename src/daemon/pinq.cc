@@ -8,6 +8,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <fmt/format.h>
+
 #include <boost/asio/steady_timer.hpp>
 #include <algorithm>
 #include <cerrno>
@@ -29,6 +31,7 @@ namespace {
 constexpr std::uint8_t kTcp = Segment::kTcp;
 constexpr std::uint8_t kUdp = Segment::kUdp;
 constexpr int kMaxExtHeaders = 8;
+constexpr std::uint8_t kTcpOptMd5 = 19, kTcpOptAo = 29;
 // Room for one whole packet: the kernel hands GSO packets over segmented.
 constexpr std::uint32_t kCopyRange = 0xffff;
 // Packets the kernel may hold for the reader before it drops new ones (no
@@ -68,6 +71,8 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
     if ((be16(pkt, 6) & 0x3fff) != 0) return std::nullopt;  // a fragment (MF or an offset)
     if (pkt[9] != kTcp && pkt[9] != kUdp) return std::nullopt;
     s.proto = pkt[9];
+    s.ip_options = ihl > 20;
+    s.ttl = pkt[8];
     s.src = addr(pkt, 12, 4);
     s.dst = addr(pkt, 16, 4);
     off = ihl;
@@ -88,6 +93,8 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
     }
     if (nh != kTcp && nh != kUdp) return std::nullopt;
     s.proto = nh;
+    s.ip_options = off > 40;
+    s.ttl = pkt[7];
   } else {
     return std::nullopt;
   }
@@ -111,6 +118,20 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   s.syn = (flags & 0x02) != 0;
   s.rst = (flags & 0x04) != 0;
   s.urg = (flags & 0x20) != 0;
+  // TCP options: kind 0 ends the list, kind 1 is one byte, every other has a
+  // length; a malformed list is read as far as it goes (the server's stack
+  // ignores the rest, so it cannot hide a signature from it either).
+  for (std::size_t i = off + 20; i < off + doff;) {
+    const std::uint8_t kind = pkt[i];
+    if (kind == 0) break;
+    if (kind == 1) {
+      ++i;
+      continue;
+    }
+    if (kind == kTcpOptMd5 || kind == kTcpOptAo) s.tcp_signature = true;
+    if (i + 1 >= off + doff || pkt[i + 1] < 2) break;
+    i += pkt[i + 1];
+  }
   s.payload = pkt.subspan(off + doff, end - off - doff);
   return s;
 }
@@ -185,6 +206,21 @@ constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their 
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
+
+// Why the path or the server may drop a segment of the first bytes that the
+// connection's socket wrote (Segment::ip_options ...): once the flow is
+// admitted, the kernel lets it through unread, and a raw socket could write
+// other bytes at the sequence numbers of the lost ones. Every Linux stack
+// sends its first segments with a TTL of 64 (the default) or more.
+constexpr std::uint8_t kMinJudgedTtl = 64;
+static std::optional<std::string> droppable(const Segment& seg) {
+  std::string what;
+  if (seg.ip_options) what = seg.src.family == 4 ? "ip options" : "ipv6 extension headers";
+  else if (seg.tcp_signature) what = "a tcp signature option (md5 or ao) the server may have no key for";
+  else if (seg.ttl < kMinJudgedTtl) what = fmt::format("{} {}, below {}", seg.src.family == 4 ? "ttl" : "hop limit", seg.ttl, kMinJudgedTtl);
+  else return std::nullopt;
+  return "tcp segment the path or the server may drop (" + what + "): the server could take other bytes than those judged";
+}
 
 std::vector<std::uint8_t> PinFlows::stream(const Flow& f) {
   std::vector<std::uint8_t> out;
@@ -382,6 +418,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   // the server's stack, so it reads other bytes than these.
   if (!seg.from_socket) return reset_flow(it, kRawReason, now);
   if (seg.urg) return reset_flow(it, kUrgentReason, now);
+  if (const auto why = droppable(seg)) return reset_flow(it, *why, now);
   // Sequence numbers relative to the first byte held (mod 2^32). A segment
   // that starts before it (reordered) moves the start back.
   std::uint32_t rel = seg.seq - f.base;

@@ -77,6 +77,16 @@ struct Segment {
   std::uint32_t ct_id = 0;  // the flow's conntrack id (chain pin puts it in the packet's mark)
   bool syn = false, fin = false, rst = false;
   bool urg = false;  // TCP: the urgent flag (a byte the server's stack takes out of the stream)
+  // What the path or the server may drop a segment for though the
+  // connection's own socket wrote it (a socket option set it, no capability
+  // needed): IPv4 options or IPv6 extension headers (routers drop them,
+  // hosts drop source routes), a TCP signature option the server has no key
+  // for (MD5, RFC 2385; TCP-AO, RFC 5925), a TTL or hop limit low enough to
+  // run out on the way. Judged bytes that never arrive let a raw socket write
+  // others at the same sequence numbers once the flow is admitted.
+  bool ip_options = false;
+  bool tcp_signature = false;
+  std::uint8_t ttl = 0;  // IPv4 TTL, IPv6 hop limit
   // Written by the connection's own TCP socket. The queue tells: the stack
   // leaves a TCP segment's checksum to the device (CHECKSUM_PARTIAL, the
   // queue's NFQA_SKB_CSUMNOTREADY), a raw socket writes it itself. A segment

@@ -4,7 +4,7 @@
     pin_servers.py CERT KEY ADDR...
 
 On every ADDR: TLS on 8443 (any SNI; after the handshake it answers each read with
-b"tls:" + what it read), HTTP on 8081 (answers every request head with 200 and the Host it
+b"tls:" + what it read, and a read of b"sni?" with b"sni=" + the server name it was sent), HTTP on 8081 (answers every request head with 200 and the Host it
 saw; keep-alive when asked), and a server-speaks-first banner service on 2222 ("SSH-2.0-lab\r\n", then echo).
 Prints "ready" once every socket listens. Stdlib only.
 """
@@ -29,6 +29,9 @@ def tls_handler(ctx):
                     data = s.recv(4096)
                     if not data:
                         return
+                    if data == b"sni?":
+                        s.sendall(b"sni=" + getattr(s, "sni", "").encode())
+                        continue
                     s.sendall(b"tls:" + data)
         except (OSError, ssl.SSLError):
             pass
@@ -108,6 +111,10 @@ def main():
     cert, key, addrs = sys.argv[1], sys.argv[2], sys.argv[3:]
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
+
+    def remember_sni(sock, name, _ctx):
+        sock.sni = name or ""
+    ctx.sni_callback = remember_sni
     for addr in addrs:
         fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
         for port, handler in ((8443, tls_handler(ctx)), (8081, http_handler), (2222, banner_handler)):

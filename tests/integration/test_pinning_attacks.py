@@ -532,3 +532,35 @@ def test_a_followed_connection_is_refused_after_a_restart_not_let_through(lab, p
     s.close()
     assert_reset(res, "a request on a connection followed before the restart")
     assert any("followed before egressd restarted" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
+@pytest.mark.parametrize("addr,loss", [(V4, "ip-options"), (V6, "ipv6-options"), (V4, "tcp-md5"), (V6, "tcp-md5"),
+                                       (V4, "ttl"), (V6, "ttl")])
+def test_a_hello_the_server_drops_cannot_be_overwritten_after_admission(lab, pinned, addr, loss):  # noqa: F811
+    """The reader judged the first copy of a ClientHello; after admission the kernel passes the
+    flow unread. A sandbox process sets a loss on its own socket (IPv4 options, which routers
+    may drop; an IPv6 destination option that tells the server to discard the packet; a TCP MD5
+    signature the server has no key for; a TTL that runs out at the first router), sends a hello naming allowed.test, which the reader admits
+    and the server drops, then writes a hello naming same-ip.test at the same sequence numbers
+    with Docker's NET_RAW: the server took it and finished the handshake for same-ip.test.
+    Before: the server answered "sni=same-ip.test" (IPv6 options and MD5; this lab's server is on
+    the sandbox's gateway, so IPv4 options and a TTL of 1 reach it). A judged segment must be
+    one the server takes as it is: IP options, an IPv6 extension header, a TCP signature option
+    or a TTL below 64 reset the flow."""
+    import subprocess
+    before = pin_counts(pinned)
+    p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                   "/usr/bin/python3", str(labmod.HERE / "pin_overwrite.py"), labmod.SANDBOX_IF, addr,
+                   TLS_PORT, loss],
+                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = labmod._read_line(p, 10.0, "the shown hello").strip()
+    assert line == "sent", line
+    wait_for(lambda: pin_counts(pinned) != before, 3.0, "the reader to judge the shown hello")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
+    assert "same-ip.test" not in result.get("data", ""), f"the server finished a handshake for same-ip.test: {result}"
+    admitted, reset = pin_counts(pinned)
+    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    records = pinned.request({"cmd": "denied"})["records"]
+    assert any("server may drop" in (r.get("pin") or "") for r in records), records

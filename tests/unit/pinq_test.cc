@@ -33,6 +33,7 @@ Segment seg(std::uint32_t seq, const std::string& bytes, std::uint16_t sport = 4
   s.dport = 80;
   s.seq = seq;
   s.from_socket = true;
+  s.ttl = 64;
   s.payload = {reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()};
   return s;
 }
@@ -121,6 +122,107 @@ TEST_CASE("parse_packet reads IPv4 and refuses fragments and truncation") {
   CHECK_FALSE(parse_packet(p).has_value());
   p[6] = 0;
   CHECK_FALSE(parse_packet(std::span(p).first(30)).has_value());
+}
+
+namespace {
+
+// An IPv4 TCP segment from 192.0.2.2 to 203.0.113.10:80 carrying `payload`,
+// with `ip_opts` after the IP header and `tcp_opts` after the TCP header
+// (each a multiple of 4 bytes).
+std::vector<std::uint8_t> tcp4(const std::string& payload, std::uint8_t ttl, const std::vector<std::uint8_t>& ip_opts = {},
+                               const std::vector<std::uint8_t>& tcp_opts = {}) {
+  const std::size_t ihl = 20 + ip_opts.size(), doff = 20 + tcp_opts.size();
+  std::vector<std::uint8_t> p(ihl + doff, 0);
+  p[0] = static_cast<std::uint8_t>(0x40 | ihl / 4);
+  p[8] = ttl;
+  p[9] = 6;
+  p[12] = 192, p[13] = 0, p[14] = 2, p[15] = 2;
+  p[16] = 203, p[17] = 0, p[18] = 113, p[19] = 10;
+  std::copy(ip_opts.begin(), ip_opts.end(), p.begin() + 20);
+  p[ihl + 3] = 80;
+  p[ihl + 7] = 1;  // seq 1
+  p[ihl + 12] = static_cast<std::uint8_t>(doff / 4 << 4);
+  p[ihl + 13] = 0x18;
+  std::copy(tcp_opts.begin(), tcp_opts.end(), p.begin() + static_cast<std::ptrdiff_t>(ihl + 20));
+  p.insert(p.end(), payload.begin(), payload.end());
+  p[2] = static_cast<std::uint8_t>(p.size() >> 8), p[3] = static_cast<std::uint8_t>(p.size());
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("first bytes in a segment the path or the server may drop are refused, not judged") {
+  // The socket wrote them, but with something it was told to add (no capability
+  // needed): the reader would admit bytes the server never takes, and a raw
+  // socket could then write others at the same sequence numbers.
+  const std::string req = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  struct Case {
+    const char* what;
+    std::vector<std::uint8_t> pkt;
+    const char* reason;
+  };
+  const std::vector<Case> cases = {
+      {"a loose source route", tcp4(req, 64, {0x83, 7, 4, 203, 0, 113, 10, 1}), "(ip options)"},
+      {"a record-route option", tcp4(req, 64, {7, 7, 4, 0, 0, 0, 0, 0}), "(ip options)"},
+      {"an MD5 signature", tcp4(req, 64, {}, {1, 1, 19, 18, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}),
+       "(a tcp signature option (md5 or ao) the server may have no key for)"},
+      {"a TCP-AO option", tcp4(req, 64, {}, {29, 4, 0, 0}), "(a tcp signature option (md5 or ao) the server may have no key for)"},
+      {"a TTL of 1", tcp4(req, 1), "(ttl 1, below 64)"},
+      {"a TTL of 63", tcp4(req, 63), "(ttl 63, below 64)"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    auto s = parse_packet(c.pkt);
+    REQUIRE(s.has_value());
+    s->from_socket = true;
+    CHECK(s->payload.size() == req.size());
+    Judge j;
+    PinFlows f(j);
+    const auto v = f.packet(1, *s, t0);
+    REQUIRE(v.size() == 1);
+    CHECK(v[0].kind == K::reset);
+    REQUIRE(!j.reasons.empty());
+    CHECK(j.reasons.back() == std::string("tcp segment the path or the server may drop ") + c.reason +
+                                  ": the server could take other bytes than those judged");
+    CHECK(f.stats().admitted == 0);
+  }
+  // Options the server's stack reads and keeps the segment for (timestamps,
+  // SACK, window scale after NOPs), a TTL of 64 or more, and a malformed list
+  // the stack stops reading at: judged as usual (an admitted HTTP request is followed).
+  for (const auto& pkt : {tcp4(req, 64, {}, {1, 1, 8, 10, 0, 0, 0, 1, 0, 0, 0, 2}), tcp4(req, 255),
+                          tcp4(req, 64, {}, {1, 1, 5, 1})}) {
+    auto s = parse_packet(pkt);
+    REQUIRE(s.has_value());
+    s->from_socket = true;
+    Judge j;
+    PinFlows f(j);
+    const auto v = f.packet(1, *s, t0);
+    REQUIRE(v.size() == 1);
+    CHECK(v[0].kind == K::follow);
+    CHECK(f.stats().admitted == 1);
+  }
+  // IPv6: an extension header before TCP, and a hop limit below 64.
+  std::vector<std::uint8_t> q(40 + 8 + 20, 0);
+  q[0] = 0x60;
+  q[5] = 28;
+  q[6] = 60;  // destination options
+  q[7] = 64;
+  q[8] = 0x20, q[9] = 0x01, q[10] = 0x0d, q[11] = 0xb8, q[23] = 2;
+  q[24] = 0x20, q[25] = 0x01, q[26] = 0x0d, q[27] = 0xb8, q[39] = 0x10;
+  q[40] = 6;  // next header TCP, length 0 (8 bytes, PadN)
+  q[42] = 1, q[43] = 4;
+  q[48 + 3] = 80;
+  q[48 + 12] = 0x50;
+  auto e = parse_packet(q);
+  REQUIRE(e.has_value());
+  CHECK(e->ip_options);
+  CHECK(e->ttl == 64);
+  q.erase(q.begin() + 40, q.begin() + 48);
+  q[5] = 20, q[6] = 6, q[7] = 5;
+  auto h = parse_packet(q);
+  REQUIRE(h.has_value());
+  CHECK_FALSE(h->ip_options);
+  CHECK(h->ttl == 5);
 }
 
 namespace {
