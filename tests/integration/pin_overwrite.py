@@ -22,7 +22,8 @@ import socket
 import ssl
 import struct
 import sys
-import time
+
+from pin_raw import csum, syn_ack
 
 iface, addr, port, loss = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 v6 = ":" in addr
@@ -55,27 +56,8 @@ src, sport = s.getsockname()[:2]
 sa, da = socket.inet_pton(fam, src), socket.inet_pton(fam, addr)
 
 
-def tcp_of(pkt):
-    if not v6:
-        if pkt[0] >> 4 != 4 or pkt[9] != 6:
-            return None
-        ihl = (pkt[0] & 15) * 4
-        return pkt[12:16], pkt[16:20], pkt[ihl:]
-    if pkt[0] >> 4 != 6 or pkt[6] != 6:
-        return None
-    return pkt[8:24], pkt[24:40], pkt[40:]
-
-
-deadline = time.monotonic() + 3.0
-while True:
-    assert time.monotonic() < deadline, "no SYN-ACK seen"
-    t = tcp_of(sniff.recv(65535))
-    if not t:
-        continue
-    psrc, pdst, th = t
-    sp, dp, seq, ack = struct.unpack("!HHII", th[:12])
-    if psrc == da and pdst == sa and sp == port and dp == sport and th[13] & 0x12 == 0x12:
-        break
+th = syn_ack(sniff, v6, sa, da, port, sport)
+seq, ack = struct.unpack("!II", th[4:12])
 srv_next, my_next = (seq + 1) & 0xffffffff, ack
 
 # The loss, set on the socket: every segment it sends from now on is dropped on the way.
@@ -107,15 +89,6 @@ except OSError as e:
     raise SystemExit(0)
 print("sent", flush=True)
 sys.stdin.readline()
-
-
-def csum(data):
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
-    while total >> 16:
-        total = (total & 0xffff) + (total >> 16)
-    return ~total & 0xffff
 
 
 tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, srv_next, 5 << 4, 0x18, 65535, 0, 0) + EVIL
