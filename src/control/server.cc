@@ -482,14 +482,29 @@ void check_socket_file(const std::shared_ptr<State>& st) {
   } else if (S_ISSOCK(s.st_mode)) {
     what = "was replaced by another socket (owner uid " + std::to_string(s.st_uid) + ", inode " +
            std::to_string(s.st_ino) + ")";
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
-      return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
   } else {
     return problem(std::string("it is now a ") + file_kind(s.st_mode) + " (owner uid " + std::to_string(s.st_uid) +
                    "), not our socket; not replacing it");
   }
-  auto fd = bind_socket(path, st->owner);
-  if (!fd) return problem("cannot bind it again: " + fd.error().message);
+  // Bound beside the path and renamed over it: an orchestrator connecting
+  // meanwhile finds the other socket or ours, never no file at all. A path too
+  // long for the extra suffix is unlinked and bound in place instead.
+  const std::string beside = path + ".new";
+  Result<UniqueFd> fd = Error::invalid("");
+  if (make_addr(beside)) {
+    fd = bind_socket(beside, st->owner);
+    if (!fd) return problem("cannot bind it again: " + fd.error().message);
+    if (::rename(beside.c_str(), path.c_str()) != 0) {
+      const int err = errno;
+      ::unlink(beside.c_str());
+      return problem("cannot put a new socket in its place: " + errno_text(err));
+    }
+  } else {
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
+    fd = bind_socket(path, st->owner);
+    if (!fd) return problem("cannot bind it again: " + fd.error().message);
+  }
   if (auto a = adopt_listener(*st, std::move(*fd)); !a) return problem(a.error().message);
   st->watch_problem.clear();
   st->log->warn("control socket path={} {}; listening there again (mode 0600)", path, what);

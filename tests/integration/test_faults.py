@@ -376,11 +376,13 @@ def test_socket_replaced_by_another_listener_is_taken_back(lab, egressd):
     impostor.listen(8)
     os.rename(tmp, d.socket_path)
     impostor_ino = os.lstat(d.socket_path).st_ino
-
-    def taken_back():
-        return os.lstat(d.socket_path).st_ino != impostor_ino and ctl_works(d)
-
-    labmod.wait_for(taken_back, SOCKET_DEADLINE, "egressd to take its socket path back from another listener")
+    # egressd puts its socket in place with a rename: an orchestrator connecting meanwhile finds
+    # the impostor or egressd, never no file. Watched with lstat as fast as it returns (bounded
+    # by the deadline), so a moment without the file raises FileNotFoundError here.
+    deadline = time.monotonic() + SOCKET_DEADLINE
+    while os.lstat(d.socket_path).st_ino == impostor_ino:
+        assert time.monotonic() < deadline, "egressd did not take its socket path back from another listener"
+    labmod.wait_for(lambda: ctl_works(d), SOCKET_DEADLINE, "egressctl to work on the path taken back")
     check_socket_is_ours(d)
     assert "was replaced by another socket" in d.log()
     impostor.close()
