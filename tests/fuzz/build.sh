@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (libFuzzer + ASan + UBSan) into build-fuzz/ (or
-# $FUZZ_BUILD_DIR): a meson build directory configured with -Dfuzz=true, -O1 -g. The
-# targets and the layers each links are listed in tests/fuzz/meson.build, the flags in the
-# top meson.build (get_option('fuzz')). Every layer's library is compiled instrumented;
-# Debian's shared libraries (yaml-cpp, spdlog, fmt, ...) are linked as they are,
-# uninstrumented; toml++ is compiled in header-only.
+# $FUZZ_BUILD_DIR): a meson build directory configured with -Dfuzz=true, -O1, line tables
+# for the sanitizers' stack traces (-gline-tables-only; full -g only made the compile
+# slower), warnings as errors. The targets and the layers each links are listed in
+# tests/fuzz/meson.build, the flags in the top meson.build (get_option('fuzz')). Every
+# layer's library is compiled instrumented; Debian's shared libraries (yaml-cpp, spdlog,
+# fmt, ...) are linked as they are, uninstrumented; toml++ is compiled in header-only.
+# The same tree holds egressd, egressctl and the unit tests built the same way: it is
+# scripts/test's sanitizer tree (`ninja -C build-fuzz` builds them all).
 #   tests/fuzz/build.sh                  # all targets; prints their paths
 #   tests/fuzz/build.sh entry_fuzz       # one target
+#   tests/fuzz/build.sh --setup          # only configures build-fuzz/ (prints its path)
 # Each target is linked to build-fuzz/<target> as well. Run them with scripts/fuzz; by
 # hand, see tests/fuzz/README.md. Environment: CXX (default clang++; read when build-fuzz/
 # is configured), NINJA_ARGS (e.g. -j1).
@@ -19,6 +23,11 @@ for f in "$root"/tests/fuzz/*_fuzz.cc; do
   f=${f##*/}
   all+=("${f%.cc}")
 done
+setup_only=0
+if [[ ${1:-} == --setup ]]; then
+  setup_only=1
+  shift
+fi
 targets=("$@")
 ((${#targets[@]})) || targets=("${all[@]}")
 for t in "${targets[@]}"; do
@@ -32,8 +41,12 @@ if [[ ! -f $out/meson-private/coredata.dat ]]; then
     rm -rf "${out:?}/obj" "$out/build.ninja" "$out/.ninja_log" "$out/.ninja_deps"
     for t in "${all[@]}"; do rm -f "${out:?}/$t"; done
   fi
-  CXX=${CXX:-clang++} meson setup "$out" "$root" -Dfuzz=true -Doptimization=1 -Ddebug=true \
-    -Db_ndebug=false >&2
+  CXX=${CXX:-clang++} meson setup "$out" "$root" -Dfuzz=true -Doptimization=1 -Ddebug=false \
+    -Dcpp_args=-gline-tables-only -Db_ndebug=false -Dwerror=true >&2
+fi
+if ((setup_only)); then
+  echo "$out"
+  exit 0
 fi
 ninja -C "$out" ${NINJA_ARGS:-} "${targets[@]/#/tests/fuzz/}" >&2
 for t in "${targets[@]}"; do

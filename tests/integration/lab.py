@@ -1424,6 +1424,10 @@ install_cleanup_handlers()
 
 def _main(argv):
     import argparse
+    import faulthandler
+    # SIGUSR1 prints every thread's stack to stderr: test_lab.py asks for it when `up` does
+    # not end within its deadline after a signal, to say where it was.
+    faulthandler.register(signal.SIGUSR1)
     ap = argparse.ArgumentParser(description="Build an egressd lab by hand, or sweep stale ones.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build a lab, print its names, keep it until Enter or Ctrl-C")

@@ -113,8 +113,12 @@ def vm_rss_kib(pid: int) -> int:
 
 
 def is_sanitized(pid: int) -> bool:
+    """ASan in the process: g++ links libasan.so, clang links its runtime into the program."""
     with open(f"/proc/{pid}/maps") as f:
-        return "libasan" in f.read()
+        if "libasan" in f.read():
+            return True
+    with open(f"/proc/{pid}/exe", "rb") as f:
+        return b"__asan_init" in f.read()
 
 
 # --- 1,000 malformed control messages ------------------------------------------------------

@@ -317,8 +317,19 @@ def test_signal_cleans_up(sig):
     try:
         p.send_signal(sig)
         # The deadline is for a loaded machine (CI's ASan suite runs beside it): cleanup kills
-        # the lab's servers and runs `ip netns` a dozen times; it failed once at 10 s there.
-        p.wait(30)
+        # the lab's servers and runs `ip netns` a dozen times; it failed once at 10 s there,
+        # and once at 30 s in a lab run of its own: then the child's stacks say where it was.
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)  # lab.py: faulthandler prints every thread's stack
+            try:
+                p.wait(2)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            pytest.fail(f"lab.py up did not end within 30 s of {sig.name}; its stderr:\n"
+                        + p.stderr.read().decode(errors="replace"))
         assert netns_names().isdisjoint({sb, inet})
     finally:
         if p.poll() is None:

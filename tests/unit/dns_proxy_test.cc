@@ -308,7 +308,7 @@ class FakeUpstream {
       framed->insert(framed->end(), c->body.begin(), c->body.end());
       asio::write(*out, asio::buffer(*framed));
       auto len = std::make_shared<std::array<std::uint8_t, 2>>();
-      asio::async_read(*out, asio::buffer(*len), [this, out, len, c, i](const boost::system::error_code& ec, std::size_t) {
+      asio::async_read(*out, asio::buffer(*len), [out, len, c, i](const boost::system::error_code& ec, std::size_t) {
         if (ec) return;
         auto body = std::make_shared<Msg>(static_cast<std::size_t>(((*len)[0] << 8) | (*len)[1]));
         asio::async_read(*out, asio::buffer(*body), [out, len, body, c, i](const boost::system::error_code& e2, std::size_t) {
