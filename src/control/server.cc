@@ -490,20 +490,15 @@ void check_socket_file(const std::shared_ptr<State>& st) {
   // meanwhile finds the other socket or ours, never no file at all. A path too
   // long for the extra suffix is unlinked and bound in place instead.
   const std::string beside = path + ".new";
-  Result<UniqueFd> fd = Error::invalid("");
-  if (make_addr(beside)) {
-    fd = bind_socket(beside, st->owner);
-    if (!fd) return problem("cannot bind it again: " + fd.error().message);
-    if (::rename(beside.c_str(), path.c_str()) != 0) {
-      const int err = errno;
-      ::unlink(beside.c_str());
-      return problem("cannot put a new socket in its place: " + errno_text(err));
-    }
-  } else {
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
-      return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
-    fd = bind_socket(path, st->owner);
-    if (!fd) return problem("cannot bind it again: " + fd.error().message);
+  const bool swap = static_cast<bool>(make_addr(beside));
+  if (!swap && ::unlink(path.c_str()) != 0 && errno != ENOENT)
+    return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
+  auto fd = bind_socket(swap ? beside : path, st->owner);
+  if (!fd) return problem("cannot bind it again: " + fd.error().message);
+  if (swap && ::rename(beside.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(beside.c_str());
+    return problem("cannot put a new socket in its place: " + errno_text(err));
   }
   if (auto a = adopt_listener(*st, std::move(*fd)); !a) return problem(a.error().message);
   st->watch_problem.clear();
