@@ -105,6 +105,31 @@ void TamperGuard::on_message(const nlmsghdr* nlh) {
     // and a few lines, not a list.
     if (turn_.found.size() < 16) turn_.found.push_back(std::move(*t));
   }
+  if (const auto c = tracker_.take_commit()) heard_commit(*c);
+}
+
+void TamperGuard::heard_commit(const nft::ChangeTracker::Commit& c) {
+  // Generations are numbered by the kernel, one per commit (0 skipped): the
+  // commit that made generation N was applied to the ruleset of N - 1. When
+  // that one was verified and the sandbox's own socket made N, the table at
+  // N is the verified one with egressd's own change: the state it keeps in
+  // step with its batches. Anyone else's commit in between takes N - 1 away
+  // (the chain breaks, the next round compares). Only the sandbox's socket:
+  // other sockets of egressd's that the tracker treats as its own are not
+  // ones whose batches keep the table in step with the phase in force.
+  if (!verified_gen_ || c.portid != sandbox_.kernel_portid()) return;
+  std::uint32_t next = *verified_gen_ + 1;
+  if (next == 0) next = 1;
+  if (c.gen == next) {
+    verified_gen_ = c.gen;
+    ++own_commits_followed_;
+  }
+}
+
+void TamperGuard::hear_queued() {
+  const auto q = sock_->read_queued([this](const nlmsghdr* nlh) { on_message(nlh); });
+  if (q.overrun) turn_.overrun = true;
+  on_turn_done();
 }
 
 void TamperGuard::on_turn_done() {
@@ -183,6 +208,11 @@ boost::asio::awaitable<void> TamperGuard::verify_loop(std::stop_token stop) {
     // Read before the dump: a commit between the two leaves a generation
     // that differs next round, and that round compares again.
     const auto gen = sandbox_.kernel_generation();
+    // The notifications of every commit up to `gen` are queued by now (the
+    // kernel sends them inside the commit): heard first, egressd's own
+    // commits since the last clean comparison (a switch, learned addresses)
+    // carry its generation forward, and a tamper among them is restored.
+    if (gen && verified_gen_ && *gen != *verified_gen_) hear_queued();
     if (gen && verified_gen_ && *gen == *verified_gen_) {
       verify_timer_.expires_after(opts_.verify_interval);
       continue;

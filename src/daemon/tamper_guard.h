@@ -10,10 +10,13 @@
 //              differs; log a `monitor_overrun` event.
 //   timer      every verify_interval, the same comparison (safety net for
 //              anything the events could not show), unless the namespace's
-//              ruleset generation is the one the last clean comparison saw:
-//              nothing in nftables changes without a commit, and every
-//              commit moves it. (200 sandboxes' dumps every 5 s on one loop
-//              delayed the other sandboxes' requests.)
+//              ruleset generation is the one the last clean comparison saw,
+//              or one the sandbox's own commits alone made from it (their
+//              NEWGENs, heard in order: heard_commit): nothing in nftables
+//              changes without a commit, and every commit moves it by one.
+//              (200 sandboxes' dumps every 5 s on one loop delayed the other
+//              sandboxes' requests; a dump after every switch and every
+//              answer's learned addresses was a tenth of an agent's CPU.)
 //   unheard    egressd's own large batches (Sandbox::kLargeBatchElements set
 //              elements or more) are sent with the subscription dropped: the
 //              kernel would write a notification per element to this socket,
@@ -102,6 +105,8 @@ class TamperGuard {
   // generation had moved since the last clean comparison, or is unknown).
   std::uint64_t verification_rounds() const { return rounds_; }
   std::uint64_t full_verifications() const { return full_rounds_; }
+  // Commits of the sandbox's own that kept the verified generation current.
+  std::uint64_t own_commits_followed() const { return own_commits_followed_; }
   std::uint64_t restores() const { return restores_; }
 
  private:
@@ -111,6 +116,10 @@ class TamperGuard {
   // (restore, log, re-dump after an overrun).
   void on_message(const nlmsghdr* nlh);
   void on_turn_done();
+  // A commit's NEWGEN: carries verified_gen_ forward over the sandbox's own.
+  void heard_commit(const nft::ChangeTracker::Commit& c);
+  // One turn of the receive loop now, over what is queued.
+  void hear_queued();
   // Coroutines, started by spawn() on the loop; `stop` is stop_'s token,
   // checked before the guard is first touched and after every wait (the
   // guard may be gone by then).
@@ -154,9 +163,11 @@ class TamperGuard {
   std::uint64_t suppressed_ = 0;
   std::uint64_t tampers_ = 0;
   std::uint64_t rounds_ = 0, full_rounds_ = 0;
-  // The ruleset generation read just before the last comparison that found
-  // the table as it should be; reset by any other outcome.
+  // A ruleset generation at which the table was as it should be: read just
+  // before a comparison that found it so (reset by any other outcome), or
+  // reached from one by the sandbox's own commits alone (heard_commit).
   std::optional<std::uint32_t> verified_gen_;
+  std::uint64_t own_commits_followed_ = 0;
   std::uint64_t restores_ = 0;
   std::uint64_t overruns_ = 0;
 };

@@ -187,6 +187,7 @@ std::optional<Tamper> ChangeTracker::feed(const nlmsghdr* nlh) {
 
 std::optional<Tamper> ChangeTracker::feed(const Event& ev) {
   if (ev.is_gen) {
+    commit_ = Commit{ev.gen_id, ev.portid};
     std::optional<Tamper> out;
     if (!pending_.empty() && !is_own(ev.portid)) {
       out = Tamper{std::move(pending_), ev.portid, ev.proc_pid, ev.proc_name, ev.gen_id};

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "egressd/result.h"
@@ -102,10 +103,19 @@ class ChangeTracker {
   // Forgets a partly seen transaction (after messages were lost, ENOBUFS).
   void reset() { pending_ = {}; }
 
+  // The last commit fed (its NEWGEN), cleared by taking it: the generation it
+  // made and the socket that committed it.
+  struct Commit {
+    std::uint32_t gen = 0;
+    std::uint32_t portid = 0;
+  };
+  std::optional<Commit> take_commit() { return std::exchange(commit_, std::nullopt); }
+
  private:
   std::string table_;
   std::vector<std::uint32_t> own_;
   TableChanges pending_;
+  std::optional<Commit> commit_;
 };
 
 }  // namespace egressd::nft

@@ -1235,11 +1235,30 @@ TEST_CASE("the verification dumps the table only when the ruleset generation mov
   REQUIRE(g.run_until(rounds_from(6), deadline));
   CHECK(g.guard->full_verifications() == 1);  // the first; then the same generation five times
 
-  // egressd's own switch: compared again once, clean.
+  // egressd's own switches, and its learned addresses, made from the
+  // verified generation: followed by their NEWGENs, no dump.
   REQUIRE(g.sb.handle({{"cmd", "apply"}, {"phase", "environment"}})["ok"] == true);
+  REQUIRE(g.sb.handle({{"cmd", "apply"}, {"mode", "allowlist"}, {"allow", nlohmann::json::array({"198.51.100.7"})}})["ok"] == true);
   std::uint64_t r = g.guard->verification_rounds();
   REQUIRE(g.run_until(rounds_from(r + 4), deadline));
+  CHECK(g.guard->full_verifications() == 1);
+  CHECK(g.guard->own_commits_followed() == 2);
+  CHECK(g.guard->tampers() == 0);
+
+  // Anyone else's commit, even one that leaves egressd's table alone (no
+  // tamper event): the next round compares, once.
+  CHECK(ns.exec("nft add table inet someone_else").status == 0);
+  r = g.guard->verification_rounds();
+  REQUIRE(g.run_until(rounds_from(r + 4), deadline));
   CHECK(g.guard->full_verifications() == 2);
+  // And egressd's own commit right after it does not skip that comparison:
+  // its generation does not follow the verified one.
+  CHECK(ns.exec("nft add table inet someone_else2").status == 0);
+  REQUIRE(g.sb.handle({{"cmd", "apply"}, {"phase", "environment"}})["ok"] == true);
+  r = g.guard->verification_rounds();
+  REQUIRE(g.run_until(rounds_from(r + 4), deadline));
+  CHECK(g.guard->full_verifications() == 3);
+  CHECK(g.guard->own_commits_followed() == 2);
   CHECK(g.guard->tampers() == 0);
 
   // A change the events do not show: the generation moved, so it is found and undone.
