@@ -183,17 +183,25 @@ class BatchWriter {
     nlmsghdr* nlh = nftnl_batch_begin(room(kMaxMsgSize), seq_++);
     len_ += NLMSG_ALIGN(nlh->nlmsg_len);
   }
+  // Only the last message asks for an ack: the kernel reports every failed
+  // message whether asked or not, and acks the last one however the messages
+  // before it went (read_acks). An ack per message was one more datagram to
+  // queue and one more recv for every message of every batch.
   void end() {
+    if (last_msg_ != kNoMessage) {
+      reinterpret_cast<nlmsghdr*>(buf_.data() + last_msg_)->nlmsg_flags |= NLM_F_ACK;
+    }
     nlmsghdr* nlh = nftnl_batch_end(room(kMaxMsgSize), seq_++);
     len_ += NLMSG_ALIGN(nlh->nlmsg_len);
   }
 
-  // Starts an nf_tables message with an ack request. The pointer is valid
-  // until finish(); no other message may be started in between.
+  // Starts an nf_tables message (end() adds the ack request to the last
+  // one). The pointer is valid until finish(); no other message may be
+  // started in between.
   nlmsghdr* start(std::uint16_t type, std::uint16_t flags, Verb verb, std::string_view object,
                   const Rule* rule = nullptr, Family family = Family::inet) {
-    nlmsghdr* nlh = nftnl_nlmsg_build_hdr(room(kMaxMsgSize), type, nfproto(family),
-                                          static_cast<std::uint16_t>(flags | NLM_F_ACK), seq_++);
+    last_msg_ = len_;
+    nlmsghdr* nlh = nftnl_nlmsg_build_hdr(room(kMaxMsgSize), type, nfproto(family), flags, seq_++);
     tags_.push_back({verb, object, rule, family});
     return nlh;
   }
@@ -223,10 +231,13 @@ class BatchWriter {
     return buf_.data() + len_;
   }
 
+  static constexpr std::size_t kNoMessage = ~std::size_t{0};
+
   BatchBuffer& buf_;
   std::vector<MsgTag>& tags_;
   std::vector<std::pair<std::string_view, std::uint32_t>> set_ids_;
   std::size_t len_ = 0;
+  std::size_t last_msg_ = kNoMessage;  // offset of the last message started
   std::uint32_t first_seq_;
   std::uint32_t seq_;
 };
@@ -1168,16 +1179,18 @@ class NetlinkKernel final : public Kernel {
     return read_acks(first_seq);
   }
 
-  // Reads one ack per message (all carry NLM_F_ACK). The kernel runs the
-  // whole batch inside sendmsg and queues the acks, so normally they are all
-  // here already; the poll bounds the wait anyway. A failed message makes the
-  // kernel abort the batch but it still acks every message, so the count
-  // stays exact; a failed commit is reported against the BEGIN message.
+  // Reads the error of every failed message and the ack of the last one
+  // (the only one with NLM_F_ACK). The kernel runs the whole batch inside
+  // sendmsg and queues them, so normally they are all here already; the
+  // poll bounds the wait anyway. A failed message makes the kernel abort the
+  // batch, but it goes on through the rest of it (to report every error) and
+  // acks the last message all the same; a failed commit, or a batch refused
+  // as a whole, is reported against the BEGIN message.
   Status read_acks(std::uint32_t first_seq) {
     const std::uint32_t begin_seq = first_seq;
     const std::uint32_t msg_seq0 = first_seq + 1;
     const std::size_t expected = tags_.size();
-    std::size_t acked = 0;
+    bool last_acked = false;
     std::size_t err_index = expected;  // first failed message, in batch order
     int err_code = 0;
     std::string err_ext;
@@ -1191,7 +1204,7 @@ class NetlinkKernel final : public Kernel {
       }
       const std::uint32_t idx = nlh->nlmsg_seq - msg_seq0;
       if (idx >= expected) return;  // not ours: stale
-      ++acked;
+      if (idx == expected - 1) last_acked = true;
       if (e->error != 0 && idx < err_index) {
         err_index = idx;
         err_code = -e->error;
@@ -1201,7 +1214,7 @@ class NetlinkKernel final : public Kernel {
     // Everything the kernel queued is read; with acks lost or the batch
     // already failed as a whole, no more are coming.
     const auto got = t_->collect(
-        on_msg, [&] { return acked >= expected; },
+        on_msg, [&] { return last_acked; },
         [&](bool overrun) { return overrun || commit_err != 0; }, std::chrono::milliseconds(kReplyTimeoutMs));
     const bool lost = got.overrun;
     if (got.error != 0 && got.error != ETIMEDOUT) return errno_error("receive acks", got.error);
@@ -1218,9 +1231,9 @@ class NetlinkKernel final : public Kernel {
       return Error::runtime("batch of " + std::to_string(expected) +
                             " messages: acks lost (netlink receive buffer overrun); outcome unknown");
     }
-    if (acked < expected) {
-      return Error::runtime("batch of " + std::to_string(expected) + " messages: " + std::to_string(expected - acked) +
-                            " not acked by the kernel within " + std::to_string(kReplyTimeoutMs) + " ms");
+    if (!last_acked) {
+      return Error::runtime("batch of " + std::to_string(expected) + " messages: not acked by the kernel within " +
+                            std::to_string(kReplyTimeoutMs) + " ms");
     }
     return {};
   }

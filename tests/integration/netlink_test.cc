@@ -637,6 +637,21 @@ TEST_CASE("a failing change names the op and object and changes nothing") {
     CHECK(st.error().message ==
           "add rule to chain active (ip daddr @no_such_set accept): No such file or directory");
   }
+  SUBCASE("a failing message ahead of valid ones: the batch is answered at once") {
+    // Only the batch's last message asks for an ack; the kernel reports the
+    // failure and still acks the last message, so nothing waits for an ack
+    // that is not coming.
+    Change ch;
+    ch.ops.push_back(OpAddSet{Set{"ph_agent_a4", SetType::ipv4_addr, false, false, {}}});
+    ch.ops.push_back(OpFlushChain{"active"});
+    ch.ops.push_back(OpAddSet{Set{"fresh_v4", SetType::ipv4_addr, false, false, make_addr_elems({v4(0xc0000205u)})}});
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status st = k->apply(ch);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    REQUIRE_FALSE(st.ok());
+    CHECK(st.error().message == "add set ph_agent_a4: File exists");
+    CHECK(took < std::chrono::milliseconds(200));
+  }
   SUBCASE("adding a set that exists") {
     Change ch;
     ch.ops.push_back(OpAddSet{Set{"ph_agent_a4", SetType::ipv4_addr, false, false, {}}});
