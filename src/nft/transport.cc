@@ -267,10 +267,14 @@ int Transport::send(const void* data, std::size_t len) {
   return sent < 0 ? errno : 0;
 }
 
-Transport::Queued Transport::read_queued(const OnMessage& on_msg) {
+Transport::Queued Transport::read_queued(const OnMessage& on_msg, std::size_t max_datagrams) {
   Impl& s = *impl_;
   Queued q;
-  for (;;) {
+  for (std::size_t got = 0;; ++got) {
+    if (got == max_datagrams) {
+      q.more = true;
+      return q;
+    }
     const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;

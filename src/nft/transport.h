@@ -106,12 +106,15 @@ class Transport {
   // Sends `len` bytes (one or more whole messages) as one datagram: 0 or
   // errno. The kernel handles it inside the call.
   int send(const void* data, std::size_t len);
-  // Hands every message already queued to `on_msg`, without waiting.
+  // Hands every message already queued to `on_msg`, without waiting; at
+  // most `max_datagrams` datagrams (a socket another process keeps filling
+  // may never run empty), then `more` says the limit was reached.
   struct Queued {
     bool overrun = false;  // ENOBUFS: messages were lost
     int error = 0;         // a receive error other than EAGAIN/ENOBUFS
+    bool more = false;     // stopped at max_datagrams
   };
-  Queued read_queued(const OnMessage& on_msg);
+  Queued read_queued(const OnMessage& on_msg, std::size_t max_datagrams = SIZE_MAX);
   // Reads the replies to what was sent, handing each message to `on_msg`,
   // until `complete()` holds (checked after each datagram). While nothing is
   // queued it waits for more, up to `timeout` in all, unless

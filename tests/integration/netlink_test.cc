@@ -1457,6 +1457,31 @@ TEST_CASE("transport: the receive loop hands over each notification, reports ENO
   CHECK(tables.size() == seen);
 }
 
+TEST_CASE("transport: read_queued stops at its datagram limit and says more are queued") {
+  // The tamper guard hears what is queued before a verification round, at most one loop
+  // turn's worth: a socket another process keeps filling may never run empty.
+  TestNetns ns;
+  TransportOptions o;
+  o.groups = {NFNLGRP_NFTABLES};
+  o.rcvbuf = 1 << 20;
+  auto tr = ns.in_netns([&] { return Transport::open(o); });
+  REQUIRE_MESSAGE(tr.ok(), (tr.ok() ? "" : tr.error().message));
+  // Ten separate commits: ten NEWGENs, each in a datagram of its own or with its table.
+  for (int i = 0; i < 10; ++i) REQUIRE(ns.exec("nft add table inet q" + std::to_string(i)).status == 0);
+  std::size_t gens = 0;
+  auto count = [&](const nlmsghdr* nlh) {
+    if (auto ev = parse_event(nlh); ev && ev->is_gen) ++gens;
+  };
+  const auto first = (*tr)->read_queued(count, 3);
+  CHECK(first.more);
+  CHECK(gens >= 1);
+  CHECK(gens <= 3);
+  const auto rest = (*tr)->read_queued(count);
+  CHECK_FALSE(rest.more);
+  CHECK(rest.error == 0);
+  CHECK(gens == 10);
+}
+
 // ---- the conntrack forgetter and the NFLOG reader, destroyed with work pending ----
 
 TEST_CASE("conntrack forgetter: one flush per turn; destroyed with a flush posted, it sends nothing") {

@@ -16,7 +16,8 @@ second round gave loaded p99 2.1 / 5.3 / 3.2 ms and the one after 1.0 / 1.5 / 3.
 alternating runs, CI twice 2.5 and 5.6 ms, so 2 x max(idle, 1 ms) failed either binary at
 random. What the test is for still fails: the read-retry loop it was written against gave a
 loaded p99 of 14.1 ms with an idle p99 of 4.1 ms (bound 12.3 ms), and any answer waiting like
-a retry pause (hundreds of ms to 2 s) breaks SLOWEST.
+a retry pause (hundreds of ms to 2 s) breaks SLOWEST (50 ms, or 15 x the idle p99 on a
+machine slow enough that idle answers already take milliseconds).
 """
 import os
 import subprocess
@@ -188,6 +189,10 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
     # below (no answer waits like a read retry) still holds there.
     if not os.environ.get("ASAN_OPTIONS"):
         assert loaded_p99 <= bound, f"DNS answers waited on the event loop: {report}"
-    slowest = SLOWEST_ASAN if os.environ.get("ASAN_OPTIONS") else SLOWEST
-    assert max(loaded) < slowest, f"an answer waited like a read retry: {report}"
+    # The single slowest answer, too, is judged against what the machine gives an idle answer:
+    # in a CI run beside a compile and the container suites the idle p99 was 6.1 ms and one
+    # loaded answer took 59 ms (the idle ones had no storm to wait for). A retry wait of the
+    # kind this test is for (hundreds of ms to 2 s) stays far above 15 x any idle p99 seen.
+    slowest = max(SLOWEST_ASAN if os.environ.get("ASAN_OPTIONS") else SLOWEST, 15 * idle_p99)
+    assert max(loaded) < slowest, f"an answer waited like a read retry: {report}; bound {slowest * 1e3:.1f} ms"
     assert d.running, "egressd died during the commit storm"
