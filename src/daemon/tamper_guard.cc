@@ -30,6 +30,10 @@ std::shared_ptr<spdlog::logger> log() { return module_logger("tamper"); }
 // Datagrams read per wakeup before the loop lets other work run; events of one
 // transaction may span several, the tracker carries them over.
 constexpr std::size_t kDatagramsPerWakeup = 256;
+
+// The generation a commit makes of generation `g`: one more, with 0 skipped
+// when the counter wraps (the kernel's nf_tables_commit does the same).
+std::uint32_t next_generation(std::uint32_t g) { return g + 1 == 0 ? 1 : g + 1; }
 constexpr std::chrono::milliseconds kFirstRetry{10};
 constexpr std::chrono::milliseconds kMaxRetry{1000};
 
@@ -118,9 +122,7 @@ void TamperGuard::heard_commit(const nft::ChangeTracker::Commit& c) {
   // other sockets of egressd's that the tracker treats as its own are not
   // ones whose batches keep the table in step with the phase in force.
   if (!verified_gen_ || c.portid != sandbox_.kernel_portid()) return;
-  std::uint32_t next = *verified_gen_ + 1;
-  if (next == 0) next = 1;
-  if (c.gen == next) {
+  if (c.gen == next_generation(*verified_gen_)) {
     verified_gen_ = c.gen;
     ++own_commits_followed_;
   }
@@ -128,9 +130,9 @@ void TamperGuard::heard_commit(const nft::ChangeTracker::Commit& c) {
 
 void TamperGuard::hear_queued() {
   // At most what one turn of the receive loop reads: under a storm of
-  // commits by another process the socket never runs empty, and reading
-  // until it did held DNS answers for tens of milliseconds (test_event_loop's
-  // commit storm: 59 ms). What is left is heard by the loop; the chain then
+  // commits by another process the socket may not run empty, and reading
+  // until it did would hold the loop (DNS answers, requests) for as long as
+  // the storm lasts. What is left is heard by the loop; the chain then
   // decides against the generations heard so far, and a dump follows.
   const auto q = sock_->read_queued([this](const nlmsghdr* nlh) { on_message(nlh); }, kDatagramsPerWakeup);
   if (q.overrun) turn_.overrun = true;
@@ -217,10 +219,12 @@ boost::asio::awaitable<void> TamperGuard::verify_loop(std::stop_token stop) {
     // kernel sends them inside the commit): heard first, egressd's own
     // commits since the last clean comparison (a switch, learned addresses)
     // carry its generation forward, and a tamper among them is restored.
-    if (gen && verified_gen_ && *gen != *verified_gen_) hear_queued();
-    if (gen && verified_gen_ && *gen == *verified_gen_) {
-      verify_timer_.expires_after(opts_.verify_interval);
-      continue;
+    if (gen && verified_gen_) {
+      if (*gen != *verified_gen_) hear_queued();
+      if (*gen == *verified_gen_) {
+        verify_timer_.expires_after(opts_.verify_interval);
+        continue;
+      }
     }
     ++full_rounds_;
     verified_gen_.reset();
@@ -264,7 +268,7 @@ Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
   const bool rejoined = rejoin_errno == 0;
   const auto after = sandbox_.kernel_generation();
   // Our batch moved the generation by one if it committed, else not at all.
-  const std::uint32_t expected = *before + (st ? 1u : 0u);
+  const std::uint32_t expected = st ? next_generation(*before) : *before;
   if (rejoined && after && *after == expected) return st;
 
   std::string what;
