@@ -16,8 +16,9 @@ constexpr EntryKind kAllKinds[] = {EntryKind::hostname, EntryKind::wildcard, Ent
 }  // namespace
 
 Traffic traffic_from(const std::vector<nft::RuleInfo>* output, const std::vector<nft::RuleInfo>* deny) {
-  // Cumulative across switches: `counter jump active` in chain output sees
-  // every packet the policy decides; what `deny` did not take was allowed
+  // Cumulative across switches: `counter jump active` in chain output and the
+  // fast path's `counter goto active` ahead of it see every packet the policy
+  // decides; what `deny` did not take was allowed
   // (the chains are dumped one after the other, hence the clamps). The early
   // denies in output count there and in deny. By family: the IPv4 share of
   // each is counted by count-only rules (nft/compile.h), IPv6 is the rest.
@@ -38,6 +39,9 @@ Traffic traffic_from(const std::vector<nft::RuleInfo>* output, const std::vector
         past4.add(r);
       } else if (r.comment == nft::kCountV4Decided) {
         jump4.add(r);
+      } else if (r.comment == nft::kCountV4Fast) {
+        jump4.add(r);  // decided by the fast path: both totals
+        decided.add(r);
       } else {
         decided.add(r);
         if (r.comment == nft::kLoUpstreamDeny4) lo4.add(r);

@@ -284,6 +284,28 @@ std::vector<IpPrefix> loopback_upstreams(const CompileOptions& opts) {
 
 Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   Chain c{"output", BaseChain{HookType::filter, 0, true}, {}};
+  // The fast path: a packet in the original direction of a flow a phase
+  // decided (its ct mark is a phase's or an inline policy's, never 0 nor one
+  // of the special marks) goes straight to chain active, which checks what
+  // can differ from packet to packet of a flow (routing headers, source
+  // routes, urgent data, QUIC handshakes) and passes the flow if it carries
+  // the current phase's mark, or judges it by the phase otherwise. What it
+  // skips holds for the whole flow since its first packet: that packet came
+  // through every rule below (a phase's mark is set only by a phase chain,
+  // reached only past them), and every later packet in the original
+  // direction has the same addresses and ports (conntrack's tuple). So the
+  // source check (class 1) needs no repeat: a packet with another source is
+  // another flow, or a reply-direction one, and neither takes this path.
+  // Only the sandbox's flows get a phase's mark (egressd's own upstream flows
+  // and inbound ones carry special marks), and only a holder of
+  // CAP_NET_ADMIN sets ct marks. Counted like `counter jump active` below
+  // (status adds them up); the IPv4 rule first, for the family split.
+  for (std::uint8_t family : {4, 6}) {
+    c.rules.push_back({{MatchMetaNfproto{family}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0},
+                        MatchCtMarkNot{kSpecialMarkMask, kSpecialMarks}, StmtCounter{},
+                        StmtVerdict{VerdictKind::goto_, "active"}},
+                       family == 4 ? kCountV4Fast : ""});
+  }
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
   const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {

@@ -108,6 +108,11 @@ inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 // not allow (docs/pinning.md "Switches"): the daemon gives it this ct mark
 // (ctnetlink) and chain active sends every later packet of it to deny.
 inline constexpr std::uint32_t kPinCutMark = 0x7ffffffd;
+// The four marks above kPhaseMarkSpan differ from each other in their last two
+// bits only: `ct mark & kSpecialMarkMask == kSpecialMarks` tells them from
+// every phase's and inline policy's mark (output's fast path).
+inline constexpr std::uint32_t kSpecialMarkMask = 0xfffffffc;
+inline constexpr std::uint32_t kSpecialMarks = 0x7ffffffc;
 
 // Hostname pinning (docs/pinning.md). With CompileOptions::pin and the
 // policy's enforce.pin_names, in allowlist phases a TCP flow, or a UDP flow
@@ -148,6 +153,10 @@ inline constexpr std::uint32_t kQuicOneDatagramMax = 1500;
 // restarted, or forgot the connection) is refused: the flow is never
 // admitted unread.
 inline constexpr std::uint32_t kPinFollowMark = 0x7ffffffc;
+static_assert((kInboundMark & kSpecialMarkMask) == kSpecialMarks && (kOwnFlowMark & kSpecialMarkMask) == kSpecialMarks &&
+              (kPinCutMark & kSpecialMarkMask) == kSpecialMarks && (kPinFollowMark & kSpecialMarkMask) == kSpecialMarks &&
+              (kPhaseMarkSpan & kSpecialMarkMask) != kSpecialMarks && kPhaseMarkSpan + 1 == kSpecialMarks &&
+              (kInlineMarkBit & kSpecialMarkMask) != kSpecialMarks);
 inline constexpr std::uint16_t kPinFollowQueueNum = 18;
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
@@ -189,6 +198,7 @@ inline constexpr std::uint32_t kResolverLevels = 16;
 // inet chain is one or the other). In chain output, around the forged-source
 // deny (its packets: at - past) and before `counter jump active`; in chain
 // deny, ahead of its verdicts. They never end a packet's way through a chain.
+inline constexpr const char* kCountV4Fast = "ipv4 fast path";
 inline constexpr const char* kCountV4AtSaddrCheck = "ipv4 at saddr check";
 inline constexpr const char* kCountV4PastSaddrCheck = "ipv4 past saddr check";
 inline constexpr const char* kCountV4Decided = "ipv4 decided";

@@ -104,6 +104,8 @@ enum class CtStatusBit : std::uint32_t { confirmed = 0x8, dnat = 0x20 };
 struct MatchCtStatus { CtStatusBit bit; bool negate = false; };
 // ct mark value
 struct MatchCtMark { std::uint32_t value; };
+// ct mark & mask != value (`ct mark != value` when the mask is all ones).
+struct MatchCtMarkNot { std::uint32_t mask; std::uint32_t value; };
 // tcp flags syn: the SYN bit is set (emits meta l4proto tcp + the flags
 // byte, masked, compared with zero).
 struct MatchTcpFlagSyn {};
@@ -201,7 +203,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
-                          MatchCtMark, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;

@@ -481,6 +481,13 @@ class RuleBuilder {
     ct_load(NFT_CT_MARK);
     cmp_u32(NFT_CMP_EQ, m.value);
   }
+  // `ct mark & mask != value`: [ bitwise reg 1 = (reg 1 & mask) ^ 0 ] before
+  // the cmp, as nft; a full mask is a plain `ct mark != value`.
+  void operator()(const MatchCtMarkNot& m) {
+    ct_load(NFT_CT_MARK);
+    if (m.mask != ~std::uint32_t{0}) mask_u32(m.mask);
+    cmp_u32(NFT_CMP_NEQ, m.value);
+  }
   void operator()(const MatchTcpFlagSyn&) {
     meta(NFT_META_L4PROTO);
     cmp_u8(IPPROTO_TCP);
@@ -692,15 +699,19 @@ class RuleBuilder {
   // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on a host-order
   // word; negated (`! bit`): cmp eq 0.
   void bit_test(std::uint32_t bit, bool negate = false) {
+    mask_u32(bit);
+    cmp_u32(negate ? NFT_CMP_EQ : NFT_CMP_NEQ, 0);
+  }
+  // [ bitwise reg 1 = (reg 1 & mask) ^ 0 ] on a host-order word.
+  void mask_u32(std::uint32_t mask) {
     const std::uint32_t zero = 0;
     auto e = expr("bitwise");
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_SREG, NFT_REG_1);
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_DREG, NFT_REG_1);
-    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof bit);
-    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &bit, sizeof bit);
+    nftnl_expr_set_u32(e.get(), NFTNL_EXPR_BITWISE_LEN, sizeof mask);
+    nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_MASK, &mask, sizeof mask);
     nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
     add(std::move(e));
-    cmp_u32(negate ? NFT_CMP_EQ : NFT_CMP_NEQ, 0);
   }
   // [ bitwise reg 1 = (reg 1 & mask) ^ 0 ] on one byte.
   void mask_u8(std::uint8_t mask) {

@@ -1,5 +1,6 @@
 // nft(8) text rendering of the model. Output follows `nft list ruleset`
 // formatting closely so a golden and a listing are easy to compare by eye.
+#include <bit>
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
@@ -136,6 +137,13 @@ struct StmtText {
     return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
   }
   std::string operator()(const MatchCtMark& m) const { return "ct mark " + hex32(m.value); }
+  std::string operator()(const MatchCtMarkNot& m) const {
+    if (m.mask == ~std::uint32_t{0}) return "ct mark != " + hex32(m.value);
+    // nft lists a mask of leading ones as a prefix length (`ct mark != 0x7ffffffc/30`).
+    const int ones = std::countl_one(m.mask);
+    if (ones + std::countr_zero(m.mask) == 32) return "ct mark != " + hex32(m.value) + "/" + std::to_string(ones);
+    return "ct mark & " + hex32(m.mask) + " != " + hex32(m.value);
+  }
   std::string operator()(const MatchTcpFlagSyn&) const { return "tcp flags syn"; }
   std::string operator()(const MatchTcpFlagUrg&) const { return "tcp flags urg"; }
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }

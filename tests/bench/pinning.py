@@ -70,6 +70,14 @@ Three measurements, the sides rotating from round to round:
               Budget: 10000/s with zero errors. The client is one C process on a 2-core machine
               it shares with the server, egressd and the kernel's softirq work, so its ceiling
               may be the generator's.
+  per packet  `pinload pps`: small UDP datagrams on one connected socket to the pinned
+              address (a flow the address decides: it is name-learned, the port is not 443),
+              and the sender's CPU time per datagram, which holds netfilter's output path: the
+              datapath's cost of one packet of a decided flow, without GSO to spread it (a
+              TCP stream's packets are 64 KB, so throughput hides it). Each round measures the
+              sides three times in turn, N/3 datagrams each in 5 batches, and keeps each side's
+              cheapest batch (the machine's other work only adds). No budget; egressd's
+              cost is printed over no rules and over conntrack alone.
   reuse       a new connection on the 4-tuple of one that just ended, from fixed source ports:
               a bad hello after an admitted flow must be refused, a good one after a refused
               flow answered.
@@ -116,6 +124,15 @@ HAP_FB, HAP_TPUT = 10443, 10444
 NOBODY = 65534
 SIDES = ("norules", "conntrack", "queue1", "queue2", "egressd", "haproxy")
 TPUT_SIDES = ("norules", "conntrack", "egressd", "haproxy")  # throughput: the queue floors queue one packet, no more
+PPS_SIDES = ("norules", "conntrack", "egressd")  # per packet: UDP, which haproxy does not carry
+PPS_PORT = 9  # the upstream namespace drops it silently (SINK_TABLE): no ICMP errors back
+SINK_TABLE = """table inet pps_sink {
+    chain input {
+        type filter hook input priority 0; policy accept;
+        udp dport 9 drop
+    }
+}
+"""
 QUEUE_TRIPS = {"queue1": 1, "queue2": 2}  # packets each queue floor sends to its reader per connection
 QUEUE_NUM = 17
 LAT_BUDGET_US = 100.0
@@ -362,6 +379,12 @@ class Pinning:
         received, usec, sent = (int(x) for x in out.split())
         return {"bps": received * 8 / (usec / 1e6), "bytes": received, "sent": sent, "usec": usec}
 
+    def pps(self, side: str, n: int) -> float:
+        ns_per, errors = self.pinload_run(side, "pps", PINNED, PPS_PORT, n, timeout=120).split()
+        if int(errors) != 0:
+            raise dp.BenchError(f"pinload pps in {side}: {errors} of {n} datagrams refused")
+        return float(ns_per)
+
     def rate(self, side: str, target: int, seconds: float, bad_every: int, own_ports: bool = False) -> dict:
         """own_ports: source ports chosen by pinload, continuing from the previous such run, so no
         4-tuple comes back (the capacity); otherwise the kernel's choice, as real clients have."""
@@ -453,6 +476,7 @@ def main():
     ap.add_argument("--rates", help=f"egressd's rate ladder, connections/s (default {','.join(map(str, RATE_LADDER))}; "
                                     "quick 2000)")
     ap.add_argument("--rate-seconds", type=float, help="seconds per rate step (default 3, quick 1)")
+    ap.add_argument("--pps", type=int, help="per-packet datagrams per side and round (default 200000, quick 20000)")
     ap.add_argument("--json", dest="json_out", metavar="FILE")
     a = ap.parse_args()
     a.rounds = a.rounds or (1 if a.quick else 5)
@@ -460,6 +484,7 @@ def main():
     a.slices = a.slices or (2 if a.quick else 6)
     a.seconds = a.seconds or (1.0 if a.quick else 2.0)
     a.rate_seconds = a.rate_seconds or (1.0 if a.quick else 3.0)
+    a.pps = a.pps or (20000 if a.quick else 200000)
     ladder = [int(x) for x in a.rates.split(",")] if a.rates else ([2000] if a.quick else list(RATE_LADDER))
     compare_rate = ladder[-1] if a.quick else RATE_BUDGET
 
@@ -482,6 +507,7 @@ def main():
         b.start_egressd()
         b.start_haproxy()
         dp.nft(b.topo.clients["conntrack"], "-f", "-", input=CONNTRACK_TABLE)
+        dp.nft(b.topo.up, "-f", "-", input=SINK_TABLE)
         b.start_queue_floors()
         b.check_enforcement()
         queued_before = {s: b.queue_count(s)["packets"] for s in QUEUE_TRIPS}
@@ -505,6 +531,10 @@ def main():
             for side in order:
                 if side in TPUT_SIDES:
                     res["tput"][side] = b.tput(side, a.seconds)
+            # Three passes over the sides, the cheapest of each side's: a side measured just
+            # after another's throughput run can find the softirq work of that still going.
+            passes = [{side: b.pps(side, a.pps // 3) for side in order if side in PPS_SIDES} for _ in range(3)]
+            res["pps_ns"] = {side: min(p[side] for p in passes) for side in PPS_SIDES}
             b.alive()
             rounds.append(res)
 
@@ -535,6 +565,10 @@ def main():
     tput_ratio = {s: [r["tput"][s]["bps"] / r["tput"]["norules"]["bps"] for r in rounds]
                   for s in ("conntrack", "egressd", "haproxy")}
     lat_errors = {s: sum(len(r["lat_errors"][s]) for r in rounds) for s in SIDES}
+    pps_ns = {s: statistics.median(r["pps_ns"][s] for r in rounds) for s in PPS_SIDES}
+    pps_added = {key: [r["pps_ns"][side] - r["pps_ns"][base] for r in rounds]
+                 for key, side, base in (("conntrack", "conntrack", "norules"), ("egressd", "egressd", "norules"),
+                                         ("egressd_over_conntrack", "egressd", "conntrack"))}
     sustained = [x for x in rates["egressd"] if x["sustained"]]
     best = max((x["target"] for x in sustained), default=0)
 
@@ -551,6 +585,8 @@ def main():
         "rate_kernel_ports_errors": rates["egressd_kernel_ports"][0]["errors"],
         "lat_errors": lat_errors,
         "tuple_reuse_ok": reuse["ok"],
+        "pps_cpu_ns": pps_ns,
+        "pps_added_ns": {s: statistics.median(v) for s, v in pps_added.items()},
         "queue_packets_per_conn": {s: queued[s] / max(1, sum(r["lat_n"][s] + len(r["lat_errors"][s]) for r in rounds))
                                    for s in QUEUE_TRIPS},
     }
@@ -587,6 +623,11 @@ def main():
         t = summary["tput_ratio"][s]
         b_txt = f"   budget >= {TPUT_BUDGET:g}: {verdict(t >= TPUT_BUDGET)}" if s == "egressd" else ""
         print(f"TCP throughput {s} / no rules: {t:.3f}{b_txt}{spread(tput_ratio[s], '{:.3f}')}")
+    print(f"CPU per UDP datagram of a decided flow ({a.pps} per side and round): "
+          + ", ".join(f"{s} {pps_ns[s]:.0f} ns" for s in PPS_SIDES)
+          + f"; egressd over conntrack alone {summary['pps_added_ns']['egressd_over_conntrack']:+.0f} ns"
+          f"{spread(pps_added['egressd_over_conntrack'], '{:+.0f}')}, conntrack over no rules "
+          f"{summary['pps_added_ns']['conntrack']:+.0f} ns")
     print("rate (new pinned TLS connections/s, open loop; every side with the kernel's source ports, then egressd's "
           "ladder with distinct 4-tuples):")
     for s in ("egressd_kernel_ports", "norules", "haproxy", "egressd"):
@@ -611,7 +652,7 @@ def main():
     print(f"egressd pin counters at the end: {final_pin}")
     dp.write_json(a, machine={"cpus": os.cpu_count(), "loadavg_before": load_before}, elapsed_s=elapsed,
                   haproxy=b.haproxy_version, ready_s=b.ready_s, summary=summary,
-                  per_round={"lat_added_us": added, "lat_ratio": lat_ratio, "tput_ratio": tput_ratio},
+                  per_round={"lat_added_us": added, "lat_ratio": lat_ratio, "tput_ratio": tput_ratio, "pps_added_ns": pps_added},
                   budget={"lat_added_us": LAT_BUDGET_US, "lat_ratio": LAT_RATIO_BUDGET, "tput": TPUT_BUDGET,
                           "rate": RATE_BUDGET},
                   rates=rates, rounds=rounds, pin_counts=final_pin, tuple_reuse=reuse)

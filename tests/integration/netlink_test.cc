@@ -388,6 +388,7 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
         {{MatchMetaMark{0x45470000, true}, MatchL4Proto{17}, StmtCounter{}, accept}, "mark"},
         {{MatchCtDirectionReply{}, accept}, ""},
         {{MatchCtMark{0x45470001}, accept}, "gen=3 phase=agent"},
+        {{MatchCtMarkNot{0xffffffff, 0}, MatchCtMarkNot{0xfffffffc, 0x7ffffffc}, accept}, ""},
         {{MatchLinkIcmpv6{134, 255}, accept}, ""},
         {{MatchDaddr{*parse_ip("192.0.2.9")}, StmtLog{7}, StmtCtMarkSet{0x45470001}, accept}, ""},
         {{MatchDaddr{*parse_ip("2001:db8::9")}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""},

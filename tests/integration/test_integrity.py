@@ -565,6 +565,76 @@ def test_source_routes_to_an_allowed_first_hop_are_denied_outside_public(lab, eg
         assert cap.wait_seen(tok), res
 
 
+# argv: first hop, final destination, token1, token2, token3. One flow from one source port:
+# a plain datagram to the first hop (the flow is decided: allowed), the same flow's next one
+# source routed to the final destination, then plain again with the option removed.
+SOURCE_ROUTED_ON_A_DECIDED_FLOW = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    first, final, t1, t2, t3 = sys.argv[1], sys.argv[2], *(t.encode() for t in sys.argv[3:6])
+    v6 = ":" in first
+    s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
+    out = {}
+    def send(key, tok, dst):
+        try:
+            s.sendto(tok, (dst, 9999)); out[key] = "sent"
+        except OSError as e:  # a denied packet: EPERM
+            out[key] = e.strerror
+    send("plain", t1, first)
+    # IPv4 source routes need CAP_NET_RAW (EPERM for nobody); the IPv6 SRH needs nothing.
+    level, opt = (socket.IPPROTO_IPV6, 57) if v6 else (socket.IPPROTO_IP, socket.IP_OPTIONS)
+    if v6:
+        segs = [socket.inet_pton(socket.AF_INET6, a) for a in (final, first)]
+        value = struct.pack("!BBBBBBH", 0, 4, 4, 1, 1, 0, 0) + b"".join(segs)
+    else:
+        value = bytes([131, 7, 4]) + socket.inet_aton(first) + b"\x01"
+    try:
+        s.setsockopt(level, opt, value)
+        send("routed", t2, first if v6 else final)
+        s.setsockopt(level, opt, b"")
+    except OSError as e:
+        out["routed"] = "setsockopt: " + e.strerror
+    send("again", t3, first)
+    print(json.dumps(out))
+''')
+
+
+def fast_path_packets(lab, family: int) -> int:
+    """The packets chain output's fast path took for one family (its counter)."""
+    rc, out, err = lab.nft(lab.sandbox, "-j", "list", "chain", "inet", "egressd", "output")
+    assert rc == 0, err
+    for item in json.loads(out)["nftables"]:
+        rule = item.get("rule")
+        if rule is None or not any(e.get("goto", {}).get("target") == "active" for e in rule["expr"]):
+            continue
+        proto = next(e["match"]["right"] for e in rule["expr"]
+                     if "match" in e and e["match"]["left"] == {"meta": {"key": "nfproto"}})
+        if proto == f"ipv{family}":
+            return next(e["counter"]["packets"] for e in rule["expr"] if "counter" in e)
+    raise AssertionError(f"no fast path rule for ipv{family} in chain output: {out}")
+
+
+@pytest.mark.parametrize("who", ["nobody", "docker"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4-lsrr", "ipv6-srh"])
+def test_a_decided_flow_takes_the_fast_path_and_its_source_routed_packets_are_still_denied(lab, egressd, family,
+                                                                                           who):
+    # Chain output's fast path skips the per-flow checks for every later packet of a decided
+    # flow; what can change from packet to packet (here a source route added to a flow that
+    # was allowed) is still checked on each.
+    egressd(POLICY, phase="agent")
+    cap = Capture(lab)
+    toks = [token() for _ in range(3)]
+    before = fast_path_packets(lab, family)
+    res = run_as(lab, who, SOURCE_ROUTED_ON_A_DECIDED_FLOW, ALLOWED[family], DENIED[family], *toks)
+    cap.settle()
+    print(f"\nipv{family} {who}: {res}")
+    assert res["plain"] == res["again"] == "sent", res
+    assert cap.seen(toks[0]) and cap.seen(toks[2]), f"the allowed flow's datagrams did not leave: {res}"
+    assert not cap.seen(toks[1]), f"a source-routed packet on a decided flow left: {res}"
+    # The flow's later packets took the fast path (its first was decided the long way).
+    later = 1 if res["routed"].startswith("setsockopt") else 2
+    assert fast_path_packets(lab, family) - before >= later
+
+
 # --- class 7: broadcast and multicast ---------------------------------------------------------
 
 WIDE_POLICY = POLICY.replace(

@@ -36,6 +36,9 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchMetaMark{0x1}) == "meta mark 0x00000001");
   CHECK(one(MatchCtDirectionReply{}) == "ct direction reply");
   CHECK(one(MatchCtMark{0x45470001}) == "ct mark 0x45470001");
+  CHECK(one(MatchCtMarkNot{0xffffffff, 0}) == "ct mark != 0x00000000");
+  CHECK(one(MatchCtMarkNot{0xfffffffc, 0x7ffffffc}) == "ct mark != 0x7ffffffc/30");
+  CHECK(one(MatchCtMarkNot{0x0000ff00, 0x00000100}) == "ct mark & 0x0000ff00 != 0x00000100");
   CHECK(one(MatchL4Proto{6}) == "meta l4proto tcp");
   CHECK(one(MatchL4Proto{17}) == "meta l4proto udp");
   CHECK(one(MatchDport{17, 53}) == "udp dport 53");

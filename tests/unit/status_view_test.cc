@@ -38,8 +38,10 @@ IpPrefix ip(const char* s) { return *parse_ip(s); }
 
 }  // namespace
 
-TEST_CASE("traffic: what deny did not take was allowed; IPv4 from the count-only rules, IPv6 the rest") {
+TEST_CASE("traffic: what deny did not take was allowed; IPv4 from the count-only rules and the fast path's, IPv6 the rest") {
   const std::vector<nft::RuleInfo> output{
+      rule("output", nft::kCountV4Fast, 9),  // the fast path: 9 IPv4
+      rule("output", "", 5),                 // and 5 IPv6
       rule("output", nft::kLoUpstreamDeny4, 2),
       rule("output", nft::kLoUpstreamDeny6, 1),
       rule("output", nft::kCountV4AtSaddrCheck, 50),
@@ -54,14 +56,14 @@ TEST_CASE("traffic: what deny did not take was allowed; IPv4 from the count-only
       rule("deny", "", 15),
   };
   const Traffic t = traffic_from(&output, &deny);
-  // Decided 2 + 1 + 4 + 30 = 37, denied 1 + 15 = 16.
-  CHECK(totals(t) == json{{"allowed_packets", 21}, {"allowed_bytes", 2100},
+  // Decided 9 + 5 + 2 + 1 + 4 + 30 = 51, denied 1 + 15 = 16.
+  CHECK(totals(t) == json{{"allowed_packets", 35}, {"allowed_bytes", 3500},
                           {"denied_packets", 16}, {"denied_bytes", 1600}});
-  // IPv4: decided 2 + (50 - 47) + 20 = 25, denied 12.
-  CHECK(counts(t.family[0]) == json{{"allowed_packets", 13}, {"allowed_bytes", 1300},
+  // IPv4: decided 9 + 2 + (50 - 47) + 20 = 34, denied 12.
+  CHECK(counts(t.family[0]) == json{{"allowed_packets", 22}, {"allowed_bytes", 2200},
                                     {"denied_packets", 12}, {"denied_bytes", 1200}});
-  // IPv6: decided 37 - 25 = 12, denied 16 - 12 = 4.
-  CHECK(counts(t.family[1]) == json{{"allowed_packets", 8}, {"allowed_bytes", 800},
+  // IPv6: decided 51 - 34 = 17, denied 16 - 12 = 4.
+  CHECK(counts(t.family[1]) == json{{"allowed_packets", 13}, {"allowed_bytes", 1300},
                                     {"denied_packets", 4}, {"denied_bytes", 400}});
 }
 
