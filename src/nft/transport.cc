@@ -1,6 +1,7 @@
 #include "nft/transport.h"
 
 #include <libmnl/libmnl.h>
+#include <linux/netlink.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -26,6 +27,20 @@ namespace {
 // NLMSG_GOODSIZE (a page, up to 8 KiB), dump replies up to 32 KiB, NFLOG
 // messages up to 64 KiB.
 constexpr std::size_t kRxSize = 65536 + 4096;
+
+// recv(2) of the next datagram the kernel sent. A datagram from any other
+// sender (a netlink socket of a process that may address this one: it needs
+// CAP_NET_ADMIN in the namespace for these families, so only a holder of it)
+// is dropped unread: nothing but the kernel speaks for the kernel.
+ssize_t recv_from_kernel(int fd, char* buf) {
+  for (;;) {
+    sockaddr_nl from{};
+    socklen_t len = sizeof from;
+    const ssize_t n = ::recvfrom(fd, buf, kRxSize, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &len);
+    if (n >= 0 && from.nl_pid != 0) continue;
+    return n;
+  }
+}
 
 }  // namespace
 
@@ -68,7 +83,7 @@ struct Transport::Impl {
       bool more = true;
       std::size_t i = 0;
       for (; i < per_turn && !self->stopped; ++i) {
-        const ssize_t n = ::recv(self->fd.get(), self->rx.get(), kRxSize, MSG_DONTWAIT);
+        const ssize_t n = recv_from_kernel(self->fd.get(), self->rx.get());
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == ENOBUFS) {  // the queue overflowed: what was dropped is gone
@@ -181,7 +196,7 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool interrupted = false;
   for (;;) {
-    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
+    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) return EINTR;
@@ -225,7 +240,7 @@ Transport::Collected Transport::collect(const OnMessage& on_msg, const std::func
   Collected c;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!(c.complete = complete())) {
-    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
+    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {
@@ -275,7 +290,7 @@ Transport::Queued Transport::read_queued(const OnMessage& on_msg, std::size_t ma
       q.more = true;
       return q;
     }
-    const ssize_t n = ::recv(s.fd.get(), s.rx.get(), kRxSize, MSG_DONTWAIT);
+    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {

@@ -38,6 +38,7 @@
 #include "nft/monitor.h"
 #include "nft/netlink.h"
 #include "nft/transport.h"
+#include "egressd/unique_fd.h"
 
 #include <libmnl/libmnl.h>
 #include <linux/netfilter.h>
@@ -1481,6 +1482,47 @@ TEST_CASE("transport: read_queued stops at its datagram limit and says more are 
   CHECK_FALSE(rest.more);
   CHECK(rest.error == 0);
   CHECK(gens == 10);
+}
+
+TEST_CASE("transport: a datagram from another netlink socket is never read as the kernel's") {
+  // Any socket that may address this one (CAP_NET_ADMIN in the namespace, as root here) can
+  // send it datagrams that look like the kernel's: an ack, an event. Only the kernel's count.
+  TestNetns ns;
+  TransportOptions o;
+  o.groups = {NFNLGRP_NFTABLES};
+  auto tr = ns.in_netns([&] { return Transport::open(o); });
+  REQUIRE_MESSAGE(tr.ok(), (tr.ok() ? "" : tr.error().message));
+  UniqueFd forger(ns.in_netns([] { return ::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_NETFILTER); }));
+  REQUIRE(forger.ok());
+  const sockaddr_nl to{AF_NETLINK, 0, (*tr)->portid(), 0};
+  // A "NEWGEN" and an "ack", as the kernel would word them.
+  alignas(nlmsghdr) char buf[256]{};
+  auto* gen = mnl_nlmsg_put_header(buf);
+  gen->nlmsg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN;
+  mnl_nlmsg_put_extra_header(gen, sizeof(nfgenmsg));
+  mnl_attr_put_u32(gen, NFTA_GEN_ID, htonl(4242));
+  REQUIRE(::sendto(forger.get(), gen, gen->nlmsg_len, 0, reinterpret_cast<const sockaddr*>(&to), sizeof to) ==
+          static_cast<ssize_t>(gen->nlmsg_len));
+  auto* ack = mnl_nlmsg_put_header(buf);
+  ack->nlmsg_type = NLMSG_ERROR;
+  ack->nlmsg_seq = 1;
+  mnl_nlmsg_put_extra_header(ack, sizeof(nlmsgerr));
+  REQUIRE(::sendto(forger.get(), ack, ack->nlmsg_len, 0, reinterpret_cast<const sockaddr*>(&to), sizeof to) ==
+          static_cast<ssize_t>(ack->nlmsg_len));
+  // Then one real commit: its NEWGEN is read, the forged datagrams are not.
+  REQUIRE(ns.exec("nft add table inet forged").status == 0);
+  std::size_t messages = 0, gens = 0;
+  const auto q = (*tr)->read_queued([&](const nlmsghdr* nlh) {
+    ++messages;
+    if (auto ev = parse_event(nlh); ev && ev->is_gen) {
+      ++gens;
+      CHECK(ev->gen_id != 4242);
+    }
+    CHECK(nlh->nlmsg_type != NLMSG_ERROR);
+  });
+  CHECK(q.error == 0);
+  CHECK(gens == 1);
+  CHECK(messages >= 2);  // the table and the generation
 }
 
 // ---- the conntrack forgetter and the NFLOG reader, destroyed with work pending ----
