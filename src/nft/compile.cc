@@ -292,16 +292,21 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // the current phase's mark, or judges it by the phase otherwise. What it
   // skips holds for the whole flow since its first packet: that packet came
   // through every rule below (a phase's mark is set only by a phase chain,
-  // reached only past them), and every later packet in the original
-  // direction has the same addresses and ports (conntrack's tuple). So the
-  // source check (class 1) needs no repeat: a packet with another source is
-  // another flow, or a reply-direction one, and neither takes this path.
+  // reached only past them), and every later packet of the flow in the
+  // original direction has the same addresses and ports (conntrack's tuple).
+  // So the source check (class 1) needs no repeat: a packet with another
+  // source is another flow, or a reply-direction one, and neither takes this
+  // path. Nor does a packet conntrack only relates to the flow (ct state
+  // related): an ICMP error quoting the flow's reply is related to it in its
+  // original direction whatever its outer source (a raw socket can write one
+  // from any address), so only new and established packets, the flow's own.
   // Only the sandbox's flows get a phase's mark (egressd's own upstream flows
   // and inbound ones carry special marks), and only a holder of
   // CAP_NET_ADMIN sets ct marks. Counted like `counter jump active` below
   // (status adds them up); the IPv4 rule first, for the family split.
   for (std::uint8_t family : {4, 6}) {
-    c.rules.push_back({{MatchMetaNfproto{family}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0},
+    c.rules.push_back({{MatchMetaNfproto{family}, MatchCtDirectionOriginal{}, MatchCtStateNewOrEstablished{},
+                        MatchCtMarkNot{~0u, 0},
                         MatchCtMarkNot{kSpecialMarkMask, kSpecialMarks}, StmtCounter{},
                         StmtVerdict{VerdictKind::goto_, "active"}},
                        family == 4 ? kCountV4Fast : ""});

@@ -95,6 +95,9 @@ struct MatchCtDirectionReply {};
 struct MatchCtDirectionOriginal {};
 // ct state new
 struct MatchCtStateNew {};
+// ct state established,new: the packet belongs to the flow itself (its
+// tuple), not one conntrack only relates to it (an ICMP error).
+struct MatchCtStateNewOrEstablished {};
 // ct status dnat / ct status ! confirmed: one conntrack status bit set (or,
 // negated, clear). dnat: the flow's destination was rewritten (DNAT,
 // redirect). confirmed: the flow is in the conntrack table; a packet on an
@@ -202,7 +205,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
-                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStatus,
+                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,

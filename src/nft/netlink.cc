@@ -473,6 +473,10 @@ class RuleBuilder {
     ct_load(NFT_CT_STATE);
     bit_test(NF_CT_STATE_BIT(IP_CT_NEW));
   }
+  void operator()(const MatchCtStateNewOrEstablished&) {
+    ct_load(NFT_CT_STATE);
+    bit_test(NF_CT_STATE_BIT(IP_CT_NEW) | NF_CT_STATE_BIT(IP_CT_ESTABLISHED));
+  }
   void operator()(const MatchCtStatus& m) {
     ct_load(NFT_CT_STATUS);
     bit_test(static_cast<std::uint32_t>(m.bit), m.negate);

@@ -133,6 +133,7 @@ struct StmtText {
   std::string operator()(const MatchCtDirectionReply&) const { return "ct direction reply"; }
   std::string operator()(const MatchCtDirectionOriginal&) const { return "ct direction original"; }
   std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }
+  std::string operator()(const MatchCtStateNewOrEstablished&) const { return "ct state established,new"; }
   std::string operator()(const MatchCtStatus& m) const {
     return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
   }

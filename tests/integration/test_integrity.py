@@ -7,7 +7,8 @@ test here.
   class 1  forged inbound flows: a FREEBIND/transparent socket sends as a remote host to the
            sandbox's own address over loopback, so that the sandbox's traffic to that host would
            be the flow's reply direction -> no two-way UDP; a raw packet with a foreign source
-           never leaves;
+           never leaves, nor does an ICMP error from one that conntrack relates to a decided
+           flow (those flows' own packets skip the source check on output's fast path);
   class 4  nobody but egressd reaches a loopback upstream (Docker's 127.0.0.11, emulated: a
            resolver on 127.0.0.11:<port> behind Docker's DNAT), on any port, TCP or UDP; egressd's
            own queries to it work;
@@ -16,7 +17,7 @@ test here.
            neighbour discovery still work;
   class 6  RS/NS/NA only to link-local, multicast and on-link addresses; SO_BINDTODEVICE eth0
            to 127.0.0.1 or ::1 does not leave eth0; a routing header (SRv6) or an IPv4 source
-           route to an allowed first hop is denied;
+           route to an allowed first hop is denied, also on a decided flow's later packets;
   class 7  broadcast (255.255.255.255, the subnet's) and multicast destinations are denied
            outside public, even when an entry covers them;
   class 9  a flow a switch cut stays cut after the phases are reordered and egressd restarts,
@@ -235,6 +236,68 @@ def test_raw_packet_with_a_foreign_source_never_leaves(lab, egressd, mode, famil
     cap.settle()
     print(f"\n{mode} ipv{family}: {res}")
     assert not cap.seen(tok), f"a packet from {FOREIGN[family]} left the sandbox: {res}"
+
+
+# argv: sandbox address, allowed address, foreign address, token. A UDP flow from the sandbox to
+# the allowed host (decided: it carries the phase's mark), then an ICMP error written with a raw
+# socket from the foreign address to the allowed host, quoting a datagram of that flow's reply
+# direction: conntrack calls it RELATED to the flow, in the flow's original direction, whatever
+# its outer source (it checks the outer destination only).
+FORGED_RELATED_ICMP = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    me, dst, src, tok = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].encode()
+    def csum(b):
+        if len(b) % 2: b += b"\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
+        return ~s & 0xFFFF
+    v6 = ":" in dst
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    u = socket.socket(fam, socket.SOCK_DGRAM)
+    u.connect((dst, 9999))
+    u.send(b"decided")
+    port = u.getsockname()[1]
+    out = {"flow": "sent"}
+    inner_udp = struct.pack("!HHHH", 9999, port, 8 + len(tok), 0) + tok
+    try:
+        if v6:
+            m, d, f = (socket.inet_pton(socket.AF_INET6, a) for a in (me, dst, src))
+            inner = struct.pack("!IHBB", 6 << 28, len(inner_udp), 17, 64) + d + m + inner_udp
+            icmp = struct.pack("!BBHI", 1, 4, 0, 0) + inner
+            c = csum(f + d + struct.pack("!I3xB", len(icmp), 58) + icmp)
+            icmp = icmp[:2] + struct.pack("!H", c) + icmp[4:]
+            pkt = struct.pack("!IHBB", 6 << 28, len(icmp), 58, 64) + f + d + icmp
+            r = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        else:
+            m, d, f = (socket.inet_aton(a) for a in (me, dst, src))
+            inner = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(inner_udp), 7, 0, 64, 17, 0, d, m)
+            inner = inner[:10] + struct.pack("!H", csum(inner)) + inner[12:] + inner_udp
+            icmp = struct.pack("!BBHI", 3, 3, 0, 0) + inner
+            icmp = icmp[:2] + struct.pack("!H", csum(icmp)) + icmp[4:]
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(icmp), 8, 0, 64, 1, 0, f, d)
+            pkt = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:] + icmp
+            r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        r.sendto(pkt, (dst, 0))
+        out["forged"] = "sent"
+    except OSError as e:
+        out["forged"] = e.strerror
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("mode", ["allowlist", "public"])
+def test_an_icmp_error_from_a_foreign_source_related_to_a_decided_flow_never_leaves(lab, egressd, mode, family):
+    # The flow's own packets take output's fast path; a packet conntrack only relates to the
+    # flow does not, so the source check still sees it (in public too: class 1 holds in every
+    # phase).
+    egressd(POLICY, phase={"allowlist": "agent", "public": "environment"}[mode])
+    cap = Capture(lab)
+    tok = token()
+    res = run_as(lab, "docker", FORGED_RELATED_ICMP, SANDBOX[family], ALLOWED[family], FOREIGN[family], tok)
+    cap.settle()
+    print(f"\n{mode} ipv{family}: {res}")
+    assert res["flow"] == "sent", res
+    assert not cap.seen(tok), f"an ICMP error from {FOREIGN[family]} left the sandbox: {res}"
 
 
 # --- class 4: loopback upstreams (Docker's embedded resolver) ------------------------------

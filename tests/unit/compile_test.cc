@@ -78,7 +78,16 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   for (const auto& r : out->rules) text.push_back(render_rule(r));
   auto has = [&](const std::string& r) { return std::find(text.begin(), text.end(), r) != text.end(); };
   CHECK(text.back() == "counter jump active");  // counts every packet the policy decides (status)
-  for (const auto& r : text) CHECK(r.find("ct state") == std::string::npos);
+  // The one use of ct state: the fast path, which sends the flow's own packets (never a
+  // related one, never a reply, never a flow without a phase's mark) to chain active, where
+  // the phase still decides. Nothing is accepted for being established.
+  CHECK(text[0] ==
+        "meta nfproto ipv4 ct direction original ct state established,new ct mark != 0x00000000 "
+        "ct mark != 0x7ffffffc/30 counter goto active comment \"ipv4 fast path\"");
+  CHECK(text[1] ==
+        "meta nfproto ipv6 ct direction original ct state established,new ct mark != 0x00000000 "
+        "ct mark != 0x7ffffffc/30 counter goto active");
+  for (std::size_t i = 2; i < text.size(); ++i) CHECK(text[i].find("ct state") == std::string::npos);
   // Replies only on flows that arrived from outside (class 1), never any reply.
   CHECK(has("ct direction reply ct mark 0x7fffffff goto pass"));
   CHECK_FALSE(has("ct direction reply accept"));

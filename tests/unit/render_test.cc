@@ -37,6 +37,7 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchCtDirectionReply{}) == "ct direction reply");
   CHECK(one(MatchCtMark{0x45470001}) == "ct mark 0x45470001");
   CHECK(one(MatchCtMarkNot{0xffffffff, 0}) == "ct mark != 0x00000000");
+  CHECK(one(MatchCtStateNewOrEstablished{}) == "ct state established,new");
   CHECK(one(MatchCtMarkNot{0xfffffffc, 0x7ffffffc}) == "ct mark != 0x7ffffffc/30");
   CHECK(one(MatchCtMarkNot{0x0000ff00, 0x00000100}) == "ct mark & 0x0000ff00 != 0x00000100");
   CHECK(one(MatchL4Proto{6}) == "meta l4proto tcp");
