@@ -347,6 +347,7 @@ class Core : public std::enable_shared_from_this<Core> {
   ProxyCounters counters() const {
     ProxyCounters c = counters_;
     c.inflight = inflight_;
+    if (upstream_) c.stale = upstream_->stale_dropped();
     return c;
   }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done);

@@ -124,6 +124,10 @@ inline constexpr std::array<std::uint64_t, 12> kAnswerBucketsUs = {
 struct ProxyCounters {
   std::uint64_t forwarded = 0, refused = 0, failed = 0, malformed = 0, relayed = 0;
   std::uint64_t inflight = 0;
+  // Datagrams still queued on an upstream socket when its query ended (a
+  // duplicate answer, a forger's guess), read and dropped before the
+  // socket served another query.
+  std::uint64_t stale = 0;
   std::array<std::uint64_t, kAnswerBucketsUs.size() + 1> answer_buckets{};
   std::uint64_t answer_count = 0, answer_sum_us = 0;
   // Records one answer that took `us` microseconds.

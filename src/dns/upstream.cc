@@ -9,6 +9,8 @@
 // that no path accepts an answer without the checks.
 #include "dns/upstream.h"
 
+#include <netinet/in.h>
+#include <sys/epoll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include <array>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ip/udp.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
@@ -191,10 +194,47 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   // every query still gets a fresh port, without a new socket, SO_MARK and
   // epoll registration each time (together a third of the proxy's CPU when
   // every query made its own socket).
+  //
+  // A disconnected socket receives nothing more, but may hold what came
+  // before (a late duplicate, a forger's datagram, an error), which must not
+  // reach the next query. Reading it empty costs a recv per query; instead
+  // the epoll set says: a pooled socket that a complete epoll_wait after its
+  // disconnect did not name (or named and found drained) is empty. `polls`
+  // counts such waits; a socket taken from the pool before one happened
+  // makes one, once for all sockets disconnected before it.
   static constexpr std::size_t kPoolMax = 256;
-  std::vector<udp::socket> pool4, pool6;
-  void recycle(udp::socket s, bool v4);
-  std::optional<udp::socket> reuse(bool v4);
+  struct Pooled {
+    int fd;
+    std::uint64_t at;  // `polls` when it was disconnected
+  };
+  std::vector<Pooled> pool4, pool6;
+  std::uint64_t polls = 1;
+  std::uint64_t stale = 0;  // datagrams drain() read
+  std::vector<bool> dirty;  // by descriptor: pooled, and not drained empty
+  void recycle(int fd, bool v4);
+  int reuse(bool v4);
+  bool drain(int fd);     // reads a socket empty (at most 64 datagrams); false if it is not
+  void poll_pooled();     // one epoll_wait: drains the pooled sockets it names
+
+  // The UDP sockets are plain descriptors in an epoll set of the upstream's
+  // own, added once when made (level-triggered), and only that set is in
+  // the event loop's: asio re-arms a descriptor with epoll_ctl at every
+  // wait, a system call per query; here one epoll_wait a turn names every
+  // socket with something to read.
+  int ep = -1;  // owned by ep_desc
+  std::optional<asio::posix::stream_descriptor> ep_desc;
+  bool ep_armed = false;
+  // By descriptor: whether it is one of ours (made by open_udp, not yet
+  // closed), and the exchange whose try waits on it (holding it alive).
+  std::vector<bool> ours;
+  std::vector<std::shared_ptr<Exchange>> owner;
+  std::size_t watching = 0;
+  int open_udp(bool v4);  // made, marked and in the set; -1 with errno
+  void close_udp(int fd);
+  void watch(int fd, std::shared_ptr<Exchange> x);
+  void unwatch(int fd);
+  void arm_udp();
+  void on_udp_ready();
 
   void link(Exchange* x, int round);
   void unlink(Exchange* x);
@@ -228,8 +268,8 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   std::size_t server = 0;        // the server of the current try
   bool force_tcp = false;
   unsigned serial = 0;           // of the current try; completions of older ones are stale
-  std::optional<udp::socket> usock;
-  bool reusable = false;  // usock's try ended with an answer read and no wait outstanding
+  int ufd = -1;           // the UDP socket of the current try
+  bool reusable = false;  // ufd's try ended with an answer read and nothing pending
   std::optional<tcp::socket> tsock;
   std::vector<std::uint8_t> buf;
   std::array<std::uint8_t, 2> len{};
@@ -248,37 +288,42 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
 
   void close_sockets() {
     error_code ec;
-    if (usock && reusable && impl->forget) {
+    if (ufd >= 0 && reusable && impl->forget) {
       // Its answer was read: nothing more is due on this flow.
-      const auto local = usock->local_endpoint(ec);
-      if (!ec) {
+      sockaddr_storage ss{};
+      socklen_t sl = sizeof ss;
+      if (::getsockname(ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
         FlowTuple t;
         t.src = IpPrefix{};
-        const auto la = local.address();
-        t.src.family = la.is_v4() ? 4 : 6;
-        t.src.prefix_len = la.is_v4() ? 32 : 128;
-        if (la.is_v4()) {
-          const auto b = la.to_v4().to_bytes();
-          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+        if (ss.ss_family == AF_INET) {
+          const auto& a = reinterpret_cast<const sockaddr_in&>(ss);
+          t.src.family = 4;
+          t.src.prefix_len = 32;
+          std::memcpy(t.src.bytes.data(), &a.sin_addr, 4);
+          t.sport = ntohs(a.sin_port);
         } else {
-          const auto b = la.to_v6().to_bytes();
-          std::copy(b.begin(), b.end(), t.src.bytes.begin());
+          const auto& a = reinterpret_cast<const sockaddr_in6&>(ss);
+          t.src.family = 6;
+          t.src.prefix_len = 128;
+          std::memcpy(t.src.bytes.data(), &a.sin6_addr, 16);
+          t.sport = ntohs(a.sin6_port);
         }
-        t.sport = local.port();
         t.dst = impl->servers[server].ip;
         t.dport = impl->servers[server].port;
         impl->forget(t);
       }
-      ec = {};
     }
-    if (usock && reusable && !impl->closed) {
-      impl->recycle(std::move(*usock), impl->addrs[server].is_v4());
-    } else if (usock) {
-      usock->close(ec);
+    if (ufd >= 0) {
+      impl->unwatch(ufd);
+      if (reusable && !impl->closed) {
+        impl->recycle(ufd, impl->addrs[server].is_v4());
+      } else {
+        impl->close_udp(ufd);
+      }
     }
+    ufd = -1;
     reusable = false;
     if (tsock) tsock->close(ec);
-    usock.reset();
     tsock.reset();
   }
 
@@ -363,54 +408,39 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     // range, and makes the kernel deliver datagrams from this server only.
     const bool v4 = addr.is_v4();
     const udp::endpoint to(addr, srv.port);
-    if (auto pooled = impl->reuse(v4)) {
-      usock.emplace(std::move(*pooled));
-    } else {
-      // Made by hand (non-blocking from the start, close-on-exec) and handed
-      // to asio only to wait on.
-      const int fd = impl->open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = impl->reuse(v4);
+    if (fd < 0) {
+      // Made by hand (non-blocking from the start, close-on-exec).
+      fd = impl->open_udp(v4);
       if (fd < 0) {
         return fail_now(UpstreamFailure::unreachable, error_code(errno, boost::system::system_category()), "socket");
       }
-      impl->apply_mark(fd);
-      usock.emplace(impl->io);
-      usock->assign(v4 ? udp::v4() : udp::v6(), fd, ec);
-      if (ec) {
-        ::close(fd);
-        usock.reset();
-        return fail_now(UpstreamFailure::unreachable, ec, "watch");
-      }
     }
-    const int fd = usock->native_handle();
+    ufd = fd;
+    impl->watch(fd, shared_from_this());
     if (::connect(fd, to.data(), static_cast<socklen_t>(to.size())) != 0 ||
         ::send(fd, query().data(), query().size(), 0) < 0) {
       const error_code e(errno, boost::system::system_category());
       return fail_now(UpstreamFailure::unreachable, e, "send");
     }
     impl->link(this, round_no);
-    receive_udp();
+    impl->arm_udp();
   }
 
-  // Waits for readability, then reads into the shared buffer: no read is
-  // tried before the answer can be there, and no buffer per query.
-  void receive_udp() {
-    usock->async_wait(udp::socket::wait_read, [self = shared_from_this(), s = serial](const error_code& ec) {
-      self->on_udp(s, ec);
-    });
-  }
-
-  void on_udp(unsigned s, error_code ec) {
-    if (s != serial || finished || impl->closed || ec == asio::error::operation_aborted) return;
+  // The socket of this try has something to read (Impl::on_udp_ready):
+  // read into the shared buffer, no buffer per query.
+  void on_udp() {
+    if (finished || impl->closed || ufd < 0) return;
     const Server& srv = impl->servers[server];
     std::size_t n = 0;
-    if (!ec) {
-      const ssize_t r = ::recv(usock->native_handle(), impl->rbuf.data(), impl->rbuf.size(), MSG_DONTWAIT);
-      if (r < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return receive_udp();
-        ec = error_code(errno, boost::system::system_category());
-      } else {
-        n = static_cast<std::size_t>(r);
-      }
+    error_code ec;
+    const ssize_t r = ::recv(ufd, impl->rbuf.data(), impl->rbuf.size(), MSG_DONTWAIT);
+    if (r < 0) {
+      // Nothing after all: the set reports it again when something comes.
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+      ec = error_code(errno, boost::system::system_category());
+    } else {
+      n = static_cast<std::size_t>(r);
     }
     if (ec) {
       // ECONNREFUSED: an ICMP port unreachable for an earlier datagram.
@@ -420,12 +450,13 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     const Bytes msg(impl->rbuf.data(), n);
     auto h = read_header(msg);
     if (!h || !h->qr() || h->id != id) {
-      // Not an answer to this query: ignored, as c-ares did. Only the
-      // server's address and port reach this connected socket.
-      return receive_udp();
+      // Not an answer to this query: ignored, as c-ares did (the socket
+      // stays watched). Only the server's address and port reach this
+      // connected socket.
+      return;
     }
-    // No wait is outstanding and no error pending: the socket may serve
-    // another query, from another port, once this try ends.
+    // No error pending: the socket may serve another query, from another
+    // port, once this try ends.
     reusable = true;
     on_answer(msg, *h, false);
   }
@@ -541,40 +572,128 @@ void Upstream::Impl::unlink(Exchange* x) {
   x->round = -1;
 }
 
-void Upstream::Impl::recycle(udp::socket sock, bool v4) {
+void Upstream::Impl::recycle(int fd, bool v4) {
   auto& pool = v4 ? pool4 : pool6;
   sockaddr unspec{};
   unspec.sa_family = AF_UNSPEC;
-  error_code ec;
   // Disconnecting an autobound UDP socket unhashes it and clears its port
   // (__udp_disconnect): nothing more reaches it until the next connect.
-  if (pool.size() >= kPoolMax || ::connect(sock.native_handle(), &unspec, sizeof unspec) != 0) {
-    sock.close(ec);
+  if (pool.size() >= kPoolMax || ::connect(fd, &unspec, sizeof unspec) != 0) {
+    close_udp(fd);
     return;
   }
-  pool.push_back(std::move(sock));
+  dirty[static_cast<std::size_t>(fd)] = false;
+  pool.push_back({fd, polls});
 }
 
-std::optional<udp::socket> Upstream::Impl::reuse(bool v4) {
+bool Upstream::Impl::drain(int fd) {
+  for (int i = 0; i < 64; ++i) {
+    const ssize_t r = ::recv(fd, rbuf.data(), rbuf.size(), MSG_DONTWAIT);
+    if (r >= 0) ++stale;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+  }
+  return false;
+}
+
+void Upstream::Impl::poll_pooled() {
+  std::array<epoll_event, 64> evs{};
+  const int n = ::epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), 0);
+  if (n < 0) return;
+  // A full array may have left sockets unnamed: no statement about the rest.
+  if (static_cast<std::size_t>(n) < evs.size()) ++polls;
+  for (int i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
+    // Sockets a try waits on stay ready (level-triggered) for on_udp_ready.
+    if (k < ours.size() && ours[k] && !owner[k] && !drain(static_cast<int>(k))) dirty[k] = true;
+  }
+}
+
+int Upstream::Impl::reuse(bool v4) {
   auto& pool = v4 ? pool4 : pool6;
   while (!pool.empty()) {
-    udp::socket s = std::move(pool.back());
+    if (pool.back().at >= polls) poll_pooled();
+    const Pooled p = pool.back();
     pool.pop_back();
-    // Whatever was queued before the disconnect (a late duplicate, a forger's
-    // datagram) and a pending error go now, not into the next query.
-    bool clean = false;
-    for (int i = 0; i < 64; ++i) {
-      const ssize_t r = ::recv(s.native_handle(), rbuf.data(), rbuf.size(), MSG_DONTWAIT);
-      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        clean = true;
-        break;
-      }
-    }
-    if (clean) return s;
-    error_code ec;
-    s.close(ec);
+    const auto k = static_cast<std::size_t>(p.fd);
+    // No complete wait since its disconnect (a full array twice): read it.
+    if (!dirty[k] && (p.at < polls || drain(p.fd))) return p.fd;
+    close_udp(p.fd);
   }
-  return std::nullopt;
+  return -1;
+}
+
+int Upstream::Impl::open_udp(bool v4) {
+  const int fd = open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0) return -1;
+  apply_mark(fd);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  if (::epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  const auto i = static_cast<std::size_t>(fd);
+  if (ours.size() <= i) {
+    ours.resize(i + 1, false);
+    dirty.resize(i + 1, false);
+    owner.resize(i + 1);
+  }
+  ours[i] = true;
+  return fd;
+}
+
+void Upstream::Impl::close_udp(int fd) {
+  // Closing the last reference takes it out of the epoll set.
+  ours[static_cast<std::size_t>(fd)] = false;
+  ::close(fd);
+}
+
+void Upstream::Impl::watch(int fd, std::shared_ptr<Exchange> x) {
+  auto& o = owner[static_cast<std::size_t>(fd)];
+  if (!o) ++watching;
+  o = std::move(x);
+}
+
+void Upstream::Impl::unwatch(int fd) {
+  // The caller holds the exchange: resetting here never destroys it.
+  auto& o = owner[static_cast<std::size_t>(fd)];
+  if (o) --watching;
+  o.reset();
+}
+
+void Upstream::Impl::arm_udp() {
+  if (ep_armed || watching == 0 || closed) return;
+  ep_armed = true;
+  ep_desc->async_wait(asio::posix::stream_descriptor::wait_read, [self = shared_from_this()](const error_code& ec) {
+    self->ep_armed = false;
+    if (ec || self->closed) return;
+    self->on_udp_ready();
+    self->arm_udp();
+  });
+}
+
+void Upstream::Impl::on_udp_ready() {
+  std::array<epoll_event, 64> evs{};
+  const int n = ::epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), 0);
+  if (n < 0) return;
+  if (static_cast<std::size_t>(n) < evs.size()) ++polls;
+  // Pooled sockets first (disconnected: only what came before), before any
+  // answer below can start a query that takes one from the pool as empty:
+  // drained, so the level-triggered set stops naming them, or never reused.
+  for (int i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
+    if (k < ours.size() && ours[k] && !owner[k] && !drain(static_cast<int>(k))) dirty[k] = true;
+  }
+  for (int i = 0; i < n && !closed; ++i) {
+    const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
+    // An earlier answer of this batch may have ended the try (its socket
+    // closed or pooled, or taken by another query, which reads nothing).
+    if (k >= ours.size() || !ours[k]) continue;
+    if (std::shared_ptr<Exchange> x = owner[k]) x->on_udp();
+  }
 }
 
 // Invariant: while any try waits, the timer is armed no later than the
@@ -618,18 +737,19 @@ void Upstream::Impl::close() {
   error_code ec;
   timer.cancel();
   for (auto* pool : {&pool4, &pool6}) {
-    for (auto& s : *pool) s.close(ec);
+    for (const Pooled& p : *pool) close_udp(p.fd);
     pool->clear();
   }
   for (List& l : waiting) {
     while (l.head != nullptr) {
-      Exchange* x = l.head;
-      unlink(x);
+      const std::shared_ptr<Exchange> x = l.head->shared_from_this();
+      unlink(x.get());
       x->finished = true;
       x->done = nullptr;  // abandoned: destroyed, never called
       x->close_sockets();
     }
   }
+  if (ep_desc) ep_desc->close(ec);
 }
 
 Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const UpstreamOptions& opts) {
@@ -648,6 +768,9 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
   impl->socket_opener = opts.open_socket;
   impl->forget = opts.forget;
   impl->first = first_try(opts.timeout, impl->servers.size());
+  impl->ep = ::epoll_create1(EPOLL_CLOEXEC);
+  if (impl->ep < 0) return Error::runtime(std::string("upstream: epoll_create1: ") + errno_text(errno));
+  impl->ep_desc.emplace(io, impl->ep);
   return std::unique_ptr<Upstream>(new Upstream(std::move(impl)));
 }
 
@@ -696,9 +819,8 @@ void Upstream::set_mark(std::uint32_t mark) {
   if (mark == impl_->mark) return;
   impl_->mark = mark;
   // Pooled sockets carry the old mark.
-  boost::system::error_code ec;
   for (auto* pool : {&impl_->pool4, &impl_->pool6}) {
-    for (auto& s : *pool) s.close(ec);
+    for (const auto& p : *pool) impl_->close_udp(p.fd);
     pool->clear();
   }
 }
@@ -713,6 +835,8 @@ void Upstream::random_case(std::span<std::uint8_t, kCaseBits> out) { impl_->rand
 
 std::size_t Upstream::pending() const { return impl_->pending; }
 
+std::uint64_t Upstream::stale_dropped() const { return impl_->stale; }
+
 const std::vector<Server>& Upstream::servers() const { return impl_->servers; }
 
 std::vector<std::uint16_t> Upstream::open_ports() const {
@@ -720,9 +844,13 @@ std::vector<std::uint16_t> Upstream::open_ports() const {
   for (const auto& l : impl_->waiting) {
     for (const Exchange* x = l.head; x != nullptr; x = x->nxt) {
       error_code ec;
-      if (x->usock) {
-        auto ep = x->usock->local_endpoint(ec);
-        if (!ec) ports.push_back(ep.port());
+      if (x->ufd >= 0) {
+        sockaddr_storage ss{};
+        socklen_t sl = sizeof ss;
+        if (::getsockname(x->ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
+          ports.push_back(ntohs(ss.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(ss).sin_port
+                                                        : reinterpret_cast<const sockaddr_in6&>(ss).sin6_port));
+        }
       }
       if (x->tsock) {
         auto ep = x->tsock->local_endpoint(ec);

@@ -155,6 +155,9 @@ class Upstream {
   void random_case(std::span<std::uint8_t, kCaseBits> out);
 
   std::size_t pending() const;
+  // Datagrams read and dropped from pooled sockets (queued before the
+  // disconnect that ended their query) so the next query never sees them.
+  std::uint64_t stale_dropped() const;
   const std::vector<Server>& servers() const;
 
   // The local port of every socket an unfinished query holds right now.

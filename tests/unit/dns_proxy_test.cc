@@ -158,6 +158,7 @@ class FakeUpstream {
   };
   std::vector<Seen> seen;
   bool silent = false;  // receive and record, never answer
+  int copies = 1;       // each UDP answer sent this many times, back to back
   int tcp_connections = 0;
   // Answers echo the question lower-cased (as a forger who did not see the
   // query's case would).
@@ -239,7 +240,7 @@ class FakeUpstream {
         seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, false, q, peer_.port()});
         relay(std::move(q), peer_);
       } else if (auto a = answer(q, false, peer_.port())) {
-        udp_.send_to(asio::buffer(*a), peer_);
+        for (int i = 0; i < copies; ++i) udp_.send_to(asio::buffer(*a), peer_);
       }
       receive();
     });
@@ -1140,6 +1141,32 @@ TEST_CASE("one query after the other: a new source port each time") {
   std::set<std::uint16_t> ports;
   for (const auto& s : f.upstream.seen) ports.insert(s.port);
   CHECK(ports.size() >= 18);  // 20 draws from ~28k ports: a repeat or two at most, by chance
+}
+
+TEST_CASE("what a query's socket still holds when it ends never reaches the next query on that socket") {
+  // The answer and two copies are queued together; the first ends the try,
+  // the socket goes back to the pool disconnected with the copies in it.
+  // They must be read and dropped before the socket serves again, one query
+  // at a time (the pool's socket taken right away) and many at once.
+  Fixture f;
+  f.upstream.copies = 3;
+  for (int i = 0; i < 40; ++i) f.hooks.allowed.insert("c" + std::to_string(i) + ".test");
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  for (int i = 0; i < 20; ++i) {
+    c.send(query(static_cast<std::uint16_t>(i), "c" + std::to_string(i) + ".test"));
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == static_cast<std::size_t>(i + 1); }));
+    CHECK(rcode_of(c.got.back()) == Rcode::noerror);
+  }
+  // Every socket but the last was taken again, so its two copies went first.
+  CHECK(f.proxy->counters().stale >= 2 * 19);
+  for (int i = 20; i < 40; ++i) c.send(query(static_cast<std::uint16_t>(i), "c" + std::to_string(i) + ".test"));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 40; }));
+  for (const auto& m : c.got) CHECK(rcode_of(m) == Rcode::noerror);
+  CHECK(f.proxy->counters().failed == 0);
+  std::set<std::uint16_t> ports;
+  for (const auto& s : f.upstream.seen) ports.insert(s.port);
+  CHECK(ports.size() >= 36);  // a fresh port per query (40 draws from ~28k: a repeat or two by chance)
 }
 
 TEST_CASE("TTLs are capped at max_ttl, in the answer relayed and in what is learned") {
