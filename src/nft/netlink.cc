@@ -1178,7 +1178,12 @@ class NetlinkKernel final : public Kernel {
 
   Status send_batch(std::size_t len, std::uint32_t first_seq) {
     size_buffers(len, tags_.size());
-    t_->drain();  // whatever an earlier, abandoned exchange left queued
+    // Whatever an earlier, abandoned exchange left queued (a timeout, lost
+    // acks, a failed commit's late reports). After a clean one nothing is
+    // (its last ack was the kernel's last word), and a read that would find
+    // the socket empty is a system call per commit saved.
+    if (!settled_) t_->drain();
+    settled_ = false;
     if (const int err = t_->send(batch_.data(), len); err != 0) {
       Error e = errno_error("send batch of " + std::to_string(tags_.size()) + " messages (" + std::to_string(len) +
                                 " bytes, first: " + describe(tags_.front()) + ")",
@@ -1250,6 +1255,7 @@ class NetlinkKernel final : public Kernel {
       return Error::runtime("batch of " + std::to_string(expected) + " messages: not acked by the kernel within " +
                             std::to_string(kReplyTimeoutMs) + " ms");
     }
+    settled_ = true;
     return {};
   }
 
@@ -1281,6 +1287,7 @@ class NetlinkKernel final : public Kernel {
   // or a positive errno: the kernel's, ETIMEDOUT, or kDumpInterrupted when a
   // dump was interrupted by a commit or replies were lost (ENOBUFS).
   int talk(nlmsghdr* req, const OnMsg& on_msg) {
+    settled_ = false;  // request() drains first; what it leaves behind on failure is not known
     return t_->request(req, on_msg, std::chrono::milliseconds(kReplyTimeoutMs));
   }
 
@@ -1402,6 +1409,9 @@ class NetlinkKernel final : public Kernel {
   int fd_;  // t_'s, for the buffer sizes
   int sndbuf_ = 0;
   int rcvbuf_ = 0;
+  // The last exchange on the socket ended with everything it was sent read
+  // (a batch's last ack): nothing stale can be queued.
+  bool settled_ = false;
   BatchBuffer batch_;         // reused between applies (see kKeptBatchBytes)
   std::vector<MsgTag> tags_;  // one per message of the batch being applied
   std::vector<char> req_;
