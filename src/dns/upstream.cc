@@ -269,6 +269,9 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   bool force_tcp = false;
   unsigned serial = 0;           // of the current try; completions of older ones are stale
   int ufd = -1;           // the UDP socket of the current try
+  // ufd's address and port, as the answer's destination said (IP_ORIGDSTADDR):
+  // the flow to forget, without a getsockname.
+  std::optional<sockaddr_storage> local;
   bool reusable = false;  // ufd's try ended with an answer read and nothing pending
   std::optional<tcp::socket> tsock;
   std::vector<std::uint8_t> buf;
@@ -290,9 +293,9 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     error_code ec;
     if (ufd >= 0 && reusable && impl->forget) {
       // Its answer was read: nothing more is due on this flow.
-      sockaddr_storage ss{};
+      sockaddr_storage ss = local.value_or(sockaddr_storage{});
       socklen_t sl = sizeof ss;
-      if (::getsockname(ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
+      if (local || ::getsockname(ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
         FlowTuple t;
         t.src = IpPrefix{};
         if (ss.ss_family == AF_INET) {
@@ -322,6 +325,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
       }
     }
     ufd = -1;
+    local.reset();
     reusable = false;
     if (tsock) tsock->close(ec);
     tsock.reset();
@@ -434,7 +438,16 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     const Server& srv = impl->servers[server];
     std::size_t n = 0;
     error_code ec;
-    const ssize_t r = ::recv(ufd, impl->rbuf.data(), impl->rbuf.size(), MSG_DONTWAIT);
+    // recvmsg for the control message naming the datagram's destination,
+    // which is this socket's address and port.
+    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(sockaddr_in6))> ctl{};
+    iovec iov{impl->rbuf.data(), impl->rbuf.size()};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.data();
+    mh.msg_controllen = ctl.size();
+    const ssize_t r = ::recvmsg(ufd, &mh, MSG_DONTWAIT);
     if (r < 0) {
       // Nothing after all: the set reports it again when something comes.
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
@@ -458,6 +471,17 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     // No error pending: the socket may serve another query, from another
     // port, once this try ends.
     reusable = true;
+    local.reset();
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      const bool v4 = c->cmsg_level == SOL_IP && c->cmsg_type == IP_ORIGDSTADDR && c->cmsg_len >= CMSG_LEN(sizeof(sockaddr_in));
+      const bool v6 =
+          c->cmsg_level == SOL_IPV6 && c->cmsg_type == IPV6_ORIGDSTADDR && c->cmsg_len >= CMSG_LEN(sizeof(sockaddr_in6));
+      if (!v4 && !v6) continue;
+      sockaddr_storage ss{};
+      std::memcpy(&ss, CMSG_DATA(c), v4 ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
+      ss.ss_family = v4 ? AF_INET : AF_INET6;
+      local = ss;
+    }
     on_answer(msg, *h, false);
   }
 
@@ -626,6 +650,10 @@ int Upstream::Impl::open_udp(bool v4) {
   const int fd = open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
   if (fd < 0) return -1;
   apply_mark(fd);
+  // Each answer names its destination, this socket's address and port
+  // (what close_sockets hands to forget); without it, a getsockname.
+  const int one = 1;
+  (void)::setsockopt(fd, v4 ? SOL_IP : SOL_IPV6, v4 ? IP_RECVORIGDSTADDR : IPV6_RECVORIGDSTADDR, &one, sizeof one);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = fd;

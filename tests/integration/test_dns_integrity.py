@@ -1238,19 +1238,21 @@ def test_a_racing_copy_of_egressds_query_is_relayed_only_to_the_target(lab, egre
 # --- a port per query, and the sandbox's own queries ---------------------------------------------
 
 
-def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd):
+@pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
+def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd, server):
     """Every upstream query leaves from a fresh port that goes back to the namespace's ephemeral
     range once answered. Its conntrack entry must go with it: a sandbox query to the same server
     (the sandbox asks where egressd asks) that drew such a port would otherwise be the original
     direction of egressd's old flow, not redirected, and denied (EPERM). With 2000 upstream
-    flows in conntrack, 300 fresh sockets would hit one about 20 times."""
+    flows in conntrack, 300 fresh sockets would hit one about 20 times. Both families: the flow
+    to forget is read from each answer's destination (IP_ORIGDSTADDR, IPV6_ORIGDSTADDR)."""
     serve(lab)
-    egressd(policy(DNS_V4))
+    egressd(policy(server))
     t = tok()
-    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = lab.sandbox.socket(socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM)
     answered = 0
     with s:
-        s.connect((DNS_V4, 53))
+        s.connect((server, 53))
         s.settimeout(3.0)
         for batch in range(20):  # 2000 allowed names, 100 in flight at a time
             for i in range(100):
@@ -1261,7 +1263,7 @@ def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd):
     assert answered == 2000
     failures = []
     for i in range(300):
-        r = lab.dns_query(f"after{i}.{t}.wild.example.org", timeout=2.0)
+        r = lab.dns_query(f"after{i}.{t}.wild.example.org", server=server, timeout=2.0)
         if (r.outcome, r.rcode) != ("ok", "NOERROR"):
             failures.append(f"{i}: {r.outcome!r} {r.rcode}")
     assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])
