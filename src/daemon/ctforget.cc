@@ -28,7 +28,22 @@ Result<std::unique_ptr<ConntrackForgetter>> ConntrackForgetter::open(boost::asio
   o.what = "conntrack netlink";
   auto t = nft::Transport::open(io, std::move(o));
   if (!t) return t.error();
-  return std::unique_ptr<ConntrackForgetter>(new ConntrackForgetter(io, std::move(*t)));
+  std::unique_ptr<ConntrackForgetter> f(new ConntrackForgetter(io, std::move(*t)));
+  // The kernel handles a batch inside the send and queues its error
+  // reports (ENOENT for flows already gone); they are read when they come,
+  // so a batch costs no read of an empty socket, and the buffer never
+  // fills. The transport stops before the forgetter goes (it owns it).
+  ConntrackForgetter* self = f.get();
+  f->t_->start({.message =
+                    [self](const nlmsghdr* h) {
+                      if (h->nlmsg_type != NLMSG_ERROR || h->nlmsg_len < NLMSG_LENGTH(sizeof(nlmsgerr))) return;
+                      const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(h));
+                      if (e->error != 0 && e->error != -ENOENT) ++self->failed_;
+                    },
+                .overrun = {},
+                .turn_done = {},
+                .error = {}});
+  return f;
 }
 
 namespace {
@@ -107,14 +122,6 @@ void ConntrackForgetter::flush() {
   }
   sent_ += pending_;
   pending_ = 0;
-  // The kernel handled the batch inside the send; its error reports (ENOENT
-  // for flows already gone) are queued now. Read them, so the socket's
-  // buffer never fills.
-  t_->read_queued([this](const nlmsghdr* h) {
-    if (h->nlmsg_type != NLMSG_ERROR || h->nlmsg_len < NLMSG_LENGTH(sizeof(nlmsgerr))) return;
-    const auto* e = static_cast<const nlmsgerr*>(mnl_nlmsg_get_payload(h));
-    if (e->error != 0 && e->error != -ENOENT) ++failed_;
-  });
   batch_.clear();
 }
 
