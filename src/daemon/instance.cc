@@ -429,7 +429,7 @@ Status Instance::Impl::build() {
   so.executor = io.get_executor();
   if (!opts.hosts_file.empty()) {
     so.hosts_path = opts.hosts_file;
-    so.read_hosts = [path = opts.hosts_file] { return read_hosts_file(path); };
+    so.read_hosts = [reader = std::make_shared<HostsFileReader>(opts.hosts_file)] { return (*reader)(); };
   }
   so.denied.capacity = opts.denied_records;
   so.names.max_entries = opts.names;

@@ -85,7 +85,9 @@ int open_hosts(const std::string& path) {
 
 }  // namespace
 
-Result<std::optional<std::string>> read_hosts_file(const std::string& path) {
+namespace {
+
+Result<std::optional<std::string>> read_hosts_fd(const std::string& path, struct stat* out) {
   const UniqueFd fd(open_hosts(path));
   if (!fd.ok()) {
     if (errno == ENOENT) return std::optional<std::string>{};
@@ -96,6 +98,7 @@ Result<std::optional<std::string>> read_hosts_file(const std::string& path) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Error::invalid("cannot read hosts file " + path + ": " + errno_text(errno));
   if (!S_ISREG(st.st_mode)) return Error::invalid("hosts file " + path + " is not a regular file; not read");
+  if (out != nullptr) *out = st;
   std::string text;
   char buf[16384];
   for (;;) {
@@ -112,6 +115,59 @@ Result<std::optional<std::string>> read_hosts_file(const std::string& path) {
     }
   }
   return std::optional<std::string>(std::move(text));
+}
+
+bool is_proc_root_path(std::string_view p) {
+  if (p.rfind("/proc/", 0) != 0) return false;
+  const auto root_end = p.find("/root/", 6);
+  return root_end != std::string_view::npos;
+}
+
+bool same_time(const timespec& a, const timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
+
+}  // namespace
+
+Result<std::optional<std::string>> read_hosts_file(const std::string& path) { return read_hosts_fd(path, nullptr); }
+
+HostsFileReader::HostsFileReader(std::string path, std::function<timespec()> now)
+    : path_(std::move(path)), now_(std::move(now)), cacheable_(!is_proc_root_path(path_)) {
+  if (!now_) {
+    now_ = [] {
+      timespec t{};
+      ::clock_gettime(CLOCK_REALTIME, &t);
+      return t;
+    };
+  }
+}
+
+Result<std::optional<std::string>> HostsFileReader::operator()() {
+  if (cacheable_ && have_) {
+    struct stat st {};
+    if (::stat(path_.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_ && st.st_size == size_ &&
+        same_time(st.st_mtim, mtime_) && same_time(st.st_ctim, ctime_)) {
+      return std::optional<std::string>(text_);
+    }
+  }
+  have_ = false;
+  struct stat st {};
+  const timespec before = now_();
+  ++reads_;
+  auto r = read_hosts_fd(path_, &st);
+  if (!r || !*r || !cacheable_) return r;
+  // Kept only when the file's last change came well before this read
+  // (its ctime more than kSlack before the clock read ahead of the open).
+  const auto ns = [](const timespec& t) { return static_cast<std::int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec; };
+  const auto slack_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(kSlack).count();
+  if (ns(st.st_ctim) + slack_ns < ns(before)) {
+    have_ = true;
+    dev_ = st.st_dev;
+    ino_ = st.st_ino;
+    size_ = st.st_size;
+    mtime_ = st.st_mtim;
+    ctime_ = st.st_ctim;
+    text_ = **r;
+  }
+  return r;
 }
 
 bool Sandbox::read_hosts() {

@@ -304,3 +304,77 @@ TEST_CASE("read_hosts_file: regular files only, never blocking; /proc/PID/root/ 
   std::remove(file.c_str());
   ::rmdir(dir.c_str());
 }
+
+TEST_CASE("HostsFileReader: a stat answers while the file is unchanged; any change, or a racy read, reads it again") {
+  char tmpl[] = "/tmp/egressd-hosts-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  const std::string file = dir + "/hosts", other = dir + "/hosts.new";
+  auto write = [](const std::string& path, const char* text) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    REQUIRE(f != nullptr);
+    std::fputs(text, f);
+    std::fclose(f);
+  };
+  auto ctime_of = [](const std::string& path) {
+    struct stat st {};
+    REQUIRE(::stat(path.c_str(), &st) == 0);
+    return st.st_ctim;
+  };
+  write(file, "192.0.2.1 a.test\n");
+  // The clock the reader compares ctime with: "now" is what the test says.
+  timespec now = ctime_of(file);
+  HostsFileReader read(file, [&] { return now; });
+
+  SUBCASE("a read right after the file changed is never trusted later") {
+    for (int i = 1; i <= 3; ++i) {
+      auto r = read();
+      REQUIRE(r.ok());
+      CHECK(**r == "192.0.2.1 a.test\n");
+      CHECK(read.reads() == static_cast<std::uint64_t>(i));
+    }
+  }
+  SUBCASE("a read well after the last change is kept until the file changes") {
+    now.tv_sec += 1;
+    REQUIRE((*read()).value() == "192.0.2.1 a.test\n");
+    REQUIRE((*read()).value() == "192.0.2.1 a.test\n");
+    CHECK(read.reads() == 1);
+    // Another size: read again.
+    write(file, "192.0.2.2 bb.test\n");
+    now = ctime_of(file);
+    now.tv_sec += 1;
+    CHECK((*read()).value() == "192.0.2.2 bb.test\n");
+    CHECK(read.reads() == 2);
+    CHECK((*read()).value() == "192.0.2.2 bb.test\n");
+    CHECK(read.reads() == 2);
+    // The same size, replaced by rename (another inode): read again.
+    write(other, "192.0.2.3 cc.test\n");
+    REQUIRE(std::rename(other.c_str(), file.c_str()) == 0);
+    CHECK((*read()).value() == "192.0.2.3 cc.test\n");
+    CHECK(read.reads() == 3);
+    // Gone: read (and found missing), then back.
+    REQUIRE(std::remove(file.c_str()) == 0);
+    auto r = read();
+    REQUIRE(r.ok());
+    CHECK_FALSE(r->has_value());
+    write(file, "192.0.2.4 d.test\n");
+    CHECK((*read()).value() == "192.0.2.4 d.test\n");
+    CHECK(read.reads() == 5);
+  }
+  SUBCASE("paths under /proc/PID/root/ are read every time") {
+    HostsFileReader via_root("/proc/" + std::to_string(::getpid()) + "/root" + file, [&] {
+      timespec t = now;
+      t.tv_sec += 1;
+      return t;
+    });
+    for (int i = 1; i <= 3; ++i) {
+      auto r = via_root();
+      REQUIRE(r.ok());
+      CHECK(**r == "192.0.2.1 a.test\n");
+    }
+    CHECK(via_root.reads() == 3);
+  }
+  std::remove(other.c_str());
+  std::remove(file.c_str());
+  ::rmdir(dir.c_str());
+}
