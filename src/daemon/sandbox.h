@@ -156,13 +156,14 @@ constexpr std::size_t kMaxHostsFile = 1 << 20;
 // where a read takes five). "Unchanged": same device, inode, size, mtime and
 // ctime, and the read came more than kSlack after the file's ctime; a later
 // write then carries a later ctime, however coarse the timestamps (the
-// kernel stamps from a clock that ticks every few ms). Paths under
+// kernel stamps from a clock that ticks every few ms; some file systems
+// keep whole seconds, FAT two). Paths under
 // /proc/PID/root/ are read every time: there the read resolves inside that
 // root, which a stat of the path would not. `now` (CLOCK_REALTIME, the
 // clock of ctime) is for tests.
 class HostsFileReader {
  public:
-  static constexpr std::chrono::milliseconds kSlack{100};
+  static constexpr std::chrono::milliseconds kSlack{3000};
   explicit HostsFileReader(std::string path, std::function<timespec()> now = {});
   Result<std::optional<std::string>> operator()();
   std::uint64_t reads() const { return reads_; }  // files opened and read

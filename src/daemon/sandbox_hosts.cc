@@ -156,6 +156,7 @@ Result<std::optional<std::string>> HostsFileReader::operator()() {
   if (!r || !*r || !cacheable_) return r;
   // Kept only when the file's last change came well before this read
   // (its ctime more than kSlack before the clock read ahead of the open).
+  // A file that changed within kSlack is read every time.
   const auto ns = [](const timespec& t) { return static_cast<std::int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec; };
   const auto slack_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(kSlack).count();
   if (ns(st.st_ctim) + slack_ns < ns(before)) {
