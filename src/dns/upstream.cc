@@ -214,7 +214,9 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   void recycle(int fd, bool v4);
   int reuse(bool v4);
   bool drain(int fd);     // reads a socket empty (at most 64 datagrams); false if it is not
-  void poll_pooled();     // one epoll_wait: drains the pooled sockets it names
+  using Events = std::array<epoll_event, 64>;
+  int poll(Events& evs);  // one epoll_wait: drains the pooled sockets it names; how many it named
+  void poll_pooled();     // poll() for reuse(), the events left for on_udp_ready
 
   // The UDP sockets are plain descriptors in an epoll set of the upstream's
   // own, added once when made (level-triggered), and only that set is in
@@ -619,17 +621,26 @@ bool Upstream::Impl::drain(int fd) {
   return false;
 }
 
-void Upstream::Impl::poll_pooled() {
-  std::array<epoll_event, 64> evs{};
+int Upstream::Impl::poll(Events& evs) {
   const int n = ::epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), 0);
-  if (n < 0) return;
+  if (n < 0) return 0;
   // A full array may have left sockets unnamed: no statement about the rest.
   if (static_cast<std::size_t>(n) < evs.size()) ++polls;
+  // Pooled sockets (disconnected: only what came before) are drained now,
+  // before any answer can start a query that takes one from the pool as
+  // empty, so the level-triggered set stops naming them; one that does not
+  // run empty is never reused. Sockets a try waits on stay ready for
+  // on_udp_ready.
   for (int i = 0; i < n; ++i) {
     const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
-    // Sockets a try waits on stay ready (level-triggered) for on_udp_ready.
     if (k < ours.size() && ours[k] && !owner[k] && !drain(static_cast<int>(k))) dirty[k] = true;
   }
+  return n;
+}
+
+void Upstream::Impl::poll_pooled() {
+  Events evs{};
+  (void)poll(evs);
 }
 
 int Upstream::Impl::reuse(bool v4) {
@@ -704,17 +715,8 @@ void Upstream::Impl::arm_udp() {
 }
 
 void Upstream::Impl::on_udp_ready() {
-  std::array<epoll_event, 64> evs{};
-  const int n = ::epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), 0);
-  if (n < 0) return;
-  if (static_cast<std::size_t>(n) < evs.size()) ++polls;
-  // Pooled sockets first (disconnected: only what came before), before any
-  // answer below can start a query that takes one from the pool as empty:
-  // drained, so the level-triggered set stops naming them, or never reused.
-  for (int i = 0; i < n; ++i) {
-    const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
-    if (k < ours.size() && ours[k] && !owner[k] && !drain(static_cast<int>(k))) dirty[k] = true;
-  }
+  Events evs{};
+  const int n = poll(evs);
   for (int i = 0; i < n && !closed; ++i) {
     const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
     // An earlier answer of this batch may have ended the try (its socket
