@@ -190,15 +190,21 @@ def test_forged_inbound_flow_gives_no_two_way_udp(lab, egressd, mode, family, wh
     assert res.get("looped") != DENIED[family], res
 
 
-# argv: source, destination, token. One UDP datagram to port 9999 with a foreign source
-# address, written with IP_HDRINCL (IPv4) / IPPROTO_RAW (IPv6).
-RAW_FOREIGN_SOURCE = textwrap.dedent(r'''
+# What every raw-packet script below starts with: its imports and the Internet checksum
+# (RFC 1071). The scripts run inside the sandbox as source strings.
+RAW_PRELUDE = textwrap.dedent(r'''
     import json, socket, struct, sys
-    src, dst, tok = sys.argv[1], sys.argv[2], sys.argv[3].encode()
     def csum(b):
         if len(b) % 2: b += b"\0"
         s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
         return ~s & 0xFFFF
+''')
+
+
+# argv: source, destination, token. One UDP datagram to port 9999 with a foreign source
+# address, written with IP_HDRINCL (IPv4) / IPPROTO_RAW (IPv6).
+RAW_FOREIGN_SOURCE = RAW_PRELUDE + textwrap.dedent(r'''
+    src, dst, tok = sys.argv[1], sys.argv[2], sys.argv[3].encode()
     out = {}
     try:
         if ":" in dst:
@@ -243,13 +249,8 @@ def test_raw_packet_with_a_foreign_source_never_leaves(lab, egressd, mode, famil
 # socket from the foreign address to the allowed host, quoting a datagram of that flow's reply
 # direction: conntrack calls it RELATED to the flow, in the flow's original direction, whatever
 # its outer source (it checks the outer destination only).
-FORGED_RELATED_ICMP = textwrap.dedent(r'''
-    import json, socket, struct, sys
+FORGED_RELATED_ICMP = RAW_PRELUDE + textwrap.dedent(r'''
     me, dst, src, tok = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].encode()
-    def csum(b):
-        if len(b) % 2: b += b"\0"
-        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
-        return ~s & 0xFFFF
     v6 = ":" in dst
     fam = socket.AF_INET6 if v6 else socket.AF_INET
     u = socket.socket(fam, socket.SOCK_DGRAM)
@@ -404,13 +405,8 @@ def test_nobody_but_egressd_reaches_a_loopback_upstream(lab, egressd, docker_res
 
 # argv: interface, gateway MAC, source, destination, token, [bypass]. One UDP datagram to
 # port 7 of the destination as an Ethernet frame on an AF_PACKET socket.
-PACKET_FRAME = textwrap.dedent(r'''
-    import json, socket, struct, sys
+PACKET_FRAME = RAW_PRELUDE + textwrap.dedent(r'''
     ifname, gw_mac, src, dst, tok = sys.argv[1], bytes.fromhex(sys.argv[2].replace(":", "")), sys.argv[3], sys.argv[4], sys.argv[5].encode()
-    def csum(b):
-        if len(b) % 2: b += b"\0"
-        s = sum(struct.unpack("!%dH" % (len(b) // 2), b)); s = (s & 0xFFFF) + (s >> 16); s = (s & 0xFFFF) + (s >> 16)
-        return ~s & 0xFFFF
     try:
         ps = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
     except OSError as e:
