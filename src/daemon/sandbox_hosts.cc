@@ -55,6 +55,18 @@ HostsLoad load_hosts(std::string_view text, std::string_view path) {
 
 namespace {
 
+// "/proc/PID/root/REST" as that process's root ("/proc/PID/root") and REST;
+// nothing for any other path.
+std::optional<std::pair<std::string, std::string>> split_proc_root(std::string_view p) {
+  if (p.rfind("/proc/", 0) != 0) return std::nullopt;
+  const auto root_end = p.find("/root/", 6);
+  if (root_end == std::string_view::npos ||
+      p.substr(6, root_end - 6).find_first_not_of("0123456789") != std::string_view::npos) {
+    return std::nullopt;
+  }
+  return std::pair{std::string(p.substr(0, root_end + 5)), std::string(p.substr(root_end + 6))};
+}
+
 // Opens `path` for reading without blocking. Under /proc/PID/root/ the rest
 // of the path is resolved inside that process's root (RESOLVE_IN_ROOT), as
 // its own resolver would: the file is the sandbox's to shape, and a symlink
@@ -62,23 +74,17 @@ namespace {
 // its log) a file of its own. -1 with errno on failure.
 int open_hosts(const std::string& path) {
   constexpr int kFlags = O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
-  const std::string_view p(path);
-  if (p.rfind("/proc/", 0) == 0) {
-    const auto root_end = p.find("/root/", 6);
-    if (root_end != std::string_view::npos &&
-        p.substr(6, root_end - 6).find_first_not_of("0123456789") == std::string_view::npos) {
-      const std::string root(p.substr(0, root_end + 5));
-      const std::string rest(p.substr(root_end + 6));
-      const UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-      if (!dir.ok()) return -1;
-      open_how how{};
-      how.flags = kFlags;
-      how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
-      const long fd = ::syscall(SYS_openat2, dir.get(), rest.c_str(), &how, sizeof how);
-      if (fd >= 0 || errno != ENOSYS) return static_cast<int>(fd);
-      // Before Linux 5.6: no symlink at all on the last component.
-      return ::openat(dir.get(), rest.c_str(), kFlags | O_NOFOLLOW);
-    }
+  if (const auto split = split_proc_root(path)) {
+    const auto& [root, rest] = *split;
+    const UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!dir.ok()) return -1;
+    open_how how{};
+    how.flags = kFlags;
+    how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+    const long fd = ::syscall(SYS_openat2, dir.get(), rest.c_str(), &how, sizeof how);
+    if (fd >= 0 || errno != ENOSYS) return static_cast<int>(fd);
+    // Before Linux 5.6: no symlink at all on the last component.
+    return ::openat(dir.get(), rest.c_str(), kFlags | O_NOFOLLOW);
   }
   return ::open(path.c_str(), kFlags);
 }
@@ -117,12 +123,6 @@ Result<std::optional<std::string>> read_hosts_fd(const std::string& path, struct
   return std::optional<std::string>(std::move(text));
 }
 
-bool is_proc_root_path(std::string_view p) {
-  if (p.rfind("/proc/", 0) != 0) return false;
-  const auto root_end = p.find("/root/", 6);
-  return root_end != std::string_view::npos;
-}
-
 bool same_time(const timespec& a, const timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
 
 }  // namespace
@@ -130,7 +130,7 @@ bool same_time(const timespec& a, const timespec& b) { return a.tv_sec == b.tv_s
 Result<std::optional<std::string>> read_hosts_file(const std::string& path) { return read_hosts_fd(path, nullptr); }
 
 HostsFileReader::HostsFileReader(std::string path, std::function<timespec()> now)
-    : path_(std::move(path)), now_(std::move(now)), cacheable_(!is_proc_root_path(path_)) {
+    : path_(std::move(path)), now_(std::move(now)), cacheable_(!split_proc_root(path_)) {
   if (!now_) {
     now_ = [] {
       timespec t{};
