@@ -67,6 +67,19 @@ asio::ip::address to_address(const IpPrefix& ip) {
   return asio::ip::address_v6(b);
 }
 
+// The address and port a socket is bound to (getsockname).
+std::optional<sockaddr_storage> local_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl) != 0) return std::nullopt;
+  return ss;
+}
+
+std::uint16_t port_of(const sockaddr_storage& ss) {
+  return ntohs(ss.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(ss).sin_port
+                                       : reinterpret_cast<const sockaddr_in6&>(ss).sin6_port);
+}
+
 }  // namespace
 
 std::string Server::to_string() const {
@@ -295,24 +308,18 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     error_code ec;
     if (ufd >= 0 && reusable && impl->forget) {
       // Its answer was read: nothing more is due on this flow.
-      sockaddr_storage ss = local.value_or(sockaddr_storage{});
-      socklen_t sl = sizeof ss;
-      if (local || ::getsockname(ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
+      if (const auto ss = local ? local : local_address(ufd)) {
         FlowTuple t;
         t.src = IpPrefix{};
-        if (ss.ss_family == AF_INET) {
-          const auto& a = reinterpret_cast<const sockaddr_in&>(ss);
-          t.src.family = 4;
-          t.src.prefix_len = 32;
-          std::memcpy(t.src.bytes.data(), &a.sin_addr, 4);
-          t.sport = ntohs(a.sin_port);
+        const bool v4 = ss->ss_family == AF_INET;
+        t.src.family = v4 ? 4 : 6;
+        t.src.prefix_len = v4 ? 32 : 128;
+        if (v4) {
+          std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*ss).sin_addr, 4);
         } else {
-          const auto& a = reinterpret_cast<const sockaddr_in6&>(ss);
-          t.src.family = 6;
-          t.src.prefix_len = 128;
-          std::memcpy(t.src.bytes.data(), &a.sin6_addr, 16);
-          t.sport = ntohs(a.sin6_port);
+          std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*ss).sin6_addr, 16);
         }
+        t.sport = port_of(*ss);
         t.dst = impl->servers[server].ip;
         t.dport = impl->servers[server].port;
         impl->forget(t);
@@ -874,14 +881,7 @@ std::vector<std::uint16_t> Upstream::open_ports() const {
   for (const auto& l : impl_->waiting) {
     for (const Exchange* x = l.head; x != nullptr; x = x->nxt) {
       error_code ec;
-      if (x->ufd >= 0) {
-        sockaddr_storage ss{};
-        socklen_t sl = sizeof ss;
-        if (::getsockname(x->ufd, reinterpret_cast<sockaddr*>(&ss), &sl) == 0) {
-          ports.push_back(ntohs(ss.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(ss).sin_port
-                                                        : reinterpret_cast<const sockaddr_in6&>(ss).sin6_port));
-        }
-      }
+      if (const auto ss = x->ufd >= 0 ? local_address(x->ufd) : std::nullopt) ports.push_back(port_of(*ss));
       if (x->tsock) {
         auto ep = x->tsock->local_endpoint(ec);
         if (!ec) ports.push_back(ep.port());
