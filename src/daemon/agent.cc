@@ -216,7 +216,7 @@ class Agent {
     // A hosts file named in the request must be there (checked before anything
     // is installed); the default one (the process's own) may be missing.
     const std::string hosts_file = hosts_file_for(r.hosts_file.value_or(""), r.netns_pid.value_or(0), "");
-    if (r.hosts_file) {
+    if (r.hosts_file && !hosts_file.empty()) {
       if (auto s = check_hosts_file(hosts_file); !s) return s;
     }
     Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));

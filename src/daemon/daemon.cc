@@ -89,6 +89,9 @@ void warn_if_task_can_forge_answers(int pid, const std::vector<IpPrefix>& upstre
 }  // namespace
 
 std::string hosts_file_for(const std::string& given, std::uint64_t netns_pid, const std::string& fallback) {
+  // /dev/null names no file (as documented): nothing is learned from one,
+  // and it is not read (a device is refused as a hosts file).
+  if (given == kNoHostsFile) return "";
   if (!given.empty()) return given;
   if (netns_pid != 0) return "/proc/" + std::to_string(netns_pid) + "/root/etc/hosts";
   return fallback;
@@ -155,7 +158,7 @@ int cmd_run(const RunArgs& a) {
   // A hosts file the operator named must be there and readable, or nothing
   // is installed (exit 2); the default one may be missing.
   const std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");
-  if (!a.hosts_file.empty()) {
+  if (!a.hosts_file.empty() && !hosts_file.empty()) {
     if (auto s = check_hosts_file(hosts_file); !s) return report(s.error());
   }
 

@@ -336,6 +336,25 @@ def test_a_netns_pid_sandbox_learns_its_own_hosts_file(lab, agent):
     p.wait(5)
 
 
+def test_hosts_file_dev_null_means_none(lab, agent):
+    # The documented way to learn nothing from a hosts file: the process's own file names
+    # host.docker.internal, and with --hosts-file /dev/null it is not read (a device is never
+    # read as a hosts file: the add does not fail on it either).
+    hosts = lab.tmp / "container-hosts"
+    hosts.write_text("127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
+    p = lab.spawn(["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c",
+                   f"mount --bind {hosts} /etc/hosts && exec sleep 60"])
+    wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
+             5.0, "the namespaced process to exec sleep")
+    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal",
+             "--hosts-file", "/dev/null")
+    assert agent.json("--sandbox", "pid", "status", "--json")["learned"] == []
+    j = agent.json("--sandbox", "pid", "explain", "203.0.113.10", "--json")
+    assert j["allowed"] is False, j
+    p.kill()
+    p.wait(5)
+
+
 def test_restart_adopts_every_sandbox_with_the_same_generation(lab, agent):
     sb2 = lab.extra_netns("s")
     wire(lab, sb2, 1)

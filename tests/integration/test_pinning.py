@@ -367,6 +367,16 @@ def test_hosts_file_named_but_missing_or_broken_refuses_to_start(lab, hosts_file
     assert "egressd" not in lab.sandbox.exec("nft", "list", "tables").stdout
 
 
+def test_hosts_file_dev_null_means_none(lab, egressd, servers):
+    # Documented in --help and the README: /dev/null for no hosts file. It starts (a device is
+    # never read as a hosts file, and this one is not refused for being one) and learns nothing.
+    d = egressd(HOSTS_POLICY, extra=["--hosts-file", "/dev/null"])
+    learned = d.status()["learned"]
+    assert [a for l in learned for a in l["addresses"] if a["source"] == "hosts"] == [], learned
+    assert "host.docker.internal" not in [l["name"] for l in learned], learned
+    assert "hosts file" not in d.log(), d.log()
+
+
 # ---- explain NAME@ADDRESS (issue 16 point 8) ------------------------------------------------
 
 def test_explain_name_at_address_answers_as_the_datapath_decides(lab, pinned):
