@@ -408,7 +408,11 @@ Status Instance::Impl::build() {
     // thread could otherwise take this CPU while the orchestrator waits. The
     // rules already cut those flows; the reaper only aborts their sockets.
     post([this, phase = std::move(phase), gen] {
-      reaper->reap(phase, gen, proxy ? proxy->listener_inodes() : std::vector<std::uint64_t>{});
+      std::vector<OwnSocket> own;
+      if (proxy) {
+        for (const auto& l : proxy->listeners()) own.push_back({l.family, l.udp, l.inode});
+      }
+      reaper->reap(phase, gen, std::move(own));
     });
     if (opts.after_switch) opts.after_switch();
   };

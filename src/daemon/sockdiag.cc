@@ -106,26 +106,34 @@ Status destroy(nft::Transport& t, int family, int proto, const inet_diag_msg& m)
 
 constexpr std::uint32_t state_bit(int s) { return 1u << s; }
 
-// TCP sockets of `family` hashed in the calling thread's namespace
-// (/proc/thread-self/net/sockstat{,6}, "TCP: inuse N"): listening ones and
-// every one with a flow (not TIME_WAIT). Unset when it cannot be read.
-std::optional<long> tcp_inuse(int family) {
+// Sockets of `family` hashed in the calling thread's namespace, TCP and UDP
+// (/proc/thread-self/net/sockstat{,6}: "TCP: inuse N", "UDP: inuse N"). TCP
+// counts listening sockets and every one with a flow (not TIME_WAIT); UDP
+// every bound socket, so every connected one. Unset when it cannot be read.
+struct InUse {
+  std::optional<long> tcp, udp;
+};
+
+InUse sockets_in_use(int family) {
   std::ifstream in(family == AF_INET ? "/proc/thread-self/net/sockstat" : "/proc/thread-self/net/sockstat6");
-  const std::string key = family == AF_INET ? "TCP:" : "TCP6:";
+  const std::string tcp = family == AF_INET ? "TCP:" : "TCP6:";
+  const std::string udp = family == AF_INET ? "UDP:" : "UDP6:";
+  InUse out;
   std::string line;
   while (std::getline(in, line)) {
     std::istringstream words(line);
     std::string k, w;
     long n = 0;
-    if (words >> k >> w >> n && k == key && w == "inuse") return n;
+    if (!(words >> k >> w >> n) || w != "inuse") continue;
+    if (k == tcp) out.tcp = n;
+    if (k == udp) out.udp = n;
   }
-  return std::nullopt;
+  return out;
 }
 
 }  // namespace
 
-Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
-                          const std::vector<std::uint64_t>& own_listeners) {
+Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep, const std::vector<OwnSocket>& own) {
   // Opened per call on the reaper's thread (in the sandbox's namespace),
   // without an event loop: requests only.
   auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
@@ -133,35 +141,38 @@ Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
   nft::Transport& s = **t;
   Reaped out;
   for (int family : {AF_INET, AF_INET6}) {
+    // A listing walks the host's whole hash table of its protocol, shared by
+    // every namespace (here TCP's 256k buckets, its listeners' 64k, UDP's
+    // 16k: about 2.5 MB read per switch when every listing ran, and the
+    // caches of whatever runs next emptied). It is skipped when the
+    // namespace's hashed sockets of that protocol and family are egressd's
+    // own: each of them is hashed while egressd holds it, so any other
+    // socket (a flow, a bound UDP socket, a listener of the sandbox's) makes
+    // `inuse` larger, and a socket made after the count was made under the
+    // new phase's rules. The sandbox could balance its flow only by
+    // unhashing one of egressd's sockets, which takes CAP_NET_ADMIN there
+    // (SOCK_DESTROY); either way the rules have cut the flow already.
+    const InUse used = sockets_in_use(family);
+    const auto owned = [&](bool udp) {
+      return static_cast<long>(std::count_if(own.begin(), own.end(), [&](const OwnSocket& o) {
+        return o.family == family && o.udp == udp;
+      }));
+    };
+    const bool tcp_flows = !(used.tcp && *used.tcp == owned(false));
+    const bool udp_flows = !(used.udp && *used.udp == owned(true));
     // Listening ports tell accepted (inbound) connections from outbound ones.
     std::set<std::uint16_t> listen_ports;
-    long own = 0;  // egressd's own listeners, seen listening
-    const std::optional<long> before = tcp_inuse(family);
-    if (auto st = dump(s, family, IPPROTO_TCP, state_bit(TCP_LISTEN),
-                       [&](const inet_diag_msg& m) {
-                         listen_ports.insert(ntohs(m.id.idiag_sport));
-                         if (std::find(own_listeners.begin(), own_listeners.end(), m.idiag_inode) != own_listeners.end()) {
-                           ++own;
-                         }
-                       });
-        !st) {
-      return st.error();
+    if (tcp_flows) {
+      ++out.tcp_families;
+      if (auto st = dump(s, family, IPPROTO_TCP, state_bit(TCP_LISTEN),
+                         [&](const inet_diag_msg& m) { listen_ports.insert(ntohs(m.id.idiag_sport)); });
+          !st) {
+        return st.error();
+      }
     }
-    // The dump of TCP flows walks the host's whole established hash, shared
-    // by every namespace (~0.6 ms here for an empty namespace, on a kernel
-    // that does not give the CPU up meanwhile: an agent's loop waited behind
-    // it). It is skipped when the namespace's only TCP sockets are egressd's
-    // own listeners, before and after they were seen: any other socket there
-    // (a flow, or a listener of the sandbox's) makes `inuse` larger, and a
-    // socket made since was made under the new phase's rules. Only sockets
-    // egressd holds are counted against `inuse`, so the sandbox cannot
-    // balance its flow with listeners it opens and closes during the listing
-    // (it could with a count of every listener the dump saw).
-    const std::optional<long> after = tcp_inuse(family);
-    const bool tcp_flows = !(before && after && *before == own && *after == own);
-    if (tcp_flows) ++out.tcp_families;
+    if (udp_flows) ++out.udp_families;
     for (int proto : {IPPROTO_TCP, IPPROTO_UDP}) {
-      if (proto == IPPROTO_TCP && !tcp_flows) continue;
+      if (!(proto == IPPROTO_TCP ? tcp_flows : udp_flows)) continue;
       const std::uint32_t states = proto == IPPROTO_TCP
                                        ? ~(state_bit(TCP_LISTEN) | state_bit(TCP_CLOSE) | state_bit(TCP_TIME_WAIT))
                                        : state_bit(TCP_ESTABLISHED);  // connected UDP sockets
@@ -193,7 +204,7 @@ struct FlowReaper::Impl {
   struct Job {
     std::shared_ptr<const Phase> phase;
     std::uint64_t generation = 0;
-    std::vector<std::uint64_t> own_listeners;
+    std::vector<OwnSocket> own;
   };
   std::optional<Job> job;  // newest request only
   std::uint64_t latest = 0;                            // generation of the newest request
@@ -225,7 +236,7 @@ struct FlowReaper::Impl {
           [&](const FlowInfo& f) {
             return superseded(gen) || flow_may_survive(*j.phase, f, inbound_replies, dns_redirect);
           },
-          j.own_listeners);
+          j.own);
       if (!report) continue;
       if (n) {
         report(n->destroyed, gen);
@@ -252,8 +263,7 @@ FlowReaper::~FlowReaper() {
   impl_->thread.join();
 }
 
-void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generation,
-                      std::vector<std::uint64_t> own_listeners) {
+void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generation, std::vector<OwnSocket> own) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->latest = generation;
@@ -262,7 +272,7 @@ void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generati
       impl_->job.reset();
       return;
     }
-    impl_->job = Impl::Job{std::move(phase), generation, std::move(own_listeners)};
+    impl_->job = Impl::Job{std::move(phase), generation, std::move(own)};
   }
   impl_->cv.notify_one();
 }

@@ -26,21 +26,30 @@ struct FlowInfo {
   bool udp = false;
 };
 
+// One of egressd's own sockets in the namespace that stays bound (hashed) for
+// as long as egressd holds it: the DNS proxy's listeners
+// (dns::Proxy::listeners).
+struct OwnSocket {
+  int family = 0;  // AF_INET or AF_INET6
+  bool udp = false;  // a bound UDP socket; else a listening TCP one
+  std::uint64_t inode = 0;
+};
+
 // What one destroy_flows call did.
 struct Reaped {
   int destroyed = 0;        // sockets aborted
   int tcp_families = 0;     // address families whose TCP flows were listed (0-2)
+  int udp_families = 0;     // address families whose UDP sockets were listed (0-2)
 };
 
 // Calls `keep` for every TCP socket (not listening) and every connected UDP
 // socket in the namespace; destroys those for which it returns false.
-// Returns how many were destroyed, and how many TCP listings it made. Fails (runtime) when sock_diag is
-// unavailable; EOPNOTSUPP from the kernel means no CONFIG_INET_DIAG_DESTROY.
-// `own_listeners`: the inodes of egressd's own listening TCP sockets in the
-// namespace (dns::Proxy::listener_inodes). When they are its only TCP
-// sockets, the TCP flows are not listed (no flow can be there).
-Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep,
-                          const std::vector<std::uint64_t>& own_listeners = {});
+// Returns how many were destroyed, and how many listings it made. Fails
+// (runtime) when sock_diag is unavailable; EOPNOTSUPP from the kernel means no
+// CONFIG_INET_DIAG_DESTROY. `own`: egressd's own sockets in the namespace.
+// A family whose TCP (UDP) sockets are exactly those is not listed: no flow
+// can be there, and each listing walks the host's whole hash table.
+Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep, const std::vector<OwnSocket>& own = {});
 
 // The cgroup v2 ids (sock_diag INET_DIAG_CGROUP_ID) of the UDP sockets and
 // listening TCP sockets bound to one of `addrs` in the calling thread's
@@ -82,9 +91,8 @@ class FlowReaper {
   FlowReaper& operator=(const FlowReaper&) = delete;
 
   // Queues the abort of flows `phase` (in force at `generation`) does not
-  // allow. `own_listeners` as for destroy_flows.
-  void reap(std::shared_ptr<const Phase> phase, std::uint64_t generation,
-            std::vector<std::uint64_t> own_listeners = {});
+  // allow. `own` as for destroy_flows.
+  void reap(std::shared_ptr<const Phase> phase, std::uint64_t generation, std::vector<OwnSocket> own = {});
 
  private:
   struct Impl;

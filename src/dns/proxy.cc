@@ -336,12 +336,18 @@ class Core : public std::enable_shared_from_this<Core> {
   bool closed() const { return closed_; }
   std::uint16_t port() const { return port_; }
   bool port_fell_back() const { return port_fell_back_; }
-  std::vector<std::uint64_t> listener_inodes() const {
-    std::vector<std::uint64_t> out;
-    for (const auto& a : acceptors_) {
+  std::vector<ListenerSocket> listeners() const {
+    std::vector<ListenerSocket> out;
+    const auto add = [&out](auto& sock, bool udp) {
+      error_code ec;
+      const auto ep = sock.local_endpoint(ec);
       struct stat st {};
-      if (a->is_open() && ::fstat(a->native_handle(), &st) == 0) out.push_back(st.st_ino);
-    }
+      if (sock.is_open() && !ec && ::fstat(sock.native_handle(), &st) == 0) {
+        out.push_back({ep.address().is_v4() ? AF_INET : AF_INET6, udp, st.st_ino});
+      }
+    };
+    for (const auto& a : acceptors_) add(*a, false);
+    for (const auto& u : udp_) add(*u, true);
     return out;
   }
   ProxyCounters counters() const {
@@ -1471,7 +1477,7 @@ class ProxyImpl final : public Proxy {
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }
-  std::vector<std::uint64_t> listener_inodes() const override { return core_->listener_inodes(); }
+  std::vector<ListenerSocket> listeners() const override { return core_->listeners(); }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done) override {
     core_->resolve(name, std::move(done));
   }

@@ -23,6 +23,14 @@ enum class Action { forward, refuse, nxdomain };
 
 // An address learned from an allowed answer: the A/AAAA at the end of the
 // CNAME chain that starts at the query name.
+// One of the proxy's listening sockets in the sandbox's namespace (bound,
+// so hashed, for as long as the proxy holds it).
+struct ListenerSocket {
+  int family = 0;  // AF_INET or AF_INET6
+  bool udp = false;
+  std::uint64_t inode = 0;  // what sock_diag reports as idiag_inode
+};
+
 struct Learned {
   std::string qname;   // the name the sandbox asked for (lower-case, no trailing dot)
   IpPrefix addr;       // single address
@@ -157,10 +165,9 @@ class Proxy {
   // True when port() is not the port asked for (it was held by someone else).
   virtual bool port_fell_back() const = 0;
   virtual ProxyCounters counters() const = 0;
-  // The inode numbers of the proxy's listening TCP sockets (what sock_diag
-  // reports as idiag_inode): the flow reaper tells egressd's own listeners
-  // from the sandbox's with them. Empty once closed.
-  virtual std::vector<std::uint64_t> listener_inodes() const = 0;
+  // The proxy's listening sockets (UDP and TCP, 127.0.0.1 and ::1): the flow
+  // reaper counts them against the namespace's sockets. Empty once closed.
+  virtual std::vector<ListenerSocket> listeners() const = 0;
   // Resolves A and AAAA of `name` upstream (pre-resolution at apply time);
   // calls `done` with the addresses (empty + error on failure).
   virtual void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done) = 0;

@@ -11,6 +11,7 @@ The contract (DESIGN §1, §2):
   denied packets are rejected: TCP with a reset (connect -> refused), UDP and ICMP with
   ICMP(v6) administratively prohibited; nft table `inet egressd`.
 """
+import errno
 import json
 import os
 import re
@@ -289,6 +290,45 @@ def test_listener_churn_does_not_hide_a_flow_from_the_reaper(lab, egressd, famil
             assert flow.exchange(timeout=1.0) != "ok"
             flow.close()
             canary.close()
+            assert d.ctl("apply", "environment")[0] == 0
+    finally:
+        labmod._stop_process(churn)
+
+
+# The same against the UDP shortcut: binds and closes UDP sockets without pause.
+_UDP_CHURN = """
+import socket, sys
+fam = socket.AF_INET if sys.argv[1] == "4" else socket.AF_INET6
+print("ready", flush=True)
+while True:
+    s = socket.socket(fam, socket.SOCK_DGRAM)
+    s.bind((sys.argv[2], 0))
+    s.close()
+"""
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_udp_socket_churn_does_not_hide_a_udp_flow_from_the_reaper(lab, egressd, family):
+    """The reaper skips the dump of UDP sockets (a walk of the host's whole UDP hash) when the
+    namespace's only UDP sockets are egressd's own DNS listeners. A sandbox process that binds
+    and closes UDP sockets without pause while it holds a connected UDP socket must not make
+    that shortcut keep its flow: at every switch to no-network the socket is aborted."""
+    d = egressd(POLICY, phase="environment")
+    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    servers = SERVERS_V4 if family == 4 else SERVERS_V6
+    churn = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", _UDP_CHURN,
+                              str(family), addr], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert labmod._read_line(churn, 5.0, "the udp socket churn to start").strip() == "ready"
+        for round_ in range(20):
+            flow = lab.udp_flow(servers[1])
+            assert d.ctl("apply", "verifier")[0] == 0
+            gen = d.status()["generation"]
+            reaped = re.compile(rf"aborted sockets=(\d+) gen={gen} ")
+            labmod.wait_for(lambda: reaped.search(d.log()), 5.0, f"round {round_}: the reaper to abort the udp flow")
+            err = flow.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            assert err == errno.ECONNABORTED, f"round {round_}: the udp socket was not aborted (SO_ERROR {err})"
+            flow.close()
             assert d.ctl("apply", "environment")[0] == 0
     finally:
         labmod._stop_process(churn)

@@ -33,7 +33,7 @@ class FakeProxy : public dns::Proxy {
   std::uint16_t port() const override { return 53; }
   bool port_fell_back() const override { return false; }
   dns::ProxyCounters counters() const override { return stats; }
-  std::vector<std::uint64_t> listener_inodes() const override { return {}; }
+  std::vector<dns::ListenerSocket> listeners() const override { return {}; }
   void resolve(const std::string& name, Done done) override {
     asked.push_back(name);
     if (deferred) {

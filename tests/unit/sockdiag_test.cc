@@ -116,6 +116,43 @@ int listener(int family) {
   return fd;
 }
 
+// A UDP socket bound to the loopback address of `family`, any port; connected
+// to `peer` (a port on the same address) when it is not 0.
+int udp_socket(int family, std::uint16_t peer = 0) {
+  const int fd = ::socket(family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  if (family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    len = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    len = sizeof *a;
+  }
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return -1;
+  if (peer != 0) {
+    if (family == AF_INET) {
+      reinterpret_cast<sockaddr_in*>(&ss)->sin_port = htons(peer);
+    } else {
+      reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = htons(peer);
+    }
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return -1;
+  }
+  return fd;
+}
+
+std::uint16_t local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return 0;
+  return ntohs(ss.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&ss)->sin_port
+                                       : reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+}
+
 std::uint64_t inode(int fd) {
   struct stat st {};
   return ::fstat(fd, &st) == 0 ? st.st_ino : 0;
@@ -144,7 +181,7 @@ TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace
   in_new_netns([] {
     const int own = listener(AF_INET);
     REQUIRE_MESSAGE(own >= 0, std::strerror(errno));
-    const std::vector<std::uint64_t> ours{inode(own)};
+    const std::vector<OwnSocket> ours{{AF_INET, false, inode(own)}};
 
     auto r = destroy_flows(keep_all, ours);
     REQUIRE(r.ok());
@@ -196,5 +233,70 @@ TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace
     ::close(a);
     ::close(c);
     ::close(own);
+  });
+}
+
+TEST_CASE("UDP sockets are listed unless egressd's own listeners are the namespace's only UDP sockets, as root") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: a network namespace of its own needs root");
+    return;
+  }
+  in_new_netns([] {
+    // The DNS proxy's listeners: UDP and TCP on both loopback addresses.
+    std::vector<int> fds;
+    std::vector<OwnSocket> ours;
+    for (int family : {AF_INET, AF_INET6}) {
+      const int u = udp_socket(family);
+      const int l = listener(family);
+      REQUIRE_MESSAGE((u >= 0 && l >= 0), std::strerror(errno));
+      fds.insert(fds.end(), {u, l});
+      ours.push_back({family, true, inode(u)});
+      ours.push_back({family, false, inode(l)});
+    }
+    auto r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->udp_families == 0);
+    CHECK(r->tcp_families == 0);
+    // Sockets egressd is not told are its own count as the sandbox's.
+    r = destroy_flows(keep_all, {});
+    REQUIRE(r.ok());
+    CHECK(r->udp_families == 2);
+    CHECK(r->tcp_families == 2);
+
+    // A connected UDP socket of the sandbox's (to egressd's own, over loopback): its family
+    // is listed, the flow is seen, and it is aborted when the phase does not keep it.
+    const int c = udp_socket(AF_INET6, local_port(fds[2]));
+    REQUIRE_MESSAGE(c >= 0, std::strerror(errno));
+    int seen = 0;
+    r = destroy_flows(
+        [&](const FlowInfo& f) {
+          seen += f.udp ? 1 : 0;
+          return true;
+        },
+        ours);
+    REQUIRE(r.ok());
+    CHECK(r->udp_families == 1);
+    CHECK(r->tcp_families == 0);
+    CHECK(seen == 1);
+    r = destroy_flows([](const FlowInfo&) { return false; }, ours);
+    REQUIRE(r.ok());
+    CHECK(r->destroyed == 1);
+    int err = 0;
+    socklen_t elen = sizeof err;
+    CHECK(::getsockopt(c, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    CHECK(err == ECONNABORTED);
+    // Aborted, it is disconnected and its port (any, at bind) released: nothing to list.
+    r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->udp_families == 0);
+    ::close(c);
+    // A bound, unconnected UDP socket of the sandbox's is counted too.
+    const int b = udp_socket(AF_INET);
+    REQUIRE(b >= 0);
+    r = destroy_flows(keep_all, ours);
+    REQUIRE(r.ok());
+    CHECK(r->udp_families == 1);
+    ::close(b);
+    for (int fd : fds) ::close(fd);
   });
 }
