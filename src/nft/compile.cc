@@ -818,10 +818,17 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
   for (auto& r : active_rules(next, pinning(policy, opts))) ch.ops.push_back(OpAddRule{"active", std::move(r)});
   if (opts.netdev) {
     // Same batch: raw frames are blocked exactly when the inet policy says
-    // so (class 5), never a moment apart.
-    ch.ops.push_back(OpFlushChain{kEgressCheckChain, Family::netdev});
-    for (auto& r : egress_check_rules(next, opts)) {
-      ch.ops.push_back(OpAddRule{kEgressCheckChain, std::move(r), Family::netdev});
+    // so (class 5), never a moment apart. Between two phases for which the
+    // chain says the same (any two but public: an agent's allowlist and the
+    // verifier's no-network) it stays as it is: rewriting it was a quarter of
+    // a switch's rules, each deleted, added and announced to every listener.
+    auto rules = egress_check_rules(next, opts);
+    const auto before = egress_check_rules(prev, opts);
+    const bool same = std::equal(rules.begin(), rules.end(), before.begin(), before.end(),
+                                 [](const Rule& a, const Rule& b) { return render_rule(a) == render_rule(b); });
+    if (!same) {
+      ch.ops.push_back(OpFlushChain{kEgressCheckChain, Family::netdev});
+      for (auto& r : rules) ch.ops.push_back(OpAddRule{kEgressCheckChain, std::move(r), Family::netdev});
     }
   }
   if (prev.is_inline && !(next.is_inline && next.generation == prev.generation)) {

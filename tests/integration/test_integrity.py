@@ -454,6 +454,29 @@ def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, 
     assert run_as(lab, "nobody", PACKET_FRAME, *args) == {"packet_socket": "Operation not permitted"}
 
 
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+def test_packet_socket_frames_follow_the_phase_across_switches(lab, egressd, family):
+    """A switch rewrites chain egress_check only when the new phase changes what it says (to or
+    from public); between two phases that are not public it is left as it is. Walked from
+    allowlist through no-network, public and no-network back to allowlist: after each switch
+    a raw frame to a denied host is dropped, except in public, where it arrives (the chain did
+    change there, and back)."""
+    d = egressd(POLICY, phase=MODES["allowlist"])
+    for phase, arrives in (("verifier", False), ("environment", True), ("verifier", False), ("agent", False)):
+        rc, _, err = d.ctl("apply", phase)
+        assert rc == 0, err
+        cap = Capture(lab)
+        tok = token()
+        res = run_as(lab, "docker", PACKET_FRAME, SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX[family],
+                     DENIED[family], tok)
+        assert res["packet_socket"] == "open", res
+        if arrives:
+            assert cap.wait_seen(tok), f"phase {phase}: the frame never arrived (public lets it out): {res}"
+        else:
+            cap.settle()
+            assert not cap.seen(tok), f"phase {phase}: an AF_PACKET frame reached {DENIED[family]}: {res}"
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_arp_and_neighbour_discovery_still_work(lab, egressd, mode):
     """The egress chains let ARP and the kernel's own neighbour discovery out: caches flushed

@@ -453,6 +453,16 @@ TEST_CASE("a switch between named phases is a constant-size batch whatever the a
   const Change to_pub = build_switch(p, *p.find("environment"), named(p, "environment", 5), named(p, "big", 4),
                                      CompileOptions{});
   CHECK(to_pub.ops.size() == 6);
+  CHECK(std::get<OpFlushChain>(to_pub.ops[3]).family == Family::netdev);
+  // Between two phases that are not public, egress_check says the same: chain active only.
+  const Change to_verifier =
+      build_switch(p, *p.find("verifier"), named(p, "verifier", 5), named(p, "big", 4), CompileOptions{});
+  REQUIRE(to_verifier.ops.size() == 8);
+  for (const auto& o : to_verifier.ops) {
+    const auto* f = std::get_if<OpFlushChain>(&o);
+    const auto* r = std::get_if<OpAddRule>(&o);
+    CHECK((f != nullptr ? f->name == "active" : r != nullptr && r->chain == "active"));
+  }
 }
 
 TEST_CASE("inline policies get their own objects, removed by the next switch") {
