@@ -384,7 +384,10 @@ Status Instance::Impl::build() {
   so.policy = policy;
   so.netns = opts.netns;
   so.socket = opts.socket;
-  // Created here, in the sandbox's namespace: its thread lives there.
+  // Its thread, started by the first switch out of public (from the loop's
+  // thread, which an agent keeps in its own namespace), works in this one.
+  UniqueFd here(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+  if (!here.ok()) return errno_error("flow reaper: cannot open the sandbox's network namespace", errno);
   reaper = std::make_unique<FlowReaper>(
       policy.enforce.inbound_replies, opts.dns_port != 0,
       [log = log, p = prefix()](Result<int> n, std::uint64_t gen) {
@@ -393,7 +396,8 @@ Status Instance::Impl::build() {
         } else if (*n > 0) {
           log->info("{}aborted sockets={} gen={} (flows the new phase does not allow)", p, *n, gen);
         }
-      });
+      },
+      std::move(here));
   so.after_switch = [this](std::shared_ptr<const Phase> phase, std::uint64_t gen) {
     // Hostname pinning: a flow admitted for a name the new phase does not
     // allow is cut, even when its address is still allowed (through another

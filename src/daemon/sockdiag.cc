@@ -8,6 +8,7 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
@@ -209,7 +210,8 @@ struct FlowReaper::Impl {
   std::optional<Job> job;  // newest request only
   std::uint64_t latest = 0;                            // generation of the newest request
   bool stop = false;
-  std::thread thread;
+  UniqueFd netns;      // where the thread works; invalid: where it was started
+  std::thread thread;  // started by the first job (a sandbox never switched out of public has none)
 
   bool superseded(std::uint64_t gen) {
     std::lock_guard<std::mutex> lock(mu);
@@ -220,6 +222,19 @@ struct FlowReaper::Impl {
     // Lowest CPU priority: aborting sockets only makes failures faster; the
     // event loop (switches, DNS answers) must never wait behind it.
     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+    if (netns.ok() && ::setns(netns.get(), CLONE_NEWNET) != 0) {
+      // Never in another namespace's sockets: no job is done.
+      const Error e = errno_error("flow reaper: cannot enter the sandbox's network namespace", errno);
+      for (;;) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || job.has_value(); });
+        if (stop) return;
+        const std::uint64_t gen = job->generation;
+        job.reset();
+        lock.unlock();
+        if (report) report(e, gen);
+      }
+    }
     for (;;) {
       Job j;
       {
@@ -247,11 +262,12 @@ struct FlowReaper::Impl {
   }
 };
 
-FlowReaper::FlowReaper(bool inbound_replies, bool dns_redirect, Report report) : impl_(std::make_unique<Impl>()) {
+FlowReaper::FlowReaper(bool inbound_replies, bool dns_redirect, Report report, UniqueFd netns)
+    : impl_(std::make_unique<Impl>()) {
   impl_->inbound_replies = inbound_replies;
   impl_->dns_redirect = dns_redirect;
   impl_->report = std::move(report);
-  impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
+  impl_->netns = std::move(netns);
 }
 
 FlowReaper::~FlowReaper() {
@@ -260,7 +276,7 @@ FlowReaper::~FlowReaper() {
     impl_->stop = true;
   }
   impl_->cv.notify_all();
-  impl_->thread.join();
+  if (impl_->thread.joinable()) impl_->thread.join();
 }
 
 void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generation, std::vector<OwnSocket> own) {
@@ -274,6 +290,7 @@ void FlowReaper::reap(std::shared_ptr<const Phase> phase, std::uint64_t generati
     }
     impl_->job = Impl::Job{std::move(phase), generation, std::move(own)};
   }
+  if (!impl_->thread.joinable()) impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
   impl_->cv.notify_one();
 }
 

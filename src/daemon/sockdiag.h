@@ -16,6 +16,7 @@
 
 #include "egressd/policy.h"
 #include "egressd/result.h"
+#include "egressd/unique_fd.h"
 
 namespace egressd::daemon {
 
@@ -76,8 +77,10 @@ bool cgroup2_root_in_sight();
 // from the switches that follow. The rules cut those flows at the switch
 // itself; the reaper only makes their sockets fail at once.
 //
-// Construct it after joining the sandbox namespace: the thread inherits the
-// namespace of the thread that creates it.
+// The thread is started by the first job, and works in `netns` (an open
+// namespace file; invalid: the namespace of the thread that starts it), so a
+// sandbox that never leaves public has none. The reaper holds `netns` open
+// for its lifetime.
 inline constexpr std::chrono::milliseconds kReapSettle{10};
 
 class FlowReaper {
@@ -85,7 +88,7 @@ class FlowReaper {
   using Report = std::function<void(Result<int> destroyed, std::uint64_t generation)>;
   // `dns_redirect`: the DNS proxy runs, so every udp/tcp flow to port 53 goes
   // to it (nat redirect) or is egressd's own upstream traffic.
-  FlowReaper(bool inbound_replies, bool dns_redirect, Report report);
+  FlowReaper(bool inbound_replies, bool dns_redirect, Report report, UniqueFd netns = {});
   ~FlowReaper();
   FlowReaper(const FlowReaper&) = delete;
   FlowReaper& operator=(const FlowReaper&) = delete;

@@ -11,6 +11,7 @@ agent adopts every table with the same generation.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -116,6 +117,18 @@ def sockets_of(pid: int, ns: Netns) -> str:
     """Every inet and netlink socket in ns that process pid holds (ss -p lines)."""
     cp = ns.exec("ss", "-a", "-n", "-p", "-A", "inet,netlink", check=False)
     return "\n".join(line for line in cp.stdout.splitlines() if f"pid={pid}," in line)
+
+
+def namespace_fds_of(pid: int, ns: Netns) -> int:
+    """How many descriptors of process pid are the namespace ns itself (open ns files)."""
+    want = f"net:[{os.stat(ns.path).st_ino}]"
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            n += os.readlink(fd) == want
+        except OSError:
+            pass  # closed meanwhile
+    return n
 
 
 def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
@@ -284,6 +297,7 @@ def test_removal_keeps_the_policy_and_leaves_no_socket_behind(lab, agent):
              "--socket", own)
     agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config, "--phase", "verifier")
     assert sockets_of(agent.proc.pid, lab.sandbox), "the agent holds no socket in the sandbox while attached"
+    assert namespace_fds_of(agent.proc.pid, lab.sandbox) >= 1, "the test would not see a namespace held"
 
     out = agent.ok("sandbox", "remove", "one")
     assert "stays in force" in out
@@ -299,6 +313,9 @@ def test_removal_keeps_the_policy_and_leaves_no_socket_behind(lab, agent):
     assert sb2.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
     wait_for(lambda: sockets_of(agent.proc.pid, sb2) == "", 5.0, "the agent's sockets in two to close")
     assert agent.listing() == {}
+    # Nor a descriptor of either namespace (the flow reaper holds one while attached).
+    for ns in (lab.sandbox, sb2):
+        wait_for(lambda: namespace_fds_of(agent.proc.pid, ns) == 0, 5.0, f"the agent to let go of {ns.name}")
 
 
 def test_a_netns_pid_sandbox_goes_when_its_process_exits(lab, agent):

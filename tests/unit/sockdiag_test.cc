@@ -13,7 +13,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fcntl.h>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -298,5 +303,77 @@ TEST_CASE("UDP sockets are listed unless egressd's own listeners are the namespa
     CHECK(r->udp_families == 1);
     ::close(b);
     for (int fd : fds) ::close(fd);
+  });
+}
+
+namespace {
+
+// lo gets 198.51.100.1/24: the rest of that /24 is routed over lo, so a UDP
+// socket connects to 198.51.100.2, a peer that is not a loopback address.
+bool lo_v4(const char* addr) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ifreq ifr{};
+  std::strcpy(ifr.ifr_name, "lo");
+  auto* sin = reinterpret_cast<sockaddr_in*>(&ifr.ifr_addr);
+  sin->sin_family = AF_INET;
+  ::inet_pton(AF_INET, addr, &sin->sin_addr);
+  bool ok = fd >= 0 && ::ioctl(fd, SIOCSIFADDR, &ifr) == 0;
+  ::inet_pton(AF_INET, "255.255.255.0", &sin->sin_addr);
+  ok = ok && ::ioctl(fd, SIOCSIFNETMASK, &ifr) == 0;
+  if (fd >= 0) ::close(fd);
+  return ok;
+}
+
+std::size_t threads_of_this_process() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("a reaper works in its sandbox's namespace from wherever its first job comes, as root") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: a network namespace of its own needs root");
+    return;
+  }
+  in_new_netns([] {
+    REQUIRE_MESSAGE(lo_v4("198.51.100.1"), std::strerror(errno));
+    const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in peer{};
+    peer.sin_family = AF_INET;
+    peer.sin_port = htons(9);
+    ::inet_pton(AF_INET, "198.51.100.2", &peer.sin_addr);
+    REQUIRE_MESSAGE(::connect(u, reinterpret_cast<sockaddr*>(&peer), sizeof peer) == 0, std::strerror(errno));
+    UniqueFd sandbox(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+    REQUIRE(sandbox.ok());
+
+    // An agent's loop: a thread in a namespace of its own, where nothing is to be aborted.
+    std::thread([&] {
+      REQUIRE(::unshare(CLONE_NEWNET) == 0);
+      std::mutex mu;
+      std::condition_variable cv;
+      std::optional<Result<int>> got;
+      const std::size_t before = threads_of_this_process();
+      FlowReaper reaper(false, false,
+                        [&](Result<int> n, std::uint64_t) {
+                          std::lock_guard<std::mutex> lock(mu);
+                          got = std::move(n);
+                          cv.notify_all();
+                        },
+                        std::move(sandbox));
+      // No job, no thread: a sandbox that stays in public costs none.
+      CHECK(threads_of_this_process() == before);
+      reaper.reap(std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}), 1);
+      std::unique_lock<std::mutex> lock(mu);
+      REQUIRE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); }));
+      REQUIRE_MESSAGE(got->ok(), got->error().message);
+      CHECK(**got == 1);
+    }).join();
+    int err = 0;
+    socklen_t elen = sizeof err;
+    CHECK(::getsockopt(u, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    CHECK(err == ECONNABORTED);
+    ::close(u);
   });
 }
