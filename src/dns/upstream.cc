@@ -28,6 +28,7 @@
 #include <cstring>
 #include <random>
 #include <spdlog/spdlog.h>
+#include <unordered_map>
 
 #include "dns/log.h"
 
@@ -242,9 +243,12 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   std::optional<asio::posix::stream_descriptor> ep_desc;
   bool ep_armed = false;
   // By descriptor: whether it is one of ours (made by open_udp, not yet
-  // closed), and the exchange whose try waits on it (holding it alive).
+  // closed), and the exchange whose try waits on it (holding it alive). The
+  // owners are keyed, not indexed: an agent's descriptors number in the
+  // thousands, and a table as long as the highest one, per sandbox, cost
+  // 16 bytes a descriptor (ours and dirty are a bit each).
   std::vector<bool> ours;
-  std::vector<std::shared_ptr<Exchange>> owner;
+  std::unordered_map<int, std::shared_ptr<Exchange>> owner;
   std::size_t watching = 0;
   int open_udp(bool v4);  // made, marked and in the set; -1 with errno
   void close_udp(int fd);
@@ -642,7 +646,7 @@ int Upstream::Impl::poll(Events& evs) {
   // on_udp_ready.
   for (int i = 0; i < n; ++i) {
     const auto k = static_cast<std::size_t>(evs[static_cast<std::size_t>(i)].data.fd);
-    if (k < ours.size() && ours[k] && !owner[k] && !drain(static_cast<int>(k))) dirty[k] = true;
+    if (k < ours.size() && ours[k] && !owner.contains(static_cast<int>(k)) && !drain(static_cast<int>(k))) dirty[k] = true;
   }
   return n;
 }
@@ -687,7 +691,6 @@ int Upstream::Impl::open_udp(bool v4) {
   if (ours.size() <= i) {
     ours.resize(i + 1, false);
     dirty.resize(i + 1, false);
-    owner.resize(i + 1);
   }
   ours[i] = true;
   return fd;
@@ -700,16 +703,17 @@ void Upstream::Impl::close_udp(int fd) {
 }
 
 void Upstream::Impl::watch(int fd, std::shared_ptr<Exchange> x) {
-  auto& o = owner[static_cast<std::size_t>(fd)];
+  auto& o = owner[fd];
   if (!o) ++watching;
   o = std::move(x);
 }
 
 void Upstream::Impl::unwatch(int fd) {
   // The caller holds the exchange: resetting here never destroys it.
-  auto& o = owner[static_cast<std::size_t>(fd)];
-  if (o) --watching;
-  o.reset();
+  const auto it = owner.find(fd);
+  if (it == owner.end()) return;
+  if (it->second) --watching;
+  owner.erase(it);
 }
 
 void Upstream::Impl::arm_udp() {
@@ -731,7 +735,10 @@ void Upstream::Impl::on_udp_ready() {
     // An earlier answer of this batch may have ended the try (its socket
     // closed or pooled, or taken by another query, which reads nothing).
     if (k >= ours.size() || !ours[k]) continue;
-    if (std::shared_ptr<Exchange> x = owner[k]) x->on_udp();
+    const auto it = owner.find(static_cast<int>(k));
+    if (it == owner.end() || !it->second) continue;
+    std::shared_ptr<Exchange> x = it->second;  // on_udp may unwatch it
+    x->on_udp();
   }
 }
 
