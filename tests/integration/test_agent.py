@@ -333,16 +333,22 @@ def test_a_netns_pid_sandbox_goes_when_its_process_exits(lab, agent):
     assert "its process exited" in agent.log()
 
 
-def test_a_netns_pid_sandbox_learns_its_own_hosts_file(lab, agent):
-    # The process's own /etc/hosts (a file bind-mounted over it in its mount namespace, as a
-    # container runtime does), read by the agent through /proc/PID/root.
+def container_with_hosts(lab, text: str):
+    """A process in network and mount namespaces of its own with `text` as its /etc/hosts (a
+    file bind-mounted over it, as a container runtime does)."""
     hosts = lab.tmp / "container-hosts"
-    hosts.write_text("127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
+    hosts.write_text(text)
     p = lab.spawn(["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c",
                    f"mount --bind {hosts} /etc/hosts && exec sleep 60"])
     wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
              5.0, "the namespaced process to exec sleep")
-    assert Path(f"/proc/{p.pid}/root/etc/hosts").read_text() == hosts.read_text()
+    assert Path(f"/proc/{p.pid}/root/etc/hosts").read_text() == text
+    return p
+
+
+def test_a_netns_pid_sandbox_learns_its_own_hosts_file(lab, agent):
+    # The process's own /etc/hosts, read by the agent through /proc/PID/root.
+    p = container_with_hosts(lab, "127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
     agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal")
     learned = {l["name"]: l["addresses"] for l in agent.json("--sandbox", "pid", "status", "--json")["learned"]}
     assert learned == {"host.docker.internal": [{"address": "203.0.113.10", "expires_in_s": None, "source": "hosts"}]}
@@ -357,12 +363,7 @@ def test_hosts_file_dev_null_means_none(lab, agent):
     # The documented way to learn nothing from a hosts file: the process's own file names
     # host.docker.internal, and with --hosts-file /dev/null it is not read (a device is never
     # read as a hosts file: the add does not fail on it either).
-    hosts = lab.tmp / "container-hosts"
-    hosts.write_text("127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
-    p = lab.spawn(["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c",
-                   f"mount --bind {hosts} /etc/hosts && exec sleep 60"])
-    wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
-             5.0, "the namespaced process to exec sleep")
+    p = container_with_hosts(lab, "127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
     agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal",
              "--hosts-file", "/dev/null")
     assert agent.json("--sandbox", "pid", "status", "--json")["learned"] == []

@@ -11,6 +11,7 @@ The contract (DESIGN §1, §2):
   denied packets are rejected: TCP with a reset (connect -> refused), UDP and ICMP with
   ICMP(v6) administratively prohibited; nft table `inet egressd`.
 """
+import contextlib
 import errno
 import json
 import os
@@ -246,19 +247,37 @@ def test_a_connection_opened_from_outside_survives_a_switch_to_no_network(lab, e
             s.close()
 
 
-# A sandbox process that opens and closes listeners as fast as it can: it tries to make the
-# flow reaper take the namespace for one without flows (issue 17's attack view on the reaper's
-# shortcut). argv: address family (4 or 6), bind address. Prints "ready" once churning.
-_LISTENER_CHURN = """
+# A sandbox process that opens and closes sockets as fast as it can: TCP listeners ("listen")
+# or bound UDP sockets ("udp"). It tries to make the flow reaper take the namespace for one
+# without flows (issue 17's attack view on the reaper's shortcut). argv: kind, address family
+# (4 or 6), bind address. Prints "ready" once churning.
+_SOCKET_CHURN = """
 import socket, sys
-fam = socket.AF_INET if sys.argv[1] == "4" else socket.AF_INET6
+fam = socket.AF_INET if sys.argv[2] == "4" else socket.AF_INET6
+udp = sys.argv[1] == "udp"
 print("ready", flush=True)
 while True:
-    s = socket.socket(fam, socket.SOCK_STREAM)
-    s.bind((sys.argv[2], 0))
-    s.listen(1)
+    s = socket.socket(fam, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
+    s.bind((sys.argv[3], 0))
+    if not udp:
+        s.listen(1)
     s.close()
 """
+
+
+@contextlib.contextmanager
+def socket_churn(lab, kind: str, family: int):
+    """_SOCKET_CHURN running in the sandbox for the duration of the block."""
+    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    churn = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", _SOCKET_CHURN, kind,
+                              str(family), addr], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert labmod._read_line(churn, 5.0, f"the {kind} socket churn to start").strip() == "ready"
+        yield
+    finally:
+        labmod._stop_process(churn)
+
+
 _TCP_CLOSE = 7  # <netinet/tcp.h> TCP_CLOSE: the state of a socket the reaper aborted
 
 
@@ -270,12 +289,8 @@ def test_listener_churn_does_not_hide_a_flow_from_the_reaper(lab, egressd, famil
     to no-network the flow is aborted (its socket closed, not only its packets rejected), and
     its bytes never reach the server."""
     d = egressd(POLICY, phase="environment")
-    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
     servers = SERVERS_V4 if family == 4 else SERVERS_V6
-    churn = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", _LISTENER_CHURN,
-                              str(family), addr], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    try:
-        assert labmod._read_line(churn, 5.0, "the listener churn to start").strip() == "ready"
+    with socket_churn(lab, "listen", family):
         for round_ in range(40):
             flow = lab.tcp_flow(servers[0])
             # A connected UDP socket: the reaper lists UDP after TCP, so its abort (the log
@@ -291,20 +306,6 @@ def test_listener_churn_does_not_hide_a_flow_from_the_reaper(lab, egressd, famil
             flow.close()
             canary.close()
             assert d.ctl("apply", "environment")[0] == 0
-    finally:
-        labmod._stop_process(churn)
-
-
-# The same against the UDP shortcut: binds and closes UDP sockets without pause.
-_UDP_CHURN = """
-import socket, sys
-fam = socket.AF_INET if sys.argv[1] == "4" else socket.AF_INET6
-print("ready", flush=True)
-while True:
-    s = socket.socket(fam, socket.SOCK_DGRAM)
-    s.bind((sys.argv[2], 0))
-    s.close()
-"""
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -314,12 +315,8 @@ def test_udp_socket_churn_does_not_hide_a_udp_flow_from_the_reaper(lab, egressd,
     and closes UDP sockets without pause while it holds a connected UDP socket must not make
     that shortcut keep its flow: at every switch to no-network the socket is aborted."""
     d = egressd(POLICY, phase="environment")
-    addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
     servers = SERVERS_V4 if family == 4 else SERVERS_V6
-    churn = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", _UDP_CHURN,
-                              str(family), addr], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    try:
-        assert labmod._read_line(churn, 5.0, "the udp socket churn to start").strip() == "ready"
+    with socket_churn(lab, "udp", family):
         for round_ in range(20):
             flow = lab.udp_flow(servers[1])
             assert d.ctl("apply", "verifier")[0] == 0
@@ -330,8 +327,6 @@ def test_udp_socket_churn_does_not_hide_a_udp_flow_from_the_reaper(lab, egressd,
             assert err == errno.ECONNABORTED, f"round {round_}: the udp socket was not aborted (SO_ERROR {err})"
             flow.close()
             assert d.ctl("apply", "environment")[0] == 0
-    finally:
-        labmod._stop_process(churn)
 
 
 @pytest.mark.parametrize("family", [4, 6])

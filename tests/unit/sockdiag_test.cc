@@ -101,22 +101,28 @@ bool lo_up() {
   return ok;
 }
 
-// A TCP socket listening on the loopback address of `family`, any port.
-int listener(int family) {
-  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_storage ss{};
-  socklen_t len = 0;
+// The loopback address of `family` with `port`, in `ss`; returns its length.
+socklen_t loopback(int family, std::uint16_t port, sockaddr_storage& ss) {
+  ss = sockaddr_storage{};
   if (family == AF_INET) {
     auto* a = reinterpret_cast<sockaddr_in*>(&ss);
     a->sin_family = AF_INET;
     a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    len = sizeof *a;
-  } else {
-    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
-    a->sin6_family = AF_INET6;
-    a->sin6_addr = in6addr_loopback;
-    len = sizeof *a;
+    a->sin_port = htons(port);
+    return sizeof *a;
   }
+  auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+  a->sin6_family = AF_INET6;
+  a->sin6_addr = in6addr_loopback;
+  a->sin6_port = htons(port);
+  return sizeof *a;
+}
+
+// A TCP socket listening on the loopback address of `family`, any port.
+int listener(int family) {
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage ss;
+  const socklen_t len = loopback(family, 0, ss);
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd, 4) != 0) return -1;
   return fd;
 }
@@ -125,26 +131,11 @@ int listener(int family) {
 // to `peer` (a port on the same address) when it is not 0.
 int udp_socket(int family, std::uint16_t peer = 0) {
   const int fd = ::socket(family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_storage ss{};
-  socklen_t len = 0;
-  if (family == AF_INET) {
-    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
-    a->sin_family = AF_INET;
-    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    len = sizeof *a;
-  } else {
-    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
-    a->sin6_family = AF_INET6;
-    a->sin6_addr = in6addr_loopback;
-    len = sizeof *a;
-  }
+  sockaddr_storage ss;
+  socklen_t len = loopback(family, 0, ss);
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return -1;
   if (peer != 0) {
-    if (family == AF_INET) {
-      reinterpret_cast<sockaddr_in*>(&ss)->sin_port = htons(peer);
-    } else {
-      reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = htons(peer);
-    }
+    len = loopback(family, peer, ss);
     if (::connect(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return -1;
   }
   return fd;
