@@ -196,6 +196,17 @@ Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep, c
   return out;
 }
 
+namespace {
+
+// Whether the calling thread is in the namespace `fd` names.
+bool in_namespace(int fd) {
+  struct stat want {}, here {};
+  return ::fstat(fd, &want) == 0 && ::stat("/proc/thread-self/ns/net", &here) == 0 && want.st_dev == here.st_dev &&
+         want.st_ino == here.st_ino;
+}
+
+}  // namespace
+
 struct FlowReaper::Impl {
   bool inbound_replies;
   bool dns_redirect;
@@ -222,7 +233,10 @@ struct FlowReaper::Impl {
     // Lowest CPU priority: aborting sockets only makes failures faster; the
     // event loop (switches, DNS answers) must never wait behind it.
     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
-    if (netns.ok() && ::setns(netns.get(), CLONE_NEWNET) != 0) {
+    // A sidecar's thread starts in the namespace already, and a sidecar in
+    // a container has no CAP_SYS_ADMIN, which setns takes even into the
+    // namespace the thread is in: only an agent's thread moves.
+    if (netns.ok() && !in_namespace(netns.get()) && ::setns(netns.get(), CLONE_NEWNET) != 0) {
       // Never in another namespace's sockets: no job is done.
       const Error e = errno_error("flow reaper: cannot enter the sandbox's network namespace", errno);
       for (;;) {

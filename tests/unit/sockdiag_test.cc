@@ -7,7 +7,9 @@
 #include <arpa/inet.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <linux/capability.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -365,6 +367,58 @@ TEST_CASE("a reaper works in its sandbox's namespace from wherever its first job
     socklen_t elen = sizeof err;
     CHECK(::getsockopt(u, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
     CHECK(err == ECONNABORTED);
+    ::close(u);
+  });
+}
+
+namespace {
+
+// Takes CAP_SYS_ADMIN from the calling thread (capabilities are per thread),
+// as a container runtime gives a sidecar none: setns needs it.
+bool drop_sys_admin() {
+  __user_cap_header_struct h{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct d[2]{};
+  if (::syscall(SYS_capget, &h, d) != 0) return false;
+  const auto bit = 1u << (CAP_SYS_ADMIN % 32);
+  d[CAP_SYS_ADMIN / 32].effective &= ~bit;
+  d[CAP_SYS_ADMIN / 32].permitted &= ~bit;
+  d[CAP_SYS_ADMIN / 32].inheritable &= ~bit;
+  return ::syscall(SYS_capset, &h, d) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("a sidecar's reaper reaps without CAP_SYS_ADMIN, in the namespace it starts in, as root") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: a network namespace of its own needs root");
+    return;
+  }
+  in_new_netns([] {
+    REQUIRE_MESSAGE(lo_v4("198.51.100.1"), std::strerror(errno));
+    const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in peer{};
+    peer.sin_family = AF_INET;
+    peer.sin_port = htons(9);
+    ::inet_pton(AF_INET, "198.51.100.2", &peer.sin_addr);
+    REQUIRE_MESSAGE(::connect(u, reinterpret_cast<sockaddr*>(&peer), sizeof peer) == 0, std::strerror(errno));
+    // A sidecar in a container: in the namespace, with NET_ADMIN but not SYS_ADMIN.
+    REQUIRE_MESSAGE(drop_sys_admin(), std::strerror(errno));
+    REQUIRE(::unshare(CLONE_NEWNET) != 0);  // the capability is gone from this thread
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<Result<int>> got;
+    FlowReaper reaper(false, false,
+                      [&](Result<int> n, std::uint64_t) {
+                        std::lock_guard<std::mutex> lock(mu);
+                        got = std::move(n);
+                        cv.notify_all();
+                      },
+                      UniqueFd(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)));
+    reaper.reap(std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}), 1);
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); }));
+    REQUIRE_MESSAGE(got->ok(), got->error().message);
+    CHECK(**got == 1);
     ::close(u);
   });
 }
