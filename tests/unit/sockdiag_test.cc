@@ -317,6 +317,40 @@ bool lo_v4(const char* addr) {
   return ok;
 }
 
+// A UDP socket connected to 198.51.100.2:9, over lo (lo_v4 first): a flow
+// no-network aborts, to a peer that is not a loopback address. -1 on failure.
+int udp_flow_over_lo() {
+  if (!lo_v4("198.51.100.1")) return -1;
+  const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in peer{};
+  peer.sin_family = AF_INET;
+  peer.sin_port = htons(9);
+  ::inet_pton(AF_INET, "198.51.100.2", &peer.sin_addr);
+  if (u < 0 || ::connect(u, reinterpret_cast<sockaddr*>(&peer), sizeof peer) != 0) return -1;
+  return u;
+}
+
+// What a reaper reported for its job, waited for with a deadline.
+struct ReaperReport {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<Result<int>> got;
+
+  FlowReaper::Report sink() {
+    return [this](Result<int> n, std::uint64_t) {
+      std::lock_guard<std::mutex> lock(mu);
+      got = std::move(n);
+      cv.notify_all();
+    };
+  }
+  bool wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); });
+  }
+};
+
+std::shared_ptr<const Phase> no_network() { return std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}); }
+
 std::size_t threads_of_this_process() {
   std::size_t n = 0;
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
@@ -331,37 +365,23 @@ TEST_CASE("a reaper works in its sandbox's namespace from wherever its first job
     return;
   }
   in_new_netns([] {
-    REQUIRE_MESSAGE(lo_v4("198.51.100.1"), std::strerror(errno));
-    const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_in peer{};
-    peer.sin_family = AF_INET;
-    peer.sin_port = htons(9);
-    ::inet_pton(AF_INET, "198.51.100.2", &peer.sin_addr);
-    REQUIRE_MESSAGE(::connect(u, reinterpret_cast<sockaddr*>(&peer), sizeof peer) == 0, std::strerror(errno));
+    const int u = udp_flow_over_lo();
+    REQUIRE_MESSAGE(u >= 0, std::strerror(errno));
     UniqueFd sandbox(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
     REQUIRE(sandbox.ok());
 
     // An agent's loop: a thread in a namespace of its own, where nothing is to be aborted.
     std::thread([&] {
       REQUIRE(::unshare(CLONE_NEWNET) == 0);
-      std::mutex mu;
-      std::condition_variable cv;
-      std::optional<Result<int>> got;
+      ReaperReport report;
       const std::size_t before = threads_of_this_process();
-      FlowReaper reaper(false, false,
-                        [&](Result<int> n, std::uint64_t) {
-                          std::lock_guard<std::mutex> lock(mu);
-                          got = std::move(n);
-                          cv.notify_all();
-                        },
-                        std::move(sandbox));
+      FlowReaper reaper(false, false, report.sink(), std::move(sandbox));
       // No job, no thread: a sandbox that stays in public costs none.
       CHECK(threads_of_this_process() == before);
-      reaper.reap(std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}), 1);
-      std::unique_lock<std::mutex> lock(mu);
-      REQUIRE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); }));
-      REQUIRE_MESSAGE(got->ok(), got->error().message);
-      CHECK(**got == 1);
+      reaper.reap(no_network(), 1);
+      REQUIRE(report.wait());
+      REQUIRE_MESSAGE(report.got->ok(), report.got->error().message);
+      CHECK(**report.got == 1);
     }).join();
     int err = 0;
     socklen_t elen = sizeof err;
@@ -394,31 +414,17 @@ TEST_CASE("a sidecar's reaper reaps without CAP_SYS_ADMIN, in the namespace it s
     return;
   }
   in_new_netns([] {
-    REQUIRE_MESSAGE(lo_v4("198.51.100.1"), std::strerror(errno));
-    const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_in peer{};
-    peer.sin_family = AF_INET;
-    peer.sin_port = htons(9);
-    ::inet_pton(AF_INET, "198.51.100.2", &peer.sin_addr);
-    REQUIRE_MESSAGE(::connect(u, reinterpret_cast<sockaddr*>(&peer), sizeof peer) == 0, std::strerror(errno));
+    const int u = udp_flow_over_lo();
+    REQUIRE_MESSAGE(u >= 0, std::strerror(errno));
     // A sidecar in a container: in the namespace, with NET_ADMIN but not SYS_ADMIN.
     REQUIRE_MESSAGE(drop_sys_admin(), std::strerror(errno));
     REQUIRE(::unshare(CLONE_NEWNET) != 0);  // the capability is gone from this thread
-    std::mutex mu;
-    std::condition_variable cv;
-    std::optional<Result<int>> got;
-    FlowReaper reaper(false, false,
-                      [&](Result<int> n, std::uint64_t) {
-                        std::lock_guard<std::mutex> lock(mu);
-                        got = std::move(n);
-                        cv.notify_all();
-                      },
-                      UniqueFd(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)));
-    reaper.reap(std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}), 1);
-    std::unique_lock<std::mutex> lock(mu);
-    REQUIRE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); }));
-    REQUIRE_MESSAGE(got->ok(), got->error().message);
-    CHECK(**got == 1);
+    ReaperReport report;
+    FlowReaper reaper(false, false, report.sink(), UniqueFd(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)));
+    reaper.reap(no_network(), 1);
+    REQUIRE(report.wait());
+    REQUIRE_MESSAGE(report.got->ok(), report.got->error().message);
+    CHECK(**report.got == 1);
     ::close(u);
   });
 }
