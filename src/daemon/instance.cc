@@ -414,7 +414,7 @@ Status Instance::Impl::build() {
     post([this, phase = std::move(phase), gen] {
       std::vector<OwnSocket> own;
       if (proxy) {
-        for (const auto& l : proxy->listeners()) own.push_back({l.family, l.udp, l.inode});
+        for (const auto& l : proxy->listeners()) own.push_back({l.family, l.udp});
       }
       reaper->reap(phase, gen, std::move(own));
     });

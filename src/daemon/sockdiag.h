@@ -33,7 +33,6 @@ struct FlowInfo {
 struct OwnSocket {
   int family = 0;  // AF_INET or AF_INET6
   bool udp = false;  // a bound UDP socket; else a listening TCP one
-  std::uint64_t inode = 0;
 };
 
 // What one destroy_flows call did.

@@ -341,10 +341,7 @@ class Core : public std::enable_shared_from_this<Core> {
     const auto add = [&out](auto& sock, bool udp) {
       error_code ec;
       const auto ep = sock.local_endpoint(ec);
-      struct stat st {};
-      if (sock.is_open() && !ec && ::fstat(sock.native_handle(), &st) == 0) {
-        out.push_back({ep.address().is_v4() ? AF_INET : AF_INET6, udp, st.st_ino});
-      }
+      if (sock.is_open() && !ec) out.push_back({ep.address().is_v4() ? AF_INET : AF_INET6, udp});
     };
     for (const auto& a : acceptors_) add(*a, false);
     for (const auto& u : udp_) add(*u, true);

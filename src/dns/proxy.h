@@ -28,7 +28,6 @@ enum class Action { forward, refuse, nxdomain };
 struct ListenerSocket {
   int family = 0;  // AF_INET or AF_INET6
   bool udp = false;
-  std::uint64_t inode = 0;  // what sock_diag reports as idiag_inode
 };
 
 struct Learned {
