@@ -13,6 +13,7 @@
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <cerrno>
+#include <cstring>
 #include <optional>
 
 #include "egressd/unique_fd.h"
@@ -32,12 +33,39 @@ constexpr std::size_t kRxSize = 65536 + 4096;
 // sender (a netlink socket of a process that may address this one: it needs
 // CAP_NET_ADMIN in the namespace for these families, so only a holder of it)
 // is dropped unread: nothing but the kernel speaks for the kernel.
-ssize_t recv_from_kernel(int fd, char* buf) {
+// With `nsid` (a socket listening in every namespace), the id the kernel
+// tagged the datagram with goes there: -1 when it has none (this socket's own
+// namespace).
+ssize_t recv_from_kernel(int fd, char* buf, std::int32_t* nsid = nullptr) {
   for (;;) {
     sockaddr_nl from{};
-    socklen_t len = sizeof from;
-    const ssize_t n = ::recvfrom(fd, buf, kRxSize, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &len);
-    if (n >= 0 && from.nl_pid != 0) continue;
+    if (nsid == nullptr) {
+      socklen_t len = sizeof from;
+      const ssize_t n = ::recvfrom(fd, buf, kRxSize, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &len);
+      if (n >= 0 && from.nl_pid != 0) continue;
+      return n;
+    }
+    iovec iov{buf, kRxSize};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    msghdr mh{};
+    mh.msg_name = &from;
+    mh.msg_namelen = sizeof from;
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(fd, &mh, MSG_DONTWAIT);
+    if (n < 0) return n;
+    if (from.nl_pid != 0) continue;
+    *nsid = -1;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level == SOL_NETLINK && c->cmsg_type == NETLINK_LISTEN_ALL_NSID &&
+          c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+        int id;
+        std::memcpy(&id, CMSG_DATA(c), sizeof id);
+        *nsid = id;
+      }
+    }
     return n;
   }
 }
@@ -45,8 +73,12 @@ ssize_t recv_from_kernel(int fd, char* buf) {
 }  // namespace
 
 struct Transport::Impl {
-  Impl(UniqueFd fd, std::uint32_t portid, std::string what)
-      : fd(std::move(fd)), portid(portid), what(std::move(what)), rx(new char[kRxSize]) {}
+  Impl(UniqueFd fd, std::uint32_t portid, std::string what, bool all_nsid)
+      : fd(std::move(fd)), portid(portid), what(std::move(what)), all_nsid(all_nsid), rx(new char[kRxSize]) {}
+
+  // The next datagram from the kernel into rx (its source namespace into
+  // nsid when listening in all).
+  ssize_t recv() { return recv_from_kernel(fd.get(), rx.get(), all_nsid ? &nsid : nullptr); }
 
   UniqueFd fd;
   // Waits on fd for the receive loop (not owning: released before fd
@@ -55,6 +87,8 @@ struct Transport::Impl {
   std::uint32_t portid;
   std::uint32_t seq = 1;
   std::string what;
+  bool all_nsid;
+  std::int32_t nsid = -1;  // of the datagram being handed out
   // Not zero-filled: only the pages a datagram was written to are ever
   // resident (most are a few hundred bytes), which matters with eight
   // transports per sandbox and hundreds of sandboxes in the agent.
@@ -83,7 +117,7 @@ struct Transport::Impl {
       bool more = true;
       std::size_t i = 0;
       for (; i < per_turn && !self->stopped; ++i) {
-        const ssize_t n = recv_from_kernel(self->fd.get(), self->rx.get());
+        const ssize_t n = self->recv();
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == ENOBUFS) {  // the queue overflowed: what was dropped is gone
@@ -142,12 +176,18 @@ Result<std::unique_ptr<Transport>> Transport::open(TransportOptions opts) {
   if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) < 0) {
     return errno_error("getsockname of " + opts.what + " socket", errno);
   }
+  if (opts.listen_all_nsid) {
+    const int on = 1;
+    if (::setsockopt(fd.get(), SOL_NETLINK, NETLINK_LISTEN_ALL_NSID, &on, sizeof on) < 0) {
+      return errno_error(opts.what + ": listen in every network namespace", errno);
+    }
+  }
   for (unsigned g : opts.groups) {
     if (::setsockopt(fd.get(), SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &g, sizeof g) < 0) {
       return errno_error(opts.what + ": join multicast group " + std::to_string(g), errno);
     }
   }
-  auto impl = std::make_shared<Impl>(std::move(fd), addr.nl_pid, std::move(opts.what));
+  auto impl = std::make_shared<Impl>(std::move(fd), addr.nl_pid, std::move(opts.what), opts.listen_all_nsid);
   return std::unique_ptr<Transport>(new Transport(std::move(impl)));
 }
 
@@ -165,6 +205,7 @@ void Transport::stop() {
 
 int Transport::fd() const { return impl_->fd.get(); }
 std::uint32_t Transport::portid() const { return impl_->portid; }
+std::int32_t Transport::source_nsid() const { return impl_->nsid; }
 
 int Transport::rcvbuf() const {
   int v = 0;
@@ -196,7 +237,7 @@ int Transport::request(nlmsghdr* req, const OnMessage& on_reply, std::chrono::mi
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool interrupted = false;
   for (;;) {
-    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
+    const ssize_t n = s.recv();
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) return EINTR;
@@ -240,7 +281,7 @@ Transport::Collected Transport::collect(const OnMessage& on_msg, const std::func
   Collected c;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!(c.complete = complete())) {
-    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
+    const ssize_t n = s.recv();
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {
@@ -290,7 +331,7 @@ Transport::Queued Transport::read_queued(const OnMessage& on_msg, std::size_t ma
       q.more = true;
       return q;
     }
-    const ssize_t n = recv_from_kernel(s.fd.get(), s.rx.get());
+    const ssize_t n = s.recv();
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == ENOBUFS) {

@@ -6,7 +6,8 @@
 // its owner, who knows what to re-read.
 //
 // Users: NetlinkKernel (nft/netlink.cc: batches and their acks, table
-// reads), the nftables change monitor (daemon/tamper_guard), the NFLOG reader
+// reads), the nftables change monitor (daemon/nft_events: a tamper guard's own
+// socket, or the agent's one socket for every sandbox), the NFLOG reader
 // (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
 // watch (daemon/netwatch), and the flow reaper's sock_diag dumps and
 // SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
@@ -51,6 +52,11 @@ struct TransportOptions {
   int rcvbuf = 0;
   // Names the socket in errors ("nftables monitor", "nflog").
   std::string what = "netlink";
+  // NETLINK_LISTEN_ALL_NSID: the groups' notifications of every network
+  // namespace that has an id in this socket's namespace, each datagram
+  // tagged with that id (source_nsid()). The kernel delivers another
+  // namespace's only to an opener with CAP_NET_BROADCAST over it.
+  bool listen_all_nsid = false;
 };
 
 class Transport {
@@ -77,6 +83,10 @@ class Transport {
 
   int fd() const;
   std::uint32_t portid() const;
+  // With listen_all_nsid, inside a handler (or read_queued's on_msg): the id,
+  // in this socket's namespace, of the namespace the message's datagram came
+  // from; -1 for this socket's own namespace.
+  std::int32_t source_nsid() const;
   int rcvbuf() const;  // as the kernel reports it (twice what was set)
   // Joins or leaves a multicast group (errno on failure, 0 on success).
   int join(unsigned group);
