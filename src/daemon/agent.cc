@@ -58,7 +58,17 @@ Result<NsId> ns_id(int fd) {
 
 class Agent {
  public:
-  Agent(boost::asio::io_context& io, const AgentArgs& args) : io_(io), args_(args), trim_(io), reap_timer_(io) {}
+  Agent(boost::asio::io_context& io, const AgentArgs& args) : io_(io), args_(args), trim_(io), reap_timer_(io) {
+    if (args.nft_events == "shared") {
+      if (auto hub = NftEventHub::open(io)) {
+        hub_ = std::move(*hub);
+      } else {
+        log_->warn("nftables events: a socket in each sandbox's namespace (the shared one needs CAP_NET_BROADCAST "
+                   "in the initial user namespace): {}", hub.error().message);
+      }
+    }
+    log_->info("nftables events: {}", hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace");
+  }
 
   Status listen() {
     control::ServerOptions sopts;
@@ -133,7 +143,10 @@ class Agent {
     if (cmd == control::SandboxListRequest::kCmd) return list(req, std::move(reply));
     auto it = req.find("sandbox");
     if (it == req.end()) {
-      if (cmd == "ping") return reply(control::ok_reply({{"agent", true}, {"sandboxes", sandboxes_.size()}}));
+      if (cmd == "ping") {
+        return reply(control::ok_reply(
+            {{"agent", true}, {"sandboxes", sandboxes_.size()}, {"nft_events", hub_ ? "shared" : "per-sandbox"}}));
+      }
       return reply(control::error_reply(
           "invalid_request", "this is egressd's agent socket: name the sandbox (\"sandbox\": NAME) for " + cmd +
                                  ", or use sandbox_add, sandbox_remove, sandbox_list"));
@@ -242,6 +255,7 @@ class Agent {
     o.capabilities = caps_;
     o.can_log = can_log_;
     o.after_switch = [this] { trim_(); };
+    o.nft_events = hub_.get();
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
     {
       auto scope = NetnsScope::enter(nsfd.get());
@@ -351,6 +365,8 @@ class Agent {
   // Probed with the first sandbox, then known (see InstanceOptions::capabilities).
   std::optional<Capabilities> caps_;
   std::optional<bool> can_log_;
+  // Before the sandboxes: their tamper guards' feeds go first.
+  std::unique_ptr<NftEventHub> hub_;
   static bool o_log_group(const Attached& a) { return a.inst->options().policy.enforce.log_group != 0; }
   std::map<std::string, Attached> sandboxes_;
   std::vector<Attached> removed_;

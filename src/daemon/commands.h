@@ -91,6 +91,9 @@ struct AgentArgs {
   std::vector<std::uint32_t> allow_uids;
   std::string log_format = "text";
   double verify_interval_s = 5;
+  // "shared": one nftables event socket for every sandbox (nft_events.h),
+  // when the agent may listen in every namespace; "per-sandbox": one each.
+  std::string nft_events = "shared";
 };
 int cmd_agent(const AgentArgs& args);
 

@@ -452,7 +452,20 @@ Status Instance::Impl::build() {
     gopts.rcvbuf = opts.monitor_rcvbuf;
     gopts.grow_rcvbuf = false;
   }
-  auto g = TamperGuard::open(io, *sandbox, gopts);
+  std::unique_ptr<NftEventFeed> feed;
+  if (opts.nft_events != nullptr) {
+    UniqueFd here(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+    auto f = here.ok() ? opts.nft_events->feed(here.get())
+                       : Result<std::unique_ptr<NftEventFeed>>(errno_error("open the namespace", errno));
+    if (f) {
+      feed = std::move(*f);
+    } else {
+      // Still guarded, by a socket of its own in the namespace.
+      log->warn("{}nftables events through a socket of the sandbox's own: the agent's event hub cannot serve this "
+                "namespace: {}", prefix(), f.error().message);
+    }
+  }
+  auto g = TamperGuard::open(io, *sandbox, gopts, std::move(feed));
   if (!g) return g.error().wrap("tamper detection");
   guard = std::move(*g);
   sandbox->set_tamper_counts([gd = guard.get()] { return std::pair{gd->tampers(), gd->restores()}; });

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/nft_events.h"
 #include "daemon/sandbox.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
@@ -52,6 +53,10 @@ struct InstanceOptions {
   // deletion costs the next commit an RCU grace period, ~20 ms). Unset: probed.
   std::optional<Capabilities> capabilities;
   std::optional<bool> can_log;  // the deny chain's log rule (nfnetlink_log); unset: probed
+  // The agent's one nftables event socket for every sandbox (nft_events.h);
+  // null: the tamper guard opens a socket of its own in the namespace. Must
+  // outlive the instance.
+  NftEventHub* nft_events = nullptr;
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
   // Called after every request on the sandbox's own socket (the same: a

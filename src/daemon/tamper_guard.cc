@@ -44,22 +44,20 @@ std::int64_t us_since(Clock::time_point t0) {
 }  // namespace
 
 Result<std::unique_ptr<TamperGuard>> TamperGuard::open(boost::asio::io_context& io, Sandbox& sandbox,
-                                                        TamperGuardOptions opts) {
-  nft::TransportOptions to;
-  to.protocol = NETLINK_NETFILTER;
-  to.groups = {NFNLGRP_NFTABLES};
-  to.rcvbuf = opts.rcvbuf;
-  to.what = "nftables monitor";
-  auto sock = nft::Transport::open(io, std::move(to));
-  if (!sock) return sock.error();
-  return std::unique_ptr<TamperGuard>(new TamperGuard(io, sandbox, std::move(*sock), opts));
+                                                        TamperGuardOptions opts, std::unique_ptr<NftEventFeed> feed) {
+  if (!feed) {
+    auto own = open_own_feed(io, opts.rcvbuf);
+    if (!own) return own.error();
+    feed = std::move(*own);
+  }
+  return std::unique_ptr<TamperGuard>(new TamperGuard(io, sandbox, std::move(feed), opts));
 }
 
-TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<nft::Transport> sock,
+TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<NftEventFeed> feed,
                          TamperGuardOptions opts)
     : io_(io),
       sandbox_(sandbox),
-      sock_(std::move(sock)),
+      feed_(std::move(feed)),
       opts_(opts),
       tracker_(nft::kTableName, {sandbox.kernel_portid()}),
       verify_timer_(io),
@@ -74,15 +72,15 @@ void TamperGuard::close() {
   // First: whatever resumes after this (a wait that completed before the
   // cancels below, a coroutine back from a table read) sees it and returns.
   stop_.request_stop();
-  sock_->stop();  // no message handler runs after this
+  feed_->stop();  // no message handler runs after this
   verify_timer_.cancel();
   retry_timer_.cancel();
 }
 
 void TamperGuard::start() {
-  log()->info("watching table inet {} for changes by others (portid={}, own portid={}, rcvbuf={}, verify every {} ms)",
-              nft::kTableName, sock_->portid(), sandbox_.kernel_portid(), sock_->rcvbuf(),
-              opts_.verify_interval.count());
+  log()->info("watching table inet {} for changes by others ({}, portid={}, own portid={}, rcvbuf={}, verify every {} ms)",
+              nft::kTableName, feed_->own_socket() ? "own socket" : "the agent's event hub", feed_->portid(),
+              sandbox_.kernel_portid(), feed_->rcvbuf(), opts_.verify_interval.count());
   nft::Transport::Handlers h;
   h.message = [this](const nlmsghdr* nlh) { on_message(nlh); };
   h.overrun = [this] { turn_.overrun = true; };
@@ -91,7 +89,7 @@ void TamperGuard::start() {
     turn_.overrun = true;
   };
   h.turn_done = [this] { on_turn_done(); };
-  sock_->start(std::move(h), kDatagramsPerWakeup);
+  feed_->start(std::move(h));
   if (opts_.verify_interval.count() > 0) {
     verify_timer_.expires_after(opts_.verify_interval);
     spawn(verify_loop(stop_.get_token()));
@@ -134,9 +132,7 @@ void TamperGuard::hear_queued() {
   // until it did would hold the loop (DNS answers, requests) for as long as
   // the storm lasts. What is left is heard by the loop; the chain then
   // decides against the generations heard so far, and a dump follows.
-  const auto q = sock_->read_queued([this](const nlmsghdr* nlh) { on_message(nlh); }, kDatagramsPerWakeup);
-  if (q.overrun) turn_.overrun = true;
-  on_turn_done();
+  feed_->hear_queued(kDatagramsPerWakeup);  // its messages, then on_turn_done
 }
 
 void TamperGuard::on_turn_done() {
@@ -160,22 +156,20 @@ void TamperGuard::on_turn_done() {
     // anyone, also after a tamper just restored. Re-dump it and compare
     // (off this handler: the read may have to wait out commits by others).
     spawn(check_after_overrun(stop_.get_token(), t_event,
-                              {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", sock_->rcvbuf()}}));
-    if (opts_.grow_rcvbuf) {
-      const int now = sock_->rcvbuf() / 2;  // the kernel reports twice what was set
-      if (now > 0 && now < kMaxRcvbuf) {
-        int want = std::min(now * 2, kMaxRcvbuf);
-        if (setsockopt(sock_->fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
-          (void)setsockopt(sock_->fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
-        }
-      }
-    }
+                              {{"redumped", true}, {"overruns", overruns_}, {"rcvbuf", feed_->rcvbuf()}}));
+    if (opts_.grow_rcvbuf) feed_->grow_rcvbuf(kMaxRcvbuf);
   }
 }
 
 boost::asio::awaitable<void> TamperGuard::check_after_overrun(std::stop_token stop, Clock::time_point t_event,
                                                               json f) {
   if (stop.stop_requested()) co_return;
+  if (!feed_->own_socket() && verified_gen_) {
+    // The hub's overrun is every sandbox's, and most lost nothing of this
+    // namespace: no commit was made here since the verified generation when
+    // the kernel's is still that one (every commit moves it by one).
+    if (const auto gen = sandbox_.kernel_generation(); gen && *gen == *verified_gen_) co_return;
+  }
   auto diffs = co_await sandbox_.verify_table_async();
   if (stop.stop_requested()) co_return;
   // Restore only when it differs (egressd's own big switch can overrun the
@@ -259,12 +253,15 @@ boost::asio::awaitable<void> TamperGuard::verify_loop(std::stop_token stop) {
 
 Status TamperGuard::apply_unheard(const std::function<Status()>& apply) {
   if (stop_.stop_requested()) return apply();
+  // A shared socket (the agent's hub) cannot stop listening for one
+  // sandbox: heard, as any batch.
+  if (!feed_->own_socket()) return apply();
   const auto before = sandbox_.kernel_generation();
-  if (!before || sock_->leave(NFNLGRP_NFTABLES) != 0) {
+  if (!before || feed_->leave() != 0) {
     return apply();  // heard, as any batch
   }
   Status st = apply();
-  const int rejoin_errno = sock_->join(NFNLGRP_NFTABLES);
+  const int rejoin_errno = feed_->join();
   const bool rejoined = rejoin_errno == 0;
   const auto after = sandbox_.kernel_generation();
   // Our batch moved the generation by one if it committed, else not at all.
@@ -292,7 +289,7 @@ boost::asio::awaitable<void> TamperGuard::repair_after_unheard(std::stop_token s
   co_await boost::asio::post(co_await boost::asio::this_coro::executor, boost::asio::use_awaitable);
   if (stop.stop_requested()) co_return;
   if (!rejoined) {
-    if (const int err = sock_->join(NFNLGRP_NFTABLES); err != 0) {
+    if (const int err = feed_->join(); err != 0) {
       log()->error("nftables events: cannot subscribe again ({}); only the {} ms verification watches the table",
                    errno_text(err), opts_.verify_interval.count());
     }

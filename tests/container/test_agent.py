@@ -2,11 +2,12 @@
 the host's pid namespace, the agent socket on a host directory) attaching real Podman task
 containers by the pid Podman reports, as a CRI would:
 
-    podman run -d --pid host --network NET --cap-drop all --cap-add NET_ADMIN,NET_BIND_SERVICE,SYS_ADMIN,SYS_PTRACE \
+    podman run -d --pid host --network NET --cap-drop all --cap-add NET_ADMIN,NET_BIND_SERVICE,NET_BROADCAST,SYS_ADMIN,SYS_PTRACE \
         -v HOSTDIR:/run/egressd localhost/egressd:latest agent --socket /run/egressd/agent.sock
     egressctl --socket HOSTDIR/agent.sock sandbox add task --netns-pid $(podman inspect -f '{{.State.Pid}}' task) ...
 """
 import json
+import subprocess
 
 import podlab
 from podlab import DNS_SERVER, SERVER_A, SERVER_B, egressctl, reachable, wait_for
@@ -58,6 +59,15 @@ def test_agent_attaches_podman_tasks_by_pid(pods, scratch):
     log = pods.session.dns_log()
     assert agent_ip and one_ip and agent_ip != one_ip
     assert f"a.example.com from {agent_ip}" in log and f"from {one_ip}" not in log, log
+
+    # One socket in the agent's namespace hears both tasks' nftables changes (NET_BROADCAST):
+    # one's table deleted from the host is put back at once.
+    assert "nftables events: one socket for every sandbox" in agent.logs()
+    in_one = ["nsenter", f"--net=/proc/{one.pid}/ns/net", "nft"]
+    subprocess.run([*in_one, "delete", "table", "inet", "egressd"], check=True, timeout=10)
+    wait_for(lambda: subprocess.run([*in_one, "list", "table", "inet", "egressd"], capture_output=True,
+                                    timeout=10).returncode == 0, 5, "one's table to be restored")
+    assert reachable(one.netns()) == {SERVER_A}
 
     ok(sock, "--sandbox", "one", "apply", "verifier")
     assert reachable(one.netns()) == set()

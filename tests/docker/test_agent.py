@@ -5,7 +5,8 @@ orchestrator on the host would (README "Agent mode"; the Podman version is
 tests/container/test_agent.py):
 
     docker run -d --pid host --network NET --dns GATEWAY --cap-drop ALL \\
-        --cap-add NET_ADMIN --cap-add NET_BIND_SERVICE --cap-add SYS_ADMIN --cap-add SYS_PTRACE \\
+        --cap-add NET_ADMIN --cap-add NET_BIND_SERVICE --cap-add NET_BROADCAST --cap-add SYS_ADMIN \\
+        --cap-add SYS_PTRACE \\
         -v HOSTDIR:/run/egressd EGRESSD_IMAGE agent --socket /run/egressd/agent.sock
     egressctl --socket HOSTDIR/agent.sock sandbox add task \\
         --netns-pid $(docker inspect -f '{{.State.Pid}}' task) ...
@@ -66,6 +67,8 @@ def test_agent_container_attaches_docker_tasks_by_pid(session, containers):
     # Each task under its own policy: one reaches only the name it may resolve, two only its IP entry.
     assert reachable(one.netns()) == {SERVER_A}
     assert reachable(two.netns()) == {SERVER_B}
+    # One socket in the agent's namespace hears both tasks' nftables changes (NET_BROADCAST).
+    assert "nftables events: one socket for every sandbox" in agent.logs()
 
     # A task process resolves as Docker set it up (resolv.conf: Docker's resolver, 127.0.0.11):
     # the agent answers in the task's namespace, by the task's policy.

@@ -1116,8 +1116,10 @@ def _send_ignoring_close(s: socket.socket, data: bytes):
 
 # What `egressd agent` needs in a container: setns SYS_ADMIN, opening another process's
 # /proc/PID/ns/net SYS_PTRACE, nftables and sock_diag NET_ADMIN, each sandbox's DNS proxy on
-# port 53 NET_BIND_SERVICE. The DaemonSet grants the same (tests/container/test_kube.py).
-AGENT_CAPS = ("NET_ADMIN", "NET_BIND_SERVICE", "SYS_ADMIN", "SYS_PTRACE")
+# port 53 NET_BIND_SERVICE, one socket hearing every sandbox's nftables changes NET_BROADCAST
+# (without it: a socket in each sandbox). The DaemonSet grants the same
+# (tests/container/test_kube.py).
+AGENT_CAPS = ("NET_ADMIN", "NET_BIND_SERVICE", "NET_BROADCAST", "SYS_ADMIN", "SYS_PTRACE")
 
 
 def agent_policy(upstream: str) -> str:

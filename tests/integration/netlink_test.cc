@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +33,7 @@
 
 #include "audit/nflog.h"
 #include "daemon/ctforget.h"
+#include "daemon/nft_events.h"
 #include "daemon/sandbox.h"
 #include "daemon/tamper_guard.h"
 #include "nft/compile.h"
@@ -1204,6 +1206,115 @@ void add_accept_rule(Kernel& k) {
 }
 
 }  // namespace
+
+// ---- the agent's event hub: one socket for every sandbox's namespace ----
+
+namespace {
+
+// Sockets of this process in `ns` joined to NFNLGRP_NFTABLES (from the
+// namespace's /proc/net/netlink, matched to our descriptors by inode).
+int own_nftables_listeners_in(const TestNetns& ns) {
+  std::vector<std::string> ours;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (dirent* e = readdir(d)) {
+      char target[128];
+      const ssize_t n = readlinkat(dirfd(d), e->d_name, target, sizeof target - 1);
+      if (n > 0) ours.emplace_back(target, static_cast<std::size_t>(n));
+    }
+    closedir(d);
+  }
+  const CmdResult r = ns.exec("cat /proc/net/netlink");
+  REQUIRE(r.status == 0);
+  int found = 0;
+  std::istringstream lines(r.out);
+  std::string line;
+  std::getline(lines, line);  // header: sk Eth Pid Groups Rmem Wmem Dump Locks Drops Inode
+  while (std::getline(lines, line)) {
+    std::istringstream f(line);
+    std::string sk, groups, skip, inode;
+    int eth = -1;
+    f >> sk >> eth >> skip >> groups >> skip >> skip >> skip >> skip >> skip >> inode;
+    if (eth != NETLINK_NETFILTER || (std::stoul(groups, nullptr, 16) & (1u << (NFNLGRP_NFTABLES - 1))) == 0) continue;
+    found += std::count(ours.begin(), ours.end(), "socket:[" + inode + "]") > 0;
+  }
+  return found;
+}
+
+struct HubGuarded {
+  HubGuarded(boost::asio::io_context& io, daemon::NftEventHub& hub, TestNetns& ns)
+      : sb(GuardedSandbox::options(io), ns.kernel(), daemon::Capabilities{true, true, true, true, true}) {
+    const UniqueFd fd(open(("/run/netns/" + ns.name()).c_str(), O_RDONLY | O_CLOEXEC));
+    REQUIRE(fd.ok());
+    auto feed = hub.feed(fd.get());
+    REQUIRE_MESSAGE(feed.ok(), (feed.ok() ? "" : feed.error().message));
+    CHECK_FALSE((*feed)->own_socket());
+    daemon::TamperGuardOptions go;
+    go.verify_interval = std::chrono::milliseconds(0);  // events only: no timer to catch what they miss
+    auto opened = daemon::TamperGuard::open(io, sb, go, std::move(*feed));
+    REQUIRE(opened.ok());
+    guard = std::move(*opened);
+    REQUIRE(sb.start("agent").ok());
+    guard->start();
+  }
+  daemon::Sandbox sb;
+  std::unique_ptr<daemon::TamperGuard> guard;
+};
+
+bool run_until(boost::asio::io_context& io, const std::function<bool()>& done, std::chrono::milliseconds deadline) {
+  const auto end = std::chrono::steady_clock::now() + deadline;
+  while (!done() && std::chrono::steady_clock::now() < end) io.run_for(std::chrono::milliseconds(5));
+  return done();
+}
+
+}  // namespace
+
+TEST_CASE("the agent's one event socket hears each sandbox's tampering, and hands it to that sandbox only") {
+  TestNetns a, b;
+  boost::asio::io_context io;
+  auto hub = daemon::NftEventHub::open(io);  // in this thread's namespace, as the agent's
+  REQUIRE_MESSAGE(hub.ok(), (hub.ok() ? "" : hub.error().message));
+  HubGuarded ga(io, **hub, a), gb(io, **hub, b);
+  CHECK((*hub)->feeds() == 2);
+  // Neither namespace has a socket of ours on the kernel's list of nftables
+  // listeners, where a guard with a socket of its own has one.
+  CHECK(own_nftables_listeners_in(a) == 0);
+  CHECK(own_nftables_listeners_in(b) == 0);
+  {
+    TestNetns c;
+    GuardedSandbox gc(c, std::chrono::milliseconds(0));
+    CHECK(own_nftables_listeners_in(c) == 1);
+    gc.guard->close();
+  }
+  const std::string installed_a = a.listing(), installed_b = b.listing();
+  // Each sandbox's own install is heard and is not tampering.
+  io.run_for(std::chrono::milliseconds(50));
+  CHECK(ga.guard->tampers() == 0);
+  CHECK(gb.guard->tampers() == 0);
+
+  // A rule added in a: a's guard restores a; b's hears nothing of it.
+  REQUIRE(a.exec("nft add rule inet egressd output accept").status == 0);
+  REQUIRE(run_until(io, [&] { return ga.guard->restores() >= 1; }, std::chrono::milliseconds(2000)));
+  CHECK(ga.guard->tampers() == 1);
+  CHECK(a.listing() == installed_a);
+  CHECK(gb.guard->tampers() == 0);
+
+  // The table deleted in b: b's guard puts it back.
+  REQUIRE(b.exec("nft delete table inet egressd").status == 0);
+  REQUIRE(run_until(io, [&] { return gb.guard->restores() >= 1; }, std::chrono::milliseconds(2000)));
+  CHECK(b.listing() == installed_b);
+  CHECK(ga.guard->tampers() == 1);
+
+  // A closed guard's namespace is no one's: its changes are read and dropped.
+  ga.guard->close();
+  CHECK((*hub)->feeds() == 1);
+  const auto dropped = (*hub)->dropped();
+  REQUIRE(a.exec("nft add rule inet egressd output accept").status == 0);
+  REQUIRE(run_until(io, [&] { return (*hub)->dropped() > dropped; }, std::chrono::milliseconds(2000)));
+  CHECK(ga.guard->restores() == 1);
+  CHECK(has_accept_rule(a));
+  CHECK(gb.guard->tampers() == 1);
+  gb.guard->close();
+}
 
 TEST_CASE("a tamper guard destroyed with a repair posted runs none of it, and the loop runs on") {
   TestNetns ns;

@@ -63,10 +63,10 @@ class Agent:
         self.log_path = lab.tmp / "agent.log"
         self.proc = None
 
-    def start(self, prefix=()):
+    def start(self, prefix=(), args=()):
         self.socket.unlink(missing_ok=True)
         self.proc = self.lab.spawn([*prefix, labmod.egressd_binary(), "agent", "--socket", self.socket,
-                                    "--state-dir", self.state_dir],
+                                    "--state-dir", self.state_dir, *args],
                                    netns=self.ns, stderr=open(self.log_path, "a"))
         wait_for(lambda: self.proc.poll() is not None or self.ctl("ping")[0] == 0, 10.0, "the agent to answer")
         if self.proc.poll() is not None:
@@ -92,6 +92,20 @@ class Agent:
 
     def json(self, *args):
         return json.loads(self.ok(*args, "--json"))
+
+    def request(self, obj: dict) -> dict:
+        """One request on the agent socket, as a client library would send it."""
+        import socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(self.socket))
+            s.sendall((json.dumps(obj) + "\n").encode())
+            buf = b""
+            while b"\n" not in buf:
+                chunk = s.recv(65536)
+                assert chunk, "the agent closed the connection"
+                buf += chunk
+        return json.loads(buf.split(b"\n", 1)[0])
 
     def listing(self) -> dict:
         return {e["name"]: e for e in self.json("sandbox", "list")["sandboxes"]}
@@ -165,6 +179,78 @@ def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
     # Each sandbox's table lives in its own namespace.
     for ns in (lab.sandbox, sb2):
         assert lab.nft(ns, "list", "table", "inet", "egressd")[0] == 0
+
+
+def nftables_listeners_of(pid: int, ns: Netns) -> int:
+    """How many sockets of process pid in ns are joined to nftables' change notifications
+    (NFNLGRP_NFTABLES, group 7 of NETLINK_NETFILTER), from the namespace's /proc/net/netlink."""
+    ours = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            ours.add(os.readlink(fd))
+        except OSError:
+            pass
+    n = 0
+    for line in ns.exec("cat", "/proc/net/netlink").stdout.splitlines()[1:]:
+        f = line.split()  # sk Eth Pid Groups Rmem Wmem Dump Locks Drops Inode
+        if int(f[1]) == 12 and int(f[3], 16) & (1 << 6) and f"socket:[{f[9]}]" in ours:
+            n += 1
+    return n
+
+
+def table_of(lab, ns: Netns) -> str:
+    """nft list table inet egressd in ns, without what changes by itself (counters, timeouts)."""
+    rc, out, err = lab.nft(ns, "list", "table", "inet", "egressd")
+    out = re.sub(r"counter packets \d+ bytes \d+", "counter", out)
+    return re.sub(r" (expires|timeout) \S+", "", out) if rc == 0 else f"none: {err}"
+
+
+def metric(agent, sandbox: str, name: str) -> int:
+    for line in agent.ok("--sandbox", sandbox, "metrics").splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return int(float(line.split()[-1]))
+    raise AssertionError(f"no {name} in the metrics of {sandbox}")
+
+
+@pytest.mark.parametrize("events", ["shared", "per-sandbox", "shared-without-net-broadcast"])
+def test_each_sandboxs_tampering_is_undone_there_through_one_event_socket(lab, agent, events):
+    """By default the tamper guards of all sandboxes hear nftables changes through one socket
+    in the agent's namespace (each commit on the host walks every socket joined to those
+    notifications: one, not one per sandbox); with --nft-events per-sandbox, or without
+    CAP_NET_BROADCAST (the kernel would hand that socket nothing from other namespaces), each
+    namespace has a socket of the agent's. Either way a change in one sandbox is undone there,
+    attributed to it alone, without waiting for the periodic check (--verify-interval 0)."""
+    agent.stop()
+    capless = events == "shared-without-net-broadcast"
+    prefix = ("setpriv", "--bounding-set", "-net_broadcast", "--inh-caps", "-net_broadcast", "--") if capless else ()
+    agent.start(prefix=prefix, args=("--nft-events", "shared" if capless else events, "--verify-interval", "0"))
+    if capless:
+        events = "per-sandbox"
+        assert "no CAP_NET_BROADCAST" in agent.log()
+    assert agent.request({"cmd": "ping"})["nft_events"] == events
+    config = lab.write_config(POLICY)
+    sbs = {"one": lab.sandbox, "two": lab.extra_netns("s"), "three": lab.extra_netns("t")}
+    for name, ns in sbs.items():
+        agent.ok("sandbox", "add", name, "--netns", ns.path, "--config", config)
+    for ns in sbs.values():
+        assert nftables_listeners_of(agent.proc.pid, ns) == (0 if events == "shared" else 1), ns.name
+    installed = {name: table_of(lab, ns) for name, ns in sbs.items()}
+    for k, (name, ns) in enumerate(sbs.items()):
+        if k % 2:
+            assert lab.nft(ns, "delete", "table", "inet", "egressd")[0] == 0
+        else:
+            assert lab.nft(ns, "add", "rule", "inet", "egressd", "output", "accept")[0] == 0
+        wait_for(lambda: table_of(lab, ns) == installed[name], 3.0, f"{name}'s table to be restored")
+        for other in sbs:
+            want = 1 if list(sbs).index(other) <= k else 0
+            assert metric(agent, other, "egressd_tamper_detected_total") == want, (name, other)
+    # The agent's own switches are not tampering: two switches, then a tamper in the same
+    # sandbox, heard after them (in order), counts one more, not three.
+    agent.ok("--sandbox", "two", "apply", "verifier")
+    agent.ok("--sandbox", "two", "apply", "agent")
+    assert lab.nft(sbs["two"], "add", "rule", "inet", "egressd", "output", "accept")[0] == 0
+    wait_for(lambda: metric(agent, "two", "egressd_tamper_detected_total") >= 2, 3.0, "two's second tamper")
+    assert [metric(agent, n, "egressd_tamper_detected_total") for n in sbs] == [1, 2, 1]
 
 
 def test_the_agent_is_not_held_to_a_shells_descriptor_limit(lab, agent):
