@@ -34,6 +34,7 @@ BENCHES = [
     ("startup", [], ["--quick"], 60),
     ("agent", [], ["--quick"], 180),
     ("agent_dns", [], ["--quick"], 180),
+    ("host_commits", [], ["--quick"], 120),
     ("pinning", [], ["--quick"], 150),
 ]
 
@@ -163,6 +164,20 @@ def plot_agent(out: Path, d):
     pass  # a table is the picture: five numbers
 
 
+def rows_host_commits(d):
+    n, m = d["sandboxes"], d["median"]
+    return [
+        row(f"neighbour's paced switch p50 beside {n} sandboxes, shared event socket", m["shared"]["paced_p50"] / 1e3,
+            "ms", "one socket per sandbox", m["per-sandbox"]["paced_p50"] / 1e3,
+            d["shared_over_per_sandbox"]["paced_p50"]),
+        row("neighbour's paced switch p50, no agent (floor)", m["none"]["paced_p50"] / 1e3, "ms"),
+    ]
+
+
+def plot_host_commits(out: Path, d):
+    pass  # three numbers
+
+
 def rows_agent_dns(d):
     s, r, n = d["summary"], d["ratios"], d["sandboxes"]
     judged = not d["config"]["quick"]
@@ -260,7 +275,8 @@ unset multiplot
 
 ROWS = {"switch_latency": rows_switch, "dns_proxy": rows_dns, "datapath": rows_datapath,
         "memory": rows_memory, "startup": rows_startup,
-        "agent": rows_agent, "agent_dns": rows_agent_dns, "pinning": rows_pinning}
+        "agent": rows_agent, "agent_dns": rows_agent_dns, "host_commits": rows_host_commits,
+        "pinning": rows_pinning}
 
 
 def fmt(v, unit):
@@ -414,7 +430,7 @@ plot 'startup.dat' using 2:xtic(1) title 'p50' lc rgb '#4477aa', '' using 3 titl
 
 PLOTS = {"switch_latency": plot_switch, "dns_proxy": plot_dns, "datapath": plot_datapath,
          "memory": plot_memory, "startup": plot_startup, "agent": plot_agent,
-         "agent_dns": plot_agent_dns,
+         "agent_dns": plot_agent_dns, "host_commits": plot_host_commits,
          "pinning": plot_pinning}
 
 
