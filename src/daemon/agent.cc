@@ -132,6 +132,7 @@ class Agent {
   struct Attached {
     std::unique_ptr<Instance> inst;
     std::string netns;  // as given: a path, or /proc/PID/ns/net
+    NsId id;            // the namespace itself (another path may name it too)
     std::uint64_t pid = 0;
     std::unique_ptr<boost::asio::posix::stream_descriptor> pidfd;
   };
@@ -212,8 +213,14 @@ class Agent {
       return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");
     }
     for (const auto& [name, other] : sandboxes_) {
-      if (other.netns == a.netns) return Error::invalid(a.netns + " is already attached as sandbox \"" + name + "\"");
+      // By the namespace, not the path: two sandboxes in one namespace would
+      // share its table, each undoing the other's switches as tampering.
+      if (other.id == *id) {
+        return Error::invalid(a.netns + " is already attached as sandbox \"" + name + "\"" +
+                              (other.netns == a.netns ? "" : " (as " + other.netns + ")"));
+      }
     }
+    a.id = *id;
 
     if (r.socket) {
       // Checked before anything is installed: a refused add changes nothing.

@@ -334,8 +334,12 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
     broken_hosts = lab.tmp / "broken-hosts"
     broken_hosts.write_text("host.docker.internal 192.0.2.1\n")
     agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    # A process in one's namespace: the same namespace by another name.
+    inside = lab.spawn(["sleep", "60"], netns=lab.sandbox)
     cases = [
         (("sandbox", "add", "../x", "--netns", lab.sandbox.path), "../x"),
+        (("sandbox", "add", "two", "--netns-pid", inside.pid, "--mode", "public"),
+         f'already attached as sandbox "one" (as {lab.sandbox.path})'),
         (("sandbox", "add", "two", "--netns", "/run/netns/egt-no-such-namespace"), "egt-no-such-namespace"),
         (("sandbox", "add", "two", "--netns", lab.sandbox.path, "--config", config), "already attached"),
         (("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config), '"one" is already attached'),
