@@ -19,6 +19,16 @@ namespace egressd::daemon {
 
 namespace {
 
+// Doubles a socket's receive buffer after an overrun, up to `max` bytes.
+void grow_rcvbuf_of(nft::Transport& t, int max) {
+  const int now = t.rcvbuf() / 2;  // the kernel reports twice what was set
+  if (now <= 0 || now >= max) return;
+  int want = std::min(now * 2, max);
+  if (::setsockopt(t.fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
+    (void)::setsockopt(t.fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
+  }
+}
+
 class OwnFeed final : public NftEventFeed {
  public:
   explicit OwnFeed(std::unique_ptr<nft::Transport> t) : t_(std::move(t)) {}
@@ -35,14 +45,7 @@ class OwnFeed final : public NftEventFeed {
   }
   std::uint32_t portid() const override { return t_->portid(); }
   int rcvbuf() const override { return t_->rcvbuf(); }
-  void grow_rcvbuf(int max) override {
-    const int now = t_->rcvbuf() / 2;  // the kernel reports twice what was set
-    if (now <= 0 || now >= max) return;
-    int want = std::min(now * 2, max);
-    if (::setsockopt(t_->fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
-      (void)::setsockopt(t_->fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
-    }
-  }
+  void grow_rcvbuf(int max) override { grow_rcvbuf_of(*t_, max); }
   bool own_socket() const override { return true; }
   int leave() override { return t_->leave(NFNLGRP_NFTABLES); }
   int join() override { return t_->join(NFNLGRP_NFTABLES); }
@@ -219,13 +222,7 @@ void NftEventHub::on_overrun() {
     touch(nsid, *s);
     if (s->h.overrun) s->h.overrun();
   }
-  const int now = events_->rcvbuf() / 2;  // the kernel reports twice what was set
-  if (now > 0 && now < kMaxRcvbuf) {
-    int want = std::min(now * 2, kMaxRcvbuf);
-    if (::setsockopt(events_->fd(), SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) < 0) {
-      (void)::setsockopt(events_->fd(), SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
-    }
-  }
+  grow_rcvbuf_of(*events_, kMaxRcvbuf);
 }
 
 void NftEventHub::on_error(const Error& e) {

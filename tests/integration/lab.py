@@ -1055,47 +1055,11 @@ class Egressd:
 
     def request(self, obj, timeout: float = 5.0) -> dict:
         """Sends one request line (obj: a dict, or str/bytes sent as is) and returns the reply."""
-        if isinstance(obj, dict):
-            data = json.dumps(obj).encode()
-        else:
-            data = obj.encode() if isinstance(obj, str) else obj
-        return self.request_raw(data if data.endswith(b"\n") else data + b"\n", timeout)
+        return unix_request(self.socket_path, obj, timeout, self.name)
 
     def request_raw(self, data: bytes, timeout: float = 5.0) -> dict:
-        """Writes data (any bytes) on a new connection and returns the first reply line parsed.
-        The write runs on its own thread, so a daemon that answers and hangs up in the middle
-        of a huge request is still read."""
-        with self.connect(timeout) as s:
-            writer = threading.Thread(target=_send_ignoring_close, args=(s, data), daemon=True)
-            writer.start()
-            buf = b""
-            deadline = time.monotonic() + timeout
-            try:
-                while b"\n" not in buf:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise LabError(f"no reply from {self.name} within {timeout:g}s (got {buf[:200]!r})")
-                    s.settimeout(remaining)
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        raise LabError(f"{self.name} closed the connection without a reply line (got {buf[:200]!r})")
-                    buf += chunk
-            except ConnectionResetError:
-                raise LabError(f"{self.name} reset the connection without a reply line (got {buf[:200]!r})") from None
-            finally:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                writer.join(timeout)
-        line = buf.split(b"\n", 1)[0]
-        try:
-            reply = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise LabError(f"reply is not JSON ({e}): {line[:200]!r}") from None
-        if not isinstance(reply, dict):
-            raise LabError(f"reply is not a JSON object: {line[:200]!r}")
-        return reply
+        """Writes data (any bytes) on a new connection and returns the first reply line parsed."""
+        return unix_request(self.socket_path, data, timeout, self.name, raw=True)
 
     def status(self) -> dict:
         """{"cmd":"status"} over the socket; LabError unless ok."""
@@ -1103,6 +1067,52 @@ class Egressd:
         if reply.get("ok") is not True:
             raise LabError(f"status failed: {reply}")
         return reply
+
+
+def unix_request(path, obj, timeout: float = 5.0, name: str = "egressd", raw: bool = False) -> dict:
+    """One request on a control socket (egressd's, or the agent's): obj is a dict, or str/bytes
+    sent as is (a newline added unless raw); returns the first reply line parsed. The write runs
+    on its own thread, so a daemon that answers and hangs up in the middle of a huge request is
+    still read."""
+    if isinstance(obj, dict):
+        data = json.dumps(obj).encode()
+    else:
+        data = obj.encode() if isinstance(obj, str) else obj
+    if not raw and not data.endswith(b"\n"):
+        data += b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        writer = threading.Thread(target=_send_ignoring_close, args=(s, data), daemon=True)
+        writer.start()
+        buf = b""
+        deadline = time.monotonic() + timeout
+        try:
+            while b"\n" not in buf:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise LabError(f"no reply from {name} within {timeout:g}s (got {buf[:200]!r})")
+                s.settimeout(remaining)
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise LabError(f"{name} closed the connection without a reply line (got {buf[:200]!r})")
+                buf += chunk
+        except ConnectionResetError:
+            raise LabError(f"{name} reset the connection without a reply line (got {buf[:200]!r})") from None
+        finally:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            writer.join(timeout)
+    line = buf.split(b"\n", 1)[0]
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LabError(f"reply is not JSON ({e}): {line[:200]!r}") from None
+    if not isinstance(reply, dict):
+        raise LabError(f"reply is not a JSON object: {line[:200]!r}")
+    return reply
 
 
 def _send_ignoring_close(s: socket.socket, data: bytes):

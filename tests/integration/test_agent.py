@@ -95,17 +95,7 @@ class Agent:
 
     def request(self, obj: dict) -> dict:
         """One request on the agent socket, as a client library would send it."""
-        import socket
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(10)
-            s.connect(str(self.socket))
-            s.sendall((json.dumps(obj) + "\n").encode())
-            buf = b""
-            while b"\n" not in buf:
-                chunk = s.recv(65536)
-                assert chunk, "the agent closed the connection"
-                buf += chunk
-        return json.loads(buf.split(b"\n", 1)[0])
+        return labmod.unix_request(self.socket, obj, 10.0, "the agent")
 
     def listing(self) -> dict:
         return {e["name"]: e for e in self.json("sandbox", "list")["sandboxes"]}
@@ -315,10 +305,7 @@ def test_one_sandbox_changes_nothing_in_another(lab, agent):
     agent.ok("--sandbox", "one", "apply", "verifier")
     agent.ok("--sandbox", "one", "apply", "setup")
     for raw in (b"{not json\n", b'{"cmd":"apply","phase":"nope"}\n', b"\xff" * 64 + b"\n"):
-        with __import__("socket").socket(__import__("socket").AF_UNIX) as s:
-            s.connect(str(own))
-            s.sendall(raw)
-            assert json.loads(s.makefile().readline())["ok"] is False
+        assert labmod.unix_request(own, raw, 10.0, "one's socket", raw=True)["ok"] is False
     rc, _, err = agent.ctl("--sandbox", "one", "apply", "--mode", "allowlist", "--allow", "bad..name")
     assert rc == 2 and "bad..name" in err
 
@@ -370,10 +357,7 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
                 {"cmd": "sandbox_add", "name": 5, "netns": "/x"},
                 {"cmd": "sandbox_add", "name": "x", "netns": "/x", "netns_pid": 1},
                 {"cmd": "sandbox_remove", "name": "one", "remove_policy": "yes"}):
-        with __import__("socket").socket(__import__("socket").AF_UNIX) as s:
-            s.connect(str(agent.socket))
-            s.sendall((json.dumps(req) + "\n").encode())
-            reply = json.loads(s.makefile().readline())
+        reply = agent.request(req)
         assert reply["ok"] is False and reply["error"]["code"] == "invalid_request", (req, reply)
     assert set(agent.listing()) == {"one"}
 
