@@ -3,7 +3,8 @@
 // interface watch, the flow reaper, NFLOG, the pinning queue reader, its
 // control socket and metrics file. `egressd run` makes one; `egressd agent`
 // makes one per attached namespace on its single event loop. Nothing here is
-// process-wide but the loop passed in.
+// process-wide but the loop passed in and, in the agent, the socket its tamper
+// guard hears nftables changes through (InstanceOptions::nft_events).
 #pragma once
 
 #include <boost/asio/io_context.hpp>
