@@ -323,6 +323,9 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
     agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
     # A process in one's namespace: the same namespace by another name.
     inside = lab.spawn(["sleep", "60"], netns=lab.sandbox)
+    # Until `ip netns exec` has entered it, the process is in this one's namespace (the host's).
+    want = f"net:[{os.stat(lab.sandbox.path).st_ino}]"
+    wait_for(lambda: os.readlink(f"/proc/{inside.pid}/ns/net") == want, 5.0, "the process to be in the sandbox")
     cases = [
         (("sandbox", "add", "../x", "--netns", lab.sandbox.path), "../x"),
         (("sandbox", "add", "two", "--netns-pid", inside.pid, "--mode", "public"),
