@@ -271,6 +271,7 @@ class Agent {
     }
     if (!inst) return inst.error();
     a.inst = std::move(*inst);
+    a.inst->preresolve();  // home again: from the agent's namespace
     if (!caps_) caps_ = a.inst->sandbox().capabilities();
     if (!can_log_ && o_log_group(a)) can_log_ = a.inst->can_log();
     if (pidfd.ok()) {

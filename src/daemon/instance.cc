@@ -542,7 +542,10 @@ Status Instance::Impl::build() {
     // host's own mark-based routing).
     proxy->serve(upstream_inside ? sandbox->own_mark() : 0);
     sandbox->attach_proxy(proxy.get());
-    sandbox->preresolve_active();
+    // The agent's thread is in the sandbox's namespace here, and an upstream
+    // socket belongs to the namespace it is made in: the agent asks once it
+    // is home (Instance::preresolve).
+    if (upstream_inside) sandbox->preresolve_active();
   }
 
   // Denied packets: the deny chain logs to this group (rate-limited in the
@@ -626,6 +629,12 @@ std::uint16_t Instance::dns_port() const {
 std::vector<std::string> Instance::upstream() const { return impl_->upstream; }
 std::uint64_t Instance::startup_us() const { return impl_->startup_us; }
 bool Instance::can_log() const { return impl_->opts.can_log.value_or(true); }
+
+void Instance::preresolve() {
+  if (impl_->proxy && !impl_->opts.upstream_in_sandbox && !impl_->opts.upstream_netns.ok()) {
+    impl_->sandbox->preresolve_active();
+  }
+}
 
 Status Instance::close(bool remove_policy) {
   Impl& m = *impl_;

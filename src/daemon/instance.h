@@ -82,6 +82,11 @@ class Instance {
   std::vector<std::string> upstream() const;
   std::uint64_t startup_us() const;
   bool can_log() const;  // the log rule's probe result (or what was given)
+  // The agent, back in its own namespace after create(): resolves the
+  // initial phase's names (a sidecar's create() does it itself). Upstream
+  // sockets belong to the namespace of the thread that makes them, and the
+  // agent's upstream queries must leave from its own.
+  void preresolve();
 
   // Stops serving: the tamper guard first (a removal by egressd is not
   // tampering), then with `remove_policy` the tables, then every socket in

@@ -277,6 +277,23 @@ def test_upstream_dns_leaves_from_the_agents_namespace(lab, agent):
             assert re.search(r"(127\.0\.0\.1|\[::1\]|\*|0\.0\.0\.0|\[::\]):53\b", line), line
 
 
+def test_pre_resolution_at_add_asks_from_the_agents_namespace(lab, agent):
+    """The allowlist's names are resolved as the sandbox is added. Those queries leave from
+    the agent's namespace like every upstream query: not from a socket made while the agent
+    was inside the sandbox's namespace attaching it, which the sandbox's own DNS redirect would
+    have handed to its proxy (and whose pooled socket later queries would have reused)."""
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(POLICY))
+    wait_for(lambda: {q.type for q in lab.dns.queries() if q.name.lower() == "a.example.com"} >= {"A", "AAAA"},
+             5.0, "the pre-resolution's queries upstream")
+    sources = {q.source.rsplit("/", 1)[0].rsplit("#", 1)[0] for q in lab.dns.queries() if q.name.lower() == "a.example.com"}
+    assert sources == {AGENT_V4}, f"upstream queries came from {sources}"
+    dns = agent.json("--sandbox", "one", "status")["dns"]
+    assert dns["forwarded"] == 0, f"the sandbox's proxy was asked: {dns}"
+    for line in sockets_of(agent.proc.pid, lab.sandbox).splitlines():
+        if line.startswith(("udp", "tcp")):
+            assert re.search(r"(127\.0\.0\.1|\[::1\]|\*|0\.0\.0\.0|\[::\]):53\b", line), line
+
+
 def test_upstream_netns_sandbox_asks_from_inside(lab, agent):
     """dns.upstream_netns: sandbox keeps a sidecar's behaviour: the upstream exchange happens in
     the sandbox's namespace (its address, egressd's own mark through the sandbox's rules)."""
