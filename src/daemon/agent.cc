@@ -264,6 +264,7 @@ class Agent {
     o.after_switch = [this] { trim_(); };
     o.nft_events = hub_.get();
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
+    if (hub_) hub_->settle();  // here, not inside the namespace: other sandboxes' restores may run
     {
       auto scope = NetnsScope::enter(nsfd.get());
       if (!scope) return scope.error();

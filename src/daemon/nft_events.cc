@@ -178,10 +178,6 @@ Result<std::unique_ptr<NftEventFeed>> NftEventHub::feed(int netns_fd) {
   auto id = nsid_of(netns_fd);
   if (!id) return id.error();
   if (sinks_.count(*id) != 0) return Error::invalid("this namespace has a feed already");
-  // What is queued from before (a sandbox removed from this namespace a
-  // moment ago: its own commits, told apart by a portid the new one does not
-  // have) goes to the feeds there are, not to this one.
-  if (loop_started_) hear_queued(1024);
   sinks_.emplace(*id, std::make_unique<Sink>());
   return std::unique_ptr<NftEventFeed>(new HubFeed(*this, *id));
 }
@@ -246,6 +242,10 @@ void NftEventHub::on_turn_done() {
 
 void NftEventHub::unregister(std::int32_t nsid) {
   sinks_.erase(nsid);
+}
+
+void NftEventHub::settle() {
+  if (loop_started_) hear_queued(1024);
 }
 
 void NftEventHub::hear_queued(std::size_t max_datagrams) {

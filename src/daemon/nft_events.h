@@ -84,8 +84,14 @@ class NftEventHub {
   NftEventHub& operator=(const NftEventHub&) = delete;
 
   // The feed of the namespace `netns_fd` names (not the hub's own). The hub
-  // must outlive it. One feed per namespace at a time.
+  // must outlive it. One feed per namespace at a time. Runs no handler.
   Result<std::unique_ptr<NftEventFeed>> feed(int netns_fd);
+  // Hands out what is queued now (bounded), to the feeds there are: called
+  // before a namespace gets a feed, so that what a sandbox removed from it a
+  // moment ago committed (under a portid the new one does not have) is not
+  // the new one's. Not from inside another namespace: the feeds' handlers
+  // (restores) run here.
+  void settle();
   // The namespace's id in the hub's (assigned when it had none).
   Result<std::int32_t> nsid_of(int netns_fd);
 

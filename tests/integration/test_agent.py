@@ -243,6 +243,29 @@ def test_each_sandboxs_tampering_is_undone_there_through_one_event_socket(lab, a
     assert [metric(agent, n, "egressd_tamper_detected_total") for n in sbs] == [1, 2, 1]
 
 
+def test_a_sandbox_removed_and_added_again_at_once_sees_no_tampering(lab, agent):
+    """`sandbox remove --remove-policy` then `sandbox add` of the same namespace, pipelined on
+    one connection: the removal's own table deletion, still queued on the agent's event socket
+    when the new sandbox starts listening, is not the new sandbox's tampering."""
+    config = str(lab.write_config(POLICY))
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(agent.socket))
+        s.sendall((json.dumps({"cmd": "sandbox_remove", "name": "one", "remove_policy": True}) + "\n" +
+                   json.dumps({"cmd": "sandbox_add", "name": "one", "netns": lab.sandbox.path, "config": config}) +
+                   "\n").encode())
+        f = s.makefile("rb")
+        replies = [json.loads(f.readline()) for _ in range(2)]
+    assert all(r["ok"] for r in replies), replies
+    # A tamper guard would restore at once; a switch heard after the queue shows its turn came.
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    agent.ok("--sandbox", "one", "apply", "agent")
+    assert metric(agent, "one", "egressd_tamper_detected_total") == 0, agent.log()
+    assert "restored phase=" not in agent.log(), agent.log()
+
+
 def test_the_agent_is_not_held_to_a_shells_descriptor_limit(lab, agent):
     """A shell or service manager starts a process with 1024 descriptors (soft) out of a far
     larger hard limit; every attached sandbox holds about a dozen, so an agent held to the soft
