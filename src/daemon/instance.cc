@@ -233,6 +233,9 @@ struct Instance::Impl {
   InstanceOptions opts;
   std::vector<std::string> upstream;
   std::uint64_t startup_us = 0;
+  // Upstream queries leave from the sandbox's namespace (a sidecar, or the
+  // agent with dns.upstream_netns: sandbox), else from the agent's.
+  bool upstream_inside = true;
   std::shared_ptr<spdlog::logger> log = spdlog::get("egressd");
   // Work this sandbox left on the loop through SandboxOptions::post and
   // run_after (counted: the object must outlive it), and the run_after
@@ -360,7 +363,7 @@ Status Instance::Impl::build() {
   // Upstream queries leave from inside the sandbox (a sidecar; the agent with
   // dns.upstream_netns: sandbox): Docker's forwarder, conntrack cleanup and
   // the own-traffic mark apply. From the agent's namespace none does.
-  const bool upstream_inside = opts.upstream_in_sandbox || opts.upstream_netns.ok();
+  upstream_inside = opts.upstream_in_sandbox || opts.upstream_netns.ok();
 
   SandboxOptions so;
   so.state_file = opts.state_file;
@@ -388,6 +391,9 @@ Status Instance::Impl::build() {
   // thread, which an agent keeps in its own namespace), works in this one.
   UniqueFd here(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
   if (!here.ok()) return errno_error("flow reaper: cannot open the sandbox's network namespace", errno);
+  // Owned by the reaper from here on, which lives as long as this instance;
+  // the agent's event hub reads the namespace's id from it below.
+  const int sandbox_netns = here.get();
   reaper = std::make_unique<FlowReaper>(
       policy.enforce.inbound_replies, opts.dns_port != 0,
       [log = log, p = prefix()](Result<int> n, std::uint64_t gen) {
@@ -454,9 +460,7 @@ Status Instance::Impl::build() {
   }
   std::unique_ptr<NftEventFeed> feed;
   if (opts.nft_events != nullptr) {
-    UniqueFd here(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
-    auto f = here.ok() ? opts.nft_events->feed(here.get())
-                       : Result<std::unique_ptr<NftEventFeed>>(errno_error("open the namespace", errno));
+    auto f = opts.nft_events->feed(sandbox_netns);
     if (f) {
       feed = std::move(*f);
     } else {
@@ -631,7 +635,7 @@ std::uint64_t Instance::startup_us() const { return impl_->startup_us; }
 bool Instance::can_log() const { return impl_->opts.can_log.value_or(true); }
 
 void Instance::preresolve() {
-  if (impl_->proxy && !impl_->opts.upstream_in_sandbox && !impl_->opts.upstream_netns.ok()) {
+  if (impl_->proxy && !impl_->upstream_inside) {
     impl_->sandbox->preresolve_active();
   }
 }
