@@ -164,13 +164,26 @@ void in_new_netns(const std::function<void()>& body) {
 
 const auto keep_all = [](const FlowInfo&) { return true; };
 
+// The kernel cases need a network namespace of their own: root. False (the
+// case is skipped, and says so) otherwise.
+bool as_root() {
+  if (::geteuid() == 0) return true;
+  MESSAGE("skipped: a network namespace of its own needs root");
+  return false;
+}
+
+// A socket's pending error (SO_ERROR): what an abort left on it; -1 when it
+// cannot be read.
+int so_error(int fd) {
+  int err = 0;
+  socklen_t elen = sizeof err;
+  return ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 ? err : -1;
+}
+
 }  // namespace
 
 TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace's only TCP sockets, as root") {
-  if (::geteuid() != 0) {
-    MESSAGE("skipped: a network namespace of its own needs root");
-    return;
-  }
+  if (!as_root()) return;
   in_new_netns([] {
     const int own = listener(AF_INET);
     REQUIRE_MESSAGE(own >= 0, std::strerror(errno));
@@ -216,9 +229,7 @@ TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace
     r = destroy_flows([](const FlowInfo&) { return false; }, ours);
     REQUIRE(r.ok());
     CHECK(r->destroyed == 2);
-    int err = 0;
-    socklen_t elen = sizeof err;
-    CHECK(::getsockopt(c, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    const int err = so_error(c);
     CHECK((err == ECONNABORTED || err == ECONNRESET));  // aborted, or reset by its aborted peer first
     r = destroy_flows(keep_all, ours);
     REQUIRE(r.ok());
@@ -230,10 +241,7 @@ TEST_CASE("TCP flows are listed unless egressd's own listeners are the namespace
 }
 
 TEST_CASE("UDP sockets are listed unless egressd's own listeners are the namespace's only UDP sockets, as root") {
-  if (::geteuid() != 0) {
-    MESSAGE("skipped: a network namespace of its own needs root");
-    return;
-  }
+  if (!as_root()) return;
   in_new_netns([] {
     // The DNS proxy's listeners: UDP and TCP on both loopback addresses.
     std::vector<int> fds;
@@ -274,9 +282,7 @@ TEST_CASE("UDP sockets are listed unless egressd's own listeners are the namespa
     r = destroy_flows([](const FlowInfo&) { return false; }, ours);
     REQUIRE(r.ok());
     CHECK(r->destroyed == 1);
-    int err = 0;
-    socklen_t elen = sizeof err;
-    CHECK(::getsockopt(c, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    const int err = so_error(c);
     CHECK(err == ECONNABORTED);
     // Aborted, it is disconnected and its port (any, at bind) released: nothing to list.
     r = destroy_flows(keep_all, ours);
@@ -342,6 +348,12 @@ struct ReaperReport {
     std::unique_lock<std::mutex> lock(mu);
     return cv.wait_for(lock, std::chrono::seconds(5), [&] { return got.has_value(); });
   }
+  // The job's report came, without an error, saying `aborted` sockets were.
+  void expect(int aborted) {
+    REQUIRE(wait());
+    REQUIRE_MESSAGE(got->ok(), got->error().message);
+    CHECK(**got == aborted);
+  }
 };
 
 std::shared_ptr<const Phase> no_network() { return std::make_shared<const Phase>(Phase{"verifier", Mode::no_network, {}}); }
@@ -355,10 +367,7 @@ std::size_t threads_of_this_process() {
 }  // namespace
 
 TEST_CASE("a reaper works in its sandbox's namespace from wherever its first job comes, as root") {
-  if (::geteuid() != 0) {
-    MESSAGE("skipped: a network namespace of its own needs root");
-    return;
-  }
+  if (!as_root()) return;
   in_new_netns([] {
     const int u = udp_flow_over_lo();
     REQUIRE_MESSAGE(u >= 0, std::strerror(errno));
@@ -374,13 +383,9 @@ TEST_CASE("a reaper works in its sandbox's namespace from wherever its first job
       // No job, no thread: a sandbox that stays in public costs none.
       CHECK(threads_of_this_process() == before);
       reaper.reap(no_network(), 1);
-      REQUIRE(report.wait());
-      REQUIRE_MESSAGE(report.got->ok(), report.got->error().message);
-      CHECK(**report.got == 1);
+      report.expect(1);
     }).join();
-    int err = 0;
-    socklen_t elen = sizeof err;
-    CHECK(::getsockopt(u, SOL_SOCKET, SO_ERROR, &err, &elen) == 0);
+    const int err = so_error(u);
     CHECK(err == ECONNABORTED);
     ::close(u);
   });
@@ -404,10 +409,7 @@ bool drop_sys_admin() {
 }  // namespace
 
 TEST_CASE("a sidecar's reaper reaps without CAP_SYS_ADMIN, in the namespace it starts in, as root") {
-  if (::geteuid() != 0) {
-    MESSAGE("skipped: a network namespace of its own needs root");
-    return;
-  }
+  if (!as_root()) return;
   in_new_netns([] {
     const int u = udp_flow_over_lo();
     REQUIRE_MESSAGE(u >= 0, std::strerror(errno));
@@ -417,9 +419,7 @@ TEST_CASE("a sidecar's reaper reaps without CAP_SYS_ADMIN, in the namespace it s
     ReaperReport report;
     FlowReaper reaper(false, false, report.sink(), UniqueFd(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)));
     reaper.reap(no_network(), 1);
-    REQUIRE(report.wait());
-    REQUIRE_MESSAGE(report.got->ok(), report.got->error().message);
-    CHECK(**report.got == 1);
+    report.expect(1);
     ::close(u);
   });
 }
