@@ -38,10 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dns_proxy as dp  # noqa: E402  (BenchRun, Procs, preflight, EGRESSD, ...)
 from dns_proxy import lab  # noqa: E402
 from switch_latency import pct  # noqa: E402
-from agent import Conn  # noqa: E402
+from agent import Conn, cpu_s  # noqa: E402
 
 PREFIX = "egbhc-"
 SIDES = ("none", "shared", "per-sandbox")
+
+
+def until_idle(pid: int, still_s: float = 0.4, limit_s: float = 15.0):
+    """Returns once pid's CPU time (every thread) has not moved for still_s: longer than the
+    agent's idle heap trim (300 ms after the last add) waits."""
+    last = {"cpu": cpu_s(pid), "at": time.monotonic()}
+
+    def still():
+        c = cpu_s(pid)
+        if c != last["cpu"]:
+            last.update(cpu=c, at=time.monotonic())
+        return time.monotonic() - last["at"] >= still_s
+    lab.wait_for(still, limit_s, f"pid {pid} to go idle")
 
 
 def main():
@@ -109,7 +122,7 @@ def main():
                             c.call({"cmd": "sandbox_add", "name": f"s{i}", "netns": ns.path, "config": str(policy)})
                     finally:
                         c.close()
-                    time.sleep(0.5)  # the adds' deferred work (heap trim, reaper wake-ups) done
+                    until_idle(agent.pid)  # the adds' deferred work done
                 res[side].append(switch_round())
                 dp.alive_or_fail(neighbour, "the neighbour sidecar")
                 if agent is not None:
