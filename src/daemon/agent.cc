@@ -59,15 +59,20 @@ Result<NsId> ns_id(int fd) {
 class Agent {
  public:
   Agent(boost::asio::io_context& io, const AgentArgs& args) : io_(io), args_(args), trim_(io), reap_timer_(io) {
-    if (args.nft_events == "shared") {
-      if (auto hub = NftEventHub::open(io)) {
-        hub_ = std::move(*hub);
-      } else {
-        log_->warn("nftables events: a socket in each sandbox's namespace (the shared one needs CAP_NET_BROADCAST "
-                   "in the initial user namespace): {}", hub.error().message);
-      }
+    if (args.events == "shared") {
+      hub_ = open_hub(io, nftables_events(), "nftables events");
+      link_hub_ = open_hub(io, link_events(), "interface changes");
     }
-    log_->info("nftables events: {}", hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace");
+    log_->info("nftables events: {}; interface changes: {}", hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace",
+               link_hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace");
+  }
+
+  std::unique_ptr<EventHub> open_hub(boost::asio::io_context& io, const EventSource& source, const char* what) {
+    auto hub = EventHub::open(io, source);
+    if (hub) return std::move(*hub);
+    log_->warn("{}: a socket in each sandbox's namespace (the shared one needs CAP_NET_BROADCAST in the initial user "
+               "namespace): {}", what, hub.error().message);
+    return nullptr;
   }
 
   Status listen() {
@@ -146,7 +151,8 @@ class Agent {
     if (it == req.end()) {
       if (cmd == "ping") {
         return reply(control::ok_reply(
-            {{"agent", true}, {"sandboxes", sandboxes_.size()}, {"nft_events", hub_ ? "shared" : "per-sandbox"}}));
+            {{"agent", true}, {"sandboxes", sandboxes_.size()}, {"nft_events", hub_ ? "shared" : "per-sandbox"},
+             {"link_events", link_hub_ ? "shared" : "per-sandbox"}}));
       }
       return reply(control::error_reply(
           "invalid_request", "this is egressd's agent socket: name the sandbox (\"sandbox\": NAME) for " + cmd +
@@ -263,8 +269,12 @@ class Agent {
     o.can_log = can_log_;
     o.after_switch = [this] { trim_(); };
     o.nft_events = hub_.get();
+    o.link_events = link_hub_.get();
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
-    if (hub_) hub_->settle();  // here, not inside the namespace: other sandboxes' restores may run
+    // Here, not inside the namespace: other sandboxes' restores and
+    // interface updates may run.
+    if (hub_) hub_->settle();
+    if (link_hub_) link_hub_->settle();
     {
       auto scope = NetnsScope::enter(nsfd.get());
       if (!scope) return scope.error();
@@ -375,7 +385,8 @@ class Agent {
   std::optional<Capabilities> caps_;
   std::optional<bool> can_log_;
   // Before the sandboxes: their tamper guards' feeds go first.
-  std::unique_ptr<NftEventHub> hub_;
+  std::unique_ptr<EventHub> hub_;       // nftables changes
+  std::unique_ptr<EventHub> link_hub_;  // link and IPv6 route changes
   static bool o_log_group(const Attached& a) { return a.inst->options().policy.enforce.log_group != 0; }
   std::map<std::string, Attached> sandboxes_;
   std::vector<Attached> removed_;

@@ -91,9 +91,10 @@ struct AgentArgs {
   std::vector<std::uint32_t> allow_uids;
   std::string log_format = "text";
   double verify_interval_s = 5;
-  // "shared": one nftables event socket for every sandbox (nft_events.h),
-  // when the agent may listen in every namespace; "per-sandbox": one each.
-  std::string nft_events = "shared";
+  // "shared": one nftables event socket and one rtnetlink socket for every
+  // sandbox (event_hub.h), when the agent may listen in every namespace;
+  // "per-sandbox": sockets in each namespace.
+  std::string events = "shared";
 };
 int cmd_agent(const AgentArgs& args);
 

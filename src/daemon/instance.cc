@@ -70,53 +70,59 @@ std::uint32_t random32() {
   return m;
 }
 
-// Watches the namespace's interfaces: every link or IPv6 route change is
-// answered with a fresh dump handed to the sandbox (new interfaces get their
-// egress chain, vanished ones lose it). A wait on the socket, then a drain and
-// a dump; errors are logged and the watch goes on.
+// Watches the namespace's interfaces: every link or IPv6 route change heard
+// through the feed (a socket of the sandbox's own, or the agent's one socket
+// for every namespace) is answered, at the end of the turn that heard it, with
+// a fresh dump handed to the sandbox (new interfaces get their egress chain,
+// vanished ones lose it). Listening starts before the first dump, so no change
+// after it is missed; until go_live() (the sandbox started) changes are only
+// noted, and go_live() dumps if there were any. Errors are logged and the
+// watch goes on.
 class NetWatchLoop {
  public:
-  NetWatchLoop(boost::asio::io_context& io, NetWatch watch, Sandbox& sandbox)
-      : watch_(std::move(watch)), sd_(io, watch_.fd()), sandbox_(sandbox) {}
+  NetWatchLoop(NetWatch watch, std::unique_ptr<EventFeed> feed, Sandbox& sandbox, std::string prefix)
+      : watch_(std::move(watch)), feed_(std::move(feed)), sandbox_(sandbox), prefix_(std::move(prefix)) {}
   ~NetWatchLoop() { close(); }
-  void start() { wait(); }
-  void close() {
-    if (closed_) return;
-    closed_ = true;
-    boost::system::error_code ec;
-    sd_.cancel(ec);
-    (void)sd_.release();  // the fd belongs to watch_
+  void listen() {
+    nft::Transport::Handlers h;
+    h.message = [this](const nlmsghdr* nlh) { changed_ = changed_ || changes_view(nlh); };
+    h.overrun = [this] { changed_ = true; };  // notifications lost: dump to find out
+    h.turn_done = [this] {
+      if (live_ && changed_) refresh();
+    };
+    h.error = [this](const Error& e) {
+      spdlog::get("egressd")->error("{}interface watch: {}", prefix_, e.message);
+      changed_ = true;
+    };
+    feed_->start(std::move(h));
   }
+  Result<NetworkView> dump() { return watch_.dump(); }
+  void go_live() {
+    live_ = true;
+    if (changed_) refresh();
+  }
+  void close() { feed_->stop(); }
+  bool own_socket() const { return feed_->own_socket(); }
 
  private:
-  void wait() {
-    sd_.async_wait(boost::asio::posix::stream_descriptor::wait_read, [this](const boost::system::error_code& ec) {
-      if (ec || closed_) return;
-      on_readable();
-      wait();
-    });
-  }
-  void on_readable() {
-    auto changed = watch_.drain();
-    if (!changed) {
-      spdlog::get("egressd")->error("interface watch: {}", changed.error().message);
-    } else if (!*changed) {
-      return;
-    }
+  void refresh() {
+    changed_ = false;
     auto view = watch_.dump();
     if (!view) {
-      spdlog::get("egressd")->error("interface watch: {}", view.error().message);
+      spdlog::get("egressd")->error("{}interface watch: {}", prefix_, view.error().message);
       return;
     }
     if (auto st = sandbox_.update_network(*view); !st) {
-      spdlog::get("egressd")->error("interface watch: {}", st.error().message);
+      spdlog::get("egressd")->error("{}interface watch: {}", prefix_, st.error().message);
     }
   }
 
   NetWatch watch_;
-  boost::asio::posix::stream_descriptor sd_;
+  std::unique_ptr<EventFeed> feed_;
   Sandbox& sandbox_;
-  bool closed_ = false;
+  const std::string prefix_;
+  bool changed_ = false;
+  bool live_ = false;
 };
 
 // True when this kernel takes the deny chain's rate-limited log rule (nft_log
@@ -458,7 +464,7 @@ Status Instance::Impl::build() {
     gopts.rcvbuf = opts.monitor_rcvbuf;
     gopts.grow_rcvbuf = false;
   }
-  std::unique_ptr<NftEventFeed> feed;
+  std::unique_ptr<EventFeed> feed;
   if (opts.nft_events != nullptr) {
     auto f = opts.nft_events->feed(sandbox_netns);
     if (f) {
@@ -520,10 +526,26 @@ Status Instance::Impl::build() {
   }
 
   // The interfaces before start (its table gets an egress chain for each),
-  // and the watch subscribed before the dump so no change is missed.
+  // and the watch listening before the dump so no change is missed.
   auto watch = NetWatch::open();
   if (!watch) return watch.error().wrap("interface watch");
-  auto view = watch->dump();
+  std::unique_ptr<EventFeed> link_feed;
+  if (opts.link_events != nullptr) {
+    if (auto f = opts.link_events->feed(sandbox_netns)) {
+      link_feed = std::move(*f);
+    } else {
+      log->warn("{}interface changes through a socket of the sandbox's own: the agent's event hub cannot serve this "
+                "namespace: {}", prefix(), f.error().message);
+    }
+  }
+  if (!link_feed) {
+    auto f = open_own_feed(io, link_events(), 0);
+    if (!f) return f.error().wrap("interface watch");
+    link_feed = std::move(*f);
+  }
+  netwatch = std::make_unique<NetWatchLoop>(std::move(*watch), std::move(link_feed), *sandbox, prefix());
+  netwatch->listen();
+  auto view = netwatch->dump();
   if (!view) return view.error().wrap("interface watch");
   (void)sandbox->update_network(*view);
   if (auto s = sandbox->start(opts.initial); !s) return s;
@@ -531,8 +553,7 @@ Status Instance::Impl::build() {
   // (a file named by the operator was checked before anything was installed).
   (void)sandbox->start_hosts();
   guard->start();
-  netwatch = std::make_unique<NetWatchLoop>(io, std::move(*watch), *sandbox);
-  netwatch->start();
+  netwatch->go_live();
   if (proxy) {
     if (forwarder.targets.empty() && !sandbox->relay_upstreams().empty() && upstream_inside) {
       // Pinned by an earlier egressd: adopted from the kernel, no probe.

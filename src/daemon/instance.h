@@ -3,8 +3,9 @@
 // interface watch, the flow reaper, NFLOG, the pinning queue reader, its
 // control socket and metrics file. `egressd run` makes one; `egressd agent`
 // makes one per attached namespace on its single event loop. Nothing here is
-// process-wide but the loop passed in and, in the agent, the socket its tamper
-// guard hears nftables changes through (InstanceOptions::nft_events).
+// process-wide but the loop passed in and, in the agent, the sockets its tamper
+// guard and interface watch hear the namespace's changes through
+// (InstanceOptions::nft_events, link_events).
 #pragma once
 
 #include <boost/asio/io_context.hpp>
@@ -15,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/nft_events.h"
+#include "daemon/event_hub.h"
 #include "daemon/sandbox.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
@@ -54,10 +55,12 @@ struct InstanceOptions {
   // deletion costs the next commit an RCU grace period, ~20 ms). Unset: probed.
   std::optional<Capabilities> capabilities;
   std::optional<bool> can_log;  // the deny chain's log rule (nfnetlink_log); unset: probed
-  // The agent's one nftables event socket for every sandbox (nft_events.h);
+  // The agent's one nftables event socket for every sandbox (event_hub.h);
   // null: the tamper guard opens a socket of its own in the namespace. Must
   // outlive the instance.
-  NftEventHub* nft_events = nullptr;
+  EventHub* nft_events = nullptr;
+  // The same for link and IPv6 route changes (the interface watch).
+  EventHub* link_events = nullptr;
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
   // Called after every request on the sandbox's own socket (the same: a

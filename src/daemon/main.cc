@@ -82,9 +82,10 @@ int main(int argc, char** argv) {
   ag->add_option("--verify-interval", agent.verify_interval_s,
                  "seconds between checks of each sandbox's table against its phase (tamper safety net); 0 = off")
       ->check(CLI::Range(0.0, 86400.0));
-  ag->add_option("--nft-events", agent.nft_events,
-                 "shared: the tamper guards of all sandboxes hear nftables changes through one socket in the agent's "
-                 "namespace (needs CAP_NET_BROADCAST; else per-sandbox); per-sandbox: a socket in each namespace")
+  ag->add_option("--events,--nft-events", agent.events,
+                 "shared: the sandboxes' tamper guards hear nftables changes, and their interface watches link and "
+                 "route changes, through one socket each in the agent's namespace (needs CAP_NET_BROADCAST; else "
+                 "per-sandbox); per-sandbox: sockets in each namespace")
       ->check(CLI::IsMember({"shared", "per-sandbox"}))
       ->capture_default_str();
 

@@ -85,37 +85,25 @@ std::optional<IpPrefix> parse_onlink6_route(const nlmsghdr* nlh, const std::vect
   return p;
 }
 
+bool changes_view(const nlmsghdr* nlh) {
+  switch (nlh->nlmsg_type) {
+    case RTM_NEWLINK:
+    case RTM_DELLINK:
+    case RTM_NEWROUTE:
+    case RTM_DELROUTE:
+      return true;
+    default:
+      return false;
+  }
+}
+
 Result<NetWatch> NetWatch::open() {
-  nft::TransportOptions ev;
-  ev.protocol = NETLINK_ROUTE;
-  ev.groups = {RTNLGRP_LINK, RTNLGRP_IPV6_ROUTE};
-  ev.what = "rtnetlink (link and route changes)";
-  auto events = nft::Transport::open(std::move(ev));
-  if (!events) return events.error();
   nft::TransportOptions rq;
   rq.protocol = NETLINK_ROUTE;
   rq.what = "rtnetlink";
   auto requests = nft::Transport::open(std::move(rq));
   if (!requests) return requests.error();
-  return NetWatch(std::move(*events), std::move(*requests));
-}
-
-Result<bool> NetWatch::drain() {
-  bool relevant = false;
-  const auto q = events_->read_queued([&](const nlmsghdr* nlh) {
-    switch (nlh->nlmsg_type) {
-      case RTM_NEWLINK:
-      case RTM_DELLINK:
-      case RTM_NEWROUTE:
-      case RTM_DELROUTE:
-        relevant = true;
-        break;
-      default:
-        break;
-    }
-  });
-  if (q.error != 0) return errno_error("read rtnetlink notifications", q.error);
-  return relevant || q.overrun;  // notifications lost: dump to find out
+  return NetWatch(std::move(*requests));
 }
 
 Status NetWatch::dump_request(std::uint16_t type, std::uint8_t family, const std::function<void()>& reset,

@@ -5,12 +5,12 @@
 // on-link global IPv6 neighbours only (compile.h, kOnlinkSet6).
 //
 // Kept small on purpose: the message parsing is pure (parse_link,
-// parse_onlink6_route, tested on hand-built messages), and NetWatch only owns
-// two sockets: one subscribed to RTMGRP_LINK and RTMGRP_IPV6_ROUTE that says
-// "something changed", one for dumps (both nft::Transport, without its
-// receive loop: the daemon waits on fd()). It does not track state from the
-// notifications; every change is answered with a fresh dump (changes are rare,
-// and a lost notification, ENOBUFS, then costs nothing).
+// parse_onlink6_route, changes_view; tested on hand-built messages), and
+// NetWatch only owns the socket it dumps with. What says "something changed"
+// is an EventFeed of link_events() (event_hub.h): a socket of the sandbox's
+// own, or the agent's one socket for every namespace. Nothing is tracked from
+// the notifications; every change is answered with a fresh dump (changes are
+// rare, and a lost notification, ENOBUFS, then costs nothing).
 //
 // Not thread-safe: used from the daemon's event loop.
 #pragma once
@@ -54,32 +54,26 @@ std::optional<LinkInfo> parse_link(const nlmsghdr* nlh);
 // nullopt otherwise.
 std::optional<IpPrefix> parse_onlink6_route(const nlmsghdr* nlh, const std::vector<int>& loopback_ifindexes);
 
+// True for a notification that may change the view: a link, or a route
+// (the caller then dumps).
+bool changes_view(const nlmsghdr* nlh);
+
 class NetWatch {
  public:
-  // Opens both sockets in the current network namespace. Error names the step.
+  // Opens the dump socket in the current network namespace.
   static Result<NetWatch> open();
-
-  // Readable when notifications are queued (for the event loop).
-  int fd() const { return events_->fd(); }
-
-  // Reads every queued notification without blocking. True when one of them
-  // may change the view (a link, or an IPv6 route) or some were lost
-  // (ENOBUFS); the caller then dumps.
-  Result<bool> drain();
 
   // Links and IPv6 routes, now. Waits at most 2 s for the kernel.
   Result<NetworkView> dump();
 
  private:
-  NetWatch(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> requests)
-      : events_(std::move(events)), requests_(std::move(requests)) {}
+  explicit NetWatch(std::unique_ptr<nft::Transport> requests) : requests_(std::move(requests)) {}
   // Sends one dump request and hands each reply message to on_msg until
   // NLMSG_DONE; a dump interrupted by a change is started over (`reset`
   // first, each time).
   Status dump_request(std::uint16_t type, std::uint8_t family, const std::function<void()>& reset,
                       const std::function<void(const nlmsghdr*)>& on_msg);
 
-  std::unique_ptr<nft::Transport> events_;    // subscribed to link and IPv6 route changes
   std::unique_ptr<nft::Transport> requests_;  // dumps
 };
 

@@ -44,16 +44,16 @@ std::int64_t us_since(Clock::time_point t0) {
 }  // namespace
 
 Result<std::unique_ptr<TamperGuard>> TamperGuard::open(boost::asio::io_context& io, Sandbox& sandbox,
-                                                        TamperGuardOptions opts, std::unique_ptr<NftEventFeed> feed) {
+                                                        TamperGuardOptions opts, std::unique_ptr<EventFeed> feed) {
   if (!feed) {
-    auto own = open_own_feed(io, opts.rcvbuf);
+    auto own = open_own_feed(io, nftables_events(), opts.rcvbuf);
     if (!own) return own.error();
     feed = std::move(*own);
   }
   return std::unique_ptr<TamperGuard>(new TamperGuard(io, sandbox, std::move(feed), opts));
 }
 
-TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<NftEventFeed> feed,
+TamperGuard::TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<EventFeed> feed,
                          TamperGuardOptions opts)
     : io_(io),
       sandbox_(sandbox),

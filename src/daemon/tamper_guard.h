@@ -17,7 +17,7 @@
 //              (200 sandboxes' dumps every 5 s on one loop delayed the other
 //              sandboxes' requests; a dump after every switch and every
 //              answer's learned addresses was a tenth of an agent's CPU.)
-//   unheard    (own socket only, see nft_events.h) egressd's own large batches (Sandbox::kLargeBatchElements set
+//   unheard    (own socket only, see event_hub.h) egressd's own large batches (Sandbox::kLargeBatchElements set
 //              elements or more) are sent with the subscription dropped: the
 //              kernel would write a notification per element to this socket,
 //              which doubled a 10k-entry inline switch. The ruleset generation
@@ -59,7 +59,7 @@
 #include <stop_token>
 #include <string>
 
-#include "daemon/nft_events.h"
+#include "daemon/event_hub.h"
 #include "daemon/sandbox.h"
 #include "egressd/result.h"
 #include "nft/monitor.h"
@@ -88,7 +88,7 @@ class TamperGuard {
   // reading. The sandbox must outlive the guard.
   static Result<std::unique_ptr<TamperGuard>> open(boost::asio::io_context& io, Sandbox& sandbox,
                                                     TamperGuardOptions opts,
-                                                    std::unique_ptr<NftEventFeed> feed = nullptr);
+                                                    std::unique_ptr<EventFeed> feed = nullptr);
   ~TamperGuard();
 
   void start();
@@ -113,7 +113,7 @@ class TamperGuard {
   std::uint64_t restores() const { return restores_; }
 
  private:
-  TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<NftEventFeed> feed,
+  TamperGuard(boost::asio::io_context& io, Sandbox& sandbox, std::unique_ptr<EventFeed> feed,
               TamperGuardOptions opts);
   // The transport's receive loop: each message, then the end of each turn
   // (restore, log, re-dump after an overrun).
@@ -144,7 +144,7 @@ class TamperGuard {
 
   boost::asio::io_context& io_;
   Sandbox& sandbox_;
-  std::unique_ptr<NftEventFeed> feed_;
+  std::unique_ptr<EventFeed> feed_;
   TamperGuardOptions opts_;
   nft::ChangeTracker tracker_;
   // What the current turn of the receive loop found.

@@ -6,7 +6,7 @@
 // its owner, who knows what to re-read.
 //
 // Users: NetlinkKernel (nft/netlink.cc: batches and their acks, table
-// reads), the nftables change monitor (daemon/nft_events: a tamper guard's own
+// reads), the nftables change monitor (daemon/event_hub: a tamper guard's own
 // socket, or the agent's one socket for every sandbox), the NFLOG reader
 // (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
 // watch (daemon/netwatch), and the flow reaper's sock_diag dumps and

@@ -62,7 +62,7 @@ def test_agent_attaches_podman_tasks_by_pid(pods, scratch):
 
     # One socket in the agent's namespace hears both tasks' nftables changes (NET_BROADCAST):
     # one's table deleted from the host is put back at once.
-    assert "nftables events: one socket for every sandbox" in agent.logs()
+    assert "nftables events: one socket for every sandbox; interface changes: one socket for every sandbox" in agent.logs()
     in_one = ["nsenter", f"--net=/proc/{one.pid}/ns/net", "nft"]
     subprocess.run([*in_one, "delete", "table", "inet", "egressd"], check=True, timeout=10)
     wait_for(lambda: subprocess.run([*in_one, "list", "table", "inet", "egressd"], capture_output=True,

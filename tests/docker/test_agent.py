@@ -68,7 +68,7 @@ def test_agent_container_attaches_docker_tasks_by_pid(session, containers):
     assert reachable(one.netns()) == {SERVER_A}
     assert reachable(two.netns()) == {SERVER_B}
     # One socket in the agent's namespace hears both tasks' nftables changes (NET_BROADCAST).
-    assert "nftables events: one socket for every sandbox" in agent.logs()
+    assert "nftables events: one socket for every sandbox; interface changes: one socket for every sandbox" in agent.logs()
 
     # A task process resolves as Docker set it up (resolv.conf: Docker's resolver, 127.0.0.11):
     # the agent answers in the task's namespace, by the task's policy.

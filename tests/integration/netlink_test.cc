@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -33,7 +34,8 @@
 
 #include "audit/nflog.h"
 #include "daemon/ctforget.h"
-#include "daemon/nft_events.h"
+#include "daemon/event_hub.h"
+#include "daemon/netwatch.h"
 #include "daemon/sandbox.h"
 #include "daemon/tamper_guard.h"
 #include "nft/compile.h"
@@ -46,6 +48,7 @@
 #include <linux/netfilter.h>
 #include <linux/netfilter/nf_tables.h>
 #include <linux/netfilter/nfnetlink.h>
+#include <linux/rtnetlink.h>
 
 using namespace egressd;
 using namespace egressd::nft;
@@ -1211,9 +1214,10 @@ void add_accept_rule(Kernel& k) {
 
 namespace {
 
-// Sockets of this process in `ns` joined to NFNLGRP_NFTABLES (from the
-// namespace's /proc/net/netlink, matched to our descriptors by inode).
-int own_nftables_listeners_in(const TestNetns& ns) {
+// Sockets of this process in `ns` of netlink `protocol` joined to `group`
+// (from the namespace's /proc/net/netlink, matched to our descriptors by
+// inode).
+int own_listeners_in(const TestNetns& ns, int protocol, unsigned group) {
   std::vector<std::string> ours;
   if (DIR* d = opendir("/proc/self/fd")) {
     while (dirent* e = readdir(d)) {
@@ -1234,14 +1238,17 @@ int own_nftables_listeners_in(const TestNetns& ns) {
     std::string sk, groups, skip, inode;
     int eth = -1;
     f >> sk >> eth >> skip >> groups >> skip >> skip >> skip >> skip >> skip >> inode;
-    if (eth != NETLINK_NETFILTER || (std::stoul(groups, nullptr, 16) & (1u << (NFNLGRP_NFTABLES - 1))) == 0) continue;
+    if (eth != protocol || (std::stoul(groups, nullptr, 16) & (1u << (group - 1))) == 0) continue;
     found += std::count(ours.begin(), ours.end(), "socket:[" + inode + "]") > 0;
   }
   return found;
 }
 
+int own_nftables_listeners_in(const TestNetns& ns) { return own_listeners_in(ns, NETLINK_NETFILTER, NFNLGRP_NFTABLES); }
+int own_link_listeners_in(const TestNetns& ns) { return own_listeners_in(ns, NETLINK_ROUTE, RTNLGRP_LINK); }
+
 struct HubGuarded {
-  HubGuarded(boost::asio::io_context& io, daemon::NftEventHub& hub, TestNetns& ns)
+  HubGuarded(boost::asio::io_context& io, daemon::EventHub& hub, TestNetns& ns)
       : sb(GuardedSandbox::options(io), ns.kernel(), daemon::Capabilities{true, true, true, true, true}) {
     const UniqueFd fd(open(("/run/netns/" + ns.name()).c_str(), O_RDONLY | O_CLOEXEC));
     REQUIRE(fd.ok());
@@ -1271,7 +1278,7 @@ bool run_until(boost::asio::io_context& io, const std::function<bool()>& done, s
 TEST_CASE("the agent's one event socket hears each sandbox's tampering, and hands it to that sandbox only") {
   TestNetns a, b;
   boost::asio::io_context io;
-  auto hub = daemon::NftEventHub::open(io);  // in this thread's namespace, as the agent's
+  auto hub = daemon::EventHub::open(io, daemon::nftables_events());  // in this thread's namespace, as the agent's
   REQUIRE_MESSAGE(hub.ok(), (hub.ok() ? "" : hub.error().message));
   HubGuarded ga(io, **hub, a), gb(io, **hub, b);
   CHECK((*hub)->feeds() == 2);
@@ -1314,6 +1321,66 @@ TEST_CASE("the agent's one event socket hears each sandbox's tampering, and hand
   CHECK(has_accept_rule(a));
   CHECK(gb.guard->tampers() == 1);
   gb.guard->close();
+}
+
+TEST_CASE("the agent's one rtnetlink socket hears each namespace's interface changes, and hands them to it only") {
+  TestNetns a, b;
+  boost::asio::io_context io;
+  auto hub = daemon::EventHub::open(io, daemon::link_events());  // in this thread's namespace, as the agent's
+  REQUIRE_MESSAGE(hub.ok(), (hub.ok() ? "" : hub.error().message));
+  // What each namespace's feed hands out: the names of links that appeared.
+  struct Heard {
+    std::vector<std::string> links;
+    int turns = 0;
+  };
+  std::map<std::string, Heard> heard;
+  std::vector<std::unique_ptr<daemon::EventFeed>> feeds;
+  for (TestNetns* ns : {&a, &b}) {
+    const UniqueFd fd(open(("/run/netns/" + ns->name()).c_str(), O_RDONLY | O_CLOEXEC));
+    REQUIRE(fd.ok());
+    auto feed = (*hub)->feed(fd.get());
+    REQUIRE_MESSAGE(feed.ok(), (feed.ok() ? "" : feed.error().message));
+    Heard& h = heard[ns->name()];
+    nft::Transport::Handlers handlers;
+    handlers.message = [&h](const nlmsghdr* nlh) {
+      if (auto l = daemon::parse_link(nlh); l && daemon::changes_view(nlh)) h.links.push_back(l->name);
+    };
+    handlers.turn_done = [&h] { ++h.turns; };
+    (*feed)->start(std::move(handlers));
+    feeds.push_back(std::move(*feed));
+  }
+  CHECK((*hub)->feeds() == 2);
+  // Neither namespace has a socket of ours listening for link changes, where
+  // an interface watch with a socket of its own has one.
+  CHECK(own_link_listeners_in(a) == 0);
+  CHECK(own_link_listeners_in(b) == 0);
+  {
+    TestNetns c;
+    auto own = c.in_netns([&] { return daemon::open_own_feed(io, daemon::link_events(), 0); });
+    REQUIRE(own.ok());
+    CHECK(own_link_listeners_in(c) == 1);
+  }
+  auto saw = [&](const TestNetns& ns, const std::string& link) {
+    const auto& l = heard[ns.name()].links;
+    return std::find(l.begin(), l.end(), link) != l.end();
+  };
+  REQUIRE(a.exec("ip link add hubd0 type veth peer name hubd0p").status == 0);
+  REQUIRE(run_until(io, [&] { return saw(a, "hubd0"); }, std::chrono::milliseconds(2000)));
+  REQUIRE(b.exec("ip link add hubd1 type veth peer name hubd1p").status == 0);
+  REQUIRE(run_until(io, [&] { return saw(b, "hubd1"); }, std::chrono::milliseconds(2000)));
+  CHECK_FALSE(saw(b, "hubd0"));
+  CHECK_FALSE(saw(a, "hubd1"));
+  CHECK(heard[a.name()].turns >= 1);
+
+  // A stopped feed's namespace is no one's: its changes are read and dropped.
+  feeds[0]->stop();
+  CHECK((*hub)->feeds() == 1);
+  const auto dropped = (*hub)->dropped();
+  const std::size_t a_heard = heard[a.name()].links.size();
+  REQUIRE(a.exec("ip link add hubd2 type veth peer name hubd2p").status == 0);
+  REQUIRE(run_until(io, [&] { return (*hub)->dropped() > dropped; }, std::chrono::milliseconds(2000)));
+  CHECK(heard[a.name()].links.size() == a_heard);
+  CHECK_FALSE(saw(b, "hubd2"));
 }
 
 TEST_CASE("a tamper guard destroyed with a repair posted runs none of it, and the loop runs on") {

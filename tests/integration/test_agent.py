@@ -174,6 +174,15 @@ def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
 def nftables_listeners_of(pid: int, ns: Netns) -> int:
     """How many sockets of process pid in ns are joined to nftables' change notifications
     (NFNLGRP_NFTABLES, group 7 of NETLINK_NETFILTER), from the namespace's /proc/net/netlink."""
+    return listeners_of(pid, ns, 12, 7)
+
+
+def link_listeners_of(pid: int, ns: Netns) -> int:
+    """The same for link changes (RTNLGRP_LINK, group 1 of NETLINK_ROUTE)."""
+    return listeners_of(pid, ns, 0, 1)
+
+
+def listeners_of(pid: int, ns: Netns, protocol: int, group: int) -> int:
     ours = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -183,7 +192,7 @@ def nftables_listeners_of(pid: int, ns: Netns) -> int:
     n = 0
     for line in ns.exec("cat", "/proc/net/netlink").stdout.splitlines()[1:]:
         f = line.split()  # sk Eth Pid Groups Rmem Wmem Dump Locks Drops Inode
-        if int(f[1]) == 12 and int(f[3], 16) & (1 << 6) and f"socket:[{f[9]}]" in ours:
+        if int(f[1]) == protocol and int(f[3], 16) & (1 << (group - 1)) and f"socket:[{f[9]}]" in ours:
             n += 1
     return n
 
@@ -206,24 +215,26 @@ def metric(agent, sandbox: str, name: str) -> int:
 def test_each_sandboxs_tampering_is_undone_there_through_one_event_socket(lab, agent, events):
     """By default the tamper guards of all sandboxes hear nftables changes through one socket
     in the agent's namespace (each commit on the host walks every socket joined to those
-    notifications: one, not one per sandbox); with --nft-events per-sandbox, or without
+    notifications: one, not one per sandbox); with --events per-sandbox, or without
     CAP_NET_BROADCAST (the kernel would hand that socket nothing from other namespaces), each
     namespace has a socket of the agent's. Either way a change in one sandbox is undone there,
     attributed to it alone, without waiting for the periodic check (--verify-interval 0)."""
     agent.stop()
     capless = events == "shared-without-net-broadcast"
     prefix = ("setpriv", "--bounding-set", "-net_broadcast", "--inh-caps", "-net_broadcast", "--") if capless else ()
-    agent.start(prefix=prefix, args=("--nft-events", "shared" if capless else events, "--verify-interval", "0"))
+    agent.start(prefix=prefix, args=("--events", "shared" if capless else events, "--verify-interval", "0"))
     if capless:
         events = "per-sandbox"
         assert "no CAP_NET_BROADCAST" in agent.log()
-    assert agent.request({"cmd": "ping"})["nft_events"] == events
+    pong = agent.request({"cmd": "ping"})
+    assert (pong["nft_events"], pong["link_events"]) == (events, events), pong
     config = lab.write_config(POLICY)
     sbs = {"one": lab.sandbox, "two": lab.extra_netns("s"), "three": lab.extra_netns("t")}
     for name, ns in sbs.items():
         agent.ok("sandbox", "add", name, "--netns", ns.path, "--config", config)
     for ns in sbs.values():
         assert nftables_listeners_of(agent.proc.pid, ns) == (0 if events == "shared" else 1), ns.name
+        assert link_listeners_of(agent.proc.pid, ns) == (0 if events == "shared" else 1), ns.name
     installed = {name: table_of(lab, ns) for name, ns in sbs.items()}
     for k, (name, ns) in enumerate(sbs.items()):
         if k % 2:
@@ -241,6 +252,36 @@ def test_each_sandboxs_tampering_is_undone_there_through_one_event_socket(lab, a
     assert lab.nft(sbs["two"], "add", "rule", "inet", "egressd", "output", "accept")[0] == 0
     wait_for(lambda: metric(agent, "two", "egressd_tamper_detected_total") >= 2, 3.0, "two's second tamper")
     assert [metric(agent, n, "egressd_tamper_detected_total") for n in sbs] == [1, 2, 1]
+
+
+@pytest.mark.parametrize("events", ["shared", "per-sandbox"])
+def test_an_interface_moved_into_one_sandbox_is_covered_there_through_one_rtnetlink_socket(lab, agent, events):
+    """The interface watches hear link changes through one rtnetlink socket in the agent's
+    namespace by default (every link change on the host walks each socket listening for
+    them), or through a socket in each namespace with --events per-sandbox. Either way a veth
+    moved into one sandbox after its add gets its egress chain there, and only there, and
+    loses it when it goes, without being taken for tampering."""
+    agent.stop()
+    agent.start(args=("--events", events, "--verify-interval", "0"))
+    pong = agent.request({"cmd": "ping"})
+    assert (pong["link_events"], pong["nft_events"]) == (events, events), pong
+    config = lab.write_config(POLICY)
+    sbs = {"one": lab.sandbox, "two": lab.extra_netns("s")}
+    for name, ns in sbs.items():
+        agent.ok("sandbox", "add", name, "--netns", ns.path, "--config", config)
+    for ns in sbs.values():
+        assert link_listeners_of(agent.proc.pid, ns) == (0 if events == "shared" else 1), ns.name
+    chains = {name: lab.nft(ns, "list", "table", "netdev", "egressd")[1] for name, ns in sbs.items()}
+    other = lab.extra_netns("mv")
+    other.ip("link", "add", "egm0", "type", "veth", "peer", "name", "egm1")
+    other.ip("link", "set", "egm0", "netns", sbs["two"].name)
+    wait_for(lambda: "chain eg_egm0" in lab.nft(sbs["two"], "list", "table", "netdev", "egressd")[1], 3.0,
+             "the egress chain of the interface moved into two")
+    assert lab.nft(sbs["one"], "list", "table", "netdev", "egressd")[1] == chains["one"]
+    sbs["two"].ip("link", "del", "egm0")
+    wait_for(lambda: "eg_egm0" not in lab.nft(sbs["two"], "list", "table", "netdev", "egressd")[1], 3.0,
+             "the chain of the interface that went")
+    assert [metric(agent, n, "egressd_tamper_detected_total") for n in sbs] == [0, 0], agent.log()
 
 
 def test_a_sandbox_removed_and_added_again_at_once_sees_no_tampering(lab, agent):

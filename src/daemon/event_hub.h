@@ -1,33 +1,40 @@
-// Where a tamper guard hears the nftables changes of its sandbox's namespace.
+// Where a sandbox's watchers hear the netlink notifications of its namespace:
+// the tamper guard nftables changes (NFNLGRP_NFTABLES), the interface watch
+// link and IPv6 route changes (RTNLGRP_LINK, RTNLGRP_IPV6_ROUTE).
 //
-//   own socket   a netlink socket in the namespace, joined to NFNLGRP_NFTABLES
-//                (the sidecar; the agent when it cannot use the hub).
-//   the hub      the agent's one socket in its own namespace, listening in
-//                every namespace (NETLINK_LISTEN_ALL_NSID) and handing each
-//                datagram to the feed of the namespace it came from.
+//   own socket   a netlink socket in the namespace, joined to the groups
+//                (the sidecar; the agent when it cannot use a hub).
+//   a hub        the agent's one socket per source (nftables, links) in its
+//                own namespace, listening in every namespace
+//                (NETLINK_LISTEN_ALL_NSID) and handing each datagram to the
+//                feed of the namespace it came from.
 //
-// Why the hub: the kernel hands every nftables notification, of any commit in
-// any namespace, to a walk over every socket on the host joined to that group
-// (netlink_broadcast checks each one's namespace only then). With one guard
-// socket per sandbox, an agent with 200 sandboxes made each commit on the host
-// — each switch, each DNS answer's learned addresses, Docker's own — walk 200
-// sockets: +26 us per switch warm, +80 us after 10 ms idle, measured on a
-// sidecar's switch with 200 such sockets in other namespaces (+130 / +590 us
-// with 1000). The hub is one socket in that walk, whatever the count.
+// Why hubs: the kernel hands every notification, of any namespace, to a walk
+// over every socket on the host joined to that group (netlink_broadcast checks
+// each one's namespace only then). With one guard socket per sandbox, an agent
+// with 200 sandboxes made each nftables commit on the host — each switch, each
+// DNS answer's learned addresses, Docker's own — walk 200 sockets: +26 us per
+// switch warm, +80 us after 10 ms idle, measured on a sidecar's switch with
+// 200 such sockets in other namespaces (+130 / +590 us with 1000). Link and
+// route changes (every veth a runtime creates, configures or deletes) walked
+// the interface watches' 200 sockets the same way: +61 / +71 us for a link
+// change after 10 ms idle (tests/bench/host_commits.py). A hub is one socket
+// in that walk, whatever the count.
 //
-// The hub needs CAP_NET_BROADCAST over each sandbox's namespace (the kernel
+// A hub needs CAP_NET_BROADCAST over each sandbox's namespace (the kernel
 // silently delivers nothing from a namespace without it) and an id for each
 // namespace in the agent's own (RTM_NEWNSID, made here when there is none;
 // ids live as long as the namespace and hold no reference to it). open()
 // refuses without the capability in the initial user namespace; the agent
-// then gives every sandbox its own socket, as before.
+// then gives every sandbox its own sockets, as before.
 //
-// The hub's socket is shared, so a guard cannot stop listening for one large
+// A hub's socket is shared, so a guard cannot stop listening for one large
 // batch of its own (the sidecar's `unheard` batches): there the
 // notifications are read and told apart by the portid like any others. An
 // overrun of the shared socket is reported to every feed; a guard on the hub
 // re-dumps only when its namespace's ruleset generation moved past the last
-// one it verified (docs/security.md, "Safety net").
+// one it verified (docs/security.md, "Safety net"); an interface watch dumps
+// its namespace's links again, as it does after its own socket's overrun.
 //
 // Not thread-safe: one event loop.
 #pragma once
@@ -35,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -47,9 +55,20 @@ class io_context;
 
 namespace egressd::daemon {
 
-class NftEventFeed {
+// The notifications a feed hands out.
+struct EventSource {
+  int protocol = 0;
+  std::vector<unsigned> groups;
+  std::string what;  // names the socket in logs and errors
+};
+// NFNLGRP_NFTABLES: the tamper guard's.
+EventSource nftables_events();
+// RTNLGRP_LINK and RTNLGRP_IPV6_ROUTE: the interface watch's.
+EventSource link_events();
+
+class EventFeed {
  public:
-  virtual ~NftEventFeed() = default;
+  virtual ~EventFeed() = default;
   // Starts handing out the namespace's notifications (once): each message,
   // overruns, the end of each turn of reading.
   virtual void start(nft::Transport::Handlers h) = 0;
@@ -63,7 +82,7 @@ class NftEventFeed {
   virtual int rcvbuf() const = 0;
   // Doubles the receive buffer after an overrun, up to `max` bytes.
   virtual void grow_rcvbuf(int max) = 0;
-  // A socket of this namespace alone: it may leave the group for one batch
+  // A socket of this namespace alone: it may leave its groups for one batch
   // (leave / join return 0 or errno).
   virtual bool own_socket() const = 0;
   virtual int leave() = 0;
@@ -71,21 +90,22 @@ class NftEventFeed {
 };
 
 // A socket of the feed's own, in the calling thread's namespace.
-Result<std::unique_ptr<NftEventFeed>> open_own_feed(boost::asio::io_context& io, int rcvbuf);
+Result<std::unique_ptr<EventFeed>> open_own_feed(boost::asio::io_context& io, const EventSource& source, int rcvbuf);
 
-class NftEventHub {
+class EventHub {
  public:
   static constexpr int kMaxRcvbuf = 64 << 20;
   // In the calling thread's namespace. Fails without CAP_NET_BROADCAST, or
   // when egressd is not in the initial user namespace.
-  static Result<std::unique_ptr<NftEventHub>> open(boost::asio::io_context& io, int rcvbuf = 8 << 20);
-  ~NftEventHub();
-  NftEventHub(const NftEventHub&) = delete;
-  NftEventHub& operator=(const NftEventHub&) = delete;
+  static Result<std::unique_ptr<EventHub>> open(boost::asio::io_context& io, const EventSource& source,
+                                                 int rcvbuf = 8 << 20);
+  ~EventHub();
+  EventHub(const EventHub&) = delete;
+  EventHub& operator=(const EventHub&) = delete;
 
   // The feed of the namespace `netns_fd` names (not the hub's own). The hub
   // must outlive it. One feed per namespace at a time. Runs no handler.
-  Result<std::unique_ptr<NftEventFeed>> feed(int netns_fd);
+  Result<std::unique_ptr<EventFeed>> feed(int netns_fd);
   // Hands out what is queued now (bounded), to the feeds there are: called
   // before a namespace gets a feed, so that what a sandbox removed from it a
   // moment ago committed (under a portid the new one does not have) is not
@@ -94,6 +114,7 @@ class NftEventHub {
   void settle();
   // The namespace's id in the hub's (assigned when it had none).
   Result<std::int32_t> nsid_of(int netns_fd);
+  const EventSource& source() const { return source_; }
 
   std::size_t feeds() const { return sinks_.size(); }
   std::uint64_t dropped() const { return dropped_; }  // messages of namespaces without a feed
@@ -105,7 +126,7 @@ class NftEventHub {
     bool started = false;
     bool touched = false;  // has something in the current turn
   };
-  NftEventHub(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl);
+  EventHub(EventSource source, std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl);
   void start_loop();
   void on_message(const nlmsghdr* nlh);
   void on_overrun();
@@ -115,6 +136,7 @@ class NftEventHub {
   void unregister(std::int32_t nsid);
   void hear_queued(std::size_t max_datagrams);
 
+  EventSource source_;
   std::unique_ptr<nft::Transport> events_;
   std::unique_ptr<nft::Transport> rtnl_;
   bool loop_started_ = false;

@@ -1,4 +1,4 @@
-#include "daemon/nft_events.h"
+#include "daemon/event_hub.h"
 
 #include <fcntl.h>
 #include <libmnl/libmnl.h>
@@ -29,9 +29,9 @@ void grow_rcvbuf_of(nft::Transport& t, int max) {
   }
 }
 
-class OwnFeed final : public NftEventFeed {
+class OwnFeed final : public EventFeed {
  public:
-  explicit OwnFeed(std::unique_ptr<nft::Transport> t) : t_(std::move(t)) {}
+  OwnFeed(std::unique_ptr<nft::Transport> t, std::vector<unsigned> groups) : t_(std::move(t)), groups_(std::move(groups)) {}
   ~OwnFeed() override { stop(); }
   void start(nft::Transport::Handlers h) override {
     h_ = h;
@@ -47,11 +47,22 @@ class OwnFeed final : public NftEventFeed {
   int rcvbuf() const override { return t_->rcvbuf(); }
   void grow_rcvbuf(int max) override { grow_rcvbuf_of(*t_, max); }
   bool own_socket() const override { return true; }
-  int leave() override { return t_->leave(NFNLGRP_NFTABLES); }
-  int join() override { return t_->join(NFNLGRP_NFTABLES); }
+  int leave() override {
+    for (unsigned g : groups_) {
+      if (int err = t_->leave(g); err != 0) return err;
+    }
+    return 0;
+  }
+  int join() override {
+    for (unsigned g : groups_) {
+      if (int err = t_->join(g); err != 0) return err;
+    }
+    return 0;
+  }
 
  private:
   std::unique_ptr<nft::Transport> t_;
+  std::vector<unsigned> groups_;
   nft::Transport::Handlers h_;
 };
 
@@ -74,20 +85,26 @@ Status can_listen_everywhere() {
 
 }  // namespace
 
-Result<std::unique_ptr<NftEventFeed>> open_own_feed(boost::asio::io_context& io, int rcvbuf) {
-  nft::TransportOptions to;
-  to.protocol = NETLINK_NETFILTER;
-  to.groups = {NFNLGRP_NFTABLES};
-  to.rcvbuf = rcvbuf;
-  to.what = "nftables monitor";
-  auto t = nft::Transport::open(io, std::move(to));
-  if (!t) return t.error();
-  return std::unique_ptr<NftEventFeed>(new OwnFeed(std::move(*t)));
+EventSource nftables_events() { return {NETLINK_NETFILTER, {NFNLGRP_NFTABLES}, "nftables monitor"}; }
+
+EventSource link_events() {
+  return {NETLINK_ROUTE, {RTNLGRP_LINK, RTNLGRP_IPV6_ROUTE}, "rtnetlink (link and route changes)"};
 }
 
-class HubFeed final : public NftEventFeed {
+Result<std::unique_ptr<EventFeed>> open_own_feed(boost::asio::io_context& io, const EventSource& source, int rcvbuf) {
+  nft::TransportOptions to;
+  to.protocol = source.protocol;
+  to.groups = source.groups;
+  to.rcvbuf = rcvbuf;
+  to.what = source.what;
+  auto t = nft::Transport::open(io, std::move(to));
+  if (!t) return t.error();
+  return std::unique_ptr<EventFeed>(new OwnFeed(std::move(*t), source.groups));
+}
+
+class HubFeed final : public EventFeed {
  public:
-  HubFeed(NftEventHub& hub, std::int32_t nsid) : hub_(hub), nsid_(nsid) {}
+  HubFeed(EventHub& hub, std::int32_t nsid) : hub_(hub), nsid_(nsid) {}
   ~HubFeed() override { stop(); }
   void start(nft::Transport::Handlers h) override {
     if (stopped_) return;
@@ -112,32 +129,32 @@ class HubFeed final : public NftEventFeed {
   int join() override { return 0; }
 
  private:
-  NftEventHub& hub_;
+  EventHub& hub_;
   const std::int32_t nsid_;
   bool stopped_ = false;
 };
 
-Result<std::unique_ptr<NftEventHub>> NftEventHub::open(boost::asio::io_context& io, int rcvbuf) {
+Result<std::unique_ptr<EventHub>> EventHub::open(boost::asio::io_context& io, const EventSource& source, int rcvbuf) {
   if (auto ok = can_listen_everywhere(); !ok) return ok.error();
   nft::TransportOptions to;
-  to.protocol = NETLINK_NETFILTER;
-  to.groups = {NFNLGRP_NFTABLES};
+  to.protocol = source.protocol;
+  to.groups = source.groups;
   to.rcvbuf = rcvbuf;
-  to.what = "nftables monitor (every sandbox)";
+  to.what = source.what + " (every sandbox)";
   to.listen_all_nsid = true;
   auto events = nft::Transport::open(io, std::move(to));
   if (!events) return events.error();
   auto rtnl = nft::Transport::open(nft::TransportOptions{NETLINK_ROUTE, {}, 0, "rtnetlink (namespace ids)"});
   if (!rtnl) return rtnl.error();
-  return std::unique_ptr<NftEventHub>(new NftEventHub(std::move(*events), std::move(*rtnl)));
+  return std::unique_ptr<EventHub>(new EventHub(source, std::move(*events), std::move(*rtnl)));
 }
 
-NftEventHub::NftEventHub(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl)
-    : events_(std::move(events)), rtnl_(std::move(rtnl)) {}
+EventHub::EventHub(EventSource source, std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl)
+    : source_(std::move(source)), events_(std::move(events)), rtnl_(std::move(rtnl)) {}
 
-NftEventHub::~NftEventHub() { events_->stop(); }
+EventHub::~EventHub() { events_->stop(); }
 
-Result<std::int32_t> NftEventHub::nsid_of(int netns_fd) {
+Result<std::int32_t> EventHub::nsid_of(int netns_fd) {
   // RTM_GETNSID (or RTM_NEWNSID) for the namespace of netns_fd: errno, and
   // the id the reply names (-1: none).
   auto ask = [&](std::uint16_t type, std::int32_t& id) -> int {
@@ -174,15 +191,15 @@ Result<std::int32_t> NftEventHub::nsid_of(int netns_fd) {
   return id;
 }
 
-Result<std::unique_ptr<NftEventFeed>> NftEventHub::feed(int netns_fd) {
+Result<std::unique_ptr<EventFeed>> EventHub::feed(int netns_fd) {
   auto id = nsid_of(netns_fd);
   if (!id) return id.error();
   if (sinks_.count(*id) != 0) return Error::invalid("this namespace has a feed already");
   sinks_.emplace(*id, std::make_unique<Sink>());
-  return std::unique_ptr<NftEventFeed>(new HubFeed(*this, *id));
+  return std::unique_ptr<EventFeed>(new HubFeed(*this, *id));
 }
 
-void NftEventHub::start_loop() {
+void EventHub::start_loop() {
   if (loop_started_) return;
   loop_started_ = true;
   nft::Transport::Handlers h;
@@ -193,13 +210,13 @@ void NftEventHub::start_loop() {
   events_->start(std::move(h), 256);
 }
 
-void NftEventHub::touch(std::int32_t nsid, Sink& s) {
+void EventHub::touch(std::int32_t nsid, Sink& s) {
   if (s.touched) return;
   s.touched = true;
   touched_.push_back(nsid);
 }
 
-void NftEventHub::on_message(const nlmsghdr* nlh) {
+void EventHub::on_message(const nlmsghdr* nlh) {
   const std::int32_t nsid = events_->source_nsid();
   auto it = sinks_.find(nsid);
   if (nsid < 0 || it == sinks_.end() || !it->second->started) {
@@ -211,7 +228,7 @@ void NftEventHub::on_message(const nlmsghdr* nlh) {
   s.h.message(nlh);
 }
 
-void NftEventHub::on_overrun() {
+void EventHub::on_overrun() {
   // Lost messages could be anyone's: every feed hears of it.
   for (auto& [nsid, s] : sinks_) {
     if (!s->started) continue;
@@ -221,7 +238,7 @@ void NftEventHub::on_overrun() {
   grow_rcvbuf_of(*events_, kMaxRcvbuf);
 }
 
-void NftEventHub::on_error(const Error& e) {
+void EventHub::on_error(const Error& e) {
   for (auto& [nsid, s] : sinks_) {
     if (!s->started) continue;
     touch(nsid, *s);
@@ -229,7 +246,7 @@ void NftEventHub::on_error(const Error& e) {
   }
 }
 
-void NftEventHub::on_turn_done() {
+void EventHub::on_turn_done() {
   // A handler may stop a feed (or another's): looked up again each time.
   auto touched = std::exchange(touched_, {});
   for (std::int32_t nsid : touched) {
@@ -240,15 +257,15 @@ void NftEventHub::on_turn_done() {
   }
 }
 
-void NftEventHub::unregister(std::int32_t nsid) {
+void EventHub::unregister(std::int32_t nsid) {
   sinks_.erase(nsid);
 }
 
-void NftEventHub::settle() {
+void EventHub::settle() {
   if (loop_started_) hear_queued(1024);
 }
 
-void NftEventHub::hear_queued(std::size_t max_datagrams) {
+void EventHub::hear_queued(std::size_t max_datagrams) {
   const auto q = events_->read_queued([this](const nlmsghdr* nlh) { on_message(nlh); }, max_datagrams);
   if (q.overrun) on_overrun();
   on_turn_done();
