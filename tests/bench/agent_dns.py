@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
-"""Agent-mode DNS (issue 17): the aggregate qps of N sandboxes on one `egressd agent`, each with
-its own dnsperf at once, against one `egressd run` sidecar with one dnsperf, in the same run.
+"""Agent-mode DNS (issue 17): the aggregate qps of N sandboxes on one `egressd agent`, all asking
+at once, against one `egressd run` sidecar, in the same run.
 
-Same upstream, same policy, same dnsperf settings per client (-n 1 -c 1 -q 20 -t 1), as
-tests/bench/dns_proxy.py's throughput phase (whose helpers this imports):
+The client (--client): `dnsload` (default; tests/bench/dnsload.c, compiled here with cc -O2):
+one process, one epoll loop, a UDP socket in each namespace, --outstanding queries in flight on
+each, so the clients' own cost stays small and the same on both sides. `dnsperf`: one dnsperf
+per namespace (-n 1 -c 1 -q 20 -t 1, tests/bench/dns_proxy.py's throughput settings), which on
+a 2-core machine costs ~40 µs of CPU per answer for 50 of them against ~7 µs for one
+(docs/benchmarks.md): with it, the two sides' clients are not the same load. Same upstream
+and policy either way, as dns_proxy.py's throughput phase (whose helpers this imports):
 
     upstream namespace <ns>-up                     <ns>-agent (the agent's own namespace)
       lo 198.51.100.53/32 dnsmasq :53, <-veth->      eth0 192.0.2.2/30, route to 198.51.100.53
@@ -13,8 +18,8 @@ tests/bench/dns_proxy.py's throughput phase (whose helpers this imports):
          its own namespace; each sandbox's proxy listens inside the sandbox)
 
   agent    `egressd agent` in <ns>-agent; every sandbox attached with sandbox_add (policy file,
-           dns_port 53); dnsperf in each sandbox -> 127.0.0.1:53, its own N_names names.
-  sidecar  `egressd run --netns <ns>-sidecar --dns-port 53`; one dnsperf -> 127.0.0.1:53 over
+           dns_port 53); a client in each sandbox -> 127.0.0.1:53, its own N_names names.
+  sidecar  `egressd run --netns <ns>-sidecar --dns-port 53`; one client -> 127.0.0.1:53 over
            N x N_names names: the same total work (and the same number of set insertions) as
            all the agent's sandboxes together, so both windows last about as long.
 
@@ -22,12 +27,14 @@ Policy: upstream 198.51.100.53, phase `agent` allowlist ["*.bench.example"]. Eve
 unique in the run and has its own A address in 198.18.0.0/15 (answer data only, never a
 destination), so every answer puts a new element in the answering sandbox's set ph_agent_d4.
 
-The window: every dnsperf is started ahead and blocks opening its names file, a FIFO; the
-window opens when this script opens them all for writing (all clients start together, their
-exec and start-up left out) and closes when the last dnsperf has exited. qps = answers / window (fixed work: the slowest sandbox closes the
+The window (dnsperf): every dnsperf is started ahead and blocks opening its names file, a
+FIFO; the window opens when this script opens them all for writing (all clients start
+together, their exec and start-up left out) and closes when the last dnsperf has exited.
+(dnsload): it opens its sockets and loads its names, says "ready" and waits for a byte on
+stdin; the window opens when this script writes it and closes when dnsload prints its result. qps = answers / window (fixed work: the slowest sandbox closes the
 agent's window). CPU per answered query = egressd's utime + stime (/proc/PID/stat, every
 thread) over the window / answers; CPU % = egressd's CPU time / window (100 = one core);
-the dnsperf clients' CPU per answer (getrusage of the reaped children) is printed beside. Checked: every answer NOERROR, and each sandbox's
+the clients' CPU per answer (getrusage of the reaped children) is printed beside. Checked: every answer NOERROR, and each sandbox's
 ph_agent_d4 holds one element per name answered (its probe included; a query dnsperf gave up on
 but egressd answered late counts, so elements may lie between answered and sent).
 
@@ -42,7 +49,8 @@ Diagnostics: --perf FILE runs `perf record -g` on the agent during its first win
 on the sidecar during its first (FILE.sidecar); perf's own cost lands in those windows, so
 their numbers are not the measurement.
 
-usage: agent_dns.py [--quick] [--sandboxes N] [--names N_names] [--rounds R] [--json FILE] [--perf FILE]
+usage: agent_dns.py [--quick] [--sandboxes N] [--names N_names] [--rounds R] [--client dnsload|dnsperf]
+                    [--outstanding Q] [--json FILE] [--perf FILE]
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -63,6 +72,7 @@ from agent import Conn  # noqa: E402
 from dns_proxy import lab  # noqa: E402
 
 PREFIX = "egbad-"
+HERE = Path(__file__).resolve().parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -181,6 +191,55 @@ def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a,
             "clients": res}
 
 
+def window_dnsload(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a, what: str,
+                   perf_file: str | None = None) -> dict:
+    """The same measurement with one dnsload process for every (namespace, names file)."""
+    q = a.outstanding if what == "agent" else (a.sidecar_outstanding or a.outstanding)
+    argv = [str(run.tmp / "dnsload"), "-q", str(q), "-s", "127.0.0.1", "-p", "53"]
+    argv += [f"{ns.path}={f}" for ns, f in clients]
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    perf = None
+    try:
+        ready = p.stdout.readline()
+        if ready != b"ready\n":
+            p.kill()
+            raise dp.BenchError(f"dnsload ({what}) did not start: {ready!r} {p.stderr.read().decode(errors='replace')}")
+        if perf_file:
+            perf = dp.start_perf(pid, perf_file, a.limit, run.tmp / "perf.log")
+        cpu0, ccpu0, t0 = cpu_seconds(pid), children_cpu_seconds(), time.monotonic()
+        p.stdin.write(b"g")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        t1, cpu1 = time.monotonic(), cpu_seconds(pid)
+        p.wait(a.limit + 30)
+        ccpu1 = children_cpu_seconds()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if perf is not None:
+            perf.send_signal(signal.SIGINT)
+            perf.wait(30)
+    if p.returncode != 0 or not line:
+        raise dp.BenchError(f"dnsload ({what}) failed (exit {p.returncode}): {p.stderr.read().decode(errors='replace')}")
+    out = json.loads(line)
+    res = []
+    for (ns, _), c in zip(clients, out["clients"]):
+        r = dict(c)
+        r["rcodes"] = {k: v for k, v in (("NOERROR", c["noerror"]), ("other", c["other_rcode"])) if v}
+        r["seconds"] = out["window_s"]
+        r["qps"] = c["completed"] / out["window_s"]
+        dp.check_answers(f"{what} in {ns.name}", r, "throughput run")
+        res.append(r)
+    answered = sum(r["completed"] for r in res)
+    return {"window_s": t1 - t0, "answered": answered, "sent": sum(r["sent"] for r in res),
+            "lost": sum(r["lost"] for r in res), "qps": answered / (t1 - t0),
+            "cpu_s": cpu1 - cpu0, "cpu_us_per_answer": (cpu1 - cpu0) / answered * 1e6,
+            "clients_cpu_s": ccpu1 - ccpu0, "clients_cpu_us_per_answer": (ccpu1 - ccpu0) / answered * 1e6,
+            "client_seconds": [out["window_s"]], "client_qps_sum": sum(r["qps"] for r in res),
+            "clients": res}
+
+
 def check_sets(namespaces: list[lab.Netns], res: list[dict]) -> dict:
     """Each namespace's ph_agent_d4 against its client's answers (+1: its probe)."""
     elements, bad = [], []
@@ -206,8 +265,11 @@ def main():
                     "gets sandboxes x names")
     ap.add_argument("--rounds", type=int, help="rounds (default 3, quick 1)")
     ap.add_argument("--limit", type=float, default=60, help="dnsperf -l: at most this many seconds")
+    ap.add_argument("--client", choices=("dnsload", "dnsperf"), default="dnsload",
+                    help="dnsload: one process with a socket in each namespace (default); dnsperf: one each")
     ap.add_argument("--clients", type=int, default=1, help="dnsperf -c of every client")
-    ap.add_argument("--outstanding", type=int, default=20, help="dnsperf -q of every client")
+    ap.add_argument("--outstanding", type=int, default=20, help="queries in flight per namespace (dnsperf -q)")
+    ap.add_argument("--sidecar-outstanding", type=int, help="queries in flight at the sidecar (default: --outstanding)")
     ap.add_argument("--perf", metavar="FILE", help="perf record -g the agent during its first window (into "
                     "FILE) and the sidecar during its first (FILE.sidecar)")
     ap.add_argument("--json", dest="json_out", metavar="FILE")
@@ -220,7 +282,7 @@ def main():
         ap.error("--sandboxes x --names: at most 65535 names each side fit 198.18.0.0/15")
     if total + 1 > dp.EGRESSD_MAX_LEARNED:
         ap.error(f"--sandboxes x --names: the sidecar would pass its {dp.EGRESSD_MAX_LEARNED} learned-address cap")
-    status = dp.preflight(("dnsperf", "dnsmasq", "nft", "ip", "setpriv"),
+    status = dp.preflight(("dnsperf" if a.client == "dnsperf" else "cc", "dnsmasq", "nft", "ip", "setpriv"),
                           more_tools=["perf"] if a.perf else [])
     if status is not None:
         return status
@@ -230,6 +292,12 @@ def main():
     rounds = {"agent": [], "sidecar": []}
     load_before, t_start = dp.loadavg(), time.monotonic()
     with run:
+        if a.client == "dnsload":
+            cp = subprocess.run(["cc", "-O2", "-o", str(tmp / "dnsload"), str(HERE / "dnsload.c")],
+                                capture_output=True, text=True, timeout=60)
+            if cp.returncode != 0:
+                raise dp.BenchError(f"cc dnsload.c failed: {cp.stderr.strip()}")
+        measure = window_dnsload if a.client == "dnsload" else window
         topo = run.topo
         topo.build(["agent", "sidecar"])
         home, side_ns = topo.clients["agent"], topo.clients["sidecar"]
@@ -263,7 +331,7 @@ def main():
                             "dns_port": 53})
                 for i, ns in enumerate(sbs):
                     dp.wait_answer(ns, "127.0.0.1", 53, cl.probes[i], f"the agent in s{i}", p)
-                w = window(run, p.pid, list(zip(sbs, cl.files[:n])), a, "agent", perf_file)
+                w = measure(run, p.pid, list(zip(sbs, cl.files[:n])), a, "agent", perf_file)
                 perf_file = None
                 dp.alive_or_fail(p, "egressd agent")
                 w.update(check_sets(sbs, w["clients"]))
@@ -283,7 +351,7 @@ def main():
             p = dp.start_egressd(run.procs, side_ns, tmp, "sidecar", policy, 10, extra=["--dns-port", "53"])
             try:
                 dp.wait_answer(side_ns, "127.0.0.1", 53, cl.probes[n], "the sidecar", p)
-                w = window(run, p.pid, [(side_ns, cl.files[n])], a, "sidecar", side_perf_file)
+                w = measure(run, p.pid, [(side_ns, cl.files[n])], a, "sidecar", side_perf_file)
                 dp.alive_or_fail(p, "the sidecar")
                 w.update(check_sets([side_ns], w["clients"]))
             finally:
@@ -316,12 +384,14 @@ def main():
         for c in w["clients"]:
             c.pop("latencies", None)
 
-    print(f"agent-mode DNS: {n} sandboxes on one agent, each dnsperf -n 1 -c {a.clients} -q {a.outstanding} over "
-          f"{a.names} unique names at once, against one sidecar with one dnsperf over {total}; a new address per "
+    client = (f"one dnsload, {a.outstanding} in flight per namespace" if a.client == "dnsload" else
+              f"dnsperf -n 1 -c {a.clients} -q {a.outstanding} per namespace")
+    print(f"agent-mode DNS ({client}): {n} sandboxes on one agent, each asking "
+          f"{a.names} unique names at once, against one sidecar asked {total}; a new address per "
           f"answer; {a.rounds} round(s), medians")
     print(f"machine: {os.cpu_count()} cpus, load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
           f"{elapsed:.0f} s")
-    print(f"{'':22} {'qps':>9} {'CPU µs/answer':>14} {'CPU %':>6} {'dnsperf µs/answer':>18} {'window s':>9} "
+    print(f"{'':22} {'qps':>9} {'CPU µs/answer':>14} {'CPU %':>6} {'client µs/answer':>18} {'window s':>9} "
           f"{'client s min..max':>18}  set elements / names answered, per round")
     for side, label in (("agent", f"agent, {n} sandboxes"), ("sidecar", "one sidecar")):
         s = summary[side]
