@@ -252,7 +252,11 @@ struct Instance::Impl {
   Status close_status;
   // In construction order; destroyed in reverse (the Sandbox last but the
   // file writer, whose queued writes it outlives).
-  boost::asio::thread_pool file_writer{1};
+  // Started by the first inline state write: a sandbox whose phases all come
+  // from a file never writes one, and a process without a second thread
+  // takes its descriptors' references without atomics (fdget) on every
+  // system call of the DNS path.
+  std::optional<boost::asio::thread_pool> file_writer;
   std::unique_ptr<FlowReaper> reaper;
   std::unique_ptr<Sandbox> sandbox;
   std::unique_ptr<TamperGuard> guard;
@@ -445,7 +449,10 @@ Status Instance::Impl::build() {
   };
   // The inline state file is written off the loop; one thread, so writes
   // land in order.
-  so.write_off_loop = [this](std::function<void()> fn) { boost::asio::post(file_writer, std::move(fn)); };
+  so.write_off_loop = [this](std::function<void()> fn) {
+    if (!file_writer) file_writer.emplace(1);
+    boost::asio::post(*file_writer, std::move(fn));
+  };
   so.executor = io.get_executor();
   if (!opts.hosts_file.empty()) {
     so.hosts_path = opts.hosts_file;
@@ -636,7 +643,7 @@ Instance::Instance(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Instance::~Instance() {
   (void)close(false);
-  impl_->file_writer.join();  // the last state file write lands
+  if (impl_->file_writer) impl_->file_writer->join();  // the last state file write lands
 }
 
 Result<std::unique_ptr<Instance>> Instance::create(boost::asio::io_context& io, InstanceOptions opts) {
