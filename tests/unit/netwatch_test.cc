@@ -81,3 +81,20 @@ TEST_CASE("on-link IPv6 prefixes: unicast routes without a gateway through a non
   CHECK_FALSE(parse_onlink6_route(route6("fe80::", 64, 2).nlh, lo).has_value());
   CHECK_FALSE(parse_onlink6_route(link(2, "eth0", 0).nlh, lo).has_value());
 }
+
+TEST_CASE("a link or route notification makes the watch dump again; others do not") {
+  Msg m = link(2, "eth0", 0);
+  CHECK(changes_view(m.nlh));
+  m.nlh->nlmsg_type = RTM_DELLINK;
+  CHECK(changes_view(m.nlh));
+  Msg r = route6("2001:db8::", 64, 2);
+  CHECK(changes_view(r.nlh));
+  r.nlh->nlmsg_type = RTM_DELROUTE;
+  CHECK(changes_view(r.nlh));
+  // An address or a neighbour entry changes neither the interfaces nor the
+  // on-link routes (an address's prefix route comes as its own RTM_NEWROUTE).
+  for (std::uint16_t type : {RTM_NEWADDR, RTM_DELADDR, RTM_NEWNEIGH, RTM_NEWNSID}) {
+    m.nlh->nlmsg_type = type;
+    CHECK_FALSE(changes_view(m.nlh));
+  }
+}
