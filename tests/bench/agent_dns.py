@@ -115,6 +115,18 @@ class Clients:
         self.last = self.probes[-1]
 
 
+def measured(res: list[dict], window_s: float, cpu_s: float, clients_cpu_s: float) -> dict:
+    """One window's figures from its clients' results (each with completed, sent, lost,
+    seconds, qps), egressd's CPU over it and the clients'."""
+    answered = sum(r["completed"] for r in res)
+    return {"window_s": window_s, "answered": answered, "sent": sum(r["sent"] for r in res),
+            "lost": sum(r["lost"] for r in res), "qps": answered / window_s,
+            "cpu_s": cpu_s, "cpu_us_per_answer": cpu_s / answered * 1e6,
+            "clients_cpu_s": clients_cpu_s, "clients_cpu_us_per_answer": clients_cpu_s / answered * 1e6,
+            "client_seconds": [r["seconds"] for r in res], "client_qps_sum": sum(r["qps"] for r in res),
+            "clients": res}
+
+
 def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a, what: str,
            perf_file: str | None = None) -> dict:
     """Runs one dnsperf per (namespace, names file) at once against 127.0.0.1:53 and measures
@@ -182,13 +194,7 @@ def window(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a,
         r = dp.parse_dnsperf(p.log.read_text(errors="replace"), p.returncode, ns.name)
         dp.check_answers(f"{what} in {ns.name}", r, "throughput run")
         res.append(r)
-    answered = sum(r["completed"] for r in res)
-    return {"window_s": t1 - t0, "answered": answered, "sent": sum(r["sent"] for r in res),
-            "lost": sum(r["lost"] for r in res), "qps": answered / (t1 - t0),
-            "cpu_s": cpu1 - cpu0, "cpu_us_per_answer": (cpu1 - cpu0) / answered * 1e6,
-            "clients_cpu_s": ccpu1 - ccpu0, "clients_cpu_us_per_answer": (ccpu1 - ccpu0) / answered * 1e6,
-            "client_seconds": [r["seconds"] for r in res], "client_qps_sum": sum(r["qps"] for r in res),
-            "clients": res}
+    return measured(res, t1 - t0, cpu1 - cpu0, ccpu1 - ccpu0)
 
 
 def window_dnsload(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Path]], a, what: str,
@@ -231,13 +237,7 @@ def window_dnsload(run: dp.BenchRun, pid: int, clients: list[tuple[lab.Netns, Pa
         r["qps"] = c["completed"] / out["window_s"]
         dp.check_answers(f"{what} in {ns.name}", r, "throughput run")
         res.append(r)
-    answered = sum(r["completed"] for r in res)
-    return {"window_s": t1 - t0, "answered": answered, "sent": sum(r["sent"] for r in res),
-            "lost": sum(r["lost"] for r in res), "qps": answered / (t1 - t0),
-            "cpu_s": cpu1 - cpu0, "cpu_us_per_answer": (cpu1 - cpu0) / answered * 1e6,
-            "clients_cpu_s": ccpu1 - ccpu0, "clients_cpu_us_per_answer": (ccpu1 - ccpu0) / answered * 1e6,
-            "client_seconds": [out["window_s"]], "client_qps_sum": sum(r["qps"] for r in res),
-            "clients": res}
+    return measured(res, t1 - t0, cpu1 - cpu0, ccpu1 - ccpu0)
 
 
 def check_sets(namespaces: list[lab.Netns], res: list[dict]) -> dict:
