@@ -63,8 +63,8 @@ class Agent {
       hub_ = open_hub(io, nftables_events(), "nftables events");
       link_hub_ = open_hub(io, link_events(), "interface changes");
     }
-    log_->info("nftables events: {}; interface changes: {}", hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace",
-               link_hub_ ? "one socket for every sandbox" : "a socket in each sandbox's namespace");
+    auto how = [](const auto& hub) { return hub ? "one socket for every sandbox" : "a socket in each sandbox's namespace"; };
+    log_->info("nftables events: {}; interface changes: {}", how(hub_), how(link_hub_));
   }
 
   std::unique_ptr<EventHub> open_hub(boost::asio::io_context& io, const EventSource& source, const char* what) {
@@ -271,10 +271,10 @@ class Agent {
     o.nft_events = hub_.get();
     o.link_events = link_hub_.get();
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
-    // Here, not inside the namespace: other sandboxes' restores and
-    // interface updates may run.
+    // Here, not inside the namespace: other sandboxes' restores may run.
+    // (The link hub needs no settling: a stale notification handed to the
+    // new sandbox costs it one more dump of its links, nothing else.)
     if (hub_) hub_->settle();
-    if (link_hub_) link_hub_->settle();
     {
       auto scope = NetnsScope::enter(nsfd.get());
       if (!scope) return scope.error();

@@ -146,11 +146,11 @@ Result<std::unique_ptr<EventHub>> EventHub::open(boost::asio::io_context& io, co
   if (!events) return events.error();
   auto rtnl = nft::Transport::open(nft::TransportOptions{NETLINK_ROUTE, {}, 0, "rtnetlink (namespace ids)"});
   if (!rtnl) return rtnl.error();
-  return std::unique_ptr<EventHub>(new EventHub(source, std::move(*events), std::move(*rtnl)));
+  return std::unique_ptr<EventHub>(new EventHub(std::move(*events), std::move(*rtnl)));
 }
 
-EventHub::EventHub(EventSource source, std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl)
-    : source_(std::move(source)), events_(std::move(events)), rtnl_(std::move(rtnl)) {}
+EventHub::EventHub(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl)
+    : events_(std::move(events)), rtnl_(std::move(rtnl)) {}
 
 EventHub::~EventHub() { events_->stop(); }
 

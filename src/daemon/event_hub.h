@@ -114,7 +114,6 @@ class EventHub {
   void settle();
   // The namespace's id in the hub's (assigned when it had none).
   Result<std::int32_t> nsid_of(int netns_fd);
-  const EventSource& source() const { return source_; }
 
   std::size_t feeds() const { return sinks_.size(); }
   std::uint64_t dropped() const { return dropped_; }  // messages of namespaces without a feed
@@ -126,7 +125,7 @@ class EventHub {
     bool started = false;
     bool touched = false;  // has something in the current turn
   };
-  EventHub(EventSource source, std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl);
+  EventHub(std::unique_ptr<nft::Transport> events, std::unique_ptr<nft::Transport> rtnl);
   void start_loop();
   void on_message(const nlmsghdr* nlh);
   void on_overrun();
@@ -136,7 +135,6 @@ class EventHub {
   void unregister(std::int32_t nsid);
   void hear_queued(std::size_t max_datagrams);
 
-  EventSource source_;
   std::unique_ptr<nft::Transport> events_;
   std::unique_ptr<nft::Transport> rtnl_;
   bool loop_started_ = false;

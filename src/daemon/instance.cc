@@ -102,7 +102,6 @@ class NetWatchLoop {
     if (changed_) refresh();
   }
   void close() { feed_->stop(); }
-  bool own_socket() const { return feed_->own_socket(); }
 
  private:
   void refresh() {
@@ -471,18 +470,17 @@ Status Instance::Impl::build() {
     gopts.rcvbuf = opts.monitor_rcvbuf;
     gopts.grow_rcvbuf = false;
   }
-  std::unique_ptr<EventFeed> feed;
-  if (opts.nft_events != nullptr) {
-    auto f = opts.nft_events->feed(sandbox_netns);
-    if (f) {
-      feed = std::move(*f);
-    } else {
-      // Still guarded, by a socket of its own in the namespace.
-      log->warn("{}nftables events through a socket of the sandbox's own: the agent's event hub cannot serve this "
-                "namespace: {}", prefix(), f.error().message);
-    }
-  }
-  auto g = TamperGuard::open(io, *sandbox, gopts, std::move(feed));
+  // The agent's hub for this namespace, or null (logged): the watcher then
+  // opens a socket of its own in the namespace.
+  auto hub_feed = [&](EventHub* hub, const char* what) -> std::unique_ptr<EventFeed> {
+    if (hub == nullptr) return nullptr;
+    auto f = hub->feed(sandbox_netns);
+    if (f) return std::move(*f);
+    log->warn("{}{} through a socket of the sandbox's own: the agent's event hub cannot serve this namespace: {}",
+              prefix(), what, f.error().message);
+    return nullptr;
+  };
+  auto g = TamperGuard::open(io, *sandbox, gopts, hub_feed(opts.nft_events, "nftables events"));
   if (!g) return g.error().wrap("tamper detection");
   guard = std::move(*g);
   sandbox->set_tamper_counts([gd = guard.get()] { return std::pair{gd->tampers(), gd->restores()}; });
@@ -536,15 +534,7 @@ Status Instance::Impl::build() {
   // and the watch listening before the dump so no change is missed.
   auto watch = NetWatch::open();
   if (!watch) return watch.error().wrap("interface watch");
-  std::unique_ptr<EventFeed> link_feed;
-  if (opts.link_events != nullptr) {
-    if (auto f = opts.link_events->feed(sandbox_netns)) {
-      link_feed = std::move(*f);
-    } else {
-      log->warn("{}interface changes through a socket of the sandbox's own: the agent's event hub cannot serve this "
-                "namespace: {}", prefix(), f.error().message);
-    }
-  }
+  std::unique_ptr<EventFeed> link_feed = hub_feed(opts.link_events, "interface changes");
   if (!link_feed) {
     auto f = open_own_feed(io, link_events(), 0);
     if (!f) return f.error().wrap("interface watch");
