@@ -604,6 +604,22 @@ class Netns:
         finally:
             s.close()
 
+    def udp_verdict(self, addr: str, port: int, timeout: float = 2.0) -> Outcome:
+        """udp_exchange right after a switch: how the kernel now answers a new socket.
+
+        The flow reaper runs after a switch returns and aborts sockets connected to
+        destinations the new phase denies, a probe's included when it was made before the
+        reaper listed sockets: its send fails (EDESTADDRREQ, "reset"), or the abort lands
+        between the send's EPERM and the ICMP error the rejecting rule queued, which the
+        disconnected socket no longer matches (EPERM, no ICMP). Those are retried on a new
+        socket; a phase that drops instead of rejecting gives EPERM without ICMP on every try.
+        Bounded: the reaper runs once per switch."""
+        for _ in range(3):
+            out = self.udp_exchange(addr, port, timeout=timeout)
+            if out != "reset" and not (out == "unreachable" and out.icmp is None):
+                break
+        return out
+
     def tcp_flow(self, addr: str, port: int = ECHO_PORT, timeout: float = 2.0) -> TcpFlow:
         """An open, verified TCP connection to an echo server; LabError if it cannot be made."""
         s = self.socket(family_of(addr), socket.SOCK_STREAM)
@@ -1293,6 +1309,9 @@ class Lab:
 
     def udp_exchange(self, *a, **kw) -> Outcome:
         return self.sandbox.udp_exchange(*a, **kw)
+
+    def udp_verdict(self, *a, **kw) -> Outcome:
+        return self.sandbox.udp_verdict(*a, **kw)
 
     def ping(self, *a, **kw) -> Outcome:
         return self.sandbox.ping(*a, **kw)

@@ -54,18 +54,7 @@ def probe(lab, addr, proto, timeout=1.0):
     if proto == "tcp":
         return lab.tcp_connect(addr, 80, timeout=timeout)
     if proto == "udp":
-        # The flow reaper runs after a switch returns: a probe's connected socket it finds to a
-        # destination the new phase denies is aborted (EDESTADDRREQ, "reset"). That is a denial,
-        # but not the one asserted here; a new socket, made after the reaper listed the old
-        # one, shows how the kernel now answers. The abort can also land between the send's
-        # EPERM and the ICMP error it queued: the disconnected socket no longer matches the
-        # error, which is lost (EPERM, no ICMP). A phase that drops instead of rejecting gives
-        # that on every try. Bounded: the reaper runs once per switch.
-        for _ in range(3):
-            out = lab.udp_exchange(addr, 443, timeout=timeout)
-            if out != "reset" and not (out == "unreachable" and out.icmp is None):
-                break
-        return out
+        return lab.udp_verdict(addr, 443, timeout=timeout)
     return lab.ping(addr, timeout=timeout)
 
 

@@ -65,7 +65,7 @@ def check_agent_policy(lab):
     for addr in ("198.51.100.11", "203.0.113.10", "2001:db8:3::10"):
         out = lab.tcp_connect(addr, 80, timeout=1.0)
         assert fast_reject(out), (addr, out)
-    out = lab.udp_exchange("198.51.100.11", 443, timeout=1.0)
+    out = lab.udp_verdict("198.51.100.11", 443, timeout=1.0)
     assert fast_reject(out), out
 
 
