@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "audit/suggest.h"
 #include "dns/matcher.h"
 #include "dns/message.h"
 #include "pin/decide.h"
@@ -89,11 +90,6 @@ Result<Target> parse_host(std::string_view raw, std::string_view host) {
       break;
   }
   return bad(raw, kForms);
-}
-
-std::string parent_of(const std::string& name) {
-  const auto dot = name.find('.');
-  return dot == std::string::npos ? std::string() : name.substr(dot + 1);
 }
 
 std::string join(const std::vector<std::string>& v, const char* sep) {

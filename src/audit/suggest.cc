@@ -9,12 +9,12 @@
 
 namespace egressd::audit {
 
-namespace {
-
 std::string parent_of(const std::string& name) {
   const auto dot = name.find('.');
   return dot == std::string::npos ? std::string() : name.substr(dot + 1);
 }
+
+namespace {
 
 // True for parents a wildcard must never sit on: one label ("com"), or a
 // two-label name that looks like a public suffix ("co.uk", "com.au").

@@ -22,6 +22,9 @@ struct Suggestion {
 // country TLD), so nothing collapses to `*.com` or `*.co.uk`.
 Suggestion suggest_allowed_hosts(const std::vector<std::string>& names, bool wildcards);
 
+// The name one label up: "a.b.example" -> "b.example"; empty for one label.
+std::string parent_of(const std::string& name);
+
 // `name` safe to print on one line: bytes outside printable ASCII, and
 // backslashes, become \xNN. Query names come from the untrusted sandbox; a
 // newline in one must not forge a line of the suggested YAML.

@@ -83,17 +83,6 @@ constexpr unsigned kLogBurst = 50;
 // sandbox process that copies egressd's query cannot multiply it further.
 constexpr int kMaxRelaysPerQuery = 8;
 
-asio::ip::address to_address(const IpPrefix& ip) {
-  if (ip.family == 4) {
-    asio::ip::address_v4::bytes_type b;
-    std::copy_n(ip.bytes.begin(), 4, b.begin());
-    return asio::ip::address_v4(b);
-  }
-  asio::ip::address_v6::bytes_type b;
-  std::copy_n(ip.bytes.begin(), 16, b.begin());
-  return asio::ip::address_v6(b);
-}
-
 // The original destination of a connection the nat table redirected to us
 // (SO_ORIGINAL_DST): where the peer meant to send its query.
 std::optional<Server> socket_original_dst(int fd, bool v6) {

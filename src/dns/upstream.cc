@@ -57,17 +57,6 @@ std::chrono::milliseconds first_try(std::chrono::milliseconds budget, std::size_
   return std::max(kMinFirstTry, std::chrono::milliseconds(budget.count() / std::max<std::int64_t>(rounds, 1)));
 }
 
-asio::ip::address to_address(const IpPrefix& ip) {
-  if (ip.family == 4) {
-    asio::ip::address_v4::bytes_type b;
-    std::copy_n(ip.bytes.begin(), 4, b.begin());
-    return asio::ip::address_v4(b);
-  }
-  asio::ip::address_v6::bytes_type b;
-  std::copy_n(ip.bytes.begin(), 16, b.begin());
-  return asio::ip::address_v6(b);
-}
-
 // The address and port a socket is bound to (getsockname).
 std::optional<sockaddr_storage> local_address(int fd) {
   sockaddr_storage ss{};
@@ -82,6 +71,17 @@ std::uint16_t port_of(const sockaddr_storage& ss) {
 }
 
 }  // namespace
+
+boost::asio::ip::address to_address(const IpPrefix& ip) {
+  if (ip.family == 4) {
+    boost::asio::ip::address_v4::bytes_type b;
+    std::copy_n(ip.bytes.begin(), 4, b.begin());
+    return boost::asio::ip::address_v4(b);
+  }
+  boost::asio::ip::address_v6::bytes_type b;
+  std::copy_n(ip.bytes.begin(), 16, b.begin());
+  return boost::asio::ip::address_v6(b);
+}
 
 std::string Server::to_string() const {
   const std::string addr = ip.to_string();

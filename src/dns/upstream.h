@@ -26,6 +26,7 @@
 #pragma once
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/address.hpp>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -52,6 +53,9 @@ struct Server {
   std::string to_string() const;
   friend bool operator==(const Server&, const Server&) = default;
 };
+
+// `ip` (a single address) as Asio's address type.
+boost::asio::ip::address to_address(const IpPrefix& ip);
 
 // Parses "192.0.2.1", "192.0.2.1:5353", "2001:db8::1", "[2001:db8::1]" or
 // "[2001:db8::1]:5353". Error (invalid) naming the text otherwise.
