@@ -18,6 +18,9 @@ std::string quote(std::string_view s);
 std::string did_you_mean(std::string_view got, const std::vector<std::string_view>& candidates);
 std::string did_you_mean(std::string_view got, std::initializer_list<std::string_view> candidates);
 
+// The network modes, as error messages list them.
+inline constexpr std::string_view kModes = "public, no-network, allowlist";
+
 // "a, b, c".
 std::string join(const std::vector<std::string_view>& words);
 std::string join(std::initializer_list<std::string_view> words);

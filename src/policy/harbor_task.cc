@@ -43,10 +43,9 @@ namespace {
 
 using policy_detail::did_you_mean;
 using policy_detail::is_network_key;
+using policy_detail::kModes;
 using policy_detail::join;
 using policy_detail::quote;
-
-constexpr std::string_view kModes = "public, no-network, allowlist";
 
 // The network keys of a phase table ([agent], [verifier], [steps.*]) and of a baseline
 // table ([environment], [verifier.environment]).

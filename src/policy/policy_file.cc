@@ -39,6 +39,7 @@ namespace {
 using YAML::Node;
 using policy_detail::did_you_mean;
 using policy_detail::is_network_key;
+using policy_detail::kModes;
 using policy_detail::join;
 using policy_detail::quote;
 
@@ -50,8 +51,6 @@ constexpr std::uint64_t kMaxMinTtlS = 24 * 3600;
 
 // A policy file is small; anything bigger is the wrong file (or /dev/zero).
 constexpr std::size_t kMaxPolicyBytes = 4u << 20;
-
-constexpr std::string_view kModes = "public, no-network, allowlist";
 
 std::string_view type_name(const Node& n) {
   switch (n.Type()) {
