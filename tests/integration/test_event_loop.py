@@ -8,6 +8,9 @@ without pause, DNS answers for allowed names stay as fast as when nothing happen
 
   loaded p99 <= max(3 x idle p99, FLOOR), and no answer takes anything like a retry pause.
 
+The p99 comparison gets a second storm when the first misses it (a busy CI machine now and
+then; the retry loop it was written against, every time); the slowest answer gets none.
+
 FLOOR (8 ms) keeps a sub-millisecond idle p99 from making the bound meaningless noise: the
 round trip includes the upstream (dnsmasq) and the Python client on a shared 2-core machine,
 and every commit of the storm takes the nftables mutex egressd's own learn batches need.
@@ -146,11 +149,10 @@ class StatusPoller:
         self.thread.join(timeout=30)
 
 
-def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egressd):
-    """Idle and loaded blocks alternate, so that whatever else the machine does weighs on both
-    alike; each statistic is over all blocks of its kind."""
-    d = egressd(CONFIG, extra=("--verify-interval", "0.2"))  # verify ticks read the table too
-    measure(lab, 50)  # warm up: first answers teach addresses, sockets get created
+def storm(lab, d) -> dict:
+    """ROUNDS idle blocks alternating with ROUNDS loaded ones (a commit storm and status polls):
+    the answers' round-trip times of each kind, the polls finished and the commits sent while
+    loaded blocks were measured."""
     committer = Committer(lab)
     poller = StatusPoller(d)
     idle, loaded, polls = [], [], 0
@@ -180,15 +182,36 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
               f"(p50 {p50(loaded) * 1e3:.2f}, max {max(loaded) * 1e3:.2f}; bound {bound * 1e3:.2f} ms); "
               f"{polls} status polls ({len(poller.errors)} gave up) and ~{commits} commits during the "
               f"loaded blocks")
-    print(report)
+    return {"idle_p99": idle_p99, "loaded_p99": loaded_p99, "bound": bound, "loaded": loaded, "polls": polls,
+            "report": report}
+
+
+def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egressd):
+    """Idle and loaded blocks alternate, so that whatever else the machine does weighs on both
+    alike; each statistic is over all blocks of its kind."""
+    d = egressd(CONFIG, extra=("--verify-interval", "0.2"))  # verify ticks read the table too
+    measure(lab, 50)  # warm up: first answers teach addresses, sockets get created
+    asan = bool(os.environ.get("ASAN_OPTIONS"))
+    r = storm(lab, d)
+    print(r["report"])
+    # The p99 comparison is judged on a second storm when the first misses it: in a CI run beside
+    # a compile and the container suites (idle p99 6.7 ms, 25 times a quiet machine's) one storm
+    # gave 3.3 x the idle p99, where the read-retry loop this test was written against gave 3.4 x
+    # on a quiet one. That loop makes every storm slow; a busy machine, one now and then.
+    if not asan and r["loaded_p99"] > r["bound"]:
+        first = r["report"]
+        r = storm(lab, d)
+        r["report"] = f"{r['report']} (a second storm; the first: {first})"
+        print(r["report"])
+    report, loaded, idle_p99 = r["report"], r["loaded"], r["idle_p99"]
     # A status read retries while commits spoil its dumps, so on a quiet host one poll may span
     # most of a block: what matters is that reads were in flight, not how many finished.
-    assert polls >= 3, f"status was hardly polled while measuring: {report}"
+    assert r["polls"] >= 3, f"status was hardly polled while measuring: {report}"
     # Under ASan/UBSan (scripts/test's second pass sets ASAN_OPTIONS) every status costs several
     # times its normal CPU, so the p99 comparison measures the sanitizer; the absolute bound
     # below (no answer waits like a read retry) still holds there.
-    if not os.environ.get("ASAN_OPTIONS"):
-        assert loaded_p99 <= bound, f"DNS answers waited on the event loop: {report}"
+    if not asan:
+        assert r["loaded_p99"] <= r["bound"], f"DNS answers waited on the event loop: {report}"
     # The single slowest answer, too, is judged against what the machine gives an idle answer:
     # in a CI run beside a compile and the container suites the idle p99 was 6.1 ms and one
     # loaded answer took 59 ms (the idle ones had no storm to wait for). A retry wait of the
