@@ -192,8 +192,20 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
     d = egressd(CONFIG, extra=("--verify-interval", "0.2"))  # verify ticks read the table too
     measure(lab, 50)  # warm up: first answers teach addresses, sockets get created
     asan = bool(os.environ.get("ASAN_OPTIONS"))
+
+    def check_slowest(r):
+        # The single slowest answer is judged against what the machine gives an idle answer:
+        # in a CI run beside a compile and the container suites the idle p99 was 6.1 ms and one
+        # loaded answer took 59 ms (the idle ones had no storm to wait for). A retry wait of the
+        # kind this test is for (hundreds of ms to 2 s) stays far above 15 x any idle p99 seen.
+        # Every storm's, the first included when a second one follows.
+        slowest = max(SLOWEST_ASAN if asan else SLOWEST, 15 * r["idle_p99"])
+        assert max(r["loaded"]) < slowest, \
+            f"an answer waited like a read retry: {r['report']}; bound {slowest * 1e3:.1f} ms"
+
     r = storm(lab, d)
     print(r["report"])
+    check_slowest(r)
     # The p99 comparison is judged on a second storm when the first misses it: in a CI run beside
     # a compile and the container suites (idle p99 6.7 ms, 25 times a quiet machine's) one storm
     # gave 3.3 x the idle p99, where the read-retry loop this test was written against gave 3.4 x
@@ -203,19 +215,14 @@ def test_dns_answers_do_not_wait_for_table_reads_during_a_commit_storm(lab, egre
         r = storm(lab, d)
         r["report"] = f"{r['report']} (a second storm; the first: {first})"
         print(r["report"])
-    report, loaded, idle_p99 = r["report"], r["loaded"], r["idle_p99"]
+        check_slowest(r)
+    report = r["report"]
     # A status read retries while commits spoil its dumps, so on a quiet host one poll may span
     # most of a block: what matters is that reads were in flight, not how many finished.
     assert r["polls"] >= 3, f"status was hardly polled while measuring: {report}"
     # Under ASan/UBSan (scripts/test's second pass sets ASAN_OPTIONS) every status costs several
     # times its normal CPU, so the p99 comparison measures the sanitizer; the absolute bound
-    # below (no answer waits like a read retry) still holds there.
+    # (check_slowest: no answer waits like a read retry) still holds there.
     if not asan:
         assert r["loaded_p99"] <= r["bound"], f"DNS answers waited on the event loop: {report}"
-    # The single slowest answer, too, is judged against what the machine gives an idle answer:
-    # in a CI run beside a compile and the container suites the idle p99 was 6.1 ms and one
-    # loaded answer took 59 ms (the idle ones had no storm to wait for). A retry wait of the
-    # kind this test is for (hundreds of ms to 2 s) stays far above 15 x any idle p99 seen.
-    slowest = max(SLOWEST_ASAN if os.environ.get("ASAN_OPTIONS") else SLOWEST, 15 * idle_p99)
-    assert max(loaded) < slowest, f"an answer waited like a read retry: {report}; bound {slowest * 1e3:.1f} ms"
     assert d.running, "egressd died during the commit storm"
