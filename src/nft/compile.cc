@@ -319,10 +319,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
     // query as its reply), and only to the upstream sets' DNS port: even a
     // sandbox that guessed the mark reaches nothing else. The flow is marked
-    // egressd's own: with ct mark 0 it would look like an undecided flow of
-    // the sandbox's, whose TCP replies over `lo` pass for pinning's resets,
-    // and a sandbox process that sniffed egressd's TCP exchange (AF_PACKET)
-    // could send its socket an answer from the upstream's address over `lo`.
+    // egressd's own: reject's reset for a packet forged on it does not pass
+    // `lo` (see the related resets below), so a sandbox process that sniffed
+    // egressd's TCP exchange (AF_PACKET) cannot aim one at its socket; and
+    // with ct mark 0 it would look like an undecided flow of the sandbox's,
+    // whose TCP replies over `lo` pass for pinning's resets.
     for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
         c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
@@ -390,6 +391,22 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // confirmed ones.
   c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
                       accept()},
+                     ""});
+  // The reset `reject` sends for a packet of a confirmed flow — one a switch
+  // cut (its next packet meets a phase that denies it) or pinning's cut mark
+  // sends to deny — comes from the remote address over `lo` too, and
+  // netfilter ties it to that flow's entry: conntrack calls it related.
+  // Without this rule the source check below dropped it, and a cut client
+  // retransmitted into the rejects until its own timeout. A TCP packet is
+  // related only when netfilter made it so (no helper is ever attached, so
+  // no expectation exists): what a process sends, raw sockets included,
+  // starts a flow or belongs to one, and is judged by the rules below. But
+  // a process can make the deny answer a packet it forged on one of
+  // egressd's own upstream flows (their addresses and sequence numbers are
+  // on eth0 for AF_PACKET to see), and so aim reject's reset at egressd's
+  // socket: those flows' resets stay dropped.
+  c.rules.push_back({{MatchOifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
+                      MatchTcpFlagRst{}, accept()},
                      ""});
   // Hostname pinning resets a flow after its handshake (chain pin): that
   // reset comes from the remote address over `lo` in the reply direction of
@@ -468,6 +485,11 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
                       accept()},
                      ""});
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::dnat}, accept()}, ""});
+  // reject's reset for a packet of a confirmed flow, not one of egressd's
+  // own (see chain output).
+  c.rules.push_back({{MatchIifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
+                      MatchTcpFlagRst{}, accept()},
+                     ""});
   if (pinning(policy, opts)) {  // hostname pinning's reset (see chain output)
     c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
     c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{kPinFollowMark}, MatchL4Proto{kTcp},

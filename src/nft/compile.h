@@ -99,10 +99,11 @@ inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
 inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 // egressd's own upstream flows. To a loopback upstream: their replies
 // (Docker's resolver answering) pass the block on loopback upstreams. To any
-// upstream: the flow is never mistaken for one of the sandbox's undecided
-// flows (ct mark 0), whose TCP replies over `lo` pass for hostname pinning's
-// resets (a sandbox process could otherwise send egressd's TCP socket an
-// "answer" from the upstream's address over `lo`).
+// upstream: reject's resets related to the flow do not pass `lo`, so a
+// sandbox process cannot make the deny reset egressd's TCP socket with a
+// packet it forged on the flow; and the flow is never mistaken for one of the
+// sandbox's undecided flows (ct mark 0), whose TCP replies over `lo` pass for
+// hostname pinning's resets.
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 // A flow hostname pinning admitted for a name that the phase switched to does
 // not allow (docs/pinning.md "Switches"): the daemon gives it this ct mark

@@ -98,6 +98,11 @@ struct MatchCtStateNew {};
 // ct state established,new: the packet belongs to the flow itself (its
 // tuple), not one conntrack only relates to it (an ICMP error).
 struct MatchCtStateNewOrEstablished {};
+// ct state related: conntrack ties the packet to a flow without being of it:
+// an ICMP error about the flow, or a packet netfilter made for a packet of it
+// and attached to its entry (reject's TCP reset). No helper is ever attached,
+// so there are no expectations, the third source.
+struct MatchCtStateRelated {};
 // ct status dnat / ct status ! confirmed: one conntrack status bit set (or,
 // negated, clear). dnat: the flow's destination was rewritten (DNAT,
 // redirect). confirmed: the flow is in the conntrack table; a packet on an
@@ -114,6 +119,8 @@ struct MatchCtMarkNot { std::uint32_t mask; std::uint32_t value; };
 struct MatchTcpFlagSyn {};
 // `tcp flags urg` (loads the protocol itself).
 struct MatchTcpFlagUrg {};
+// `tcp flags rst` (loads the protocol itself).
+struct MatchTcpFlagRst {};
 // meta l4proto <proto> (6 tcp, 17 udp)
 struct MatchL4Proto { std::uint8_t proto; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
@@ -205,8 +212,8 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
-                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStatus,
-                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStatus,
+                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;

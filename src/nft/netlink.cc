@@ -477,6 +477,10 @@ class RuleBuilder {
     ct_load(NFT_CT_STATE);
     bit_test(NF_CT_STATE_BIT(IP_CT_NEW) | NF_CT_STATE_BIT(IP_CT_ESTABLISHED));
   }
+  void operator()(const MatchCtStateRelated&) {
+    ct_load(NFT_CT_STATE);
+    bit_test(NF_CT_STATE_BIT(IP_CT_RELATED));
+  }
   void operator()(const MatchCtStatus& m) {
     ct_load(NFT_CT_STATUS);
     bit_test(static_cast<std::uint32_t>(m.bit), m.negate);
@@ -503,6 +507,12 @@ class RuleBuilder {
     cmp_u8(IPPROTO_TCP);
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
     bit_test_u8(0x20);                              // URG
+  }
+  void operator()(const MatchTcpFlagRst&) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(IPPROTO_TCP);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
+    bit_test_u8(0x04);                              // RST
   }
   void operator()(const MatchL4Proto& m) {
     meta(NFT_META_L4PROTO);

@@ -134,6 +134,7 @@ struct StmtText {
   std::string operator()(const MatchCtDirectionOriginal&) const { return "ct direction original"; }
   std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }
   std::string operator()(const MatchCtStateNewOrEstablished&) const { return "ct state established,new"; }
+  std::string operator()(const MatchCtStateRelated&) const { return "ct state related"; }
   std::string operator()(const MatchCtStatus& m) const {
     return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
   }
@@ -147,6 +148,7 @@ struct StmtText {
   }
   std::string operator()(const MatchTcpFlagSyn&) const { return "tcp flags syn"; }
   std::string operator()(const MatchTcpFlagUrg&) const { return "tcp flags urg"; }
+  std::string operator()(const MatchTcpFlagRst&) const { return "tcp flags rst"; }
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);

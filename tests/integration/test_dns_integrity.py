@@ -284,10 +284,16 @@ SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
 # TCP exchange with the upstream, and as soon as egressd's query has gone out, answers it
 # from the upstream's address with the next sequence numbers, the query's ID and exact
 # question (0x20 case included) and A `forged`, over a raw socket: the segment goes to the
-# sandbox's own address, over lo. argv: upstream, sandbox address, forged, seconds.
+# sandbox's own address, over lo. argv: upstream, sandbox address, forged, seconds, and
+# optionally "reset": instead of an answer, an in-window ACK on egressd's flow from egressd's
+# own address and port to the upstream, whose acknowledgment number is the one egressd's
+# socket expects next: the deny refuses it (a sandbox process may not send to the upstream),
+# and reject's reset for it, from the upstream's address over lo, would carry exactly that
+# sequence number to egressd's socket.
 TCP_INJECT = textwrap.dedent(r'''
     import json, socket, struct, sys, time
     upstream, me, forged, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    reset = sys.argv[5:] == ["reset"]
     v6 = ":" in upstream
     fam = socket.AF_INET6 if v6 else socket.AF_INET
     up, mine = socket.inet_pton(fam, upstream), socket.inet_pton(fam, me)
@@ -340,6 +346,24 @@ TCP_INJECT = textwrap.dedent(r'''
             server_ts[dport] = ts_option(tcp)
         elif dst == up and dport == 53 and len(data) > 14 and sport in server_isn:
             seen += 1
+            if reset:
+                seg = struct.pack("!HHIIBBHHH", sport, 53, seq + len(data), server_isn[sport] + 1, 5 << 4,
+                                  0x10, 65535, 0, 0)
+                if v6:
+                    pseudo = mine + up + struct.pack("!I3xB", len(seg), 6)
+                    seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+                    ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + mine + up
+                else:
+                    pseudo = mine + up + struct.pack("!BBH", 0, 6, len(seg))
+                    seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+                    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, mine, up)
+                try:
+                    raw.sendto(ip + seg, (upstream, 0))
+                except PermissionError:  # the deny refused it, with a reset from the upstream's address
+                    refused += 1
+                forged_n += 1
+                del server_isn[sport]
+                continue
             q = data[2:]
             i = 12
             while q[i]:
@@ -378,9 +402,9 @@ def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, e
     that exchange on eth0 (AF_PACKET) and answers egressd's query before the upstream does,
     from the upstream's address, with the right sequence numbers, ID and question, and sends it
     to the sandbox's own address, where egressd's socket is. That segment travels over lo in the
-    reply direction of egressd's flow; the ruleset must not let it reach egressd's socket (with
-    hostname pinning on, chain output and input let TCP replies of flows with ct mark 0 through
-    lo, for pinning's own resets: egressd's upstream flows must not look like those)."""
+    reply direction of egressd's flow; the ruleset must not let it reach egressd's socket (it is
+    not a reset netfilter made, the one shape from a foreign source `lo` carries on a confirmed
+    flow)."""
     upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
     me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
     real = WILD_V4  # the names asked are A; the exchange with the upstream is over `family`
@@ -404,6 +428,37 @@ def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, e
     assert all(a == [real] for _, _, a in answers), f"the upstream's answer did not arrive: {answers}"
     assert FORGED_V4 not in learned_set(lab, 4), "egressd learned the injected address"
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT)), "the injected address is reachable"
+    assert d.running
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_sandbox_cannot_aim_rejects_reset_at_egressds_upstream_socket(lab, egressd, family):
+    """Chains output and input let reject's reset for a packet of a confirmed flow through lo
+    (conntrack relates it to the flow), so a flow a switch cuts fails at once. A sandbox process
+    with NET_RAW can make the deny answer a packet it forged on egressd's own TCP flow to the
+    upstream, with the acknowledgment number egressd's socket expects next (seen on eth0): that
+    reset would reach egressd's socket and kill the query. egressd's own flows' resets stay
+    dropped: the query gets the upstream's answer."""
+    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
+    me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    real = WILD_V4
+    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
+                    *([] if family == 4 else ["nodad"]))
+    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, real, "0.3"], netns=lab.internet,
+                     stdout=subprocess.PIPE)
+    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
+    d = egressd(policy(upstream))
+    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, "reset", caps=DOCKER_CAPS)
+    t = tok()
+    answers = []
+    for i in range(2):
+        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
+        answers.append((r.outcome, r.rcode, r.addresses))
+    res = attacker_result(p)
+    print(f"\nreset aimed at egressd's upstream socket: {res}; answers {answers}")
+    assert res["forged"] >= 2 and res["refused_locally"] == res["forged"], \
+        f"the attack never made the deny answer a packet of egressd's flow: {res}"
+    assert all(a == [real] for _, _, a in answers), f"egressd's exchange with the upstream was cut: {answers}"
     assert d.running
 
 

@@ -206,6 +206,38 @@ def test_switch_cuts_established_flows(lab, egressd):
     assert not wrong, "\n".join(wrong)
 
 
+NAMED = """\
+initial_phase: environment
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  named: { network_mode: allowlist, allowed_hosts: [a.example.com] }
+"""
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_flow_a_switch_to_a_named_allowlist_cuts_is_reset_at_once(lab, egressd, family):
+    """A phase with hostname entries makes the flow reaper keep every peer (a learned address
+    may allow it), so what tells the client is the rules: the deny answers the flow's next
+    packet with a TCP reset, which comes from the server's address over `lo`. That reset used
+    to meet the forged-source check, and the client retransmitted into the rejects until its
+    own timeout (seen as "timeout" in scripts/demo). ECONNRESET, not ECONNABORTED: the rules'
+    reset, not the reaper's abort."""
+    d = egressd(NAMED, phase="environment")
+    server = SERVERS_V4[1] if family == 4 else SERVERS_V6[1]  # not a.example.com's address
+    flow = lab.tcp_flow(server)
+    try:
+        assert d.ctl("apply", "named")[0] == 0
+        out = flow.exchange(timeout=2.0)
+        assert out == "reset" and out.detail == "ECONNRESET" and out.elapsed < FAST, \
+            f"{flow}: {out!r}, want the deny's reset (ECONNRESET) within {FAST} s"
+    finally:
+        flow.close()
+    assert "aborted sockets=1" not in d.log(), "the reaper aborted the flow: this test no longer sees the rules' reset"
+    # The name's own address (resolved by the switch) goes on working in the same phase.
+    assert lab.tcp_connect(SERVERS_V4[0] if family == 4 else SERVERS_V6[0], 80, timeout=1.0) == "ok"
+
+
 @pytest.mark.parametrize("family", [4, 6])
 def test_a_connection_opened_from_outside_survives_a_switch_to_no_network(lab, egressd, family):
     """enforce.inbound_replies (default on): a connection a remote host opened to a server in
@@ -326,9 +358,8 @@ def test_an_outbound_flow_dressed_as_inbound_is_still_cut(lab, egressd, family):
     """The flow reaper takes a TCP socket for inbound (kept with enforce.inbound_replies) when
     its local port is a listening port. A sandbox process can give its own outbound flow that
     port: a listener and the flow's socket share it with SO_REUSEPORT. The reaper is fooled and
-    keeps the socket; the rules are not: the flow's next bytes are denied and get no answer.
-    (The reset the deny sends back carries the server's address and is dropped by the
-    forged-source check, so this client waits for its timeout instead of failing at once.)"""
+    keeps the socket; the rules are not: the flow's next bytes are denied, and the deny's reset
+    (from the server's address over `lo`, related to the flow) tears it down at once."""
     d = egressd(POLICY, phase="environment")
     af = socket.AF_INET if family == 4 else socket.AF_INET6
     addr = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
@@ -355,9 +386,9 @@ def test_an_outbound_flow_dressed_as_inbound_is_still_cut(lab, egressd, family):
         state = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
         assert state == 1, f"tcp state {state}: the reaper aborted the flow (update this test: it is not fooled now)"
         before = d.status()["counters"]["denied_packets"]
-        for _ in range(3):
-            out = flow.exchange(timeout=1.0)
-            assert out != "ok", "a flow no-network cut was answered"
+        out = flow.exchange(timeout=1.0)
+        assert out == "reset" and out.detail == "ECONNRESET" and out.elapsed < FAST, \
+            f"a flow no-network cut: {out!r}, want the deny's reset within {FAST} s"
         # Its packets met the deny (and were not merely lost on the way).
         assert d.status()["counters"]["denied_packets"] > before
     finally:

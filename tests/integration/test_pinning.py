@@ -91,7 +91,7 @@ def outcome(fn):
             return "reset", time.monotonic() - t0
         return "error", str(e)
     except OSError as e:
-        if e.errno == errno.ECONNRESET:
+        if e.errno in (errno.ECONNRESET, errno.EPIPE):  # EPIPE: a write after the reset
             return "reset", time.monotonic() - t0
         return "error", str(e)
 

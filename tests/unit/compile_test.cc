@@ -87,7 +87,13 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   CHECK(text[1] ==
         "meta nfproto ipv6 ct direction original ct state established,new ct mark != 0x00000000 "
         "ct mark != 0x7ffffffc/30 counter goto active");
-  for (std::size_t i = 2; i < text.size(); ++i) CHECK(text[i].find("ct state") == std::string::npos);
+  // And one more, on `lo` only: the TCP reset reject makes for a packet of a confirmed flow,
+  // which conntrack relates to that flow (a cut client fails at once), never on egressd's own.
+  const std::string related_reset = "oif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept";
+  for (std::size_t i = 2; i < text.size(); ++i) {
+    if (text[i] != related_reset) CHECK(text[i].find("ct state") == std::string::npos);
+  }
+  CHECK(std::count(text.begin(), text.end(), related_reset) == 1);
   // Replies only on flows that arrived from outside (class 1), never any reply.
   CHECK(has("ct direction reply ct mark 0x7fffffff goto pass"));
   CHECK_FALSE(has("ct direction reply accept"));
@@ -103,6 +109,7 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
                              "ip6 saddr :: icmpv6 type nd-neighbor-solicit ip6 hoplimit 255 ip6 daddr ff02::/16 goto pass");
   REQUIRE(dad != text.end());
   CHECK(dad < forged);
+  CHECK(std::find(text.begin(), text.end(), related_reset) < forged);
   // The IPv4 share of each counted place is counted by rules that only count (status by
   // family): around the forged-source deny, and just before `counter jump active`.
   CHECK(*(forged - 1) == "meta nfproto ipv4 counter comment \"ipv4 at saddr check\"");
@@ -152,6 +159,7 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
                     "meta mark 0x11111111 meta mark set 0x00000000",
                     "iif \"lo\" ct direction reply ct status ! confirmed accept",
                     "iif \"lo\" ct direction reply ct status dnat accept",
+                    "iif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept",
                     "iif \"lo\" fib saddr type != local drop",
                     "ct direction original socket mark 0x11111111 drop",
                     "iif != \"lo\" ct state new ct mark set 0x7fffffff",

@@ -98,6 +98,8 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchUdpLongHeader{}) == "@th,64,8 & 0x80 == 0x80");
   CHECK(one(MatchMetaLengthOver{1500}) == "meta length > 1500");
   CHECK(one(MatchTcpFlagUrg{}) == "tcp flags urg");
+  CHECK(one(MatchTcpFlagRst{}) == "tcp flags rst");
+  CHECK(one(MatchCtStateRelated{}) == "ct state related");
   CHECK(one(MatchMetaNfproto{4}) == "meta nfproto ipv4");
   CHECK(one(MatchMetaNfproto{6}) == "meta nfproto ipv6");
   auto pfx = [](const char* a, int len) {
