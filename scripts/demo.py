@@ -52,14 +52,14 @@ def probe(lab, addr, proto):
 
 def reachability(lab, phases_seen):
     """One column per phase seen so far: the same requests, side by side."""
-    header = f"  {'request':<28}" + "".join(f"{p:<26}" for p, _ in phases_seen)
+    header = f"  {'request':<28}" + "".join(f"{p:<30}" for p, _ in phases_seen)
     print(header)
     for i, (addr, proto) in enumerate(TARGETS):
         row = f"  {proto + ' ' + addr:<28}"
         for _, results in phases_seen:
             out = results[i]
             mark = f"{GREEN}allowed{OFF}" if out == "ok" else f"{RED}blocked{OFF} ({out} {out.elapsed * 1e3:.0f} ms)"
-            pad = 26 + (len(mark) - len(mark.replace(GREEN, "").replace(RED, "").replace(OFF, "")))
+            pad = 30 + (len(mark) - len(mark.replace(GREEN, "").replace(RED, "").replace(OFF, "")))
             row += f"{mark:<{pad}}"
         print(row)
 
