@@ -321,9 +321,7 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // sandbox that guessed the mark reaches nothing else. The flow is marked
     // egressd's own: reject's reset for a packet forged on it does not pass
     // `lo` (see the related resets below), so a sandbox process that sniffed
-    // egressd's TCP exchange (AF_PACKET) cannot aim one at its socket; and
-    // with ct mark 0 it would look like an undecided flow of the sandbox's,
-    // whose TCP replies over `lo` pass for pinning's resets.
+    // egressd's TCP exchange (AF_PACKET) cannot aim one at its socket.
     for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
         c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
@@ -408,17 +406,6 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back({{MatchOifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
                       MatchTcpFlagRst{}, accept()},
                      ""});
-  // Hostname pinning resets a flow after its handshake (chain pin): that
-  // reset comes from the remote address over `lo` in the reply direction of
-  // a confirmed TCP flow that is still undecided (ct mark 0). Nothing else a
-  // process sends looks like that but a packet to itself.
-  // The same for a followed HTTP connection's (ct mark kPinFollowMark).
-  if (pinning(policy, opts)) {
-    c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
-    c.rules.push_back({{MatchOifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{kPinFollowMark}, MatchL4Proto{kTcp},
-                        accept()},
-                       ""});
-  }
   // IPv6 duplicate address detection: a neighbour solicitation from the
   // unspecified address, before the address is the namespace's own.
   c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
@@ -490,12 +477,6 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back({{MatchIifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
                       MatchTcpFlagRst{}, accept()},
                      ""});
-  if (pinning(policy, opts)) {  // hostname pinning's reset (see chain output)
-    c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{0}, MatchL4Proto{kTcp}, accept()}, ""});
-    c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtMark{kPinFollowMark}, MatchL4Proto{kTcp},
-                        accept()},
-                       ""});
-  }
   c.rules.push_back({{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true},
                       StmtVerdict{VerdictKind::drop, ""}},
                      ""});

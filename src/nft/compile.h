@@ -101,9 +101,7 @@ inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 // (Docker's resolver answering) pass the block on loopback upstreams. To any
 // upstream: reject's resets related to the flow do not pass `lo`, so a
 // sandbox process cannot make the deny reset egressd's TCP socket with a
-// packet it forged on the flow; and the flow is never mistaken for one of the
-// sandbox's undecided flows (ct mark 0), whose TCP replies over `lo` pass for
-// hostname pinning's resets.
+// packet it forged on the flow.
 inline constexpr std::uint32_t kOwnFlowMark = 0x7ffffffe;
 // A flow hostname pinning admitted for a name that the phase switched to does
 // not allow (docs/pinning.md "Switches"): the daemon gives it this ct mark

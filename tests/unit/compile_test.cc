@@ -134,6 +134,34 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   }
 }
 
+TEST_CASE("lo carries from a foreign source only a local source's packets and reject's resets, pinning on or off") {
+  // Ahead of the forged-source deny (output) and drop (input): a local source, reject's reset
+  // for a never-confirmed flow, its reset related to a confirmed one, and (input) replies on
+  // DNATed flows. Nothing by ct mark alone: pinning's resets are related ones too.
+  const Policy p = three_phases();
+  for (const bool pin : {false, true}) {
+    CAPTURE(pin);
+    CompileOptions o;
+    o.pin = pin;
+    const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+    for (const char* chain : {"output", "input"}) {
+      const std::string dev = std::string(chain) == "output" ? "oif \"lo\"" : "iif \"lo\"";
+      int seen = 0;
+      for (const auto& rule : find_chain(t, chain)->rules) {
+        const std::string r = render_rule(rule);
+        if (r.rfind(dev, 0) != 0 || r.size() < 6 || r.compare(r.size() - 6, 6, "accept") != 0) continue;
+        ++seen;
+        CHECK_MESSAGE((r == dev + " fib saddr type local accept" ||
+                       r == dev + " ct direction reply ct status ! confirmed accept" ||
+                       r == dev + " ct direction reply ct status dnat accept" ||
+                       r == dev + " ct state related ct mark != 0x7ffffffe tcp flags rst accept"),
+                      chain << ": " << r);
+      }
+      CHECK(seen >= 3);
+    }
+  }
+}
+
 TEST_CASE("pass signs, input clears, and the netdev egress chains check and clear the signature") {
   const Policy p = three_phases();
   CompileOptions o;
