@@ -308,6 +308,22 @@ TCP_INJECT = textwrap.dedent(r'''
         while s >> 16:
             s = (s & 0xFFFF) + (s >> 16)
         return ~s & 0xFFFF
+    def send(src, dst, seg, to):
+        """The TCP segment `seg` (checksum 0) from src to dst over the raw socket: 0 when sent,
+        1 when a deny in chain output refused it (the segment went nowhere)."""
+        if v6:
+            pseudo = src + dst + struct.pack("!I3xB", len(seg), 6)
+            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+            ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + src + dst
+        else:
+            pseudo = src + dst + struct.pack("!BBH", 0, 6, len(seg))
+            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, src, dst)
+        try:
+            raw.sendto(ip + seg, (to, 0))
+            return 0
+        except PermissionError:
+            return 1
     def ts_option(tcp):
         off, end = 20, (tcp[12] >> 4) * 4
         while off < end:
@@ -346,21 +362,9 @@ TCP_INJECT = textwrap.dedent(r'''
             server_ts[dport] = ts_option(tcp)
         elif dst == up and dport == 53 and len(data) > 14 and sport in server_isn:
             seen += 1
-            if reset:
-                seg = struct.pack("!HHIIBBHHH", sport, 53, seq + len(data), server_isn[sport] + 1, 5 << 4,
-                                  0x10, 65535, 0, 0)
-                if v6:
-                    pseudo = mine + up + struct.pack("!I3xB", len(seg), 6)
-                    seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-                    ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + mine + up
-                else:
-                    pseudo = mine + up + struct.pack("!BBH", 0, 6, len(seg))
-                    seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-                    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, mine, up)
-                try:
-                    raw.sendto(ip + seg, (upstream, 0))
-                except PermissionError:  # the deny refused it, with a reset from the upstream's address
-                    refused += 1
+            if reset:  # refused by the deny, which answers with a reset from the upstream's address
+                refused += send(mine, up, struct.pack("!HHIIBBHHH", sport, 53, seq + len(data),
+                                                      server_isn[sport] + 1, 5 << 4, 0x10, 65535, 0, 0), upstream)
                 forged_n += 1
                 del server_isn[sport]
                 continue
@@ -378,22 +382,32 @@ TCP_INJECT = textwrap.dedent(r'''
             hdr_len = 20 + len(opts)
             seg = struct.pack("!HHIIBBHHH", 53, sport, server_isn[sport] + 1, seq + len(data), (hdr_len // 4) << 4,
                               0x18, 65535, 0, 0) + opts + payload
-            if v6:
-                pseudo = up + mine + struct.pack("!I3xB", len(seg), 6)
-                seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-                ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + up + mine
-            else:
-                pseudo = up + mine + struct.pack("!BBH", 0, 6, len(seg))
-                seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-                ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
-            try:
-                raw.sendto(ip + seg, (me, 0))
-            except PermissionError:  # a deny in chain output: the segment went nowhere
-                refused += 1
+            refused += send(up, mine, seg, me)
             forged_n += 1
             del server_isn[sport]
     print(json.dumps({"queries_seen": seen, "forged": forged_n, "refused_locally": refused}))
 ''')
+
+
+def tcp_inject(lab, egressd, family: int, *mode: str):
+    """SLOW_TCP_UPSTREAM (answers A WILD_V4 over TCP) in the internet namespace, egressd asking it
+    over `family`, TCP_INJECT in `mode` running in the sandbox with Docker's capabilities while
+    the sandbox asks two names. Returns (egressd, the attacker's result, the two answers)."""
+    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
+    me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
+                    *([] if family == 4 else ["nodad"]))
+    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, WILD_V4, "0.3"], netns=lab.internet,
+                     stdout=subprocess.PIPE)
+    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
+    d = egressd(policy(upstream))
+    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, *mode, caps=DOCKER_CAPS)
+    t = tok()
+    answers = []
+    for i in range(2):
+        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
+        answers.append((r.outcome, r.rcode, r.addresses))
+    return d, attacker_result(p), answers
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -405,27 +419,12 @@ def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, e
     reply direction of egressd's flow; the ruleset must not let it reach egressd's socket (it is
     not a reset netfilter made, the one shape from a foreign source `lo` carries on a confirmed
     flow)."""
-    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
-    me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
-    real = WILD_V4  # the names asked are A; the exchange with the upstream is over `family`
-    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
-                    *([] if family == 4 else ["nodad"]))
-    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, real, "0.3"], netns=lab.internet,
-                     stdout=subprocess.PIPE)
-    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
     lab.add_servers([FORGED_V4])
-    d = egressd(policy(upstream))
-    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, caps=DOCKER_CAPS)
-    t = tok()
-    answers = []
-    for i in range(2):
-        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
-        answers.append((r.outcome, r.rcode, r.addresses))
-    res = attacker_result(p)
+    d, res, answers = tcp_inject(lab, egressd, family)
     print(f"\nTCP injection: {res}; answers {answers}")
     assert res["forged"] >= 2, f"the attack never saw egressd's TCP query: {res}"
     assert all(FORGED_V4 not in a for _, _, a in answers), f"an injected answer reached the client: {answers}"
-    assert all(a == [real] for _, _, a in answers), f"the upstream's answer did not arrive: {answers}"
+    assert all(a == [WILD_V4] for _, _, a in answers), f"the upstream's answer did not arrive: {answers}"
     assert FORGED_V4 not in learned_set(lab, 4), "egressd learned the injected address"
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT)), "the injected address is reachable"
     assert d.running
@@ -439,26 +438,11 @@ def test_a_sandbox_cannot_aim_rejects_reset_at_egressds_upstream_socket(lab, egr
     upstream, with the acknowledgment number egressd's socket expects next (seen on eth0): that
     reset would reach egressd's socket and kill the query. egressd's own flows' resets stay
     dropped: the query gets the upstream's answer."""
-    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
-    me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
-    real = WILD_V4
-    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
-                    *([] if family == 4 else ["nodad"]))
-    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, real, "0.3"], netns=lab.internet,
-                     stdout=subprocess.PIPE)
-    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
-    d = egressd(policy(upstream))
-    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, "reset", caps=DOCKER_CAPS)
-    t = tok()
-    answers = []
-    for i in range(2):
-        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
-        answers.append((r.outcome, r.rcode, r.addresses))
-    res = attacker_result(p)
+    d, res, answers = tcp_inject(lab, egressd, family, "reset")
     print(f"\nreset aimed at egressd's upstream socket: {res}; answers {answers}")
     assert res["forged"] >= 2 and res["refused_locally"] == res["forged"], \
         f"the attack never made the deny answer a packet of egressd's flow: {res}"
-    assert all(a == [real] for _, _, a in answers), f"egressd's exchange with the upstream was cut: {answers}"
+    assert all(a == [WILD_V4] for _, _, a in answers), f"egressd's exchange with the upstream was cut: {answers}"
     assert d.running
 
 
