@@ -225,14 +225,20 @@ def test_a_flow_a_switch_to_a_named_allowlist_cuts_is_reset_at_once(lab, egressd
     reset, not the reaper's abort."""
     d = egressd(NAMED, phase="environment")
     server = SERVERS_V4[1] if family == 4 else SERVERS_V6[1]  # not a.example.com's address
-    flow = lab.tcp_flow(server)
+    flow, udp = lab.tcp_flow(server), lab.udp_flow(server)
     try:
         assert d.ctl("apply", "named")[0] == 0
         out = flow.exchange(timeout=2.0)
         assert out == "reset" and out.detail == "ECONNRESET" and out.elapsed < FAST, \
             f"{flow}: {out!r}, want the deny's reset (ECONNRESET) within {FAST} s"
+        # A connected UDP socket the reaper keeps too: the deny's ICMP error (from a local
+        # address, so no exemption is needed) fails its next send.
+        out = udp.exchange(timeout=2.0)
+        assert out == "unreachable" and out.prohibited and out.elapsed < FAST, \
+            f"{udp}: {out!r}, want admin-prohibited within {FAST} s"
     finally:
         flow.close()
+        udp.close()
     assert "aborted sockets=1" not in d.log(), "the reaper aborted the flow: this test no longer sees the rules' reset"
     # The name's own address (resolved by the switch) goes on working in the same phase.
     assert lab.tcp_connect(SERVERS_V4[0] if family == 4 else SERVERS_V6[0], 80, timeout=1.0) == "ok"
