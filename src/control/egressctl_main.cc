@@ -106,7 +106,11 @@ int print_status(const Json& r) {
   };
   if (r.contains("phases")) summary.push_back({"phases:", join(r["phases"], ", ")});
   if (r.contains("netns")) summary.push_back({"netns:", field(r, "netns")});
-  if (r.contains("socket")) summary.push_back({"socket:", field(r, "socket")});
+  if (r.contains("socket")) {
+    // An agent's sandbox added without --socket has none of its own.
+    const std::string sock = field(r, "socket");
+    summary.push_back({"socket:", sock.empty() ? "none of its own (reached through the agent with --sandbox)" : sock});
+  }
   summary.push_back({"allowed:", traffic(counters, "allowed")});
   summary.push_back({"denied:", traffic(counters, "denied")});
   if (r.contains("dns") && r["dns"].is_object()) {

@@ -162,6 +162,9 @@ def test_each_sandbox_gets_its_own_policy_dns_and_socket(lab, agent):
     # Every sidecar command, through the agent with --sandbox, or on the sandbox's own socket.
     assert agent.json("--sandbox", "one", "status")["phase"] == "agent"
     assert agent.json("--sandbox", "two", "status")["phase"] == "no-network"
+    assert re.search(r"^socket: +none of its own \(reached through the agent with --sandbox\)$",
+                     agent.ok("--sandbox", "two", "status"), re.M)
+    assert re.search(rf"^socket: +{re.escape(str(own))}$", agent.ok("--sandbox", "one", "status"), re.M)
     cp = labmod.run([str(labmod.egressctl_binary()), "--socket", str(own), "status", "--json"], check=False)
     assert cp.returncode == 0 and json.loads(cp.stdout)["netns"] == lab.sandbox.path
     explained = agent.json("--sandbox", "one", "explain", "b.example.com")
