@@ -268,6 +268,15 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
   return r;
 }
 
+// reject's TCP reset for a packet of a confirmed flow, which conntrack
+// relates to that flow, on `lo` (`dev`: oif in chain output, iif in input);
+// never on egressd's own upstream flows (see chain output).
+Rule related_reset_on_lo(Stmt dev) {
+  return {{std::move(dev), MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark}, MatchTcpFlagRst{},
+           accept()},
+          ""};
+}
+
 // The loopback upstreams, single addresses (chain lo_replies matches each).
 std::vector<IpPrefix> loopback_upstreams(const CompileOptions& opts) {
   std::vector<IpPrefix> out;
@@ -403,9 +412,7 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // egressd's own upstream flows (their addresses and sequence numbers are
   // on eth0 for AF_PACKET to see), and so aim reject's reset at egressd's
   // socket: those flows' resets stay dropped.
-  c.rules.push_back({{MatchOifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
-                      MatchTcpFlagRst{}, accept()},
-                     ""});
+  c.rules.push_back(related_reset_on_lo(MatchOifLoopback{}));
   // IPv6 duplicate address detection: a neighbour solicitation from the
   // unspecified address, before the address is the namespace's own.
   c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
@@ -474,9 +481,7 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::dnat}, accept()}, ""});
   // reject's reset for a packet of a confirmed flow, not one of egressd's
   // own (see chain output).
-  c.rules.push_back({{MatchIifLoopback{}, MatchCtStateRelated{}, MatchCtMarkNot{~std::uint32_t{0}, kOwnFlowMark},
-                      MatchTcpFlagRst{}, accept()},
-                     ""});
+  c.rules.push_back(related_reset_on_lo(MatchIifLoopback{}));
   c.rules.push_back({{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true},
                       StmtVerdict{VerdictKind::drop, ""}},
                      ""});

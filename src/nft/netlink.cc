@@ -496,24 +496,9 @@ class RuleBuilder {
     if (m.mask != ~std::uint32_t{0}) mask_u32(m.mask);
     cmp_u32(NFT_CMP_NEQ, m.value);
   }
-  void operator()(const MatchTcpFlagSyn&) {
-    meta(NFT_META_L4PROTO);
-    cmp_u8(IPPROTO_TCP);
-    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
-    bit_test_u8(0x02);                              // SYN
-  }
-  void operator()(const MatchTcpFlagUrg&) {
-    meta(NFT_META_L4PROTO);
-    cmp_u8(IPPROTO_TCP);
-    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
-    bit_test_u8(0x20);                              // URG
-  }
-  void operator()(const MatchTcpFlagRst&) {
-    meta(NFT_META_L4PROTO);
-    cmp_u8(IPPROTO_TCP);
-    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
-    bit_test_u8(0x04);                              // RST
-  }
+  void operator()(const MatchTcpFlagSyn&) { tcp_flag(0x02); }  // SYN
+  void operator()(const MatchTcpFlagUrg&) { tcp_flag(0x20); }  // URG
+  void operator()(const MatchTcpFlagRst&) { tcp_flag(0x04); }  // RST
   void operator()(const MatchL4Proto& m) {
     meta(NFT_META_L4PROTO);
     cmp_u8(m.proto);
@@ -739,6 +724,14 @@ class RuleBuilder {
     add(std::move(e));
   }
   // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
+  // `tcp flags <flag>`: meta l4proto tcp, then the flags byte masked with
+  // `bit`, compared with zero.
+  void tcp_flag(std::uint8_t bit) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(IPPROTO_TCP);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
+    bit_test_u8(bit);
+  }
   void bit_test_u8(std::uint8_t bit) {
     const std::uint8_t zero = 0;
     mask_u8(bit);

@@ -126,7 +126,7 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   CHECK_FALSE(has("icmpv6 type nd-router-solicit ip6 hoplimit 255 ip6 daddr @onlink6 goto pass"));
   // Every accept for another device is signed: nothing in output accepts but loopback.
   for (const auto& r : text) {
-    if (r.size() >= 6 && r.compare(r.size() - 6, 6, "accept") == 0) {
+    if (r.ends_with("accept")) {
       const bool loopback = r.find("\"lo\"") != std::string::npos || r.find("127.0.0.0/8") != std::string::npos ||
                             r.find("::1") != std::string::npos || r.find("lo_upstream") != std::string::npos;
       CHECK_MESSAGE(loopback, r);
@@ -149,7 +149,7 @@ TEST_CASE("lo carries from a foreign source only a local source's packets and re
       int seen = 0;
       for (const auto& rule : find_chain(t, chain)->rules) {
         const std::string r = render_rule(rule);
-        if (r.rfind(dev, 0) != 0 || r.size() < 6 || r.compare(r.size() - 6, 6, "accept") != 0) continue;
+        if (!r.starts_with(dev) || !r.ends_with("accept")) continue;
         ++seen;
         CHECK_MESSAGE((r == dev + " fib saddr type local accept" ||
                        r == dev + " ct direction reply ct status ! confirmed accept" ||
