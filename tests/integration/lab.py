@@ -111,10 +111,16 @@ def wait_for(cond, timeout: float, what: str):
         delay = min(delay * 2, 0.05)
 
 
-def switch_and_wait_for_reaper(d, canary, phase: str) -> int:
-    """Switches egressd `d` to `phase` and waits until its flow reaper has aborted `canary`, an
-    open flow of the sandbox that the phase cuts: the abort is what shows the reaper ran for
-    this switch. Returns how many sockets the reaper aborted."""
+def switch_and_wait_for_reaper(d, canary: "UdpFlow", phase: str) -> int:
+    """Switches egressd `d` to `phase` and waits until its flow reaper has aborted `canary`, a
+    connected UDP socket of the sandbox that the phase cuts: the abort is what shows the reaper
+    ran for this switch (it lists a family's UDP sockets after its TCP ones, so every TCP flow
+    of that family has been decided too). Returns how many sockets the reaper aborted.
+
+    Not a TCP flow: its own delayed ACK, sent just after the switch, meets the deny, and the
+    deny's reset closes the socket before the reaper lists it; nothing is aborted, no line is
+    logged. A UDP socket sends nothing unless told to."""
+    assert isinstance(canary, UdpFlow), "the canary must be a UDP flow (see above)"
     assert canary.exchange() == "ok"
     assert d.ctl("apply", phase)[0] == 0
     gen = d.status()["generation"]

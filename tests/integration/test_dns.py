@@ -209,7 +209,7 @@ def test_a_lookup_in_flight_at_a_switch_is_answered_not_aborted(lab, egressd):
         assert (r.outcome, r.rcode) == ("ok", "NOERROR"), f"public forwards: {r.outcome!r} {r.rcode}"
         held.append((s, tcp))
     # A flow no-network cuts: its abort is what shows the reaper has run.
-    aborted = labmod.switch_and_wait_for_reaper(d, lab.tcp_flow(labmod.SERVERS_V4[0]), "verifier")
+    aborted = labmod.switch_and_wait_for_reaper(d, lab.udp_flow(labmod.SERVERS_V4[0]), "verifier")
     got = {}
     for s, tcp in held:
         r = labmod.dns_exchange(s, f"{t}.wild.example.org", tcp=tcp)

@@ -265,7 +265,7 @@ def test_a_connection_opened_from_outside_survives_a_switch_to_no_network(lab, e
         remote.sendall(b"before")
         assert conn.recv(16) == b"before"
         # The sandbox's own flow no-network cuts: its abort is what shows the reaper has run.
-        canary = lab.tcp_flow(SERVERS_V4[0] if family == 4 else SERVERS_V6[0])
+        canary = lab.udp_flow(SERVERS_V4[0] if family == 4 else SERVERS_V6[0])
         aborted = labmod.switch_and_wait_for_reaper(d, canary, "verifier")
         assert aborted == 1, "the reaper aborted more than the canary"
         remote.sendall(b"after")
