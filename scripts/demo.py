@@ -142,7 +142,9 @@ def main():
                 print("  " + line.split(" ", 1)[1])
         title("10. Why was this blocked? denied records and explain")
         ctl = [os.environ.get("EGRESSCTL", str(ROOT / "build/src/egressctl")), "--socket", str(d.socket_path)]
-        d.ctl("apply", "agent")
+        # Back to 'agent' (shown: the records below name the phase they were made in).
+        if shell(ctl + ["apply", "agent"]).returncode != 0:
+            raise SystemExit("demo: apply agent failed")
         r = lab.dns_query("c.example.net")
         print(f"  dig c.example.net -> {r.rcode or r.outcome}")
         print(f"  tcp 198.51.100.11 -> {probe(lab, '198.51.100.11', 'tcp')}")
