@@ -84,18 +84,28 @@ def test_task_sees_the_policy_the_host_sets(pods, scratch):
 
 
 def test_switch_cuts_an_open_flow(pods, scratch):
+    """A switch cuts the flows its phase does not allow, and the client learns it at once: with
+    an allowlist of addresses the flow reaper aborts the socket; with a hostname entry it keeps
+    every peer (an address learned later may allow it), and the flow's next packet gets the
+    deny's reset, which must get back to the client over `lo` (it once hung until its own
+    timeout, dropped as a forged source)."""
     task = pods.task()
     start_egressd(pods, task, scratch, "--phase", "public")
     ns = task.netns()
-    flow = ns.tcp_flow(SERVER_B, podlab.ECHO_PORT)
-    try:
-        assert flow.exchange() == "ok"
-        cp = egressctl(scratch / "egressd.sock", "apply", "--mode", "allowlist", "--allow", SERVER_A)
-        assert cp.returncode == 0, cp.stderr
-        assert flow.exchange() == "reset"
-        assert echo(ns, SERVER_A) == "ok"
-    finally:
-        flow.close()
+    sock = scratch / "egressd.sock"
+    for allow in ([SERVER_A], ["a.example.com"]):  # a.example.com resolves to SERVER_A
+        assert egressctl(sock, "apply", "--mode", "public").returncode == 0
+        flow = ns.tcp_flow(SERVER_B, podlab.ECHO_PORT)
+        try:
+            assert flow.exchange() == "ok"
+            cp = egressctl(sock, "apply", "--mode", "allowlist", *(a for e in allow for a in ("--allow", e)))
+            assert cp.returncode == 0, cp.stderr
+            out = flow.exchange(timeout=2.0)
+            assert out == "reset" and out.elapsed < 0.5, f"allow {allow}: the cut flow got {out!r}"
+            assert echo(ns, SERVER_A) == "ok"
+            assert echo(ns, SERVER_B) != "ok"
+        finally:
+            flow.close()
 
 
 def test_restart_keeps_the_policy_and_adopts_it(pods, scratch):
