@@ -277,6 +277,23 @@ Rule related_reset_on_lo(Stmt dev) {
           ""};
 }
 
+// What conntrack relates to one of egressd's own upstream flows (ct mark
+// kOwnFlowMark) on `lo` (`dev`: oif in chain output, iif in input): dropped.
+// egressd's own packets never meet the deny, so the only such packets are
+// the deny's answers to a packet a sandbox process forged on that flow (its
+// addresses and ports are on eth0 or lo for AF_PACKET to see; NET_RAW writes
+// it) — an ICMP error, or reject's TCP reset — and ICMP errors a process
+// writes from a local address quoting the flow. Any of them at egressd's
+// socket fails the query it carries (SERVFAIL at once). Genuine errors for
+// an upstream outside the namespace arrive on its interface, not `lo`; for a
+// loopback upstream (Docker's 127.0.0.11) an unreachable port now costs the
+// upstream's timeout instead of an immediate error.
+Rule own_flow_related_on_lo(Stmt dev) {
+  return {{std::move(dev), MatchCtStateRelated{}, MatchCtMark{kOwnFlowMark}, StmtCounter{},
+           StmtVerdict{VerdictKind::drop, ""}},
+          ""};
+}
+
 // The loopback upstreams, single addresses (chain lo_replies matches each).
 std::vector<IpPrefix> loopback_upstreams(const CompileOptions& opts) {
   std::vector<IpPrefix> out;
@@ -323,6 +340,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
   const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {
+    // Ahead of every accept on `lo`: a forged flow's ICMP error or reset must
+    // not reach egressd's upstream socket (see own_flow_related_on_lo).
+    c.rules.push_back(own_flow_related_on_lo(MatchOifLoopback{}));
     // egressd's own upstream queries (SO_MARK), only on a flow egressd itself
     // created (class 3: a sandbox that made the flow first, e.g. from
     // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
@@ -474,7 +494,10 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   // socket (the DNS proxy's answer to a query for 192.0.2.1:53 comes from
   // 192.0.2.1 once conntrack has undone the redirect), let through first.
   // egressd's own upstream flows are never DNATed by egressd, so a forged
-  // "answer" from an upstream's address is still dropped.
+  // "answer" from an upstream's address is still dropped. What conntrack
+  // relates to egressd's own upstream flows goes first (chain output drops it
+  // already; a DNATed flow, Docker's resolver, would pass the accepts below).
+  if (opts.dns_port != 0) c.rules.push_back(own_flow_related_on_lo(MatchIifLoopback{}));
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
                       accept()},
                      ""});

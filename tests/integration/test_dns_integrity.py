@@ -290,10 +290,12 @@ SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
 # socket expects next: the deny refuses it (a sandbox process may not send to the upstream),
 # and reject's reset for it, from the upstream's address over lo, would carry exactly that
 # sequence number to egressd's socket.
-TCP_INJECT = textwrap.dedent(r'''
+# The start of both raw-socket attackers below: argv[1] the upstream, argv[2] the sandbox's
+# address; an AF_PACKET socket on eth0 that sees both directions, a raw socket that writes
+# whole IP packets (v6 too), and the Internet checksum.
+SNIFF_AND_FORGE = textwrap.dedent(r'''
     import json, socket, struct, sys, time
-    upstream, me, forged, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-    reset = sys.argv[5:] == ["reset"]
+    upstream, me = sys.argv[1], sys.argv[2]
     v6 = ":" in upstream
     fam = socket.AF_INET6 if v6 else socket.AF_INET
     up, mine = socket.inet_pton(fam, upstream), socket.inet_pton(fam, me)
@@ -308,6 +310,19 @@ TCP_INJECT = textwrap.dedent(r'''
         while s >> 16:
             s = (s & 0xFFFF) + (s >> 16)
         return ~s & 0xFFFF
+    def sniffed(seconds):
+        """Every packet the AF_PACKET socket sees for `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                yield sniff.recv(65535)
+            except socket.timeout:
+                continue
+''')
+
+TCP_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r'''
+    forged, seconds = sys.argv[3], float(sys.argv[4])
+    reset = sys.argv[5:] == ["reset"]
     def send(src, dst, seg, to):
         """The TCP segment `seg` (checksum 0) from src to dst over the raw socket: 0 when sent,
         1 when a deny in chain output refused it (the segment went nowhere)."""
@@ -339,12 +354,7 @@ TCP_INJECT = textwrap.dedent(r'''
         return None
     print("READY", flush=True)
     server_isn, server_ts, forged_n, seen, refused = {}, {}, 0, 0, 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            pkt = sniff.recv(65535)
-        except socket.timeout:
-            continue
+    for pkt in sniffed(seconds):
         if v6:
             if len(pkt) < 60 or pkt[0] >> 4 != 6 or pkt[6] != 6:
                 continue
@@ -389,25 +399,30 @@ TCP_INJECT = textwrap.dedent(r'''
 ''')
 
 
-def tcp_inject(lab, egressd, family: int, *mode: str):
-    """SLOW_TCP_UPSTREAM (answers A WILD_V4 over TCP) in the internet namespace, egressd asking it
-    over `family`, TCP_INJECT in `mode` running in the sandbox with Docker's capabilities while
-    the sandbox asks two names. Returns (egressd, the attacker's result, the two answers)."""
+def sniffing_attack(lab, egressd, family: int, slow_upstream: str, script: str, *args) -> tuple:
+    """`slow_upstream` (a script answering A WILD_V4 0.3 s late) in the internet namespace,
+    egressd asking it over `family`, `script` (argv: upstream, sandbox address, *args) running
+    in the sandbox with Docker's capabilities while the sandbox asks two names. Returns
+    (egressd, the attacker's result, the two DnsReplies)."""
     upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
     me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
     lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
                     *([] if family == 4 else ["nodad"]))
-    slow = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, WILD_V4, "0.3"], netns=lab.internet,
+    slow = lab.spawn([sys.executable, "-c", slow_upstream, upstream, WILD_V4, "0.3"], netns=lab.internet,
                      stdout=subprocess.PIPE)
     assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
     d = egressd(policy(upstream))
-    p = attacker(lab, TCP_INJECT, upstream, me, FORGED_V4, 4.0, *mode, caps=DOCKER_CAPS)
+    p = attacker(lab, script, upstream, me, *args, caps=DOCKER_CAPS)
     t = tok()
-    answers = []
-    for i in range(2):
-        r = lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0)
-        answers.append((r.outcome, r.rcode, r.addresses))
-    return d, attacker_result(p), answers
+    replies = [lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=3.0) for i in range(2)]
+    return d, attacker_result(p), replies
+
+
+def tcp_inject(lab, egressd, family: int, *mode: str):
+    """sniffing_attack with SLOW_TCP_UPSTREAM (it truncates over UDP, answers over TCP) and
+    TCP_INJECT in `mode`; the answers as (outcome, rcode, addresses)."""
+    d, res, replies = sniffing_attack(lab, egressd, family, SLOW_TCP_UPSTREAM, TCP_INJECT, FORGED_V4, 4.0, *mode)
+    return d, res, [(r.outcome, r.rcode, r.addresses) for r in replies]
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -443,6 +458,80 @@ def test_a_sandbox_cannot_aim_rejects_reset_at_egressds_upstream_socket(lab, egr
     assert res["forged"] >= 2 and res["refused_locally"] == res["forged"], \
         f"the attack never made the deny answer a packet of egressd's flow: {res}"
     assert all(a == [WILD_V4] for _, _, a in answers), f"egressd's exchange with the upstream was cut: {answers}"
+    assert d.running
+
+
+# An upstream that answers every UDP query 0.3 s late (A WILD_V4): time for an attacker to act.
+SLOW_UDP_UPSTREAM = textwrap.dedent(r"""
+    import socket, struct, sys, threading, time
+    addr, real, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    u = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind((addr, 53))
+    def later(q, peer):
+        time.sleep(delay)
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        u.sendto(q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5] + b"\xc0\x0c"
+                 + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(real), peer)
+    print("READY", flush=True)
+    while True:
+        q, peer = u.recvfrom(4096)
+        threading.Thread(target=later, args=(q, peer), daemon=True).start()
+""")
+
+# A root process with only NET_RAW (Docker's default): sniffs eth0 for egressd's UDP queries to
+# the upstream and, for each, either ("reject") sends a datagram of its own on egressd's flow
+# (from egressd's address and port: the deny refuses it and answers with an ICMP error to
+# egressd's socket) or ("icmp") writes that ICMP error itself (port unreachable, from the
+# sandbox's own address, quoting egressd's query). argv: upstream, own address, seconds, mode.
+UDP_ERROR_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r"""
+    seconds, mode = float(sys.argv[3]), sys.argv[4]
+    def ip(src, dst, proto, body):
+        if v6:
+            return struct.pack("!IHBB", 6 << 28, len(body), proto, 64) + src + dst + body
+        return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, proto, 0, src, dst) + body
+    print("READY", flush=True)
+    seen = sent = refused = 0
+    for pkt in sniffed(seconds):
+        hdr = 40 if v6 else (pkt[0] & 0xF) * 4
+        if len(pkt) < hdr + 8 or pkt[0] >> 4 != (6 if v6 else 4) or pkt[6 if v6 else 9] != 17:
+            continue
+        src, dst = (pkt[8:24], pkt[24:40]) if v6 else (pkt[12:16], pkt[16:20])
+        sport, dport = struct.unpack_from("!HH", pkt, hdr)
+        if src != mine or dst != up or dport != 53:
+            continue
+        seen += 1
+        if mode == "reject":
+            to, packet = upstream, ip(mine, up, 17, struct.pack("!HHHH", sport, 53, 20, 0) + b"x" * 12)
+        else:
+            body = struct.pack("!BBHI", 1 if v6 else 3, 4 if v6 else 3, 0, 0) + pkt[:hdr + 8]
+            pseudo = mine + mine + struct.pack("!I3xB", len(body), 58) if v6 else b""
+            body = body[:2] + struct.pack("!H", csum(pseudo + body)) + body[4:]
+            to, packet = me, ip(mine, mine, 58 if v6 else 1, body)
+        try:
+            raw.sendto(packet, (to, 0))
+            sent += 1
+        except PermissionError:
+            refused += 1
+    print(json.dumps({"queries_seen": seen, "sent": sent, "refused_locally": refused}))
+""")
+
+
+@pytest.mark.parametrize("mode", ["reject", "icmp"])
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_sandbox_cannot_fail_egressds_upstream_queries_with_icmp_errors(lab, egressd, family, mode):
+    """A sandbox process with NET_RAW (Docker's default) sees egressd's UDP query to the upstream
+    on eth0 and makes an ICMP error arrive at egressd's upstream socket before the answer: the
+    deny's own, for a datagram it forged on egressd's flow ("reject"), or one it writes from the
+    sandbox's address quoting the query ("icmp"). Either reached the socket over lo, related to
+    egressd's flow, and failed the query at once: SERVFAIL for every name, IPv4 and IPv6. What
+    conntrack relates to egressd's own flows on lo is dropped: the answers arrive."""
+    d, res, answers = sniffing_attack(lab, egressd, family, SLOW_UDP_UPSTREAM, UDP_ERROR_INJECT, 4.0, mode)
+    print(f"\nICMP errors ({mode}) at egressd's upstream socket: {res}; answers {answers}")
+    assert res["queries_seen"] >= 2 and res["sent"] + res["refused_locally"] == res["queries_seen"], res
+    assert [(r.rcode, r.addresses) for r in answers] == [("NOERROR", [WILD_V4])] * 2, \
+        f"egressd's upstream queries were failed by forged ICMP errors: {answers}; log:\n{d.log()[-1500:]}"
     assert d.running
 
 

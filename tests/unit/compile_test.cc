@@ -87,10 +87,15 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   CHECK(text[1] ==
         "meta nfproto ipv6 ct direction original ct state established,new ct mark != 0x00000000 "
         "ct mark != 0x7ffffffc/30 counter goto active");
-  // And one more, on `lo` only: the TCP reset reject makes for a packet of a confirmed flow,
-  // which conntrack relates to that flow (a cut client fails at once), never on egressd's own.
+  // And two more, on `lo` only. First, right after the fast path and ahead of every accept:
+  // what conntrack relates to egressd's own upstream flows is dropped (the deny's ICMP error
+  // or reset for a packet forged on such a flow, an ICMP error a raw socket writes quoting it:
+  // each would fail egressd's query). Then the TCP reset reject makes for a packet of a
+  // confirmed flow, which conntrack relates to that flow (a cut client fails at once).
+  const std::string own_related = "oif \"lo\" ct state related ct mark 0x7ffffffe counter drop";
   const std::string related_reset = "oif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept";
-  for (std::size_t i = 2; i < text.size(); ++i) {
+  CHECK(text[2] == own_related);
+  for (std::size_t i = 3; i < text.size(); ++i) {
     if (text[i] != related_reset) CHECK(text[i].find("ct state") == std::string::npos);
   }
   CHECK(std::count(text.begin(), text.end(), related_reset) == 1);
@@ -185,6 +190,7 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
   CHECK(text == std::vector<std::string>{
                     "meta mark 0x22222222 meta mark set 0x00000000 meta priority set none",
                     "meta mark 0x11111111 meta mark set 0x00000000",
+                    "iif \"lo\" ct state related ct mark 0x7ffffffe counter drop",
                     "iif \"lo\" ct direction reply ct status ! confirmed accept",
                     "iif \"lo\" ct direction reply ct status dnat accept",
                     "iif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept",
