@@ -20,6 +20,8 @@ namespace {
 
 constexpr std::uint8_t kTcp = 6;
 constexpr std::uint8_t kUdp = 17;
+constexpr std::uint8_t kIcmp = 1;
+constexpr std::uint8_t kIcmpv6 = 58;
 constexpr std::uint16_t kQuicPort = 443;
 constexpr std::uint8_t kTcpOptFastOpen = 34, kTcpOptFastOpenExp = 254;
 // ICMPv6 neighbour discovery types that must leave for IPv6 to work at all.
@@ -277,21 +279,27 @@ Rule related_reset_on_lo(Stmt dev) {
           ""};
 }
 
-// What conntrack relates to one of egressd's own upstream flows (ct mark
-// kOwnFlowMark) on `lo` (`dev`: oif in chain output, iif in input): dropped.
-// egressd's own packets never meet the deny, so the only such packets are
-// the deny's answers to a packet a sandbox process forged on that flow (its
-// addresses and ports are on eth0 or lo for AF_PACKET to see; NET_RAW writes
-// it) — an ICMP error, or reject's TCP reset — and ICMP errors a process
-// writes from a local address quoting the flow. Any of them at egressd's
-// socket fails the query it carries (SERVFAIL at once). Genuine errors for
-// an upstream outside the namespace arrive on its interface, not `lo`; for a
-// loopback upstream (Docker's 127.0.0.11) an unreachable port now costs the
-// upstream's timeout instead of an immediate error.
-Rule own_flow_related_on_lo(Stmt dev) {
-  return {{std::move(dev), MatchCtStateRelated{}, MatchCtMark{kOwnFlowMark}, StmtCounter{},
-           StmtVerdict{VerdictKind::drop, ""}},
-          ""};
+// ICMP errors at egressd's upstream sockets, on `lo` (`dev`: oif in chain
+// output, iif in input): dropped. Any of them at such a socket fails the query
+// it carries at once (SERVFAIL). egressd's own packets never meet the deny,
+// so what conntrack relates to one of egressd's own flows (ct mark
+// kOwnFlowMark) there is a forgery's doing: the deny's answer to a packet a
+// sandbox process forged on the flow (its addresses and ports are on eth0 or
+// lo for AF_PACKET to see; NET_RAW writes it), an ICMP error or reject's TCP
+// reset, or an ICMP error a raw socket writes quoting the flow. An ICMP error
+// conntrack relates to no flow at all (ct state invalid) is one quoting a
+// packet no flow sent: on a flow Docker's resolver DNATs, the quoted header
+// as the socket knows it (to 127.0.0.11:53), which the kernel still delivers
+// to that socket. Genuine errors for an upstream outside the namespace
+// arrive on its interface; for a loopback upstream (Docker's 127.0.0.11)
+// that is down, egressd now waits out the try's timeout.
+std::vector<Rule> upstream_errors_on_lo(const Stmt& dev) {
+  const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
+  return {
+      {{dev, MatchCtStateRelated{}, MatchCtMark{kOwnFlowMark}, StmtCounter{}, drop()}, ""},
+      {{dev, MatchL4Proto{kIcmp}, MatchCtStateInvalid{}, StmtCounter{}, drop()}, ""},
+      {{dev, MatchL4Proto{kIcmpv6}, MatchCtStateInvalid{}, StmtCounter{}, drop()}, ""},
+  };
 }
 
 // The loopback upstreams, single addresses (chain lo_replies matches each).
@@ -340,9 +348,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
   const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {
-    // Ahead of every accept on `lo`: a forged flow's ICMP error or reset must
-    // not reach egressd's upstream socket (see own_flow_related_on_lo).
-    c.rules.push_back(own_flow_related_on_lo(MatchOifLoopback{}));
+    // Ahead of every accept on `lo`: no forged error may reach egressd's
+    // upstream sockets (see upstream_errors_on_lo).
+    for (auto& r : upstream_errors_on_lo(MatchOifLoopback{})) c.rules.push_back(std::move(r));
     // egressd's own upstream queries (SO_MARK), only on a flow egressd itself
     // created (class 3: a sandbox that made the flow first, e.g. from
     // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
@@ -494,10 +502,12 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   // socket (the DNS proxy's answer to a query for 192.0.2.1:53 comes from
   // 192.0.2.1 once conntrack has undone the redirect), let through first.
   // egressd's own upstream flows are never DNATed by egressd, so a forged
-  // "answer" from an upstream's address is still dropped. What conntrack
-  // relates to egressd's own upstream flows goes first (chain output drops it
-  // already; a DNATed flow, Docker's resolver, would pass the accepts below).
-  if (opts.dns_port != 0) c.rules.push_back(own_flow_related_on_lo(MatchIifLoopback{}));
+  // "answer" from an upstream's address is still dropped. Errors aimed at
+  // egressd's upstream sockets go first (chain output drops them already; on
+  // a DNATed flow, Docker's resolver's, they would pass the accepts below).
+  if (opts.dns_port != 0) {
+    for (auto& r : upstream_errors_on_lo(MatchIifLoopback{})) c.rules.push_back(std::move(r));
+  }
   c.rules.push_back({{MatchIifLoopback{}, MatchCtDirectionReply{}, MatchCtStatus{CtStatusBit::confirmed, true},
                       accept()},
                      ""});

@@ -103,6 +103,9 @@ struct MatchCtStateNewOrEstablished {};
 // and attached to its entry (reject's TCP reset). No helper is ever attached,
 // so there are no expectations, the third source.
 struct MatchCtStateRelated {};
+// ct state invalid: conntrack has no entry for the packet, nor one it relates
+// the packet to (here: an ICMP error whose quoted packet is of no flow).
+struct MatchCtStateInvalid {};
 // ct status dnat / ct status ! confirmed: one conntrack status bit set (or,
 // negated, clear). dnat: the flow's destination was rewritten (DNAT,
 // redirect). confirmed: the flow is in the conntrack table; a packet on an
@@ -212,7 +215,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
-                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStatus,
+                          MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,

@@ -481,6 +481,10 @@ class RuleBuilder {
     ct_load(NFT_CT_STATE);
     bit_test(NF_CT_STATE_BIT(IP_CT_RELATED));
   }
+  void operator()(const MatchCtStateInvalid&) {
+    ct_load(NFT_CT_STATE);
+    bit_test(NF_CT_STATE_INVALID_BIT);
+  }
   void operator()(const MatchCtStatus& m) {
     ct_load(NFT_CT_STATUS);
     bit_test(static_cast<std::uint32_t>(m.bit), m.negate);

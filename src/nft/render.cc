@@ -21,6 +21,8 @@ std::string proto_name(std::uint8_t proto) {
   switch (proto) {
     case 6: return "tcp";
     case 17: return "udp";
+    case 1: return "icmp";
+    case 58: return "ipv6-icmp";
     default: return std::to_string(proto);
   }
 }
@@ -135,6 +137,7 @@ struct StmtText {
   std::string operator()(const MatchCtStateNew&) const { return "ct state new"; }
   std::string operator()(const MatchCtStateNewOrEstablished&) const { return "ct state established,new"; }
   std::string operator()(const MatchCtStateRelated&) const { return "ct state related"; }
+  std::string operator()(const MatchCtStateInvalid&) const { return "ct state invalid"; }
   std::string operator()(const MatchCtStatus& m) const {
     return std::string("ct status ") + (m.negate ? "! " : "") + (m.bit == CtStatusBit::dnat ? "dnat" : "confirmed");
   }

@@ -447,6 +447,8 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
         {{MatchDport{17, 443}, MatchMetaLengthOver{1500}, StmtVerdict{VerdictKind::goto_, "sub"}}, ""},
         {{MatchTcpFlagUrg{}, StmtVerdict{VerdictKind::goto_, "sub"}}, ""},
         {{MatchCtStateRelated{}, MatchTcpFlagRst{}, accept}, ""},
+        {{MatchL4Proto{1}, MatchCtStateInvalid{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+        {{MatchL4Proto{58}, MatchCtStateInvalid{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
         {{MatchFibAddrType{true, AddrType::broadcast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
         {{MatchFibAddrType{true, AddrType::multicast}, StmtVerdict{VerdictKind::drop, ""}}, ""},
         {{StmtMetaMarkSet{0xdeadbeef}, StmtMetaPrioritySet{0x12345678}, accept}, ""},

@@ -300,7 +300,7 @@ SNIFF_AND_FORGE = textwrap.dedent(r'''
     fam = socket.AF_INET6 if v6 else socket.AF_INET
     up, mine = socket.inet_pton(fam, upstream), socket.inet_pton(fam, me)
     sniff = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0003))  # both ways, no link header
-    sniff.bind(("eth0", 0))
+    sniff.bind(("lo" if socket.inet_pton(fam, upstream)[0] == 127 or upstream == "::1" else "eth0", 0))
     sniff.settimeout(0.05)
     raw = socket.socket(fam, socket.SOCK_RAW, socket.IPPROTO_RAW)  # the whole IP header is ours (v6 too)
     def csum(b):
@@ -480,11 +480,13 @@ SLOW_UDP_UPSTREAM = textwrap.dedent(r"""
         threading.Thread(target=later, args=(q, peer), daemon=True).start()
 """)
 
-# A root process with only NET_RAW (Docker's default): sniffs eth0 for egressd's UDP queries to
-# the upstream and, for each, either ("reject") sends a datagram of its own on egressd's flow
-# (from egressd's address and port: the deny refuses it and answers with an ICMP error to
-# egressd's socket) or ("icmp") writes that ICMP error itself (port unreachable, from the
-# sandbox's own address, quoting egressd's query). argv: upstream, own address, seconds, mode.
+# A root process with only NET_RAW (Docker's default): sniffs eth0 (lo for a loopback upstream)
+# for egressd's UDP queries to the upstream and, for each, either ("reject") sends a datagram
+# of its own on egressd's flow (from egressd's address and port to the upstream's port 53: the
+# deny refuses it and answers with an ICMP error to egressd's socket) or ("icmp") writes that
+# ICMP error itself (port unreachable, from the sandbox's own address, quoting egressd's query
+# as seen); "icmp-port-53" quotes it with destination port 53, as egressd's socket knows a flow
+# Docker's resolver DNATs to another port. argv: upstream, own address, seconds, mode.
 UDP_ERROR_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r"""
     seconds, mode = float(sys.argv[3]), sys.argv[4]
     def ip(src, dst, proto, body):
@@ -499,13 +501,16 @@ UDP_ERROR_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r"""
             continue
         src, dst = (pkt[8:24], pkt[24:40]) if v6 else (pkt[12:16], pkt[16:20])
         sport, dport = struct.unpack_from("!HH", pkt, hdr)
-        if src != mine or dst != up or dport != 53:
+        if src != mine or dst != up:
             continue
         seen += 1
         if mode == "reject":
             to, packet = upstream, ip(mine, up, 17, struct.pack("!HHHH", sport, 53, 20, 0) + b"x" * 12)
         else:
-            body = struct.pack("!BBHI", 1 if v6 else 3, 4 if v6 else 3, 0, 0) + pkt[:hdr + 8]
+            quoted = pkt[:hdr + 8]
+            if mode == "icmp-port-53":
+                quoted = quoted[:hdr + 2] + struct.pack("!H", 53) + quoted[hdr + 4:]
+            body = struct.pack("!BBHI", 1 if v6 else 3, 4 if v6 else 3, 0, 0) + quoted
             pseudo = mine + mine + struct.pack("!I3xB", len(body), 58) if v6 else b""
             body = body[:2] + struct.pack("!H", csum(pseudo + body)) + body[4:]
             to, packet = me, ip(mine, mine, 58 if v6 else 1, body)
@@ -532,6 +537,25 @@ def test_a_sandbox_cannot_fail_egressds_upstream_queries_with_icmp_errors(lab, e
     assert res["queries_seen"] >= 2 and res["sent"] + res["refused_locally"] == res["queries_seen"], res
     assert [(r.rcode, r.addresses) for r in answers] == [("NOERROR", [WILD_V4])] * 2, \
         f"egressd's upstream queries were failed by forged ICMP errors: {answers}; log:\n{d.log()[-1500:]}"
+    assert d.running
+
+
+@pytest.mark.parametrize("mode", ["reject", "icmp", "icmp-port-53"])
+def test_a_sandbox_cannot_fail_egressds_queries_to_dockers_resolver_with_icmp_errors(lab, egressd, mode):
+    """The same against Docker's resolver (emulated: 127.0.0.11, DNAT to its real port, slow
+    for names starting with "slow"), sniffed on lo. "icmp-port-53" quotes egressd's query with
+    the port egressd's socket knows (53), not the one on the wire: conntrack relates that error
+    to no flow, and the kernel delivered it to egressd's socket all the same."""
+    DockerResolver(lab, slow={"slow": 300})
+    d = docker_egressd(lab, egressd)
+    p = attacker(lab, UDP_ERROR_INJECT, "127.0.0.11", "127.0.0.1", 4.0, mode, caps=DOCKER_CAPS)
+    t = tok()
+    answers = [lab.dns_query(f"slow{i}.{t}.wild.example.org", timeout=3.0) for i in range(2)]
+    res = attacker_result(p)
+    print(f"\nICMP errors ({mode}) at egressd's socket to Docker's resolver: {res}; answers {answers}")
+    assert res["queries_seen"] >= 2 and res["sent"] + res["refused_locally"] == res["queries_seen"], res
+    assert [(r.rcode, r.addresses) for r in answers] == [("NOERROR", [WILD_V4])] * 2, \
+        f"egressd's queries to Docker's resolver were failed by forged ICMP errors: {answers}"
     assert d.running
 
 

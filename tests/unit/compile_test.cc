@@ -87,15 +87,21 @@ TEST_CASE("output never accepts established flows wholesale, and ends in the act
   CHECK(text[1] ==
         "meta nfproto ipv6 ct direction original ct state established,new ct mark != 0x00000000 "
         "ct mark != 0x7ffffffc/30 counter goto active");
-  // And two more, on `lo` only. First, right after the fast path and ahead of every accept:
-  // what conntrack relates to egressd's own upstream flows is dropped (the deny's ICMP error
-  // or reset for a packet forged on such a flow, an ICMP error a raw socket writes quoting it:
-  // each would fail egressd's query). Then the TCP reset reject makes for a packet of a
-  // confirmed flow, which conntrack relates to that flow (a cut client fails at once).
-  const std::string own_related = "oif \"lo\" ct state related ct mark 0x7ffffffe counter drop";
+  // And more, on `lo` only. First, right after the fast path and ahead of every accept, the
+  // errors that would fail egressd's upstream queries are dropped: what conntrack relates to
+  // egressd's own flows (the deny's ICMP error or reset for a packet forged on such a flow, an
+  // ICMP error a raw socket writes quoting it), and ICMP errors it relates to no flow (one
+  // quoting a DNATed flow as its socket knows it). Then the TCP reset reject makes for a
+  // packet of a confirmed flow, which conntrack relates to that flow (a cut client fails at
+  // once).
+  const std::vector<std::string> upstream_errors = {
+      "oif \"lo\" ct state related ct mark 0x7ffffffe counter drop",
+      "oif \"lo\" meta l4proto icmp ct state invalid counter drop",
+      "oif \"lo\" meta l4proto ipv6-icmp ct state invalid counter drop",
+  };
   const std::string related_reset = "oif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept";
-  CHECK(text[2] == own_related);
-  for (std::size_t i = 3; i < text.size(); ++i) {
+  CHECK(std::vector<std::string>(text.begin() + 2, text.begin() + 5) == upstream_errors);
+  for (std::size_t i = 5; i < text.size(); ++i) {
     if (text[i] != related_reset) CHECK(text[i].find("ct state") == std::string::npos);
   }
   CHECK(std::count(text.begin(), text.end(), related_reset) == 1);
@@ -191,6 +197,8 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
                     "meta mark 0x22222222 meta mark set 0x00000000 meta priority set none",
                     "meta mark 0x11111111 meta mark set 0x00000000",
                     "iif \"lo\" ct state related ct mark 0x7ffffffe counter drop",
+                    "iif \"lo\" meta l4proto icmp ct state invalid counter drop",
+                    "iif \"lo\" meta l4proto ipv6-icmp ct state invalid counter drop",
                     "iif \"lo\" ct direction reply ct status ! confirmed accept",
                     "iif \"lo\" ct direction reply ct status dnat accept",
                     "iif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept",

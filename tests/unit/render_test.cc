@@ -100,6 +100,9 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchTcpFlagUrg{}) == "tcp flags urg");
   CHECK(one(MatchTcpFlagRst{}) == "tcp flags rst");
   CHECK(one(MatchCtStateRelated{}) == "ct state related");
+  CHECK(one(MatchCtStateInvalid{}) == "ct state invalid");
+  CHECK(one(MatchL4Proto{1}) == "meta l4proto icmp");
+  CHECK(one(MatchL4Proto{58}) == "meta l4proto ipv6-icmp");
   CHECK(one(MatchMetaNfproto{4}) == "meta nfproto ipv4");
   CHECK(one(MatchMetaNfproto{6}) == "meta nfproto ipv6");
   auto pfx = [](const char* a, int len) {
