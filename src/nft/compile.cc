@@ -525,6 +525,18 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // socket lookup is the expensive part.
     c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark}, StmtVerdict{VerdictKind::drop, ""}},
                        ""});
+    // Nor anything conntrack knows nothing of (ct state invalid): a TCP reset
+    // or an ICMP error for a flow it does not track, such as one naming
+    // egressd's flow to Docker's resolver by the address and port egressd's
+    // socket knows (127.0.0.11:53), not the ones it went out to after the
+    // DNAT. The kernel would deliver it to the socket it names, and it would
+    // kill the query. (The socket lookup reads an ICMP error's quoted header.)
+    // With the netdev egress hook, chain lo_replies drops such a packet from
+    // a loopback upstream's address first (unsigned: no flow); this holds
+    // where that hook is missing, and for any other source.
+    c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark}, StmtCounter{},
+                        StmtVerdict{VerdictKind::drop, ""}},
+                       ""});
   }
   if (policy.enforce.inbound_replies) {
     c.rules.push_back({{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});

@@ -2,7 +2,7 @@
 """Small DNS servers for the egressd lab, run inside a namespace (`ip netns exec`).
 
     dnsserver.py docker  --addr 127.0.0.11 --forward 192.0.2.1 [--service NAME=ADDR]... [--slow LABEL=MS]
-                         [--log FILE]
+                         [--truncate LABEL] [--log FILE]
     dnsserver.py record  --addr 198.51.100.53 --answer 203.0.113.10 [--ttl S] --log FILE
 
 docker   Docker's embedded resolver as Docker 20.10 runs it on a user-defined network: it listens
@@ -11,7 +11,9 @@ docker   Docker's embedded resolver as Docker 20.10 runs it on a user-defined ne
          NOERROR), and forwards every other query as it received it (same bytes: ID, flags,
          question case, records) to FORWARD:53 from this namespace, over the transport the
          query came on, relaying the answer back unchanged. Names whose first label starts with
-         LABEL (--slow) are forwarded after MS milliseconds (an upstream that is slow to answer).
+         LABEL (--slow) are forwarded after MS milliseconds (an upstream that is slow to answer);
+         over UDP, names whose first label starts with --truncate's LABEL get an empty answer
+         with TC set at once, so the client asks again over TCP.
 record   A name server that answers every A query with ANSWER (AAAA: empty NOERROR) and
          appends every query it receives, as hex, to FILE (one JSON object per line: transport,
          hex, peer), so a test sees exactly what reached the upstream.
@@ -97,6 +99,10 @@ class Server:
         a = self.args
         if a.mode == "record":
             return local_answer(msg, q, a.answer, a.ttl)
+        first = name.split(".", 1)[0]
+        if transport == "udp" and a.truncate and first.startswith(a.truncate):
+            log(kind="truncated", name=name)
+            return msg[:2] + bytes([0x82 | (msg[2] & 0x01), 0x80]) + b"\x00\x01\x00\x00\x00\x00\x00\x00" + msg[12:q[2]]
         if name in self.services:
             log(kind="service", name=name, transport=transport)
             return local_answer(msg, q, self.services[name], 600)
@@ -192,6 +198,7 @@ def main():
     ap.add_argument("--forward", default="192.0.2.1")
     ap.add_argument("--service", action="append", default=[])
     ap.add_argument("--slow", action="append", default=[])
+    ap.add_argument("--truncate")
     ap.add_argument("--answer", default="203.0.113.10")
     ap.add_argument("--ttl", type=int, default=60)
     ap.add_argument("--log")

@@ -460,6 +460,7 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
          {{{MatchMetaMark{0xdeadbeef}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""},
           {{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
           {{MatchSocketMark{0x11223344}, MatchCtDirectionOriginal{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
+          {{MatchCtStateInvalid{}, MatchSocketMark{0x11223344}, StmtVerdict{VerdictKind::drop, ""}}, ""},
           {{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""}}});
     Table nd;
     nd.name = "egressd";

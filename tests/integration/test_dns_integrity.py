@@ -559,6 +559,56 @@ def test_a_sandbox_cannot_fail_egressds_queries_to_dockers_resolver_with_icmp_er
     assert d.running
 
 
+# A root process with only NET_RAW: sniffs lo for egressd's TCP exchange with Docker's resolver
+# (127.0.0.1:<port> <-> 127.0.0.11:<its real port>, after the DNAT) and, once egressd's query is
+# out, resets egressd's socket from 127.0.0.11:53, the port egressd's socket knows, with the
+# sequence number it expects next (the resolver's SYN-ACK + 1). argv: upstream, own, seconds.
+TCP_RESET_PORT_53 = SNIFF_AND_FORGE + textwrap.dedent(r"""
+    seconds = float(sys.argv[3])
+    print("READY", flush=True)
+    isn, seen, sent, refused = {}, 0, 0, 0
+    for pkt in sniffed(seconds):
+        if len(pkt) < 40 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+            continue
+        ihl = (pkt[0] & 0xF) * 4
+        src, dst, tcp = pkt[12:16], pkt[16:20], pkt[ihl:struct.unpack_from("!H", pkt, 2)[0]]
+        sport, dport, seq = struct.unpack_from("!HHI", tcp)
+        if src == up and dst == mine and tcp[13] & 0x12 == 0x12:  # the resolver's SYN-ACK
+            isn[dport] = seq
+        elif src == mine and dst == up and len(tcp) > (tcp[12] >> 4) * 4 and sport in isn:  # the query
+            seen += 1
+            seg = struct.pack("!HHIIBBHHH", 53, sport, isn.pop(sport) + 1, 0, 5 << 4, 0x04, 0, 0, 0)
+            seg = seg[:16] + struct.pack("!H", csum(up + mine + struct.pack("!BBH", 0, 6, len(seg)) + seg)) + seg[18:]
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
+            try:
+                raw.sendto(ip + seg, (me, 0))
+                sent += 1
+            except PermissionError:
+                refused += 1
+    print(json.dumps({"queries_seen": seen, "sent": sent, "refused_locally": refused}))
+""")
+
+
+def test_a_sandbox_cannot_reset_egressds_tcp_query_to_dockers_resolver(lab, egressd):
+    """egressd asks Docker's resolver again over TCP when its UDP answer is truncated. A process
+    with NET_RAW sees that exchange on lo and sends egressd's socket a reset from 127.0.0.11:53,
+    the port egressd's socket knows (the flow went out DNATed to another): conntrack knows no
+    such flow (`ct state invalid`), and the kernel would deliver the reset to the socket it
+    names, killing the query. Nothing conntrack does not know reaches egressd's upstream
+    sockets: the queries are answered."""
+    DockerResolver(lab, slow={"slow": 300}, truncate="slow")
+    d = docker_egressd(lab, egressd)
+    p = attacker(lab, TCP_RESET_PORT_53, "127.0.0.11", "127.0.0.1", 4.0, caps=DOCKER_CAPS)
+    t = tok()
+    answers = [lab.dns_query(f"slow{i}.{t}.wild.example.org", timeout=3.0) for i in range(2)]
+    res = attacker_result(p)
+    print(f"\nreset from 127.0.0.11:53 at egressd's TCP query: {res}; answers {answers}")
+    assert res["queries_seen"] >= 2, f"the attacker saw none of egressd's TCP queries: {res}"
+    assert [(r.rcode, r.addresses) for r in answers] == [("NOERROR", [WILD_V4])] * 2, \
+        f"egressd's TCP queries to Docker's resolver were reset: {answers}"
+    assert d.running
+
+
 def test_ttl_of_2_pow_31_is_capped(lab, egressd):
     """An upstream (or whoever runs an allowed wildcard's zone) answers with TTL 2^31-1: the
     learned element lives dns.max_ttl (default 1 h) + 10 s, the client sees at most max_ttl, and a
@@ -719,7 +769,8 @@ class DockerResolver:
     and forwarding every other query as received to the lab's DNS (192.0.2.1) from inside the
     namespace; resolv.conf would say `nameserver 127.0.0.11`."""
 
-    def __init__(self, lab, services=None, slow=None, forward=DNS_V4, cgroup: Path | None = None):
+    def __init__(self, lab, services=None, slow=None, forward=DNS_V4, cgroup: Path | None = None,
+                 truncate: str | None = None):
         self.lab = lab
         self.log_path = lab.tmp / f"dockerlike-{random.getrandbits(24):06x}.jsonl"
         args = [sys.executable, str(HERE / "dnsserver.py"), "docker", "--addr", "127.0.0.11", "--forward", forward,
@@ -728,6 +779,8 @@ class DockerResolver:
             args += ["--service", f"{name}={addr}"]
         for label, ms in (slow or {}).items():
             args += ["--slow", f"{label}={ms}"]
+        if truncate:
+            args += ["--truncate", truncate]
         if cgroup is not None:
             # In that cgroup (dockerd's, say) before it opens a socket: a socket keeps the cgroup
             # it was made in. `ip netns exec` mounts a sysfs of its own on /sys: the hierarchy

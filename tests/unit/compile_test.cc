@@ -204,6 +204,7 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
                     "iif \"lo\" ct state related ct mark != 0x7ffffffe tcp flags rst accept",
                     "iif \"lo\" fib saddr type != local drop",
                     "ct direction original socket mark 0x11111111 drop",
+                    "ct state invalid socket mark 0x11111111 counter drop",
                     "iif != \"lo\" ct state new ct mark set 0x7fffffff",
                 });
 
