@@ -727,7 +727,6 @@ class RuleBuilder {
     nftnl_expr_set(e.get(), NFTNL_EXPR_BITWISE_XOR, &zero, sizeof zero);
     add(std::move(e));
   }
-  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
   // `tcp flags <flag>`: meta l4proto tcp, then the flags byte masked with
   // `bit`, compared with zero.
   void tcp_flag(std::uint8_t bit) {
@@ -736,6 +735,7 @@ class RuleBuilder {
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
     bit_test_u8(bit);
   }
+  // [ bitwise reg 1 = (reg 1 & bit) ^ 0 ] [ cmp neq reg 1 0 ] on one byte.
   void bit_test_u8(std::uint8_t bit) {
     const std::uint8_t zero = 0;
     mask_u8(bit);

@@ -291,8 +291,9 @@ SLOW_TCP_UPSTREAM = textwrap.dedent(r'''
 # and reject's reset for it, from the upstream's address over lo, would carry exactly that
 # sequence number to egressd's socket.
 # The start of both raw-socket attackers below: argv[1] the upstream, argv[2] the sandbox's
-# address; an AF_PACKET socket on eth0 that sees both directions, a raw socket that writes
-# whole IP packets (v6 too), and the Internet checksum.
+# address; an AF_PACKET socket on eth0 (lo for a loopback upstream) that sees both directions,
+# a raw socket that writes whole IP packets (v6 too), the Internet checksum, an IP header, and
+# send() for a TCP segment.
 SNIFF_AND_FORGE = textwrap.dedent(r'''
     import json, socket, struct, sys, time
     upstream, me = sys.argv[1], sys.argv[2]
@@ -310,6 +311,21 @@ SNIFF_AND_FORGE = textwrap.dedent(r'''
         while s >> 16:
             s = (s & 0xFFFF) + (s >> 16)
         return ~s & 0xFFFF
+    def ip(src, dst, proto, body):
+        """`body` behind an IPv4 or IPv6 header from src to dst."""
+        if v6:
+            return struct.pack("!IHBB", 6 << 28, len(body), proto, 64) + src + dst + body
+        return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, proto, 0, src, dst) + body
+    def send(src, dst, seg, to):
+        """The TCP segment `seg` (checksum 0) from src to dst over the raw socket: 0 when sent,
+        1 when a deny in chain output refused it (the segment went nowhere)."""
+        pseudo = src + dst + (struct.pack("!I3xB", len(seg), 6) if v6 else struct.pack("!BBH", 0, 6, len(seg)))
+        seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
+        try:
+            raw.sendto(ip(src, dst, 6, seg), (to, 0))
+            return 0
+        except PermissionError:
+            return 1
     def sniffed(seconds):
         """Every packet the AF_PACKET socket sees for `seconds`."""
         deadline = time.monotonic() + seconds
@@ -323,22 +339,6 @@ SNIFF_AND_FORGE = textwrap.dedent(r'''
 TCP_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r'''
     forged, seconds = sys.argv[3], float(sys.argv[4])
     reset = sys.argv[5:] == ["reset"]
-    def send(src, dst, seg, to):
-        """The TCP segment `seg` (checksum 0) from src to dst over the raw socket: 0 when sent,
-        1 when a deny in chain output refused it (the segment went nowhere)."""
-        if v6:
-            pseudo = src + dst + struct.pack("!I3xB", len(seg), 6)
-            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-            ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + src + dst
-        else:
-            pseudo = src + dst + struct.pack("!BBH", 0, 6, len(seg))
-            seg = seg[:16] + struct.pack("!H", csum(pseudo + seg)) + seg[18:]
-            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, src, dst)
-        try:
-            raw.sendto(ip + seg, (to, 0))
-            return 0
-        except PermissionError:
-            return 1
     def ts_option(tcp):
         off, end = 20, (tcp[12] >> 4) * 4
         while off < end:
@@ -489,10 +489,6 @@ SLOW_UDP_UPSTREAM = textwrap.dedent(r"""
 # Docker's resolver DNATs to another port. argv: upstream, own address, seconds, mode.
 UDP_ERROR_INJECT = SNIFF_AND_FORGE + textwrap.dedent(r"""
     seconds, mode = float(sys.argv[3]), sys.argv[4]
-    def ip(src, dst, proto, body):
-        if v6:
-            return struct.pack("!IHBB", 6 << 28, len(body), proto, 64) + src + dst + body
-        return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, proto, 0, src, dst) + body
     print("READY", flush=True)
     seen = sent = refused = 0
     for pkt in sniffed(seconds):
@@ -578,13 +574,8 @@ TCP_RESET_PORT_53 = SNIFF_AND_FORGE + textwrap.dedent(r"""
         elif src == mine and dst == up and len(tcp) > (tcp[12] >> 4) * 4 and sport in isn:  # the query
             seen += 1
             seg = struct.pack("!HHIIBBHHH", 53, sport, isn.pop(sport) + 1, 0, 5 << 4, 0x04, 0, 0, 0)
-            seg = seg[:16] + struct.pack("!H", csum(up + mine + struct.pack("!BBH", 0, 6, len(seg)) + seg)) + seg[18:]
-            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, up, mine)
-            try:
-                raw.sendto(ip + seg, (me, 0))
-                sent += 1
-            except PermissionError:
-                refused += 1
+            no = send(up, mine, seg, me)
+            sent, refused = sent + 1 - no, refused + no
     print(json.dumps({"queries_seen": seen, "sent": sent, "refused_locally": refused}))
 """)
 
