@@ -8,10 +8,16 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
   const TimePoint now = clock_.steady();
   const TimePoint expires = now + ttl;
   auto& v = by_name_[name];
+  // Only extended: a pair's expiry never shrinks, and one swept had passed.
+  auto note_expiry = [&] {
+    auto [it, fresh] = addr_dns_expires_.try_emplace(addr, expires);
+    if (!fresh) it->second = std::max(it->second, expires);
+  };
   for (auto& a : v) {
     if (a.addr == addr) {
       a.dns_expires = std::max(a.dns_expires, expires);
       if (!a.hosts) a.expires = a.dns_expires;
+      note_expiry();
       return true;
     }
   }
@@ -24,6 +30,7 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
   }
   v.push_back({addr, expires, false, expires});
   by_addr_[addr].insert(name);
+  note_expiry();
   ++count_;
   return true;
 }
@@ -87,7 +94,10 @@ void LearnedStore::sweep(TimePoint now, const std::string& keep) {
       auto at = by_addr_.find(a.addr);
       if (at != by_addr_.end()) {
         at->second.erase(it->first);
-        if (at->second.empty()) by_addr_.erase(at);
+        if (at->second.empty()) {
+          addr_dns_expires_.erase(a.addr);
+          by_addr_.erase(at);
+        }
       }
       --count_;
       return true;
@@ -111,6 +121,13 @@ bool LearnedStore::live_pair(const std::string& name, const IpPrefix& addr) cons
                      [&](const Addr& a) { return a.addr == addr && a.expires > now; });
 }
 
+bool LearnedStore::dns_pair_until(const std::string& name, const IpPrefix& addr, TimePoint t) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) return false;
+  return std::any_of(it->second.begin(), it->second.end(),
+                     [&](const Addr& a) { return a.addr == addr && !a.hosts && a.expires >= t; });
+}
+
 std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool include_expired) const {
   std::vector<std::string> out;
   auto at = by_addr_.find(addr);
@@ -121,6 +138,28 @@ std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool incl
       out.push_back(name);
       continue;
     }
+    const auto& addrs = by_name_.at(name);
+    if (std::any_of(addrs.begin(), addrs.end(), [&](const Addr& a) { return a.addr == addr && a.expires > now; }))
+      out.push_back(name);
+  }
+  return out;
+}
+
+std::chrono::milliseconds LearnedStore::dns_left(const IpPrefix& addr) const {
+  const auto it = addr_dns_expires_.find(addr);
+  const TimePoint now = clock_.steady();
+  if (it == addr_dns_expires_.end() || it->second <= now) return std::chrono::milliseconds(0);
+  return std::chrono::ceil<std::chrono::milliseconds>(it->second - now);
+}
+
+std::vector<std::string> LearnedStore::some_live_names(const IpPrefix& addr, std::size_t limit) const {
+  std::vector<std::string> out;
+  const auto at = by_addr_.find(addr);
+  if (at == by_addr_.end()) return out;
+  const TimePoint now = clock_.steady();
+  std::size_t looked = 0;
+  for (const auto& name : at->second) {
+    if (out.size() >= limit || looked++ >= 4 * limit) break;
     const auto& addrs = by_name_.at(name);
     if (std::any_of(addrs.begin(), addrs.end(), [&](const Addr& a) { return a.addr == addr && a.expires > now; }))
       out.push_back(name);

@@ -53,6 +53,9 @@ class LearnedStore {
   bool live(const std::string& name) const;
   // True when `name` has `addr`, not expired. O(log names + addresses of the name).
   bool live_pair(const std::string& name, const IpPrefix& addr) const;
+  // True when DNS gave `name` the address `addr` until `t` or later, not the
+  // hosts file (whose pairs the kernel times out on a clock of their own).
+  bool dns_pair_until(const std::string& name, const IpPrefix& addr, TimePoint t) const;
   // The names `addr` was learned for, in name order: unexpired pairs only,
   // or every pair still remembered with `include_expired` (they still say
   // where an address came from).
@@ -62,8 +65,18 @@ class LearnedStore {
     const auto it = by_addr_.find(addr);
     return it == by_addr_.end() ? 0 : it->second.size();
   }
+  // How long the latest DNS expiry of any pair with `addr` is away (zero when
+  // all have passed): what its learned set element has left, as far as DNS
+  // answers go. O(log addresses).
+  std::chrono::milliseconds dns_left(const IpPrefix& addr) const;
+  // Up to `limit` names with an unexpired pair for `addr`, in name order,
+  // looking at no more than 4 x `limit` of its names (an address behind a
+  // wildcard may have thousands): what an element comment can hold.
+  std::vector<std::string> some_live_names(const IpPrefix& addr, std::size_t limit) const;
   // True when a hosts-file pair (set_hosts) has `addr`. O(log addresses).
   bool from_hosts(const IpPrefix& addr) const;
+  // True when the next new pair is not remembered unless a sweep frees room.
+  bool full() const { return count_ >= max_; }
   // Unexpired pairs.
   std::size_t live_count() const;
   // Every remembered pair, expired ones included until swept, by name.
@@ -85,6 +98,7 @@ class LearnedStore {
   std::map<std::string, std::vector<Addr>> by_name_;
   std::map<IpPrefix, std::set<std::string>, PrefixLess> by_addr_;  // every remembered pair, by address
   std::set<IpPrefix, PrefixLess> hosts_addrs_;                     // addresses of hosts-file pairs
+  std::map<IpPrefix, TimePoint, PrefixLess> addr_dns_expires_;     // latest DNS expiry per address
   std::size_t count_ = 0;
   TimePoint next_sweep_{};
 };

@@ -909,8 +909,17 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     std::uint64_t ms = learn_timeout_ms(l.ttl);
     // Re-adding replaces an element's timeout: an address the hosts file
     // also gives an allowed name keeps at least the file's lifetime.
-    if (learned_.from_hosts(l.addr)) {
+    const bool hosts = learned_.from_hosts(l.addr);
+    if (hosts) {
       ms = std::max<std::uint64_t>(ms, std::chrono::milliseconds(kHostsTimeout).count());
+    } else if (learned_.dns_pair_until(l.qname, l.addr,
+                                       learned_.now() + std::chrono::milliseconds(ms) - opts_.learn_grace / 2)) {
+      // The pair is in the active sets (every switch and tamper repair
+      // carries the learned store there) and its element outlives this
+      // answer's TTL by at least half the grace already: no commit. A name
+      // asked for again and again costs one commit per half grace (5 s),
+      // not one per answer, and those answers never wait on a commit.
+      continue;
     }
     const bool v4 = l.addr.family == 4;
     nft::OpAddElems* target = nullptr;
@@ -957,9 +966,9 @@ void Sandbox::flush_learned() {
   for (auto& d : p.done) d(st);
 }
 
-// Above this many names on one address, an answer does not recompute its
-// element's comment (see named_learned_elems).
-constexpr std::size_t kCommentNamesChecked = 32;
+// At most this many names an address already has go into its element's
+// comment when it is replaced (127 bytes hold about as many).
+constexpr std::size_t kCommentNames = 8;
 
 std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
                                                   const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const {
@@ -982,41 +991,31 @@ std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
     for (const auto& e : add.elems) ms[e.from] = std::max(ms[e.from], e.timeout_ms);
     std::vector<nft::SetElem> plain, replace;
     for (const auto& [addr, timeout] : ms) {
-      // Two cases add the element with a comment of this batch's names and
-      // compare nothing (for an element already in the kernel the add only
-      // refreshes its timeout; the kernel keeps the old comment):
-      // - the common answer: names the address already has, live. Its
-      //   element is in the kernel with them (its timeout is at least
-      //   theirs). A name that expired meanwhile stays in the comment until
-      //   the address's names next change (as a swept one does).
-      // - an address behind many names (a wildcard's CDN): its comment holds
-      //   a few of them at most (127 bytes), and comparing every name on
-      //   every answer made a DNS flood's answers wait (ASan: 87 % answered).
-      //   The fresh names go in when the element is new.
       const auto& names_now = fresh[addr];
-      const IpPrefix& a = addr;  // clang 14 cannot capture a structured binding
-      if (std::all_of(names_now.begin(), names_now.end(),
-                      [&](const std::string& n) { return learned_.live_pair(n, a); }) ||
-          learned_.name_count(addr) > kCommentNamesChecked) {
+      // A new address: one add, its comment this batch's names.
+      if (learned_.name_count(addr) == 0 && !learned_.full()) {
         std::vector<std::string> names = names_now;
         std::sort(names.begin(), names.end());
         plain.push_back(nft::SetElem{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)});
         continue;
       }
-      const std::set<std::string> before_all = allowed(learned_.names_for(addr, true));
-      const std::set<std::string> before_live = allowed(learned_.names_for(addr));
+      // An address the store knows may have an element in the kernel (its
+      // names' expiry and the kernel's differ by the commit's duration, and
+      // a full store may not know it): replaced, never added again. An add
+      // of an element that exists changes nothing on kernels before 6.10,
+      // and on later ones only when the timeout differs (and then sets the
+      // new one, a shorter one too). Seen on 6.18: a name answered again
+      // with the same TTL kept its first expiry, and its clients were
+      // refused from TTL + grace after the first answer on. The new element
+      // lives as long as the longest of its names asks, and its comment
+      // names this batch's names first, then live ones it had (a few: an
+      // address behind a wildcard may have thousands). Learn's skip keeps
+      // this to one per name and half grace.
+      const auto left = static_cast<std::uint64_t>(learned_.dns_left(addr).count());
       std::vector<std::string> names = names_now;  // first: they must fit
       std::sort(names.begin(), names.end());
-      std::set<std::string> after = before_live;
-      for (const auto& n : names) after.insert(n);
-      names.insert(names.end(), before_live.begin(), before_live.end());
-      nft::SetElem e{addr, addr, timeout, names_comment(names, nft::kElemCommentMax)};
-      // A new address takes its comment on the first add. One the store
-      // knew with other names (some expired, or this one is new) may be in
-      // the kernel with those: replaced. (Expired pairs the store swept are
-      // not seen: such a comment keeps a stale name until the next change;
-      // a restart gives it the element's remaining lifetime at most.)
-      (before_all.empty() || after == before_all ? plain : replace).push_back(std::move(e));
+      for (const auto& n : allowed(learned_.some_live_names(addr, kCommentNames))) names.push_back(n);
+      replace.push_back(nft::SetElem{addr, addr, std::max(timeout, left), names_comment(names, nft::kElemCommentMax)});
     }
     push_learned_elems(out, add.set, add.type, std::move(plain), std::move(replace));
   }

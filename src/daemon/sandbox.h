@@ -390,8 +390,10 @@ class Sandbox : public dns::PolicyHooks {
   void flush_learned();
   // `adds` (one OpAddElems per learned set, as learn() builds them) with
   // each element's comment naming what its address is learned for (the
-  // names in `records` first, then those remembered), duplicates merged,
-  // and the elements whose names changed replaced (push_learned_elems).
+  // names in `records` first, then a few live ones remembered), duplicates
+  // merged: a new address added, every other one replaced (add, delete,
+  // add: an add never refreshes an element the kernel has) with the
+  // longest lifetime any of its names asks for.
   std::vector<nft::Op> named_learned_elems(std::vector<nft::Op> adds,
                                            const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const;
   // After adopting a table unchanged: learned_ := the (name, address,

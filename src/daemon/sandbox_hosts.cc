@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -266,20 +268,41 @@ Status Sandbox::apply_hosts() {
   const auto pairs = hosts_allowed(*active_facts_, state_.mode);
   if (pairs.empty()) return {};
   const auto [s4, s6] = nft::learned_sets(active_chain());
-  nft::OpAddElems v4{s4, nft::SetType::ipv4_addr, false, {}};
-  nft::OpAddElems v6{s6, nft::SetType::ipv6_addr, false, {}};
   const std::uint64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(kHostsTimeout).count();
-  std::set<IpPrefix, PrefixLess> seen;
+  std::map<IpPrefix, std::vector<std::string>, PrefixLess> names;  // the file's allowed names per address
   for (const auto& [name, addrs] : pairs) {
-    for (const auto& a : addrs) {
-      if (!seen.insert(a).second) continue;
-      (a.family == 4 ? v4 : v6).elems.push_back({a, a, ms});
+    for (const auto& a : addrs) names[a].push_back(name);
+  }
+  // Every element is replaced (add, delete, add in this one transaction:
+  // the address is never out of the set): an add of an element the kernel
+  // has does not refresh its timeout (before 6.10 never, since then only
+  // when the timeout differs), so a refresh by add let each element lapse
+  // kHostsTimeout after it was first written, until the next refresh. The
+  // element names the file's names first, then a few live DNS names of it
+  // the phase allows; it lives at least as long as those ask.
+  const dns::NameMatcher& m = *active_facts_->matcher;
+  std::vector<nft::SetElem> elems4, elems6;
+  for (auto& [a, file_names] : names) {
+    std::sort(file_names.begin(), file_names.end());
+    for (const auto& n : learned_.some_live_names(a, 8)) {
+      if (m.match(n) != nullptr && std::find(file_names.begin(), file_names.end(), n) == file_names.end())
+        file_names.push_back(n);
     }
+    const auto left = static_cast<std::uint64_t>(learned_.dns_left(a).count());
+    (a.family == 4 ? elems4 : elems6)
+        .push_back(nft::SetElem{a, a, std::max(ms, left), names_comment(file_names, nft::kElemCommentMax)});
   }
   nft::Change ch;
   ch.table = nft::kTableName;
-  if (!v4.elems.empty()) ch.ops.push_back(std::move(v4));
-  if (!v6.elems.empty()) ch.ops.push_back(std::move(v6));
+  for (auto& [set, type, elems] : {std::tuple{s4, nft::SetType::ipv4_addr, &elems4},
+                                   std::tuple{s6, nft::SetType::ipv6_addr, &elems6}}) {
+    if (elems->empty()) continue;
+    std::vector<nft::SetElem> keys;
+    for (const auto& e : *elems) keys.push_back({e.from, e.to});
+    ch.ops.push_back(nft::OpAddElems{set, type, false, *elems});
+    ch.ops.push_back(nft::OpDeleteElems{set, type, false, std::move(keys)});
+    ch.ops.push_back(nft::OpAddElems{set, type, false, std::move(*elems)});
+  }
   auto st = apply_batch(ch);
   if (!st) log()->error("hosts file {}: addresses not inserted: {}", opts_.hosts_path, st.error().message);
   return st;

@@ -563,6 +563,37 @@ def test_learned_timeout_is_max_ttl_min_ttl_plus_grace(lab, egressd, ttl, min_tt
     assert all(want - 3 <= s <= want for s in left.values()), left
 
 
+def test_a_name_answered_again_keeps_its_address_for_the_new_answer(lab, egressd):
+    """A client that asks again when its answer's TTL runs out gets a new answer, good for
+    another TTL: the address's element must live that long too. Re-adding an element the
+    kernel has does not extend it (6.18 changes it only for a different timeout; kernels before
+    6.10 never), so egressd's add of it again changed nothing and the element lapsed TTL + grace after the first
+    answer: the client was refused while it held a valid answer (this test, before the fix:
+    63 s left after the answer at 6 s, where 70 s are due). Answers within 5 s (half the grace)
+    of the element's last write find it outliving their TTL by 5 s or more and cost no commit
+    (a name asked again and again: a package index, an API), so they never wait on the nftables
+    commit lock. nft shows whole seconds left, rounded down."""
+    serve(lab, ttl=60)
+    egressd(policy())
+    name = f"{tok()}.wild.example.org"
+    assert resolve(lab, name) == [WILD_V4]
+
+    def left() -> float:
+        e = learned_set(lab).get(WILD_V4)
+        assert e and e["timeout"] == 70, f"timeout 60 + 10 s, got {e}"
+        return e["expires"]
+
+    labmod.wait_for(lambda: left() <= 68, 10.0, "the element's first 2 s to pass")  # < 5 s still
+    for _ in range(20):
+        assert resolve(lab, name) == [WILD_V4]
+    assert left() <= 68, "an answer within 5 s of the insertion committed the element again"
+    # nft shows whole seconds left, rounded down: 63 is more than 6 s after the insertion.
+    labmod.wait_for(lambda: left() <= 63, 10.0, "6 s after the insertion to pass")
+    assert resolve(lab, name) == [WILD_V4]
+    assert left() >= 68, ("the answer 6 s after the first did not extend the element: its clients are refused "
+                          "70 s after the first answer, 6 s before their new answer runs out")
+
+
 # --- upstream failures ----------------------------------------------------------------------------
 
 

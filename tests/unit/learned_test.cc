@@ -58,6 +58,44 @@ TEST_CASE("a second answer extends a pair, never shortens it") {
   CHECK(store.size() == 1);
 }
 
+TEST_CASE("a DNS pair says whether it lasts until a given time; a hosts-file pair never does") {
+  testing::ManualClock clock;
+  LearnedStore store(16, clock.source());
+  const auto now = clock.steady;
+  CHECK(store.remember("pypi.org", ip("198.51.100.7"), seconds(30)));
+  CHECK(store.dns_pair_until("pypi.org", ip("198.51.100.7"), now + seconds(30)));
+  CHECK_FALSE(store.dns_pair_until("pypi.org", ip("198.51.100.7"), now + seconds(31)));
+  CHECK_FALSE(store.dns_pair_until("pypi.org", ip("198.51.100.8"), now));
+  CHECK_FALSE(store.dns_pair_until("files.pythonhosted.org", ip("198.51.100.7"), now));
+  // The hosts file's pairs time out in the kernel on their own refresh, not on DNS answers.
+  CHECK(store.set_hosts({{"pypi.org", {ip("198.51.100.7")}}}) == 0);
+  CHECK_FALSE(store.dns_pair_until("pypi.org", ip("198.51.100.7"), now));
+}
+
+TEST_CASE("an address's DNS lifetime is its longest pair's; a few live names of it are listed, bounded") {
+  testing::ManualClock clock;
+  LearnedStore store(64, clock.source());
+  const IpPrefix cdn = ip("203.0.113.10");
+  CHECK(store.dns_left(cdn) == milliseconds(0));
+  CHECK(store.remember("a.test", cdn, seconds(70)));
+  CHECK(store.remember("b.test", cdn, seconds(20)));
+  CHECK(store.dns_left(cdn) == seconds(70));  // b's shorter lifetime does not shorten it
+  clock.advance(seconds(30));
+  CHECK(store.dns_left(cdn) == seconds(40));
+  CHECK(store.some_live_names(cdn, 8) == Names{"a.test"});  // b expired
+  // Hosts-file pairs have no DNS lifetime, and count as live names.
+  CHECK(store.set_hosts({{"h.test", {cdn}}}) == 0);
+  CHECK(store.dns_left(cdn) == seconds(40));
+  CHECK(store.some_live_names(cdn, 8) == Names{"a.test", "h.test"});
+  clock.advance(seconds(40));
+  CHECK(store.dns_left(cdn) == milliseconds(0));
+  // Many names on one address: at most `limit`, in name order, looking at 4 x limit names.
+  for (int i = 0; i < 40; ++i) CHECK(store.remember("n" + std::to_string(10 + i) + ".test", cdn, seconds(5)));
+  CHECK(store.some_live_names(cdn, 3) == Names{"h.test", "n10.test", "n11.test"});
+  clock.advance(seconds(5));
+  CHECK(store.some_live_names(cdn, 3) == Names{"h.test"});  // the 39 expired ones are not read past 12
+}
+
 TEST_CASE("the address index answers every name an address was learned for, in name order") {
   testing::ManualClock clock;
   LearnedStore store(16, clock.source());

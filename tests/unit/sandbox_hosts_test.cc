@@ -191,6 +191,17 @@ TEST_CASE("hosts file: a pair dropped from the file stops being pinned at once; 
   REQUIRE(f.sb->reload_hosts().ok());
   CHECK(f.kernel->applied.size() == b2 + 1);
   CHECK(added(*f.kernel, "ph_agent_d4", b2).size() == 2);
+  // Replaced, not added again: an add of an element the kernel has leaves its expiry as it
+  // was, and each element lapsed kHostsTimeout after it was first written.
+  const auto& ops = f.kernel->applied.back().ops;
+  REQUIRE(ops.size() == 3);
+  const auto* del = std::get_if<nft::OpDeleteElems>(&ops[1]);
+  REQUIRE(del != nullptr);
+  CHECK(del->elems.size() == 2);
+  const auto& again = std::get<nft::OpAddElems>(ops[2]);
+  REQUIRE(again.elems.size() == 2);
+  CHECK(again.elems[0].comment == "host.docker.internal");
+  CHECK(again.elems[1].comment == "allowed.test");
 }
 
 TEST_CASE("hosts file: a broken file teaches nothing, names FILE:LINE, and the sandbox runs on") {

@@ -670,9 +670,18 @@ TEST_CASE("learned elements carry their names in the comment, and a restart give
     CHECK(add.elems[0].comment == "cdn.example.org pypi.org");
     CHECK(add.elems[0].timeout_ms == (90 + 10) * 1000);
   }
-  // Names unchanged: a plain add refreshes the timeout.
-  f.sb->learn({learned("pypi.org", "198.51.100.30", 60)}, [](Status) {});
-  CHECK(f.kernel->applied.back().ops.size() == 1);
+  // Names unchanged and a longer TTL: the element is replaced (an add of an element the
+  // kernel has does not refresh its timeout), with the longer lifetime, still naming both.
+  f.sb->learn({learned("pypi.org", "198.51.100.30", 600)}, [](Status) {});
+  {
+    const auto& ops = f.kernel->applied.back().ops;
+    REQUIRE(ops.size() == 3);
+    const auto& add = std::get<nft::OpAddElems>(ops[2]);
+    REQUIRE(add.elems.size() == 1);
+    CHECK(std::holds_alternative<nft::OpDeleteElems>(ops[1]));
+    CHECK(add.elems[0].comment == "cdn.example.org pypi.org");
+    CHECK(add.elems[0].timeout_ms == (600 + 10) * 1000);
+  }
   CHECK(f.sb->learned_names_for(addr) == std::vector<std::string>{"cdn.example.org", "pypi.org"});
 
   // The restart adopts the table unchanged and reads the names back, with
@@ -693,6 +702,63 @@ TEST_CASE("learned elements carry their names in the comment, and a restart give
   const auto left = st["learned"][0]["addresses"][0]["expires_in_s"].get<long long>();
   CHECK(left >= 41);
   CHECK(left <= 42);
+}
+
+TEST_CASE("an answer the kernel element already outlives is released without a commit") {
+  testing::ManualClock clock;
+  auto k = std::make_unique<FakeKernel>();
+  FakeKernel* kernel = k.get();
+  SandboxOptions o;
+  o.policy = dns_policy();
+  o.clock = clock.source();
+  Sandbox sb(std::move(o), std::move(k), all_caps());
+  REQUIRE(sb.start("agent").ok());
+  int released = 0;
+  auto learn = [&](const char* name, std::uint32_t ttl) {
+    const std::size_t before = kernel->applied.size();
+    bool ok = false;
+    sb.learn({learned(name, "198.51.100.30", ttl)}, [&](Status st) {
+      ok = st.ok();
+      ++released;
+    });
+    CHECK(ok);
+    return kernel->applied.size() - before;  // commits this answer cost
+  };
+  CHECK(learn("pypi.org", 60) == 1);  // new: inserted, 70 s
+  // The same answer again and again within half the grace (5 s): the element already
+  // outlives each one's TTL by 5 s or more.
+  for (int i = 0; i < 5; ++i) {
+    clock.advance(std::chrono::milliseconds(999));
+    CHECK(learn("pypi.org", 60) == 0);
+  }
+  clock.advance(std::chrono::milliseconds(10));  // 5.005 s after the insertion: less than 65 s left
+  CHECK(learn("pypi.org", 60) == 1);
+  const auto* v4 = elems_for(kernel->applied.back(), "ph_agent_d4");
+  REQUIRE(v4 != nullptr);
+  REQUIRE(v4->elems.size() == 1);
+  CHECK(v4->elems[0].timeout_ms == 70'000);
+  CHECK(learn("pypi.org", 60) == 0);
+  CHECK(learn("pypi.org", 66) == 1);  // a longer TTL: 6 s more is past the slack
+  CHECK(learn("cdn.example.org", 1) == 1);  // a new name for the address: its comment changes
+  {
+    // The refresh is a replacement (an add would leave the kernel's expiry as it was), and
+    // another name's shorter TTL never shortens the element: it keeps pypi.org's 76 s.
+    const auto& ops = kernel->applied.back().ops;
+    REQUIRE(ops.size() == 3);
+    const auto& add = std::get<nft::OpAddElems>(ops[2]);
+    REQUIRE(add.elems.size() == 1);
+    CHECK(add.elems[0].comment == "cdn.example.org pypi.org");
+    CHECK(add.elems[0].timeout_ms == 76'000);
+  }
+  CHECK(released == 10);  // every answer was released, committed or not
+  // After a switch away and back the pair is carried into the sets again, so it still
+  // needs no commit; a name the phase does not allow is never inserted.
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "verifier"}})["ok"] == true);
+  REQUIRE(sb.handle({{"cmd", "apply"}, {"phase", "agent"}})["ok"] == true);
+  const auto* carried = elems_for(kernel->applied.back(), "ph_agent_d4");
+  REQUIRE(carried != nullptr);
+  REQUIRE(carried->elems.size() == 1);
+  CHECK(learn("pypi.org", 60) == 0);
 }
 
 TEST_CASE("a full learned-address table costs no walk per answer, and still learns into the kernel") {
