@@ -53,11 +53,11 @@ struct AddrLess {
 
 // Appends the adds of `plain` and `replace` to learned set `set`. Each
 // element's comment names what its address was learned for (docs/pinning.md
-// "Restarts"). Re-adding an element that exists refreshes its timeout but
-// keeps its old comment (measured on 6.18), so an element whose names
-// changed is replaced: add (creates it if it expired meanwhile), delete,
-// add with the new comment, all in the caller's one transaction, so the
-// address is never out of the set.
+// "Restarts"). Adding an element that exists keeps its old comment and, on
+// most kernels, its expiry (named_learned_elems), so an element the kernel
+// may have is replaced: add (creates it if it expired meanwhile), delete,
+// add with the new comment and timeout, all in the caller's one
+// transaction, so the address is never out of the set.
 void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
                         std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace) {
   if (!plain.empty()) ops.push_back(nft::OpAddElems{set, type, false, std::move(plain)});
@@ -907,8 +907,8 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
       continue;
     }
     std::uint64_t ms = learn_timeout_ms(l.ttl);
-    // Re-adding replaces an element's timeout: an address the hosts file
-    // also gives an allowed name keeps at least the file's lifetime.
+    // An element is written with its new timeout: an address the hosts
+    // file also gives an allowed name keeps at least the file's lifetime.
     const bool hosts = learned_.from_hosts(l.addr);
     if (hosts) {
       ms = std::max<std::uint64_t>(ms, std::chrono::milliseconds(kHostsTimeout).count());
@@ -955,8 +955,6 @@ void Sandbox::flush_learned() {
     nft::Change ch;
     ch.table = nft::kTableName;
     ch.ops = named_learned_elems(std::move(p.ops), p.records);
-    // Re-adding an element refreshes its timeout on this kernel (checked on
-    // 6.x: `add element` with a new timeout replaces the expiry).
     st = apply_batch(ch);
     if (!st) log()->error("learned addresses not inserted: {}", st.error().message);
   }

@@ -228,8 +228,8 @@ class Sandbox : public dns::PolicyHooks {
   Status start_hosts();
   // Reads the file again; when its text changed, its pairs (those of the
   // snapshot) replace the previous ones, and those the phase in force
-  // allows are added to the kernel; every kHostsRefresh they are added
-  // again (their set elements time out after kHostsTimeout, so a pair
+  // allows are added to the kernel; every kHostsRefresh they are written
+  // again (replaced; their set elements time out after kHostsTimeout, so a pair
   // dropped from the file leaves the kernel by then; pinning stops admitting
   // it at once). Error as start_hosts.
   Status reload_hosts();
