@@ -24,13 +24,6 @@ Bytes range_end(const IpPrefix& p) {
   return b;
 }
 
-// b + 1 within n bytes; returns false on overflow (b was all ones).
-bool increment(Bytes& b, std::size_t n) {
-  for (std::size_t i = n; i-- > 0;) {
-    if (++b[i] != 0) return true;
-  }
-  return false;
-}
 
 IpPrefix addr(int family, const Bytes& b) {
   IpPrefix p;
@@ -41,6 +34,13 @@ IpPrefix addr(int family, const Bytes& b) {
 }
 
 }  // namespace
+
+bool increment(std::array<std::uint8_t, 16>& b, std::size_t n) {
+  for (std::size_t i = n; i-- > 0;) {
+    if (++b[i] != 0) return true;
+  }
+  return false;
+}
 
 std::string_view to_string(Family f) { return f == Family::netdev ? "netdev" : "inet"; }
 

@@ -23,6 +23,10 @@
 
 namespace egressd::nft {
 
+// b + 1 within its first n bytes (big-endian: an address); false on
+// overflow (they were all ones).
+bool increment(std::array<std::uint8_t, 16>& b, std::size_t n);
+
 // ---- sets ----------------------------------------------------------------
 
 enum class SetType { ipv4_addr, ipv6_addr };
