@@ -312,6 +312,31 @@ def test_hosts_file_names_are_learned_and_pinned_without_dns(lab, egressd, serve
     assert "unlisted.test" not in learned and "localhost" not in learned, learned
 
 
+def test_hosts_file_elements_are_extended_each_time_they_are_written(lab, egressd, hosts_file):
+    """A hosts-file element times out after 60 s and is written again every 20 s, and when the
+    file changes. Adding an element the kernel has does not extend it, so the elements lapsed
+    60 s after they were first written and the name was refused until the next refresh (up to
+    20 s); each write now replaces them. A change of the file's pairs writes them at once, as
+    the 20 s refresh does."""
+    egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
+
+    def left() -> int:
+        rc, out, err = lab.nft(lab.sandbox, "-j", "list", "set", "inet", "egressd", "ph_agent_d4")
+        assert rc == 0, err
+        for obj in json.loads(out)["nftables"]:
+            for e in obj.get("set", {}).get("elem", []):
+                if isinstance(e, dict) and e["elem"]["val"] == V4:
+                    assert e["elem"]["timeout"] == 60, e
+                    return e["elem"]["expires"]
+        raise AssertionError(f"{V4} not in ph_agent_d4: {out}")
+
+    wait_for(lambda: left() <= 56, 10.0, "the element's first 3 s to pass")
+    # A pair dropped from the file: the elements of those left are written at once.
+    hosts_file.write_text(HOSTS_FILE.replace(f"{V6} host.docker.internal\n", ""))
+    wait_for(lambda: left() >= 58, 10.0, f"the file's change to extend {V4}'s element (it still expires 60 s "
+             "after it was first written)")
+
+
 def test_hosts_file_guards_and_phase(lab, egressd, servers, hosts_file):
     d = egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
     # A name the phase does not allow teaches nothing.
