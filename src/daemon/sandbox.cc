@@ -51,6 +51,8 @@ struct AddrLess {
   }
 };
 
+}  // namespace
+
 // Appends the adds of `plain` and `replace` to learned set `set`. Each
 // element's comment names what its address was learned for (docs/pinning.md
 // "Restarts"). Adding an element that exists keeps its old comment and, on
@@ -58,8 +60,8 @@ struct AddrLess {
 // may have is replaced: add (creates it if it expired meanwhile), delete,
 // add with the new comment and timeout, all in the caller's one
 // transaction, so the address is never out of the set.
-void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
-                        std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace) {
+void Sandbox::push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
+                                 std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace) {
   if (!plain.empty()) ops.push_back(nft::OpAddElems{set, type, false, std::move(plain)});
   if (replace.empty()) return;
   ops.push_back(nft::OpAddElems{set, type, false, replace});
@@ -68,8 +70,6 @@ void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::
   ops.push_back(nft::OpDeleteElems{set, type, false, std::move(keys)});
   ops.push_back(nft::OpAddElems{set, type, false, std::move(replace)});
 }
-
-}  // namespace
 
 Status write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
@@ -909,8 +909,7 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     std::uint64_t ms = learn_timeout_ms(l.ttl);
     // An element is written with its new timeout: an address the hosts
     // file also gives an allowed name keeps at least the file's lifetime.
-    const bool hosts = learned_.from_hosts(l.addr);
-    if (hosts) {
+    if (learned_.from_hosts(l.addr)) {
       ms = std::max<std::uint64_t>(ms, std::chrono::milliseconds(kHostsTimeout).count());
     } else if (learned_.dns_pair_until(l.qname, l.addr,
                                        learned_.now() + std::chrono::milliseconds(ms) - opts_.learn_grace / 2)) {
@@ -963,10 +962,6 @@ void Sandbox::flush_learned() {
   }
   for (auto& d : p.done) d(st);
 }
-
-// At most this many names an address already has go into its element's
-// comment when it is replaced (127 bytes hold about as many).
-constexpr std::size_t kCommentNames = 8;
 
 std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
                                                   const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const {

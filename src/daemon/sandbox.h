@@ -235,6 +235,9 @@ class Sandbox : public dns::PolicyHooks {
   Status reload_hosts();
   static constexpr std::chrono::seconds kHostsTimeout{60};
   static constexpr std::chrono::seconds kHostsRefresh{20};
+  // At most this many names an address already has go into its learned
+  // element's comment when it is replaced (127 bytes hold about as many).
+  static constexpr std::size_t kCommentNames = 8;
   // The pairs taken from the hosts file now (after the snapshot), allowed or not.
   const LearnedStore::HostsPairs& hosts_pairs() const { return hosts_; }
 
@@ -394,6 +397,10 @@ class Sandbox : public dns::PolicyHooks {
   // merged: a new address added, every other one replaced (add, delete,
   // add: an add never refreshes an element the kernel has) with the
   // longest lifetime any of its names asks for.
+  // Appends to `ops` the adds of `plain` and the replacements of `replace`
+  // in learned set `set` (sandbox.cc says why an element is replaced).
+  static void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
+                                 std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace);
   std::vector<nft::Op> named_learned_elems(std::vector<nft::Op> adds,
                                            const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const;
   // After adopting a table unchanged: learned_ := the (name, address,

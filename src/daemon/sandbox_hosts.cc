@@ -18,7 +18,6 @@
 #include <cerrno>
 #include <map>
 #include <set>
-#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -284,7 +283,7 @@ Status Sandbox::apply_hosts() {
   std::vector<nft::SetElem> elems4, elems6;
   for (auto& [a, file_names] : names) {
     std::sort(file_names.begin(), file_names.end());
-    for (const auto& n : learned_.some_live_names(a, 8)) {
+    for (const auto& n : learned_.some_live_names(a, kCommentNames)) {
       if (m.match(n) != nullptr && std::find(file_names.begin(), file_names.end(), n) == file_names.end())
         file_names.push_back(n);
     }
@@ -294,15 +293,8 @@ Status Sandbox::apply_hosts() {
   }
   nft::Change ch;
   ch.table = nft::kTableName;
-  for (auto& [set, type, elems] : {std::tuple{s4, nft::SetType::ipv4_addr, &elems4},
-                                   std::tuple{s6, nft::SetType::ipv6_addr, &elems6}}) {
-    if (elems->empty()) continue;
-    std::vector<nft::SetElem> keys;
-    for (const auto& e : *elems) keys.push_back({e.from, e.to});
-    ch.ops.push_back(nft::OpAddElems{set, type, false, *elems});
-    ch.ops.push_back(nft::OpDeleteElems{set, type, false, std::move(keys)});
-    ch.ops.push_back(nft::OpAddElems{set, type, false, std::move(*elems)});
-  }
+  push_learned_elems(ch.ops, s4, nft::SetType::ipv4_addr, {}, std::move(elems4));
+  push_learned_elems(ch.ops, s6, nft::SetType::ipv6_addr, {}, std::move(elems6));
   auto st = apply_batch(ch);
   if (!st) log()->error("hosts file {}: addresses not inserted: {}", opts_.hosts_path, st.error().message);
   return st;

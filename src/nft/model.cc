@@ -24,7 +24,6 @@ Bytes range_end(const IpPrefix& p) {
   return b;
 }
 
-
 IpPrefix addr(int family, const Bytes& b) {
   IpPrefix p;
   p.family = family;

@@ -94,7 +94,6 @@ using Bytes = std::array<std::uint8_t, 16>;
 std::size_t key_len(SetType t) { return t == SetType::ipv4_addr ? 4 : 16; }
 int key_family(SetType t) { return t == SetType::ipv4_addr ? 4 : 6; }
 
-
 bool is_zero(const Bytes& b, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     if (b[i] != 0) return false;

@@ -1309,6 +1309,22 @@ class Lab:
         cp = run(["ip", "netns", "exec", name, "nft", *args], check=check, input=input, timeout=timeout)
         return cp.returncode, cp.stdout, cp.stderr
 
+    def learned_set(self, family: int = 4, chain: str = "ph_agent") -> dict:
+        """address -> {"timeout": s, "expires": s} of a phase's learned-address set in the sandbox
+        (nft shows whole seconds, rounded down)."""
+        rc, out, err = self.nft(self.sandbox, "-j", "list", "set", "inet", "egressd", f"{chain}_d{family}")
+        assert rc == 0, err
+        for obj in json.loads(out)["nftables"]:
+            if "set" in obj:
+                elems = {}
+                for e in obj["set"].get("elem", []):
+                    if isinstance(e, dict) and "elem" in e:
+                        elems[e["elem"]["val"]] = e["elem"]
+                    else:
+                        elems[str(e)] = {}
+                return elems
+        raise AssertionError(f"no set {chain}_d{family} in {out}")
+
     # clients in the sandbox (shortcuts)
     def tcp_connect(self, *a, **kw) -> Outcome:
         return self.sandbox.tcp_connect(*a, **kw)

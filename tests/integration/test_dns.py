@@ -91,22 +91,6 @@ def resolve(lab, name: str, qtype: str = "A", **kw) -> list[str]:
     return r.addresses
 
 
-def learned_set(lab, family: int = 4, chain: str = "ph_agent") -> dict:
-    """address -> {"timeout": s, "expires": s} of the phase's learned-address set."""
-    rc, out, err = lab.nft(lab.sandbox, "-j", "list", "set", "inet", "egressd", f"{chain}_d{family}")
-    assert rc == 0, err
-    for obj in json.loads(out)["nftables"]:
-        if "set" in obj:
-            elems = {}
-            for e in obj["set"].get("elem", []):
-                if isinstance(e, dict) and "elem" in e:
-                    elems[e["elem"]["val"]] = e["elem"]
-                else:
-                    elems[str(e)] = {}
-            return elems
-    raise AssertionError(f"no set {chain}_d{family} in {out}")
-
-
 def learned_names(d) -> dict:
     """name -> {address: expires_in_s} from status --json."""
     st = d.ctl_json("status", "--json")
@@ -297,12 +281,12 @@ def test_aaaa_then_ipv6_connect(lab, egressd):
     assert rejected(lab.tcp_connect(WILD_V6, 80))
     name = f"{tok()}.wild.example.org"
     assert resolve(lab, name, "AAAA", server=DNS_V6) == [WILD_V6]
-    assert WILD_V6 in learned_set(lab, 6)
+    assert WILD_V6 in lab.learned_set(6)
     assert lab.tcp_connect(WILD_V6, 80) == "ok"
     # UDP too (port 7: UDP 443 of a name-learned address must be QUIC, test_pinning_quic.py).
     assert lab.udp_exchange(WILD_V6, 7) == "ok"
     # Only what was answered: the A record of the same name was never asked.
-    assert WILD_V4 not in learned_set(lab, 4)
+    assert WILD_V4 not in lab.learned_set(4)
     assert rejected(lab.tcp_connect(WILD_V4, 80))
 
 
@@ -329,11 +313,11 @@ def test_learned_addresses_follow_the_names_across_switches(lab, egressd):
     assert resolve(lab, name) == [WILD_V4]
     flow = lab.tcp_flow(WILD_V4)
     assert d.ctl("apply", "agent2")[0] == 0
-    assert WILD_V4 in learned_set(lab, chain="ph_agent2")
+    assert WILD_V4 in lab.learned_set(chain="ph_agent2")
     assert lab.tcp_connect(WILD_V4, 80) == "ok", "learned under agent, allowed by name in agent2"
     assert flow.exchange() == "ok"
     assert d.ctl("apply", "other")[0] == 0
-    assert WILD_V4 not in learned_set(lab, chain="ph_other")
+    assert WILD_V4 not in lab.learned_set(chain="ph_other")
     assert rejected(lab.tcp_connect(WILD_V4, 80)), "phase other does not allow the name"
     assert flow.exchange() != "ok", "a flow the new phase does not allow is cut"
     assert d.ctl("apply", "agent2")[0] == 0
@@ -533,11 +517,11 @@ def test_expired_address_keeps_flow_refuses_new_connection(lab, egressd):
     r = lab.dns_query(name)
     check_answer(r, "NOERROR", name)
     assert r.ttl(WILD_V4) == 1, r.records
-    elem = learned_set(lab).get(WILD_V4)
+    elem = lab.learned_set().get(WILD_V4)
     assert elem and elem["timeout"] == 11, f"timeout max(1, 1) + 10 = 11 s, got {elem}"
     flow = lab.tcp_flow(WILD_V4)
     t0 = time.monotonic()
-    labmod.wait_for(lambda: WILD_V4 not in learned_set(lab), 15.0, f"{WILD_V4} to expire from ph_agent_d4")
+    labmod.wait_for(lambda: WILD_V4 not in lab.learned_set(), 15.0, f"{WILD_V4} to expire from ph_agent_d4")
     assert time.monotonic() - t0 > 9.0, "the element left the set long before its timeout"
     assert flow.exchange() == "ok", "a live flow to an expired address was cut"
     out = lab.tcp_connect(WILD_V4, labmod.ECHO_PORT)
@@ -557,8 +541,8 @@ def test_learned_timeout_is_max_ttl_min_ttl_plus_grace(lab, egressd, ttl, min_tt
     name = f"{tok()}.wild.example.org"
     resolve(lab, name)
     resolve(lab, name, "AAAA")
-    assert learned_set(lab, 4)[WILD_V4]["timeout"] == want
-    assert learned_set(lab, 6)[WILD_V6]["timeout"] == want
+    assert lab.learned_set(4)[WILD_V4]["timeout"] == want
+    assert lab.learned_set(6)[WILD_V6]["timeout"] == want
     left = learned_names(d)[name]
     assert all(want - 3 <= s <= want for s in left.values()), left
 
@@ -579,7 +563,7 @@ def test_a_name_answered_again_keeps_its_address_for_the_new_answer(lab, egressd
     assert resolve(lab, name) == [WILD_V4]
 
     def left() -> float:
-        e = learned_set(lab).get(WILD_V4)
+        e = lab.learned_set().get(WILD_V4)
         assert e and e["timeout"] == 70, f"timeout 60 + 10 s, got {e}"
         return e["expires"]
 
@@ -873,8 +857,8 @@ def test_rebinding_answers_are_not_learned(lab, egressd):
         for qtype in ("A", "AAAA"):
             r = lab.dns_query(name, qtype)
             assert r.outcome == "ok", f"{qtype} {name}: no DNS answer ({r.outcome!r}); {NOT_DELIVERED}"
-    assert set(learned_set(lab, 4)) == {"203.0.113.10"}, learned_set(lab, 4)
-    assert set(learned_set(lab, 6)) == {"2001:db8:3::10"}, learned_set(lab, 6)
+    assert set(lab.learned_set(4)) == {"203.0.113.10"}, lab.learned_set(4)
+    assert set(lab.learned_set(6)) == {"2001:db8:3::10"}, lab.learned_set(6)
     names = learned_names(d)
     assert not [n for n in names if t in n and not n.startswith("ok.")], names
     assert rejected(lab.tcp_connect("169.254.169.254", 80)), "the metadata address must stay denied"
@@ -896,6 +880,6 @@ def test_rebinding_answers_observed_in_public_are_not_carried_into_an_allowlist(
             r = lab.dns_query(name, qtype)
             assert r.outcome == "ok" and r.rcode == "NOERROR", f"{qtype} {name}: {r.outcome!r} {r.rcode}"
     assert d.ctl("apply", "agent")[0] == 0
-    assert set(learned_set(lab, 4)) == {"203.0.113.10"}, learned_set(lab, 4)
-    assert set(learned_set(lab, 6)) == {"2001:db8:3::10"}, learned_set(lab, 6)
+    assert set(lab.learned_set(4)) == {"203.0.113.10"}, lab.learned_set(4)
+    assert set(lab.learned_set(6)) == {"2001:db8:3::10"}, lab.learned_set(6)
     assert rejected(lab.tcp_connect("169.254.169.254", 80)), "the metadata address must stay denied"

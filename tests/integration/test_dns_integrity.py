@@ -73,21 +73,6 @@ def serve(lab, hosts=None, wildcards=None, **kw):
                     wildcards={"wild.example.org": [WILD_V4, WILD_V6], **(wildcards or {})}, **kw)
 
 
-def learned_set(lab, family: int = 4, chain: str = "ph_agent") -> dict:
-    rc, out, err = lab.nft(lab.sandbox, "-j", "list", "set", "inet", "egressd", f"{chain}_d{family}")
-    assert rc == 0, err
-    for obj in json.loads(out)["nftables"]:
-        if "set" in obj:
-            elems = {}
-            for e in obj["set"].get("elem", []):
-                if isinstance(e, dict) and "elem" in e:
-                    elems[e["elem"]["val"]] = e["elem"]
-                else:
-                    elems[str(e)] = {}
-            return elems
-    raise AssertionError(f"no set {chain}_d{family}")
-
-
 def rejected(out) -> bool:
     return out in ("refused", "unreachable") and out.elapsed < FAST
 
@@ -231,7 +216,7 @@ def test_forged_upstream_answers_teach_nothing(lab, egressd, how, phase):
             assert forged not in addrs, f"a forged answer reached the client: {answers}"
     else:
         assert all(rcode == "REFUSED" for _, rcode, _ in answers), answers
-    assert forged not in learned_set(lab, 4), "egressd learned the forged address"
+    assert forged not in lab.learned_set(4), "egressd learned the forged address"
     assert rejected(lab.tcp_connect(forged, labmod.ECHO_PORT)), "the forged address is reachable"
     names = {e["name"]: e for e in d.ctl_json("status", "--json")["learned"]}
     assert name_of(0) not in names, names
@@ -440,7 +425,7 @@ def test_egressds_tcp_exchange_with_the_upstream_takes_no_injected_answer(lab, e
     assert res["forged"] >= 2, f"the attack never saw egressd's TCP query: {res}"
     assert all(FORGED_V4 not in a for _, _, a in answers), f"an injected answer reached the client: {answers}"
     assert all(a == [WILD_V4] for _, _, a in answers), f"the upstream's answer did not arrive: {answers}"
-    assert FORGED_V4 not in learned_set(lab, 4), "egressd learned the injected address"
+    assert FORGED_V4 not in lab.learned_set(4), "egressd learned the injected address"
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT)), "the injected address is reachable"
     assert d.running
 
@@ -610,11 +595,11 @@ def test_ttl_of_2_pow_31_is_capped(lab, egressd):
     r = lab.dns_query(name)
     assert r.rcode == "NOERROR" and r.addresses == [WILD_V4], r
     assert r.ttl(WILD_V4) == 3600, r.records
-    assert learned_set(lab, 4)[WILD_V4]["timeout"] == 3610
+    assert lab.learned_set(4)[WILD_V4]["timeout"] == 3610
     d.restart(config=lab.write_config(policy(DNS_V4, dns="max_ttl: 5m"), "max.yaml"))
     r = lab.dns_query(f"{tok()}.wild.example.org", "AAAA")
     assert r.ttl(WILD_V6) == 300, r.records
-    assert learned_set(lab, 6)[WILD_V6]["timeout"] == 310
+    assert lab.learned_set(6)[WILD_V6]["timeout"] == 310
 
 
 # --- class 8: the forwarded query -----------------------------------------------------------------
@@ -724,7 +709,7 @@ def test_learn_guards(lab, egressd, private_answers):
         for qtype in {"AAAA" if ":" in a else "A" for a in addrs}:
             r = lab.dns_query(name, qtype)
             assert r.outcome == "ok" and r.rcode == "NOERROR", (name, qtype, r)
-    v4, v6 = set(learned_set(lab, 4)), set(learned_set(lab, 6))
+    v4, v6 = set(lab.learned_set(4)), set(lab.learned_set(6))
     allow = private_answers == "allow"
     assert v4 == {WILD_V4, "10.9.8.7"} | ({"10.1.2.3", "100.64.1.1"} if allow else set()), v4
     assert v6 == ({"fd00:1::5"} if allow else set()), v6
@@ -924,7 +909,7 @@ def test_loopback_upstream_cannot_be_hijacked_after_dns_is_idle(lab, egressd):
     print(f"\nhijack attempt: {res}; answers {answers}; docker saw {len(docker.events('query', t))} queries")
     assert not res["bound"], f"a sandbox process bound 127.0.0.11:53: {res}"
     assert all(FORGED_V4 not in a for _, a in answers), answers
-    assert FORGED_V4 not in learned_set(lab, 4)
+    assert FORGED_V4 not in lab.learned_set(4)
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
     assert d.running
 
@@ -997,7 +982,7 @@ def test_loopback_upstream_precreated_flows_and_sniffed_answers_with_net_raw(lab
     res = attacker_result(p)
     print(f"\nNET_RAW hijack attempt: {res}; answers {answers}")
     assert all(FORGED_V4 not in a for _, a in answers), answers
-    assert FORGED_V4 not in learned_set(lab, 4)
+    assert FORGED_V4 not in lab.learned_set(4)
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
     assert d.running
 
@@ -1165,7 +1150,7 @@ def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egre
     if cg is not None:
         assert res["cgroup"] == ["0::/" + str(cg.relative_to(cgroup2_mount()))], res
     assert answers == [("NOERROR", [WILD_V4])] * 2, answers
-    assert FORGED_V4 not in learned_set(lab, 4)
+    assert FORGED_V4 not in lab.learned_set(4)
     assert rejected(lab.tcp_connect(FORGED_V4, labmod.ECHO_PORT))
     # The rule that stopped it counted the forged answers.
     rc, out, _ = lab.nft(lab.sandbox, "list", "table", "netdev" if how == "packet" else "inet", "egressd")
@@ -1290,7 +1275,7 @@ def test_docker_resolver_names_and_services_resolve_without_a_loop(lab, egressd)
     assert lab.tcp_connect(WILD_V6, 80) == "ok"
     r = lab.dns_query("db", timeout=3.0)
     assert (r.rcode, r.addresses) == ("NOERROR", ["172.18.0.5"]), r
-    assert "172.18.0.5" in learned_set(lab, 4), "an exact name keeps its private answer"
+    assert "172.18.0.5" in lab.learned_set(4), "an exact name keeps its private answer"
     r = lab.dns_query(f"{t}.denied.example.net")
     assert r.rcode == "REFUSED" and r.outcome.elapsed < FAST
     # Docker forwarded each allowed name once, the upstream saw each once, none loops.
@@ -1427,7 +1412,7 @@ def test_a_racing_copy_of_egressds_query_is_relayed_only_to_the_target(lab, egre
     for a in res["answers"]:
         assert FORGED_V4 not in a and socket.inet_aton(FORGED_V4).hex() not in a, res
     assert not rogue_log.exists() or t not in rogue_log.read_text(), "egressd relayed the copy to the rogue resolver"
-    assert FORGED_V4 not in learned_set(lab, 4)
+    assert FORGED_V4 not in lab.learned_set(4)
     assert d.status()["dns"]["relayed"] >= 2  # the copy and Docker's forward, both to the target
 
 

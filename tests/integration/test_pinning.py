@@ -321,14 +321,9 @@ def test_hosts_file_elements_are_extended_each_time_they_are_written(lab, egress
     egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
 
     def left() -> int:
-        rc, out, err = lab.nft(lab.sandbox, "-j", "list", "set", "inet", "egressd", "ph_agent_d4")
-        assert rc == 0, err
-        for obj in json.loads(out)["nftables"]:
-            for e in obj.get("set", {}).get("elem", []):
-                if isinstance(e, dict) and e["elem"]["val"] == V4:
-                    assert e["elem"]["timeout"] == 60, e
-                    return e["elem"]["expires"]
-        raise AssertionError(f"{V4} not in ph_agent_d4: {out}")
+        e = lab.learned_set().get(V4)
+        assert e and e["timeout"] == 60, f"{V4} in ph_agent_d4 with timeout 60 s: {e}"
+        return e["expires"]
 
     wait_for(lambda: left() <= 56, 10.0, "the element's first 3 s to pass")
     # A pair dropped from the file: the elements of those left are written at once.
