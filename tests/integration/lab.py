@@ -295,7 +295,13 @@ def _recv_exact_echo(sock: socket.socket, payload: bytes, t0: float, deadline: f
         if remaining <= 0:
             return Outcome("timeout", f"echo incomplete ({len(got)}/{len(payload)} bytes)", time.monotonic() - t0)
         sock.settimeout(remaining)
-        chunk = sock.recv(len(payload) - len(got))
+        try:
+            chunk = sock.recv(len(payload) - len(got))
+        except TimeoutError as e:
+            if e.errno is not None:
+                raise
+            # Connected, so the SYN was answered: what is missing is the echo.
+            return Outcome("timeout", f"echo incomplete ({len(got)}/{len(payload)} bytes)", time.monotonic() - t0)
         if not chunk:
             return Outcome("reset", "EOF", time.monotonic() - t0)
         got += chunk
@@ -589,7 +595,12 @@ class Netns:
         with self.socket(family_of(addr), socket.SOCK_STREAM) as s:
             try:
                 s.settimeout(timeout)
-                s.connect((addr, port))
+                try:
+                    s.connect((addr, port))
+                except TimeoutError as e:
+                    if e.errno is not None:
+                        raise
+                    return Outcome("timeout", "no answer to the SYN", time.monotonic() - t0)
                 s.sendall(payload)
                 return _recv_exact_echo(s, payload, t0, t0 + timeout)
             except OSError as e:

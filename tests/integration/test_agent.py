@@ -557,27 +557,35 @@ def test_restart_adopts_every_sandbox_with_the_same_generation(lab, agent):
     for ns, addr, allowed in expect:
         assert (ns.tcp_connect(addr, ECHO_PORT, timeout=1) == "ok") == allowed
     stop, changes, probes = threading.Event(), [], [0]
+    # When the agent was stopped and started, for the failure message (fixed keys: the probe
+    # thread reads them while this one sets them).
+    marks = {"stop": None, "start": None, "started": None}
 
     def probe_loop():
         while not stop.is_set():
             for ns, addr, allowed in expect:
+                t = time.monotonic()
                 out = ns.tcp_connect(addr, ECHO_PORT, timeout=0.5)
                 if (out == "ok") != allowed:
-                    changes.append((ns.name, addr, repr(out)))
+                    changes.append((ns.name, addr, repr(out), {k: round(t - v, 3) for k, v in marks.items() if v is not None}))
             probes[0] += 1
     prober = threading.Thread(target=probe_loop, daemon=True)
     prober.start()
     try:
+        marks["stop"] = time.monotonic()
         agent.stop()
         # While it is down the policies hold.
         wait_for(lambda: probes[0] >= 3, 10.0, "probes while the agent is down")
         labmod.run(["ip", "netns", "del", gone.name])
+        marks["start"] = time.monotonic()
         agent.start()
+        marks["started"] = time.monotonic()
         n = probes[0]
         wait_for(lambda: probes[0] >= n + 3, 10.0, "probes after the restart")
     finally:
         stop.set()
         prober.join(10)
+    # Each change: the probe's start, in seconds after the stop, the start and the start's return.
     assert not changes, f"verdicts changed during the restart: {changes[:5]}"
 
     after = agent.listing()

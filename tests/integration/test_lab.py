@@ -188,11 +188,17 @@ def test_helpers_read_reject_and_drop(lab):
     # A dropping rule: TCP times out, UDP/ICMP fail locally with no ICMP error.
     assert lab.nft(lab.sandbox, "flush chain inet labcheck out")[0] == 0
     assert lab.nft(lab.sandbox, "add rule inet labcheck out oif != lo drop")[0] == 0
-    assert lab.tcp_connect("198.51.100.10", 7, timeout=0.3) == "timeout"
+    out = lab.tcp_connect("198.51.100.10", 7, timeout=0.3)
+    assert out == "timeout" and out.detail == "no answer to the SYN", repr(out)
     udp = lab.udp_exchange("2001:db8:2::10", 7, timeout=0.3)
     assert udp in ("unreachable", "timeout") and not udp.prohibited, udp
     icmp = lab.ping("198.51.100.10", timeout=0.3)
     assert icmp in ("unreachable", "timeout") and not icmp.prohibited, icmp
+    # The handshake passes, the request's segment (PSH) is dropped: a timeout that says so.
+    assert lab.nft(lab.sandbox, "flush chain inet labcheck out")[0] == 0
+    assert lab.nft(lab.sandbox, "add rule inet labcheck out oif != lo tcp flags & psh == psh drop")[0] == 0
+    out = lab.tcp_connect("198.51.100.10", 7, timeout=0.3)
+    assert out == "timeout" and out.detail.startswith("echo incomplete (0/"), repr(out)
 
 
 def test_nft_helper_runs_in_the_namespace(lab):
