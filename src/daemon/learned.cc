@@ -113,14 +113,6 @@ bool LearnedStore::live(const std::string& name) const {
   return std::any_of(it->second.begin(), it->second.end(), [&](const Addr& a) { return a.expires > now; });
 }
 
-bool LearnedStore::live_pair(const std::string& name, const IpPrefix& addr) const {
-  auto it = by_name_.find(name);
-  if (it == by_name_.end()) return false;
-  const TimePoint now = clock_.steady();
-  return std::any_of(it->second.begin(), it->second.end(),
-                     [&](const Addr& a) { return a.addr == addr && a.expires > now; });
-}
-
 bool LearnedStore::dns_pair_until(const std::string& name, const IpPrefix& addr, TimePoint t) const {
   auto it = by_name_.find(name);
   if (it == by_name_.end()) return false;

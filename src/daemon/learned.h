@@ -51,8 +51,6 @@ class LearnedStore {
   TimePoint now() const { return clock_.steady(); }
   // True when `name` has an address that has not expired.
   bool live(const std::string& name) const;
-  // True when `name` has `addr`, not expired. O(log names + addresses of the name).
-  bool live_pair(const std::string& name, const IpPrefix& addr) const;
   // True when DNS gave `name` the address `addr` until `t` or later, not the
   // hosts file (whose pairs the kernel times out on a clock of their own).
   bool dns_pair_until(const std::string& name, const IpPrefix& addr, TimePoint t) const;
