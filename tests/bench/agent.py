@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -11,7 +11,6 @@ urgent-ack writes no data: a payload-less ACK with URG whose urgent pointer name
 request the socket sends next (the X of "...allowed.test\r\nXHost: same-ip.test"), which the
 server's stack then takes out of the stream: one Host to the reader, two to the server."""
 import json
-import os
 import socket
 import struct
 import sys

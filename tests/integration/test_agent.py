@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import lab as labmod
-from lab import DNS_V4, ECHO_PORT, GATEWAY_V4, LabError, Netns, wait_for
+from lab import ECHO_PORT, GATEWAY_V4, LabError, Netns, wait_for
 
 AGENT_V4, AGENT_GW_V4 = "198.51.100.66", "198.51.100.65"  # the agent's own namespace, a /30
 AGENT_IF = "veth-ag"

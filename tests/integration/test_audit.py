@@ -14,10 +14,7 @@ The contract (docs/audit.md, docs/protocol.md `denied` / `hosts`):
 import json
 import random
 import subprocess
-import threading
 import time
-
-import pytest
 
 import lab as labmod
 from lab import DNS_V4

@@ -33,7 +33,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest

@@ -15,10 +15,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import lab as labmod
-from lab import GATEWAY_V4, SERVERS
 
 FAST = 0.5  # s: a rejected connect is answered at once
 

@@ -18,7 +18,6 @@ Measurements (status p99, switch time, RSS) are printed; run with -s to see them
 Every load loop is bounded in count and in time.
 """
 import json
-import os
 import random
 import re
 import select
@@ -28,8 +27,6 @@ import sys
 import textwrap
 import threading
 import time
-
-import pytest
 
 import lab as labmod
 

@@ -32,7 +32,6 @@ import json
 import os
 import select
 import socket
-import struct
 import sys
 import textwrap
 import time

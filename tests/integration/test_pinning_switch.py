@@ -7,7 +7,6 @@ address): the address alone would let it on. A phase that allows N too keeps it.
 Lab as test_pinning.py: allowed.test and same-ip.test both resolve to 203.0.113.10 /
 2001:db8:3::10; a TLS echo server on 8443 in the internet namespace.
 """
-import socket
 import ssl
 
 import pytest

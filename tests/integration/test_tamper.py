@@ -24,7 +24,6 @@ import time
 import pytest
 
 import lab as labmod
-from lab import LabError
 
 ALLOWED_IP = "198.51.100.11"   # an address entry: set ph_agent_a4
 LEARNED_IP = "198.51.100.10"   # a.example.com, learned from DNS: set ph_agent_d4
