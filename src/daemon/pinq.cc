@@ -821,8 +821,10 @@ class Queue : public PinQueue {
   void close() override {
     if (closed_) return;
     closed_ = true;
-    t_->stop();
+    t_->stop();  // unbinds the queues now
     timer_.cancel();
+    raw4_.reset();  // sockets in the sandbox's namespace: none outlives the removal
+    raw6_.reset();
   }
 
  private:

@@ -191,16 +191,18 @@ Result<std::unique_ptr<Transport>> Transport::open(TransportOptions opts) {
   return std::unique_ptr<Transport>(new Transport(std::move(impl)));
 }
 
-Transport::~Transport() {
-  stop();
-  if (impl_->sd) (void)impl_->sd->release();  // impl_->fd closes the socket, once the loop let go of impl_
-}
+Transport::~Transport() { stop(); }
 
 void Transport::stop() {
   if (impl_->stopped) return;
   impl_->stopped = true;
-  boost::system::error_code ec;
-  if (impl_->sd) impl_->sd->cancel(ec);
+  // The wait ends (operation_aborted) and the reactor lets go of the socket;
+  // then the socket is closed now, not when the loop lets go of impl_: what
+  // it holds in the kernel (a bound queue or log group, a subscription) must
+  // be free for whoever binds it next, e.g. a sandbox removed and added again
+  // in the same namespace while its removed predecessor still finishes work.
+  if (impl_->sd) (void)impl_->sd->release();
+  impl_->fd.reset();
 }
 
 int Transport::fd() const { return impl_->fd.get(); }

@@ -14,10 +14,12 @@
 // No other code in egressd opens a netlink socket.
 //
 // Shutdown: stop() (also run by the destructor) marks the state the receive
-// coroutine shares (it outlives the Transport until the coroutine ends) and
-// cancels its wait. The coroutine checks the mark after every resumption, so
-// a wait that completed just before stop() (queued, no longer cancellable)
-// ends it too, before any handler: owners' handlers may capture `this`.
+// coroutine shares (it outlives the Transport until the coroutine ends),
+// cancels its wait and closes the socket, so its kernel state (a bound queue
+// or log group) is free at once. The coroutine checks the mark after every
+// resumption, so a wait that completed just before stop() (queued, no longer
+// cancellable) ends it too, before any handler: owners' handlers may capture
+// `this`. A stopped transport sends nothing (EBADF).
 //
 // Not thread-safe: one event loop drives it. The socket belongs to the
 // network namespace of the thread that opens it.

@@ -2,9 +2,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <boost/asio/io_context.hpp>
 
 #include "daemon/pinq.h"
 #include "data/quic_rfc_vectors.h"
+#include "support/netns.h"
 #include "support/pin_support.h"
 
 using namespace egressd;
@@ -821,4 +823,25 @@ TEST_CASE("urgent data on a pinned flow is refused whatever its state: ahead of 
   oob.urg = true;
   CHECK(f.packet(5, oob, t0)[0].kind == K::reset);
   CHECK(f.admitted_remembered() == 0);
+}
+
+// ---- the queue against the kernel (kernel suite only: tests/meson.build).
+
+TEST_CASE("a closed queue frees its bindings at once, while its object still exists, as root") {
+  // The agent keeps a removed sandbox's objects until nothing of them runs on
+  // its loop any more; a sandbox added again in that namespace meanwhile must
+  // get the queues (it got EPERM, and its pinned flows hung).
+  if (!egressd::testing::as_root()) return;
+  egressd::testing::in_new_netns([] {
+    boost::asio::io_context io;
+    Judge judge;
+    auto first = PinQueue::open(io, judge);
+    REQUIRE_MESSAGE(first.ok(), (first.ok() ? "" : first.error().message));
+    auto second = PinQueue::open(io, judge);
+    CHECK_FALSE(second.ok());  // one listener per queue in a namespace
+    (*first)->close();
+    auto third = PinQueue::open(io, judge);
+    CHECK_MESSAGE(third.ok(), (third.ok() ? "" : third.error().message));
+    io.poll();  // the first's cancelled wait ends
+  });
 }

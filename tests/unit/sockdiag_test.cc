@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "daemon/sockdiag.h"
+#include "support/netns.h"
 
 #include <arpa/inet.h>
 #include <net/if.h>
@@ -27,6 +28,8 @@
 
 using namespace egressd;
 using namespace egressd::daemon;
+using egressd::testing::as_root;
+using egressd::testing::in_new_netns;
 
 namespace {
 
@@ -92,17 +95,6 @@ TEST_CASE("allowlist keeps allowed addresses and, with hostname entries, every p
 
 namespace {
 
-bool lo_up() {
-  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  ifreq ifr{};
-  std::strcpy(ifr.ifr_name, "lo");
-  bool ok = fd >= 0 && ::ioctl(fd, SIOCGIFFLAGS, &ifr) == 0;
-  ifr.ifr_flags = static_cast<short>(ifr.ifr_flags | IFF_UP);
-  ok = ok && ::ioctl(fd, SIOCSIFFLAGS, &ifr) == 0;
-  if (fd >= 0) ::close(fd);
-  return ok;
-}
-
 // The loopback address of `family` with `port`, in `ss`; returns its length.
 socklen_t loopback(int family, std::uint16_t port, sockaddr_storage& ss) {
   ss = sockaddr_storage{};
@@ -152,25 +144,7 @@ std::uint16_t local_port(int fd) {
 }
 
 // Runs `body` on a thread of its own in a new, empty network namespace.
-void in_new_netns(const std::function<void()>& body) {
-  std::thread([&] {
-    if (::unshare(CLONE_NEWNET) != 0 || !lo_up()) {
-      FAIL_CHECK("cannot make a network namespace: ", std::strerror(errno));
-      return;
-    }
-    body();
-  }).join();
-}
-
 const auto keep_all = [](const FlowInfo&) { return true; };
-
-// The kernel cases need a network namespace of their own: root. False (the
-// case is skipped, and says so) otherwise.
-bool as_root() {
-  if (::geteuid() == 0) return true;
-  MESSAGE("skipped: a network namespace of its own needs root");
-  return false;
-}
 
 // A socket's pending error (SO_ERROR): what an abort left on it; -1 when it
 // cannot be read.
