@@ -963,6 +963,14 @@ void Sandbox::flush_learned() {
   for (auto& d : p.done) d(st);
 }
 
+void Sandbox::abandon_learned() {
+  if (!pending_learn_) return;
+  PendingLearn p = std::move(*pending_learn_);
+  pending_learn_.reset();
+  const Status st = Error::runtime("the sandbox was removed before its answers' addresses were written");
+  for (auto& d : p.done) d(st);
+}
+
 std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
                                                   const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const {
   std::map<IpPrefix, std::vector<std::string>, AddrLess> fresh;  // the names this batch learns, per address

@@ -248,6 +248,10 @@ class Sandbox : public dns::PolicyHooks {
   // (status, metrics, rules) of this sandbox is still on the loop: the agent
   // destroys a removed sandbox only once this is false.
   bool busy() const { return applying_ || pending_learn_.has_value() || *in_flight_ > 0; }
+  // Drops the answers waiting for their addresses' batch, each released
+  // with an error (the owner closed: its proxy answers no more), and commits
+  // none of them.
+  void abandon_learned();
 
   const nft::ActiveState& state() const { return state_; }
   // The SO_MARK egressd's own upstream sockets must carry (valid after start).

@@ -679,3 +679,107 @@ def test_a_dns_flood_and_a_tamper_storm_in_one_sandbox_cost_another_nothing(lab,
     wait_for(lambda: lab.nft(lab.sandbox, "list", "table", "inet", "egressd")[0] == 0, 5.0, "one's table back")
     assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
     assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+
+
+MIXED = """
+import socket, struct, sys, time
+# DNS queries (an allowed name, which the agent answers and learns, and refused ones) and TCP
+# flows to the allowed name's address (pinned: their first bytes wait in the agent's queue),
+# as fast as this process goes, bounded in count and time; nothing is waited for.
+n, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+
+def query(name, i):
+    return (struct.pack(">HHHHHH", i & 0xffff, 0x0100, 1, 0, 0, 0)
+            + b"".join(bytes([len(p)]) + p for p in name.split(b".")) + b"\\0\\0\\1\\0\\1")
+
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.setblocking(False)
+flows, sent = [], 0
+for i in range(n):
+    if time.monotonic() > deadline:
+        break
+    for name in (b"a.example.com", b"m%d.flood.example" % i):
+        try:
+            u.sendto(query(name, i), ("192.0.2.1", 53))
+            sent += 1
+        except OSError:  # a full buffer, or the table briefly gone: ICMP errors
+            pass
+    try:
+        while True:
+            u.recv(4096)
+    except OSError:
+        pass
+    if i % 4 == 0:
+        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        t.setblocking(False)
+        try:
+            t.connect(("198.51.100.10", 7))
+        except OSError:
+            pass
+        flows.append([t, False])
+    for f in flows[-8:]:
+        if not f[1]:
+            try:
+                f[0].send(b"GET / HTTP/1.1\\r\\nHost: a.example.com\\r\\n\\r\\n")
+                f[1] = True
+            except OSError:  # not connected yet, or reset
+                pass
+    while len(flows) > 64:
+        flows.pop(0)[0].close()
+print(sent)
+"""
+
+
+def test_a_sandbox_removed_and_added_while_its_traffic_is_in_flight(lab, agent):
+    """A harness ends a trial while the sandbox is busy: queries on their way upstream, answers
+    being learned, pinned flows waiting in the queue. Sandbox one is removed and added again
+    eight times under such traffic (with and without its policy, and switched in between).
+    Each removal lets go of the namespace at once (an answer waiting for its addresses kept a
+    removed sandbox alive for good), each add binds its own pinning queue and log group
+    (the removed one's sockets held them: pinned flows hung), the agent keeps serving sandbox
+    two throughout, and one works afterwards. Under the sanitizer lab, any use of a removed
+    sandbox's state by a late answer or packet is a report."""
+    sb2 = lab.extra_netns("s")
+    wire(lab, sb2, 1)
+    config = lab.write_config(POLICY)
+    add_one = ("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    agent.ok(*add_one)
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config)
+    mixed = subprocess.Popen(["ip", "netns", "exec", lab.sandbox.name, "python3", "-c", MIXED, "200000", "20"],
+                             stdout=subprocess.PIPE, text=True)
+    rounds = 0
+    try:
+        # Traffic first: queries answered through the agent (its answers are learned, and
+        # the flows to the address are pinned).
+        wait_for(lambda: agent.json("--sandbox", "one", "status")["dns"]["forwarded"] >= 10, 10.0,
+                 "sandbox one's queries to be answered")
+        for k in range(8):
+            assert mixed.poll() is None, "the traffic ended before the removals did"
+            agent.ok("sandbox", "remove", "one", *(("--remove-policy",) if k % 2 else ()))
+            # Released at once, answers on their way included: no socket and no hold on the
+            # namespace (its queue and log group are free for the next sandbox there).
+            wait_for(lambda: namespace_fds_of(agent.proc.pid, lab.sandbox) == 0 and
+                     not sockets_of(agent.proc.pid, lab.sandbox), 5.0,
+                     f"the agent to let go of sandbox one's namespace after removal {k}")
+            agent.ok(*add_one)
+            if k % 4 == 3:
+                agent.ok("--sandbox", "one", "apply", "setup")
+                agent.ok("--sandbox", "one", "apply", "agent")
+            r = sb2.dns_query("a.example.com", server=GATEWAY_V4, timeout=2.0)
+            assert r.rcode == "NOERROR", f"sandbox two's query after round {k}: {r}"
+            assert sb2.tcp_connect("198.51.100.10", ECHO_PORT, timeout=2.0) == "ok"
+            rounds += 1
+    finally:
+        mixed.kill()
+        out = mixed.communicate(timeout=30)[0]
+    print(f"rounds={rounds} traffic: {out.strip() or 'stopped'}")
+    assert agent.proc.poll() is None, f"the agent exited {agent.proc.returncode}: {agent.log()[-3000:]}"
+    # Every add got its own pinning queue and log group.
+    assert not re.search(r"cannot bind|no queue reader", agent.log()), \
+        [line for line in agent.log().splitlines() if "cannot bind" in line][:3]
+    assert set(agent.listing()) == {"one", "two"}
+    assert agent.json("--sandbox", "two", "status")["generation"] == 1
+    # One is served and enforced as a fresh sandbox would be.
+    assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
+    assert lab.sandbox.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
