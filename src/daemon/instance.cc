@@ -673,12 +673,12 @@ Status Instance::close(bool remove_policy) {
   if (m.nflog) m.nflog->close();
   if (m.pinq) m.pinq->close();
   for (const auto& t : m.timers) t->cancel();
-  // Answers whose addresses wait for the next turn's batch: that batch no
-  // longer runs (post() skips it once closed), so nothing is written into a
-  // namespace after its sandbox is gone; their clients get nothing from the
-  // closed proxy. Without this the sandbox stayed busy, never idle, and a
-  // removed sandbox was never released (nor the namespace it holds open).
-  if (m.sandbox) m.sandbox->abandon_learned();
+  // Nothing is written into the namespace after this: answers whose
+  // addresses wait for the next turn's batch are dropped (post() skips that
+  // batch once closed; left pending, they kept the sandbox busy and a removed
+  // sandbox was never released, nor the namespace it holds open), and a
+  // switch still waiting for its pre-resolution ends without changing it.
+  if (m.sandbox) m.sandbox->close();
   return m.close_status;
 }
 

@@ -729,6 +729,11 @@ boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector
 }
 
 void Sandbox::finish_apply(ApplyJob job, std::vector<std::string> unresolved) {
+  if (closed_) {
+    job.reply(control::error_reply("unknown_sandbox",
+                                   "the sandbox was removed before this switch was made; its policy did not change"));
+    return;
+  }
   auto r = switch_to(job.target, std::move(job.facts), job.is_inline, std::move(unresolved));
   job.reply(r ? control::ok_reply(*r) : control::error_reply(r.error(), "invalid_policy"));
 }
@@ -963,7 +968,8 @@ void Sandbox::flush_learned() {
   for (auto& d : p.done) d(st);
 }
 
-void Sandbox::abandon_learned() {
+void Sandbox::close() {
+  closed_ = true;
   if (!pending_learn_) return;
   PendingLearn p = std::move(*pending_learn_);
   pending_learn_.reset();

@@ -248,10 +248,12 @@ class Sandbox : public dns::PolicyHooks {
   // (status, metrics, rules) of this sandbox is still on the loop: the agent
   // destroys a removed sandbox only once this is false.
   bool busy() const { return applying_ || pending_learn_.has_value() || *in_flight_ > 0; }
-  // Drops the answers waiting for their addresses' batch, each released
-  // with an error (the owner closed: its proxy answers no more), and commits
-  // none of them.
-  void abandon_learned();
+  // The owner closed (the agent removed the sandbox): nothing is written into
+  // the namespace any more. The answers waiting for their addresses' batch
+  // are released with an error (the closed proxy answers no more) and none is
+  // committed; a switch waiting for its pre-resolution, and any queued after
+  // it, ends with unknown_sandbox and changes nothing.
+  void close();
 
   const nft::ActiveState& state() const { return state_; }
   // The SO_MARK egressd's own upstream sockets must carry (valid after start).
@@ -498,6 +500,7 @@ class Sandbox : public dns::PolicyHooks {
   };
   InFlight in_flight() { return InFlight(in_flight_); }
   std::optional<PendingLearn> pending_learn_;
+  bool closed_ = false;  // close(): no more kernel writes
   // ---- hosts file state (sandbox_hosts.cc) ----
   // Reads the file into hosts_ (through the snapshot); true when hosts_ changed.
   bool read_hosts();

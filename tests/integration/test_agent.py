@@ -783,3 +783,38 @@ def test_a_sandbox_removed_and_added_while_its_traffic_is_in_flight(lab, agent):
     assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
     assert lab.sandbox.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
     assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+
+
+def test_a_switch_waiting_for_pre_resolution_when_its_sandbox_is_removed_changes_nothing(lab, agent):
+    """The upstream stops answering the agent, so `apply agent` waits for the pre-resolution of
+    a.example.com (at most 3 s). The sandbox is removed meanwhile: the switch ends with
+    unknown_sandbox and the namespace keeps the policy it had at the removal (setup, public),
+    also once the pre-resolution gave up. Before, the switch was made seconds after the removal
+    had returned."""
+    config = lab.write_config(POLICY)
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config, "--phase", "setup")
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT) == "ok"
+    script = (f"table inet labmute {{\n chain in {{\n  type filter hook input priority 0;\n"
+              f"  ip saddr {AGENT_V4} meta l4proto {{ udp, tcp }} th dport 53 counter drop\n }}\n}}\n")
+    assert lab.nft(lab.internet, "-f", "-", input=script)[0] == 0
+
+    def muted() -> int:
+        out = lab.nft(lab.internet, "list", "table", "inet", "labmute")[1]
+        return int(re.search(r"counter packets (\d+)", out).group(1))
+
+    apply = subprocess.Popen([str(labmod.egressctl_binary()), "--socket", str(agent.socket), "--sandbox", "one",
+                              "apply", "agent"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: muted() > 0, 5.0, "the switch's pre-resolution to ask the muted upstream")
+        agent.ok("sandbox", "remove", "one")
+        _, err = apply.communicate(timeout=15)
+    finally:
+        if apply.poll() is None:
+            apply.kill()
+            apply.wait()
+    assert apply.returncode != 0 and "removed before this switch was made" in err, (apply.returncode, err)
+    # The removed sandbox is released once its switch has ended: from then on nothing of it runs.
+    wait_for(lambda: namespace_fds_of(agent.proc.pid, lab.sandbox) == 0, 10.0,
+             "the agent to let go of the removed sandbox")
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT) == "ok", "the removed sandbox's switch was made"
+    assert "switch from=setup to=agent" not in agent.log()
