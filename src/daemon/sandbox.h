@@ -397,16 +397,16 @@ class Sandbox : public dns::PolicyHooks {
   // The switch and its reply.
   void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
   void flush_learned();
+  // Appends to `ops` the adds of `plain` and the replacements of `replace`
+  // in learned set `set` (sandbox.cc says why an element is replaced).
+  static void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
+                                 std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace);
   // `adds` (one OpAddElems per learned set, as learn() builds them) with
   // each element's comment naming what its address is learned for (the
   // names in `records` first, then a few live ones remembered), duplicates
   // merged: a new address added, every other one replaced (add, delete,
   // add: an add never refreshes an element the kernel has) with the
   // longest lifetime any of its names asks for.
-  // Appends to `ops` the adds of `plain` and the replacements of `replace`
-  // in learned set `set` (sandbox.cc says why an element is replaced).
-  static void push_learned_elems(std::vector<nft::Op>& ops, const std::string& set, nft::SetType type,
-                                 std::vector<nft::SetElem> plain, std::vector<nft::SetElem> replace);
   std::vector<nft::Op> named_learned_elems(std::vector<nft::Op> adds,
                                            const std::vector<std::pair<dns::Learned, std::uint64_t>>& records) const;
   // After adopting a table unchanged: learned_ := the (name, address,
