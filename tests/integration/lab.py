@@ -290,18 +290,21 @@ def _token() -> bytes:
 
 def _recv_exact_echo(sock: socket.socket, payload: bytes, t0: float, deadline: float) -> Outcome:
     got = b""
+
+    def incomplete() -> Outcome:  # connected, so the SYN was answered: what is missing is the echo
+        return Outcome("timeout", f"echo incomplete ({len(got)}/{len(payload)} bytes)", time.monotonic() - t0)
+
     while len(got) < len(payload):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return Outcome("timeout", f"echo incomplete ({len(got)}/{len(payload)} bytes)", time.monotonic() - t0)
+            return incomplete()
         sock.settimeout(remaining)
         try:
             chunk = sock.recv(len(payload) - len(got))
         except TimeoutError as e:
             if e.errno is not None:
                 raise
-            # Connected, so the SYN was answered: what is missing is the echo.
-            return Outcome("timeout", f"echo incomplete ({len(got)}/{len(payload)} bytes)", time.monotonic() - t0)
+            return incomplete()
         if not chunk:
             return Outcome("reset", "EOF", time.monotonic() - t0)
         got += chunk
