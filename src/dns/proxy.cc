@@ -22,7 +22,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
-#include <dirent.h>
 #include <linux/netfilter_ipv4.h>
 #include <linux/netfilter_ipv6/ip6_tables.h>
 #include <netinet/in.h>
@@ -44,6 +43,7 @@
 #include "dns/log.h"
 #include "dns/message.h"
 #include "dns/upstream.h"
+#include "egressd/socket_owner.h"
 
 namespace egressd::dns {
 
@@ -147,37 +147,7 @@ std::string describe_holder(const Server& addr, bool tcp) {
   }
   if (inode.empty()) return "";
   std::string out = "uid " + uid + ", inode " + inode;
-  // Which process: bounded by the processes and descriptors there are.
-  const std::string needle = "socket:[" + inode + "]";
-  if (DIR* proc = ::opendir("/proc")) {
-    while (dirent* e = ::readdir(proc)) {
-      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-      const std::string fds = std::string("/proc/") + e->d_name + "/fd";
-      DIR* d = ::opendir(fds.c_str());
-      if (d == nullptr) continue;
-      bool found = false;
-      while (dirent* f = ::readdir(d)) {
-        char target[64];
-        const std::string path = fds + "/" + f->d_name;
-        const ssize_t n = ::readlink(path.c_str(), target, sizeof target - 1);
-        if (n <= 0) continue;
-        target[n] = 0;
-        if (needle == target) {
-          found = true;
-          break;
-        }
-      }
-      ::closedir(d);
-      if (found) {
-        std::ifstream comm(std::string("/proc/") + e->d_name + "/comm");
-        std::string name;
-        std::getline(comm, name);
-        out += std::string(", pid ") + e->d_name + " (" + name + ")";
-        break;
-      }
-    }
-    ::closedir(proc);
-  }
+  if (const std::string who = process_holding_socket(inode); !who.empty()) out += ", " + who;
   return out;
 }
 
