@@ -29,6 +29,7 @@
 #include "daemon/audit_log.h"
 #include "daemon/ctforget.h"
 #include "daemon/netns.h"
+#include "daemon/netns_claim.h"
 #include "daemon/netwatch.h"
 #include "daemon/pinq.h"
 #include "daemon/sandbox.h"
@@ -263,6 +264,7 @@ struct Instance::Impl {
   std::unique_ptr<dns::Proxy> proxy;
   std::unique_ptr<NetWatchLoop> netwatch;
   std::unique_ptr<audit::NflogReader> nflog;
+  std::unique_ptr<NetnsClaim> claim;  // held from before the first change until close
   std::unique_ptr<SandboxPinJudge> pin_judge;
   std::unique_ptr<PinQueue> pinq;
   std::unique_ptr<control::Server> server;
@@ -330,6 +332,15 @@ struct Instance::Impl {
 
 Status Instance::Impl::build() {
   Policy& policy = opts.policy;
+  // Before anything is changed or bound in the namespace (netns_claim.h): a
+  // second egressd there stops here, and the first one's policy stays as it is.
+  auto claimed = NetnsClaim::acquire();
+  if (!claimed) return claimed.error();
+  claim = std::move(*claimed);
+  if (!claim->held() && !claim->unheld_reason().empty()) {
+    log->warn("{}cannot make sure that no other egressd serves this network namespace ({}); two would undo each "
+              "other's switches", prefix(), claim->unheld_reason());
+  }
   auto kernel = nft::open_kernel();
   if (!kernel) return kernel.error();
   const Capabilities caps = opts.capabilities ? *opts.capabilities : probe_capabilities(**kernel);
@@ -679,6 +690,8 @@ Status Instance::close(bool remove_policy) {
   // sandbox was never released, nor the namespace it holds open), and a
   // switch still waiting for its pre-resolution ends without changing it.
   if (m.sandbox) m.sandbox->close();
+  // Last: another egressd may take the namespace from here on.
+  if (m.claim) m.claim->release();
   return m.close_status;
 }
 

@@ -978,6 +978,18 @@ class Queue : public PinQueue {
 
 }  // namespace
 
+int queue_command(nft::Transport& t, std::uint16_t queue, std::uint8_t command) {
+  std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
+  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, queue);
+  nfqnl_msg_config_cmd cmd{};
+  cmd.command = command;
+  mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
+  nfqnl_msg_config_params params{};
+  params.copy_mode = NFQNL_COPY_NONE;
+  mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
+  return t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
+}
+
 Result<std::unique_ptr<PinQueue>> PinQueue::open(asio::io_context& io, PinJudge& judge) {
   nft::TransportOptions o;
   o.protocol = NETLINK_NETFILTER;

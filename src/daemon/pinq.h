@@ -44,6 +44,10 @@
 #include "pin/http_follow.h"
 #include "pin/quic_initial.h"
 
+namespace egressd::nft {
+class Transport;
+}
+
 namespace egressd::daemon {
 
 // What the reader needs from the sandbox at the moment of a decision.
@@ -283,6 +287,13 @@ class PinFlows {
   std::uint64_t next_order_ = 0;
   PinStats stats_;
 };
+
+// Sends nfnetlink_queue configuration `command` (NFQNL_CFG_CMD_*) for `queue`
+// of the current network namespace on `t`, copy mode none: NetnsClaim binds a
+// queue no rule sends packets to, held only so that nobody else can bind it.
+// 0 or the kernel's errno (a bind: EPERM when another socket holds the queue,
+// or without CAP_NET_ADMIN).
+int queue_command(nft::Transport& t, std::uint16_t queue, std::uint8_t command);
 
 // The reader on queues nft::kPinQueueNum (TCP) and nft::kPinUdpQueueNum
 // (QUIC) of the current network namespace

@@ -8,7 +8,9 @@
 // Users: NetlinkKernel (nft/netlink.cc: batches and their acks, table
 // reads), the nftables change monitor (daemon/event_hub: a tamper guard's own
 // socket, or the agent's one socket for every sandbox), the NFLOG reader
-// (audit/nflog), the conntrack forgetter (daemon/ctforget), the interface
+// (audit/nflog), the pinning queue reader (daemon/pinq), the namespace claim
+// (daemon/netns_claim: one queue bound, nothing read), the conntrack
+// forgetter (daemon/ctforget), the interface
 // watch (daemon/netwatch), and the flow reaper's sock_diag dumps and
 // SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
 // No other code in egressd opens a netlink socket.

@@ -17,6 +17,7 @@
 Measurements (status p99, switch time, RSS) are printed; run with -s to see them.
 Every load loop is bounded in count and in time.
 """
+import errno
 import json
 import random
 import re
@@ -27,6 +28,8 @@ import sys
 import textwrap
 import threading
 import time
+
+import pytest
 
 import lab as labmod
 
@@ -715,6 +718,51 @@ def test_sandbox_without_net_admin_cannot_change_the_rules(lab, egressd):
     assert rc1 == 0 and expiry.sub("", after) == expiry.sub("", before)
     check_agent_policy(lab)
     assert d.running
+
+
+# Docker's default capability set, all of it.
+DOCKER_DEFAULT_CAPS = ("-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,"
+                       "+net_raw,+sys_chroot,+mknod,+audit_write,+setfcap")
+
+# Binds, then unbinds, nfnetlink_queue 19 (egressd's claim on the namespace, daemon/netns_claim.h)
+# over a raw netlink socket; prints the kernel's errno for each (0: done).
+CLAIM_QUEUE = textwrap.dedent("""
+    import json, socket, struct
+    def command(s, cmd):
+        attr = struct.pack("=HHBBH", 8, 1, cmd, 0, 0)  # NFQA_CFG_CMD {command, pad, pf}
+        body = struct.pack("=BBH", 0, 0, socket.htons(19)) + attr  # nfgenmsg, queue 19
+        s.send(struct.pack("=IHHII", 16 + len(body), (3 << 8) | 2, 1 | 4, 1, 0) + body)  # CONFIG, ack
+        reply = s.recv(4096)
+        assert struct.unpack_from("=H", reply, 4)[0] == 2, reply  # NLMSG_ERROR: the ack
+        return -struct.unpack_from("=i", reply, 16)[0]
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
+    s.bind((0, 0))
+    print(json.dumps({"bind": command(s, 1), "unbind": command(s, 2)}))
+""")
+
+
+def test_a_sandbox_process_cannot_take_or_free_egressds_claim_on_its_namespace(lab, egressd):
+    """egressd claims its namespace by binding nfnetlink_queue 19 (a second egressd there stops).
+    A task that took the claim while egressd is down would keep egressd from coming back; one
+    that freed it would let a second egressd in. Neither works without CAP_NET_ADMIN, with
+    Docker's whole default set or as root."""
+    d = egressd(POLICY)
+    eperm = {"bind": errno.EPERM, "unbind": errno.EPERM}
+    assert run_in_sandbox(lab, DOCKER_DEFAULT_CAPS, CLAIM_QUEUE) == eperm
+    d.stop()
+    assert run_in_sandbox(lab, DOCKER_DEFAULT_CAPS, CLAIM_QUEUE) == eperm
+    assert run_in_sandbox(lab, "-all", CLAIM_QUEUE) == eperm
+    d.start()
+    check_agent_policy(lab)
+    assert run_in_sandbox(lab, DOCKER_DEFAULT_CAPS, CLAIM_QUEUE) == eperm
+    second = lab.egressd(POLICY, name="second", start=False)
+    with pytest.raises(labmod.LabError, match="second exited with 1 before ready"):
+        second.start()
+    assert f"pid {d.pid} (egressd)" in second.log()
+    # The test's own probe does bind it with CAP_NET_ADMIN, once no egressd holds it.
+    d.stop()
+    cp = lab.sandbox.exec(sys.executable, "-c", CLAIM_QUEUE, timeout=20)
+    assert json.loads(cp.stdout) == {"bind": 0, "unbind": 0}
 
 
 def test_socket_mark_needs_privileges_and_buys_dns_ports_only(lab, egressd):

@@ -328,6 +328,40 @@ def test_a_tamper_loop_is_undone_every_time_and_logs_stay_bounded(lab, egressd):
     assert d.running
 
 
+def test_a_second_egressd_in_the_namespace_refuses_to_start_and_changes_nothing(lab, egressd):
+    """Two egressd in one namespace take the table from each other for as long as both run, each
+    putting its own phase back, so a switch made through one is undone by the other (a harness
+    that retries a sidecar's start, an update that starts the new one before the old one stops).
+    The second must stop before it changes anything, and say which process serves the namespace;
+    once that one is gone, even killed, the namespace is free and its table is adopted."""
+    d = start(egressd)
+    learn(lab)
+    rc, _, err = d.ctl("apply", "verifier")
+    assert rc == 0, err
+    table = normalized_table(lab)
+    second = egressd(POLICY, name="second", start=False, extra=["--log-format", "json"])
+    with pytest.raises(labmod.LabError, match="second exited with 1 before ready"):
+        second.start()
+    said = second.log()
+    assert "another egressd already serves this network namespace" in said, said
+    assert f"pid {d.pid} (egressd)" in said, said
+    assert normalized_table(lab) == table
+    assert denied(lab.tcp_connect(LEARNED_IP, 80, timeout=0.5)), "the verifier phase must still be in force"
+    # A foreign change as a barrier: once it is reported, everything before it was read, and the
+    # second one's start was never taken for tampering (nor did it change anything to restore).
+    rc, _, err = lab.nft(lab.sandbox, "insert rule inet egressd output accept")
+    assert rc == 0, err
+    wait_barrier(d, "output")
+    d.kill()
+    d.wait()
+    second.start()
+    # Its first run's `error:` line is plain text, as every start-up error is: this run's lines.
+    last_run = second.log().rsplit("\n--- ", 1)[1].splitlines()[1:]
+    adopted = [e for e in map(json.loads, filter(str.strip, last_run)) if e.get("event") == "adoption"]
+    assert [(e["phase"], e["restaged"]) for e in adopted] == [("verifier", False)], adopted
+    assert denied(lab.tcp_connect(LEARNED_IP, 80, timeout=0.5))
+
+
 # --- the JSON audit log ----------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <boost/asio/io_context.hpp>
 
+#include "daemon/netns_claim.h"
 #include "daemon/pinq.h"
 #include "data/quic_rfc_vectors.h"
 #include "support/netns.h"
@@ -843,5 +844,29 @@ TEST_CASE("a closed queue frees its bindings at once, while its object still exi
     auto third = PinQueue::open(io, judge);
     CHECK_MESSAGE(third.ok(), (third.ok() ? "" : third.error().message));
     io.poll();  // the first's cancelled wait ends
+  });
+}
+
+TEST_CASE("a namespace claim has one holder per namespace, named, and is free again once released, as root") {
+  if (!egressd::testing::as_root()) return;
+  egressd::testing::in_new_netns([] {
+    auto first = egressd::daemon::NetnsClaim::acquire();
+    REQUIRE_MESSAGE(first.ok(), (first.ok() ? "" : first.error().message));
+    REQUIRE_MESSAGE((*first)->held(), (*first)->unheld_reason());
+    auto second = egressd::daemon::NetnsClaim::acquire();
+    REQUIRE_FALSE(second.ok());
+    const std::string& said = second.error().message;
+    CHECK_MESSAGE(said.find("another egressd already serves this network namespace") != std::string::npos, said);
+    CHECK_MESSAGE(said.find("pid " + std::to_string(::getpid()) + " (") != std::string::npos, said);
+    // Another namespace is another claim.
+    egressd::testing::in_new_netns([] {
+      auto elsewhere = egressd::daemon::NetnsClaim::acquire();
+      REQUIRE(elsewhere.ok());
+      CHECK((*elsewhere)->held());
+    });
+    (*first)->release();
+    auto third = egressd::daemon::NetnsClaim::acquire();
+    REQUIRE_MESSAGE(third.ok(), (third.ok() ? "" : third.error().message));
+    CHECK((*third)->held());
   });
 }
