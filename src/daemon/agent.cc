@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -109,11 +110,17 @@ class Agent {
         continue;
       }
       const NsId want{saved.value("ns_dev", std::uint64_t{0}), saved.value("ns_ino", std::uint64_t{0})};
-      auto r = attach(std::get<control::SandboxAddRequest>(add), want);
-      if (!r) {
+      bool gone = false;
+      auto r = attach(std::get<control::SandboxAddRequest>(add), want, &gone);
+      if (!r && gone) {
         log_->warn("sandbox={} not attached again, dropped: {}", std::get<control::SandboxAddRequest>(add).name,
                    r.error().message);
         ::unlink(file.c_str());
+      } else if (!r) {
+        // Its namespace is there: the file stays for the next start (another
+        // egressd serving the namespace meanwhile, descriptors run out, ...).
+        log_->error("sandbox={} not attached again (its state file {} is kept for the next start): {}",
+                    std::get<control::SandboxAddRequest>(add).name, file, r.error().message);
       }
     }
   }
@@ -187,7 +194,11 @@ class Agent {
 
   // Builds the sandbox of `r`. `expected`: the namespace it had before a
   // restart (another one behind the same path or pid is not adopted).
-  Status attach(const control::SandboxAddRequest& r, std::optional<NsId> expected) {
+  // `gone`, when given, is set when the namespace is not there any more (no
+  // such process or path, or another namespace behind it).
+  Status attach(const control::SandboxAddRequest& r, std::optional<NsId> expected, bool* gone = nullptr) {
+    bool ignored = false;
+    bool& missing = gone != nullptr ? *gone : ignored;
     Attached a;
     UniqueFd pidfd;
     if (r.netns_pid) {
@@ -195,16 +206,19 @@ class Agent {
       // The pidfd first: the namespace opened next is that process's (it
       // cannot be a reused pid's once the pidfd is held and not yet readable).
       pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(a.pid), 0)));
+      missing = !pidfd.ok() && errno == ESRCH;
       if (!pidfd.ok()) return Error::invalid("no process " + std::to_string(a.pid) + ": " + errno_text(errno));
       a.netns = "/proc/" + std::to_string(a.pid) + "/ns/net";
     } else {
       a.netns = *r.netns;
     }
     const UniqueFd nsfd(::open(a.netns.c_str(), O_RDONLY | O_CLOEXEC));
+    missing = !nsfd.ok() && errno == ENOENT;
     if (!nsfd.ok()) return Error::invalid("cannot open network namespace " + a.netns + ": " + errno_text(errno));
     if (pidfd.ok()) {
       pollfd p{pidfd.get(), POLLIN, 0};
-      if (::poll(&p, 1, 0) == 1) return Error::invalid("process " + std::to_string(a.pid) + " has exited");
+      missing = ::poll(&p, 1, 0) == 1;
+      if (missing) return Error::invalid("process " + std::to_string(a.pid) + " has exited");
     }
     auto id = ns_id(nsfd.get());
     if (!id) return id.error();
@@ -216,6 +230,7 @@ class Agent {
       }
     }
     if (expected && !(*expected == *id)) {
+      missing = true;
       return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");
     }
     for (const auto& [name, other] : sandboxes_) {
@@ -426,6 +441,33 @@ void prepare_descriptors() {
   }
 }
 
+// One agent per state directory: a second one would try to attach every
+// sandbox of the first (each namespace's claim refuses it, netns_claim.h) and
+// then serve none of them. Held (flock) for as long as the agent runs; the
+// kernel lets go when it exits, however it exits. The file holds the holder's
+// pid, for the message.
+Result<UniqueFd> lock_state_dir(const std::string& dir) {
+  const std::string path = dir + "/agent.lock";
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.ok()) return errno_error("--state-dir " + dir + ": cannot open " + path, errno);
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) return errno_error("--state-dir " + dir + ": cannot lock " + path, err);
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd.get(), pid, sizeof pid - 1, 0);
+    std::string who = n > 0 ? std::string(pid, static_cast<std::size_t>(n)) : "";
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    return Error::runtime("--state-dir " + dir + " is in use by another egressd agent" +
+                          (who.empty() ? "" : " (pid " + who + ")") + "; one agent per state directory");
+  }
+  const std::string mine = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd.get(), 0) != 0 || ::pwrite(fd.get(), mine.data(), mine.size(), 0) < 0) {
+    spdlog::get("egressd")->warn("--state-dir {}: cannot write the agent's pid into {}: {}", dir, path,
+                                 errno_text(errno));
+  }
+  return fd;
+}
+
 }  // namespace
 
 int cmd_agent(const AgentArgs& a) {
@@ -436,6 +478,12 @@ int cmd_agent(const AgentArgs& a) {
     std::error_code ec;
     fs::create_directories(a.state_dir, ec);
     if (ec) return report(Error::invalid("--state-dir " + a.state_dir + ": " + ec.message()));
+  }
+  UniqueFd state_lock;
+  if (!a.state_dir.empty()) {
+    auto l = lock_state_dir(a.state_dir);
+    if (!l) return report(l.error());
+    state_lock = std::move(*l);
   }
   boost::asio::io_context io;
   Agent agent(io, a);

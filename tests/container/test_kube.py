@@ -138,6 +138,8 @@ def test_agent_daemonset_manifest(tmp_path):
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is True and not spec.get("hostNetwork")
+    # One agent per state directory: an update must stop the old pod before it starts the new.
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
     agent = by_name(spec["containers"])["agent"]
     caps = agent["securityContext"]["capabilities"]
     assert caps["drop"] == ["ALL"] and sorted(caps["add"]) == sorted(test_agent.AGENT_CAPS)

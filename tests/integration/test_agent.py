@@ -536,6 +536,77 @@ def test_hosts_file_dev_null_means_none(lab, agent):
     p.wait(5)
 
 
+def another_agent(lab, agent, tag: str, state_dir: Path) -> Agent:
+    """A second `egressd agent` in the first one's namespace, with a socket and log of its own."""
+    a = Agent(lab, agent.ns, state_dir)
+    a.socket, a.log_path = lab.tmp / f"agent-{tag}.sock", lab.tmp / f"agent-{tag}.log"
+    return a
+
+
+def test_one_egressd_per_namespace_and_one_agent_per_state_directory(lab, agent):
+    """A second agent on the same state directory (an update that starts the new agent before the
+    old one stops), another agent, or a sidecar in an attached sandbox's namespace would each take
+    the table from the agent for as long as both run, each putting its own phase back: a switch
+    made through one undone by the other. Each is refused before it changes anything, naming who
+    serves; `sandbox remove` frees the namespace at once."""
+    config = lab.write_config(POLICY)
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    table = table_of(lab, lab.sandbox)
+    kept = sorted(p.name for p in agent.state_dir.iterdir())
+    serves = f"pid {agent.proc.pid} (egressd)"
+
+    same = another_agent(lab, agent, "same", agent.state_dir)
+    with pytest.raises(LabError, match="egressd agent exited 1"):
+        same.start()
+    assert f"--state-dir {agent.state_dir} is in use by another egressd agent (pid {agent.proc.pid})" in same.log()
+    assert sorted(p.name for p in agent.state_dir.iterdir()) == kept, "the second agent touched the state"
+
+    other = another_agent(lab, agent, "other", lab.tmp / "agent-other-state").start()
+    rc, _, err = other.ctl("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    assert rc == 1 and "another egressd already serves this network namespace" in err and serves in err, (rc, err)
+    assert other.listing() == {}
+    assert not list(other.state_dir.glob("*.json")), "a refused add left a state file"
+
+    side = lab.egressd(config, name="side", start=False)
+    with pytest.raises(LabError, match="side exited with 1 before ready"):
+        side.start()
+    assert "another egressd already serves this network namespace" in side.log() and serves in side.log()
+
+    assert table_of(lab, lab.sandbox) == table
+    assert lab.tcp_connect("203.0.113.10", ECHO_PORT, timeout=1) != "ok", "verifier must still be in force"
+    assert "restored phase" not in agent.log(), "the agent saw its table changed"
+    assert agent.json("--sandbox", "one", "status")["generation"] == 2
+
+    # Removal (the policy stays) frees the namespace at once: the other agent adopts what is there.
+    agent.ok("sandbox", "remove", "one")
+    other.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    st = other.json("--sandbox", "one", "status")
+    assert (st["phase"], st["generation"]) == ("verifier", 2), st
+    other.stop()
+
+
+def test_a_restart_keeps_the_state_of_a_sandbox_another_egressd_serves_meanwhile(lab, agent):
+    """While the agent is down, a sidecar takes one sandbox's namespace. The restarted agent
+    must not attach it (they would undo each other's switches), must say why, and must keep its
+    state file: once the sidecar is gone, the next start attaches it again."""
+    config = lab.write_config(POLICY)
+    sb2 = lab.extra_netns("s")
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    agent.ok("sandbox", "add", "two", "--netns", sb2.path, "--config", config)
+    agent.stop()
+    side = lab.egressd(config, name="side")
+    agent.start()
+    assert set(agent.listing()) == {"two"}
+    assert (agent.state_dir / "one.json").exists(), "the state of a sandbox whose namespace is there was dropped"
+    assert re.search(r"sandbox=one not attached again \(its state file \S+one.json is kept for the next start\): "
+                     r"another egressd already serves this network namespace .*pid " + str(side.pid), agent.log())
+    side.stop()
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one", "two"}
+
+
 def test_restart_adopts_every_sandbox_with_the_same_generation(lab, agent):
     sb2 = lab.extra_netns("s")
     wire(lab, sb2, 1)
