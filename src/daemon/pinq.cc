@@ -746,18 +746,26 @@ nlmsghdr* put_queue_header(char* buf, std::uint8_t type, std::uint16_t flags, st
   return nlh;
 }
 
+// A configuration request for `queue`: `command` (NFQNL_CFG_CMD_*) and the
+// copy parameters; the caller may add attributes.
+nlmsghdr* put_queue_config(char* buf, std::uint16_t queue, std::uint8_t command, std::uint8_t copy_mode,
+                           std::uint32_t copy_range) {
+  nlmsghdr* nlh = put_queue_header(buf, NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, queue);
+  nfqnl_msg_config_cmd cmd{};
+  cmd.command = command;
+  mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
+  nfqnl_msg_config_params params{};
+  params.copy_range = htonl(copy_range);
+  params.copy_mode = copy_mode;
+  mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
+  return nlh;
+}
+
 // Binds `queue`; `gso`: packets as the stack made them (NFQA_CFG_F_GSO),
 // else the kernel splits GSO packets and completes checksums first.
 Status bind_queue(nft::Transport& t, std::uint16_t queue, bool gso) {
   std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
-  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, queue);
-  nfqnl_msg_config_cmd cmd{};
-  cmd.command = NFQNL_CFG_CMD_BIND;
-  mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
-  nfqnl_msg_config_params params{};
-  params.copy_range = htonl(kCopyRange);
-  params.copy_mode = NFQNL_COPY_PACKET;
-  mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
+  nlmsghdr* nlh = put_queue_config(buf.data(), queue, NFQNL_CFG_CMD_BIND, NFQNL_COPY_PACKET, kCopyRange);
   mnl_attr_put_u32(nlh, NFQA_CFG_QUEUE_MAXLEN, htonl(kQueueMaxLen));
   mnl_attr_put_u32(nlh, NFQA_CFG_FLAGS, htonl(gso ? NFQA_CFG_F_GSO : 0));
   mnl_attr_put_u32(nlh, NFQA_CFG_MASK, htonl(NFQA_CFG_F_GSO));
@@ -980,13 +988,7 @@ class Queue : public PinQueue {
 
 int queue_command(nft::Transport& t, std::uint16_t queue, std::uint8_t command) {
   std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
-  nlmsghdr* nlh = put_queue_header(buf.data(), NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, queue);
-  nfqnl_msg_config_cmd cmd{};
-  cmd.command = command;
-  mnl_attr_put(nlh, NFQA_CFG_CMD, sizeof cmd, &cmd);
-  nfqnl_msg_config_params params{};
-  params.copy_mode = NFQNL_COPY_NONE;
-  mnl_attr_put(nlh, NFQA_CFG_PARAMS, sizeof params, &params);
+  nlmsghdr* nlh = put_queue_config(buf.data(), queue, command, NFQNL_COPY_NONE, 0);
   return t.request(nlh, [](const nlmsghdr*) {}, std::chrono::seconds(1));
 }
 
