@@ -73,24 +73,46 @@ Result<sockaddr_un> make_addr(const std::string& path) {
   return addr;
 }
 
-// Decides what to do with an existing path: fail if a live server answers,
-// unlink it if it is a stale socket, refuse to touch anything that is not a socket.
-Status clear_stale(const std::string& path, const sockaddr_un& addr) {
+// What is at a control socket's path.
+enum class AtPath { nothing, stale_socket, live_server, not_a_socket };
+
+Result<AtPath> at_path(const std::string& path, const sockaddr_un& addr) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return Status::success();
+    if (errno == ENOENT) return AtPath::nothing;
     return errno_error("cannot stat control socket " + path, errno);
   }
-  if (!S_ISSOCK(st.st_mode))
-    return Error::runtime("control socket path " + path + " exists and is not a socket; not replacing it");
+  if (!S_ISSOCK(st.st_mode)) return AtPath::not_a_socket;
   UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!probe.ok()) return errno_error("cannot create probe socket for " + path, errno);
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 || errno == EAGAIN ||
       errno == EINPROGRESS)
     // EAGAIN: a listener exists but its backlog is full; it is alive all the same.
-    return Error::runtime("another egressd is serving " + path);
+    return AtPath::live_server;
   if (errno != ECONNREFUSED && errno != ENOENT)
     return errno_error("cannot probe existing control socket " + path, errno);
+  return AtPath::stale_socket;
+}
+
+std::string not_a_socket_text(const std::string& path) {
+  return "control socket path " + path + " exists and is not a socket; not replacing it";
+}
+
+// Decides what to do with an existing path: fail if a live server answers,
+// unlink it if it is a stale socket, refuse to touch anything that is not a socket.
+Status clear_stale(const std::string& path, const sockaddr_un& addr) {
+  auto at = at_path(path, addr);
+  if (!at) return at.error();
+  switch (*at) {
+    case AtPath::nothing:
+      return Status::success();
+    case AtPath::not_a_socket:
+      return Error::runtime(not_a_socket_text(path));
+    case AtPath::live_server:
+      return Error::runtime("another egressd is serving " + path);
+    case AtPath::stale_socket:
+      break;
+  }
   if (::unlink(path.c_str()) != 0 && errno != ENOENT)
     return errno_error("cannot remove stale control socket " + path, errno);
   return Status::success();
@@ -545,6 +567,16 @@ class ServerImpl final : public Server {
 };
 
 }  // namespace
+
+Status check_socket_path(const std::string& path) {
+  auto addr = make_addr(path);
+  if (!addr) return addr.error();
+  auto at = at_path(path, *addr);
+  if (!at) return at.error();
+  if (*at == AtPath::not_a_socket) return Error::invalid(not_a_socket_text(path));
+  if (*at == AtPath::live_server) return Error::invalid("another egressd is serving " + path);
+  return Status::success();
+}
 
 Result<std::unique_ptr<Server>> Server::listen(boost::asio::io_context& io, ServerOptions opts, Handler handler) {
   if (!handler) return Error::invalid("control server needs a request handler");

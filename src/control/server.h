@@ -34,6 +34,12 @@ inline constexpr std::size_t kMaxRequestBytes = 1 << 20;
 // client gets "internal".
 using Handler = std::function<void(const nlohmann::json& request, Reply reply)>;
 
+// Whether `path` can be a control socket as far as can be known before
+// binding it: a usable path where nothing lives that listen() would refuse
+// (a live server, something that is not a socket). For a caller that must
+// refuse bad input before it changes anything; listen() checks again.
+Status check_socket_path(const std::string& path);
+
 struct ServerOptions {
   std::string path;               // filesystem path; created 0600, replaced if stale
   // Root (0) is always allowed. The lowest non-root uid here owns the socket

@@ -154,7 +154,8 @@ int cmd_run(const RunArgs& a) {
   }
   const std::string initial = a.phase.empty() ? policy->initial_phase : a.phase;
   if (policy->find(initial) == nullptr) return report(Error::invalid("unknown phase \"" + initial + "\""));
-  if (auto s = check_metrics_file(a.metrics_file); !s) return report(s.error());
+  if (auto s = check_output_file("--metrics-file", a.metrics_file); !s) return report(s.error());
+  if (auto s = check_output_file("--ready-file", a.ready_file); !s) return report(s.error());
   // A hosts file the operator named must be there and readable, or nothing
   // is installed (exit 2); the default one may be missing.
   const std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");

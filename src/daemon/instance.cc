@@ -139,20 +139,19 @@ bool probe_log(nft::Kernel& kernel, std::uint16_t group) {
   return kernel.apply(ch).ok();
 }
 
-// --metrics-file must name a file in a directory egressd can write (the temp
-// file goes next to it): checked before anything is installed.
-Status check_metrics_file_impl(const std::string& path) {
+// See check_output_file (instance.h).
+Status check_output_file_impl(const std::string& option, const std::string& path) {
   if (path.empty()) return {};
   namespace fs = std::filesystem;
   const fs::path p(path);
   std::error_code ec;
   if (!p.has_filename() || fs::is_directory(p, ec)) {
-    return Error::invalid("--metrics-file " + path + ": names a directory, not a file");
+    return Error::invalid(option + " " + path + ": names a directory, not a file");
   }
   const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  if (!fs::is_directory(dir, ec)) return Error::invalid("--metrics-file " + path + ": no directory " + dir.string());
+  if (!fs::is_directory(dir, ec)) return Error::invalid(option + " " + path + ": no directory " + dir.string());
   if (::access(dir.c_str(), W_OK) != 0) {
-    Error e = errno_error("--metrics-file " + path + ": cannot write in " + dir.string(), errno);
+    Error e = errno_error(option + " " + path + ": cannot write in " + dir.string(), errno);
     e.kind = ErrorKind::invalid;
     return e;
   }
@@ -231,7 +230,9 @@ class MetricsFile {
 
 }  // namespace
 
-Status check_metrics_file(const std::string& path) { return check_metrics_file_impl(path); }
+Status check_output_file(const std::string& option, const std::string& path) {
+  return check_output_file_impl(option, path);
+}
 
 struct Instance::Impl {
   Impl(boost::asio::io_context& io, InstanceOptions o) : io(io), opts(std::move(o)) {}
@@ -340,6 +341,12 @@ Status Instance::Impl::build() {
   if (!claim->held() && !claim->unheld_reason().empty()) {
     log->warn("{}cannot make sure that no other egressd serves this network namespace ({}); two would undo each "
               "other's switches", prefix(), claim->unheld_reason());
+  }
+  // The control socket is bound last (a client that finds it finds the policy
+  // in force), so a path it could not take is refused now, before anything
+  // is installed: another egressd serving it, a file that is not a socket.
+  if (!opts.socket.empty()) {
+    if (auto s = control::check_socket_path(opts.socket); !s) return s.error().wrap("--socket");
   }
   auto kernel = nft::open_kernel();
   if (!kernel) return kernel.error();

@@ -107,8 +107,9 @@ class Instance {
   std::unique_ptr<Impl> impl_;
 };
 
-// --metrics-file must name a file in a directory egressd can write (the temp
-// file goes next to it): checked before anything is installed.
-Status check_metrics_file(const std::string& path);
+// A file egressd writes once it runs (--metrics-file, --ready-file: the temp
+// file goes next to it) must be in a directory egressd can write: checked
+// before anything is installed. `option` names it in the error.
+Status check_output_file(const std::string& option, const std::string& path);
 
 }  // namespace egressd::daemon

@@ -406,7 +406,8 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
     spare = lab.extra_netns("m")
     broken_hosts = lab.tmp / "broken-hosts"
     broken_hosts.write_text("host.docker.internal 192.0.2.1\n")
-    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config)
+    one_socket = lab.tmp / "one.sock"
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", config, "--socket", one_socket)
     # A process in one's namespace: the same namespace by another name.
     inside = lab.spawn(["sleep", "60"], netns=lab.sandbox)
     # Until `ip netns exec` has entered it, the process is in this one's namespace (the host's).
@@ -426,6 +427,14 @@ def test_bad_requests_name_the_culprit_and_change_nothing(lab, agent):
         (("sandbox", "add", "two", "--netns", spare.path, "--config", config, "--phase", "nope"), "nope"),
         (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", "/nonexistent-dir/s.sock"),
          "/nonexistent-dir"),
+        # Sockets already served (another sandbox's, the agent's own) or not a socket: refused
+        # before the table goes in, not after.
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", one_socket),
+         f"--socket: another egressd is serving {one_socket}"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", agent.socket),
+         f"--socket: another egressd is serving {agent.socket}"),
+        (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--socket", broken_hosts),
+         f"control socket path {broken_hosts} exists and is not a socket"),
         (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--hosts-file", lab.tmp / "no-hosts"),
          f"hosts file {lab.tmp / 'no-hosts'} does not exist"),
         (("sandbox", "add", "two", "--netns", spare.path, "--mode", "public", "--hosts-file", broken_hosts),

@@ -270,6 +270,36 @@ def malformed_messages(seed: int) -> list[tuple[bytes, str, str]]:
     return out
 
 
+@pytest.mark.parametrize("bad", ["socket-served", "socket-not-a-socket", "ready-file-no-directory"])
+def test_a_socket_or_ready_file_egressd_cannot_use_is_refused_before_anything_changes(lab, egressd, bad):
+    """egressd binds its control socket and writes its ready file last (a client that finds
+    either finds the policy in force); a path it cannot take must still be refused before
+    anything is installed, not after (the sandbox would be left with a table nobody serves)."""
+    d = egressd(POLICY, start=False)
+    served = None
+    if bad == "socket-served":
+        served = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        served.bind(str(d.socket_path))
+        served.listen()
+        culprit = f"--socket: another egressd is serving {d.socket_path}"
+    elif bad == "socket-not-a-socket":
+        d.socket_path.write_text("not a socket\n")
+        culprit = f"--socket: control socket path {d.socket_path} exists and is not a socket"
+    else:
+        d.ready_path = lab.tmp / "no-such-dir" / "egressd.ready"
+        culprit = f"--ready-file {d.ready_path}: no directory {d.ready_path.parent}"
+    try:
+        cp = subprocess.run(d.argv(), capture_output=True, text=True, timeout=10)
+    finally:
+        if served:
+            served.close()
+    assert cp.returncode == 2, cp
+    assert culprit in cp.stderr, cp.stderr
+    assert lab.nft(lab.sandbox, "list", "tables")[1].strip() == "", "a refused start installed a table"
+    if bad == "socket-not-a-socket":
+        assert d.socket_path.read_text() == "not a socket\n"
+
+
 def test_1000_malformed_control_messages(lab, egressd):
     d = egressd(POLICY)
     before = d.status()
