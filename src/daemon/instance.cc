@@ -139,25 +139,6 @@ bool probe_log(nft::Kernel& kernel, std::uint16_t group) {
   return kernel.apply(ch).ok();
 }
 
-// See check_output_file (instance.h).
-Status check_output_file_impl(const std::string& option, const std::string& path) {
-  if (path.empty()) return {};
-  namespace fs = std::filesystem;
-  const fs::path p(path);
-  std::error_code ec;
-  if (!p.has_filename() || fs::is_directory(p, ec)) {
-    return Error::invalid(option + " " + path + ": names a directory, not a file");
-  }
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  if (!fs::is_directory(dir, ec)) return Error::invalid(option + " " + path + ": no directory " + dir.string());
-  if (::access(dir.c_str(), W_OK) != 0) {
-    Error e = errno_error(option + " " + path + ": cannot write in " + dir.string(), errno);
-    e.kind = ErrorKind::invalid;
-    return e;
-  }
-  return {};
-}
-
 // `--metrics-file`: every interval the metrics text is built on the event
 // loop (tens of microseconds: two chain dumps, retried on timers) and written by a
 // thread of its own, so a slow disk never holds up a switch or a DNS answer.
@@ -231,7 +212,21 @@ class MetricsFile {
 }  // namespace
 
 Status check_output_file(const std::string& option, const std::string& path) {
-  return check_output_file_impl(option, path);
+  if (path.empty()) return {};
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (!p.has_filename() || fs::is_directory(p, ec)) {
+    return Error::invalid(option + " " + path + ": names a directory, not a file");
+  }
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) return Error::invalid(option + " " + path + ": no directory " + dir.string());
+  if (::access(dir.c_str(), W_OK) != 0) {
+    Error e = errno_error(option + " " + path + ": cannot write in " + dir.string(), errno);
+    e.kind = ErrorKind::invalid;
+    return e;
+  }
+  return {};
 }
 
 struct Instance::Impl {
