@@ -131,44 +131,80 @@ Status ensure_parent_dir(const std::string& path) {
   return Status::success();
 }
 
-// Returns a listening, close-on-exec socket bound at `path` with mode 0600.
-Result<UniqueFd> bind_socket(const std::string& path, std::optional<uid_t> owner) {
-  auto addr = make_addr(path);
-  if (!addr) return addr.error();
-  if (auto st = ensure_parent_dir(path); !st) return st.error();
-  if (auto st = clear_stale(path, *addr); !st) return st.error();
+// How a new socket takes its path: beside a path that must be free (start-up),
+// or over whatever socket is there now (the socket-file check puts ours back).
+enum class Publish { if_free, over };
 
+// Binds, sets the mode (and owner) and listens on `at`; no other path is touched.
+Result<UniqueFd> listening_socket(const std::string& at, std::optional<uid_t> owner) {
+  auto addr = make_addr(at);
+  if (!addr) return addr.error();
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.ok()) return errno_error("cannot create control socket " + path, errno);
+  if (!fd.ok()) return errno_error("cannot create control socket " + at, errno);
   // Linux creates the socket file with (socket inode mode & ~umask): setting the
   // inode mode first makes the file 0600 from its first instant, whatever the
   // umask. The restrictive umask around bind() is a second guard (it is
   // process-wide, but only ever narrows what another thread creates meanwhile).
-  if (::fchmod(fd.get(), 0600) != 0) return errno_error("cannot set mode on control socket " + path, errno);
+  if (::fchmod(fd.get(), 0600) != 0) return errno_error("cannot set mode on control socket " + at, errno);
   const mode_t old_mask = ::umask(0177);
   const int rc = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
   const int bind_errno = errno;
   ::umask(old_mask);
   if (rc != 0) {
-    if (bind_errno == EADDRINUSE) return Error::runtime("another egressd is serving " + path);
-    return errno_error("cannot bind control socket " + path, bind_errno);
+    if (bind_errno == EADDRINUSE) return Error::runtime("another egressd is serving " + at);
+    return errno_error("cannot bind control socket " + at, bind_errno);
   }
-  if (::chmod(path.c_str(), 0600) != 0) {
-    const int err = errno;
-    ::unlink(path.c_str());
-    return errno_error("cannot set mode 0600 on control socket " + path, err);
-  }
+  auto undo = [&](const std::string& what, int err) {
+    ::unlink(at.c_str());
+    return errno_error(what, err);
+  };
+  if (::chmod(at.c_str(), 0600) != 0) return undo("cannot set mode 0600 on control socket " + at, errno);
   // A non-root orchestrator needs write permission on the file to connect at
   // all; the mode stays 0600, so it is the owner and nobody else.
-  if (owner && ::chown(path.c_str(), *owner, static_cast<gid_t>(-1)) != 0) {
-    const int err = errno;
-    ::unlink(path.c_str());
-    return errno_error("cannot give control socket " + path + " to uid " + std::to_string(*owner), err);
+  if (owner && ::chown(at.c_str(), *owner, static_cast<gid_t>(-1)) != 0)
+    return undo("cannot give control socket " + at + " to uid " + std::to_string(*owner), errno);
+  if (::listen(fd.get(), SOMAXCONN) != 0) return undo("cannot listen on control socket " + at, errno);
+  return fd;
+}
+
+// Moves the socket file `from` to `to`; with Publish::if_free only while `to`
+// does not exist (a second egressd racing for the path loses here).
+int publish(const std::string& from, const std::string& to, Publish how) {
+  if (how == Publish::over) return ::rename(from.c_str(), to.c_str());
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return 0;
+  if (errno != EINVAL && errno != ENOSYS) return -1;
+  // A filesystem without RENAME_NOREPLACE: link() refuses an existing name too.
+  if (::link(from.c_str(), to.c_str()) != 0) return -1;
+  ::unlink(from.c_str());
+  return 0;
+}
+
+// Returns a listening, close-on-exec socket at `path` with mode 0600. The file
+// appears at `path` only once the socket listens: it is bound beside the path
+// and renamed onto it, so an orchestrator that waits for the file and connects
+// at once is never refused. A path too long for the suffix is bound in place.
+Result<UniqueFd> bind_socket(const std::string& path, std::optional<uid_t> owner, Publish how) {
+  auto addr = make_addr(path);
+  if (!addr) return addr.error();
+  if (auto st = ensure_parent_dir(path); !st) return st.error();
+  if (how == Publish::if_free) {
+    if (auto st = clear_stale(path, *addr); !st) return st.error();
   }
-  if (::listen(fd.get(), SOMAXCONN) != 0) {
+  const std::string beside = path + ".new-" + std::to_string(::getpid());
+  if (!make_addr(beside)) {
+    if (how == Publish::over && ::unlink(path.c_str()) != 0 && errno != ENOENT)
+      return errno_error("cannot remove the socket at " + path, errno);
+    return listening_socket(path, owner);
+  }
+  // One left behind by a killed egressd with this pid; never anything but a socket.
+  if (struct stat s {}; ::lstat(beside.c_str(), &s) == 0 && S_ISSOCK(s.st_mode)) ::unlink(beside.c_str());
+  auto fd = listening_socket(beside, owner);
+  if (!fd) return fd.error();
+  if (publish(beside, path, how) != 0) {
     const int err = errno;
-    ::unlink(path.c_str());
-    return errno_error("cannot listen on control socket " + path, err);
+    ::unlink(beside.c_str());
+    if (err == EEXIST) return Error::runtime("another egressd is serving " + path);
+    return errno_error("cannot put control socket in place at " + path, err);
   }
   return fd;
 }
@@ -509,19 +545,9 @@ void check_socket_file(const std::shared_ptr<State>& st) {
                    "), not our socket; not replacing it");
   }
   // Bound beside the path and renamed over it: an orchestrator connecting
-  // meanwhile finds the other socket or ours, never no file at all. A path too
-  // long for the extra suffix is unlinked and bound in place instead.
-  const std::string beside = path + ".new";
-  const bool swap = static_cast<bool>(make_addr(beside));
-  if (!swap && ::unlink(path.c_str()) != 0 && errno != ENOENT)
-    return problem("it was replaced by another socket, which cannot be removed: " + errno_text(errno));
-  auto fd = bind_socket(swap ? beside : path, st->owner);
+  // meanwhile finds the other socket or ours, never no file at all.
+  auto fd = bind_socket(path, st->owner, Publish::over);
   if (!fd) return problem("cannot bind it again: " + fd.error().message);
-  if (swap && ::rename(beside.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(beside.c_str());
-    return problem("cannot put a new socket in its place: " + errno_text(err));
-  }
   if (auto a = adopt_listener(*st, std::move(*fd)); !a) return problem(a.error().message);
   st->watch_problem.clear();
   st->log->warn("control socket path={} {}; listening there again (mode 0600)", path, what);
@@ -587,7 +613,7 @@ Result<std::unique_ptr<Server>> Server::listen(boost::asio::io_context& io, Serv
       break;
     }
   }
-  auto fd = bind_socket(opts.path, owner);
+  auto fd = bind_socket(opts.path, owner, Publish::if_free);
   if (!fd) return fd.error();
   auto st = std::make_shared<State>(io, std::move(opts), std::move(handler));
   st->owner = owner;

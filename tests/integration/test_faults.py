@@ -342,6 +342,34 @@ def check_socket_is_ours(d):
     assert st.st_uid == 0
 
 
+def test_a_client_that_connects_as_soon_as_the_socket_file_appears_is_never_refused(lab, egressd):
+    """Orchestrators wait for the socket file and connect at once. The file must appear only
+    once the socket listens: listen() is held back 300 ms here (strace's fault injection),
+    which on a socket bound in place leaves a file that refuses every connection meanwhile."""
+    d = egressd(SOCKET_CONFIG, start=False)
+    d.binary = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=listen",
+                "-e", "inject=listen:delay_enter=300000", *d.binary]
+    with open(d.log_path, "ab") as log:
+        proc = lab.spawn(d.argv(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while not os.path.lexists(d.socket_path):  # polled as fast as lstat returns: the first instant
+            assert proc.poll() is None, f"egressd exited {proc.returncode}:\n{d.log()}"
+            assert time.monotonic() < deadline, f"no socket file after 15 s:\n{d.log()}"
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            c.connect(str(d.socket_path))  # ConnectionRefusedError before the fix
+        finally:
+            c.close()
+        labmod.wait_for(lambda: d.ready_path.exists(), 15, "the ready file")
+        assert ctl_works(d)
+        check_socket_is_ours(d)
+        assert not [p for p in os.listdir(d.socket_path.parent) if ".sock.new" in p], "a temporary socket was left"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
 def test_deleted_socket_file_is_recreated(lab, egressd):
     d = egressd(SOCKET_CONFIG)
     held = d.connect()  # a client connected before keeps its connection
