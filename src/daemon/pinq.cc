@@ -294,6 +294,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kTcp) {
     if (seg.followed) return http_packet(id, key, seg, now);
+    if (seg.syn) return new_connection_on_old_entry(id, key, seg, now);
     // A new connection on the addresses and ports of a followed one.
     if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id != seg.ct_id) forget_followed(key);
     // Urgent data on a flow whose bytes are not held: an admitted one (the
@@ -645,6 +646,27 @@ std::vector<PinVerdict> PinFlows::quic_gso(PinPacketId id, const Key& key, const
     return reset_flow(it, kGsoReason, now);
   }
   return refuse_decided(id, key, seg, kGsoReason, now);
+}
+
+// Chain pin sends a SYN here only when conntrack has seen replies on its
+// entry: the client opens a new connection on the addresses and ports of an
+// old one whose end it no longer has (egressd's reset of a cut or refused
+// flow reaches the client, not conntrack), and conntrack takes it up in the
+// old entry, id included. What is remembered for the old connection, keyed
+// by that id, would answer for the new one: it is forgotten, and the new
+// connection's bytes are judged on their own.
+std::vector<PinVerdict> PinFlows::new_connection_on_old_entry(PinPacketId id, const Key& key, const Segment& seg,
+                                                             Clock::time_point now) {
+  std::vector<PinVerdict> out;
+  if (auto it = flows_.find(key); it != flows_.end())
+    out = reset_flow(it, "connection replaced before its first bytes were judged", now, false);
+  decided_.erase(key);
+  starts_.erase(key);
+  forget_followed(key);
+  forget_admitted(key);
+  // Bytes in a SYN (no Fast Open option: a raw socket wrote them) never pass unread.
+  out.push_back({id, seg.payload.empty() ? PinVerdict::Kind::pass : PinVerdict::Kind::drop});
+  return out;
 }
 
 void PinFlows::forget_admitted(const Key& key) {

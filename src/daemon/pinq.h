@@ -244,6 +244,8 @@ class PinFlows {
   std::map<Key, Followed> followed_;
   std::deque<std::pair<Clock::time_point, Key>> followed_order_;
   void forget_admitted(const Key& key);
+  std::vector<PinVerdict> new_connection_on_old_entry(PinPacketId id, const Key& key, const Segment& seg,
+                                                      Clock::time_point now);
   struct Decided {
     bool admitted;
     Clock::time_point at;

@@ -135,7 +135,11 @@ Chain pin_chain(const CompileOptions& opts) {
   c.rules.push_back({{MatchTcpOption{kTcpOptFastOpen}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   c.rules.push_back({{MatchTcpOption{kTcpOptFastOpenExp}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   // The handshake passes as without pinning; the flow stays undecided (no ct mark).
-  c.rules.push_back({{MatchTcpFlagSyn{}, to_pass()}, ""});
+  c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtStateNew{}, to_pass()}, ""});
+  // A SYN on an entry that has seen replies opens a new connection on the
+  // addresses and ports of an old one (output_chain zeroed its mark): it goes
+  // to the reader below, which forgets what it holds for the old connection,
+  // so the new one's bytes are judged on their own.
   // Everything else goes to the reader, carrying the flow's conntrack id as
   // its mark: a decision the reader remembers for a flow's stragglers must
   // never answer a new connection on the same addresses and ports (a socket
@@ -338,6 +342,17 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // and inbound ones carry special marks), and only a holder of
   // CAP_NET_ADMIN sets ct marks. Counted like `counter jump active` below
   // (status adds them up); the IPv4 rule first, for the family split.
+  if (pinning(policy, opts)) {
+    // A SYN in the original direction of a flow that has a mark starts a new
+    // connection on an old one's addresses and ports. Conntrack keeps an entry
+    // whose client got a reset it did not see (reject's reset of a cut or
+    // refused flow reaches the client only), the client's port is handed out
+    // again, and conntrack takes the new SYN up in the old entry, mark and id
+    // included: the new connection would be refused for good on a cut mark,
+    // or admitted unread on an admitted one's. Its mark goes back to 0, so it
+    // is judged as the new flow it is (chain pin hands the reader its SYN).
+    c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0}, StmtCtMarkSet{0}}, ""});
+  }
   for (std::uint8_t family : {4, 6}) {
     c.rules.push_back({{MatchMetaNfproto{family}, MatchCtDirectionOriginal{}, MatchCtStateNewOrEstablished{},
                         MatchCtMarkNot{~0u, 0},

@@ -11,10 +11,11 @@ import json
 import socket
 import ssl
 import struct
+import subprocess
 
 import pytest
 
-from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, connect, learn, outcome, servers, tls  # noqa: F401 (fixture)
+from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, client_hello, connect, learn, outcome, servers, tls  # noqa: F401 (fixture)
 from test_pinning import pinned  # noqa: F401 (fixture)
 import lab as labmod
 from lab import wait_for
@@ -51,6 +52,69 @@ def test_a_new_connection_on_the_four_tuple_of_an_admitted_one_is_judged_afresh(
     for _ in range(3):
         assert_reset(tls_from_port(lab, V4, "same-ip.test", sport), "tls with sni same-ip.test on a reused 4-tuple")
         assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
+
+
+ABORT_PORT = 8445
+ABORT_SERVER = """
+import socket, struct, sys
+# Aborts (a reset) every connection whose first bytes are a TLS record or ask for /abort;
+# echoes anything else.
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(16)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(2)
+    try:
+        data = c.recv(4096)
+        if data[:1] == b"\\x16" or b" /abort " in data:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            c.sendall(b"got:" + data)
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+@pytest.mark.parametrize("addr,first", [(V4, "tls"), (V6, "tls"), (V4, "http")])
+def test_a_server_that_aborts_an_admitted_flow_leaves_its_port_to_be_judged_afresh(lab, pinned, addr, first):  # noqa: F811
+    """A server's reset ends an admitted flow for both ends, but conntrack, seeing it in the
+    reply direction only, keeps the entry, and a new connection from the same port takes it up,
+    the admitted flow's mark included: its bytes went to the server unread (a followed HTTP
+    connection's reader took them for bytes it had read). A sandbox needs only a server that
+    resets (any site on the address does, for a hello it dislikes)."""
+    p = lab.spawn(["/usr/bin/python3", "-c", ABORT_SERVER, addr, ABORT_PORT], netns=lab.internet,
+                  stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "abort server ready").strip() == "ready"
+    v6 = ":" in addr
+    sport = 47041 if not v6 else 47042
+
+    def from_port(first: bytes):
+        def run():
+            with lab.sandbox.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.settimeout(3.0)
+                s.bind(("::" if v6 else "0.0.0.0", sport))
+                s.connect((addr, ABORT_PORT))
+                s.sendall(first)
+                data = s.recv(4096)
+                if not data:
+                    raise EOFError("closed")
+                return data
+        return outcome(run)
+
+    hello = client_hello("allowed.test") if first == "tls" else b"GET /abort HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    for _ in range(3):
+        # Admitted (it names allowed.test), then aborted by the server.
+        assert from_port(hello)[0] == "reset"
+        # The next connection from the port names another site on the address: reset by egressd,
+        # never echoed by the server.
+        res = from_port(b"GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n")
+        assert res[0] == "reset", f"a request for same-ip.test on the aborted flow's port got {res}"
+    assert any("same-ip.test" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
 
 
 def server_peers(lab):
@@ -113,7 +177,6 @@ def test_tcp_fast_open_data_in_a_syn_is_never_let_through(lab, pinned, tmp_path)
     """With TCP Fast Open, the first bytes ride in the SYN, which chain pin lets pass before
     any payload is judged; a server that handed out a cookie would take them. egressd drops
     SYNs with the option: the client retries without it and its bytes are judged."""
-    import subprocess
     import lab as labmod
     seen = tmp_path / "tfo-seen"
     lab.internet.exec("sysctl", "-qw", "net.ipv4.tcp_fastopen=3")  # server (and client) on
@@ -538,6 +601,63 @@ def test_a_followed_connection_is_refused_after_a_restart_not_let_through(lab, p
     s.close()
     assert_reset(res, "a request on a connection followed before the restart")
     assert any("followed before egressd restarted" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
+def _http_from_port(lab, addr, sport, steps):
+    """_exchange from a fixed source port; the client closes with a reset (SO_LINGER 0), so the
+    port is free again at once (no TIME_WAIT)."""
+    def run():
+        bodies = []
+        v6 = ":" in addr
+        with lab.sandbox.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(3.0)
+            s.bind(("::" if v6 else "0.0.0.0", sport))
+            s.connect((addr, HTTP_PORT))
+            for data, n in steps:
+                s.sendall(data)
+                bodies += _responses(s, n)
+        return bodies
+    return outcome(run)
+
+
+@pytest.mark.parametrize("how", ["refused", "restart"])
+def test_a_new_connection_on_the_four_tuple_of_a_reset_followed_one_is_judged_afresh(lab, pinned, how):  # noqa: F811
+    """egressd's reset of a followed HTTP connection frees the client's port at once, while
+    conntrack never sees the client send it: the entry stays, marked followed. A new
+    connection from that port to the same server (the kernel hands out freed ports again) must
+    be judged as the new connection it is, not refused as an unknown followed one (an agent
+    test's final connect was refused so, now and then, after a sandbox's removal and add)."""
+    sport = 47021 if how == "refused" else 47022
+    assert _http_from_port(lab, V4, sport, [(_req("allowed.test"), 1)]) == ("ok", [b"host=allowed.test"])
+    if how == "refused":
+        assert_reset(_http_from_port(lab, V4, sport, [(_req("allowed.test"), 1), (_req("same-ip.test"), 1)]),
+                     "a second request naming same-ip.test")
+    else:
+        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.settimeout(3.0)
+        s.bind(("0.0.0.0", sport))
+        s.connect((V4, HTTP_PORT))
+        s.sendall(_req("allowed.test"))
+        assert _responses(s, 1) == [b"host=allowed.test"]
+        pinned.kill()
+        pinned.wait()
+        pinned.start()
+        learn(lab)
+
+        def next_request():
+            s.sendall(_req("allowed.test"))
+            return _responses(s, 1)
+        res = outcome(next_request)
+        s.close()
+        assert_reset(res, "a request on a connection followed before the restart")
+    for _ in range(3):
+        assert _http_from_port(lab, V4, sport, [(_req("allowed.test"), 1)]) == ("ok", [b"host=allowed.test"])
+        assert_reset(_http_from_port(lab, V4, sport, [(_req("same-ip.test"), 1)]),
+                     "a first request naming same-ip.test on the reused 4-tuple")
 
 
 @pytest.mark.parametrize("addr,loss", [(V4, "ip-options"), (V6, "ipv6-options"), (V4, "tcp-md5"), (V6, "tcp-md5"),

@@ -7,11 +7,13 @@ address): the address alone would let it on. A phase that allows N too keeps it.
 Lab as test_pinning.py: allowed.test and same-ip.test both resolve to 203.0.113.10 /
 2001:db8:3::10; a TLS echo server on 8443 in the internet namespace.
 """
+import socket
 import ssl
 
 import pytest
 
 from lab import DNS_V4
+from test_pinning_attacks import tls_from_port
 from test_pinning import TLS_PORT, V4, V6, assert_reset, connect, learn, outcome, servers  # noqa: F401 (fixture)
 
 POLICY = f"""\
@@ -83,3 +85,35 @@ def test_a_flow_admitted_for_a_name_the_new_phase_allows_too_goes_on(lab, egress
     learn(lab, "same-ip.test")
     assert_reset(exchange(t, b"three"), "the flow cut by the switch back")
     t.close()
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_the_port_of_a_cut_flow_serves_a_new_connection_judged_afresh(lab, egressd, servers, addr):  # noqa: F811
+    """The deny's reset of a cut flow reaches the client only: conntrack keeps the entry with
+    the cut mark, and the client's port is free for its next connection. A new connection from
+    that port to the same server (the kernel hands freed ports out again) is a new connection,
+    judged by the phase in force on its own hello, not refused for good on the old one's mark,
+    nor admitted on it."""
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    sport = 47031 if addr == V4 else 47032
+    s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.settimeout(3.0)
+    s.bind(("::" if ":" in addr else "0.0.0.0", sport))
+    s.connect((addr, TLS_PORT))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    t = ctx.wrap_socket(s, server_hostname="allowed.test")
+    assert exchange(t, b"one") == ("ok", b"tls:one")
+    assert d.ctl("apply", "sibling")[0] == 0
+    learn(lab, "same-ip.test")
+    assert_reset(exchange(t), "the cut flow")
+    t.close()
+    # sibling allows the address through same-ip.test: a new connection from the cut flow's
+    # port presenting same-ip.test is admitted, one presenting allowed.test is reset.
+    assert tls_from_port(lab, addr, "same-ip.test", sport) == ("ok", b"tls:ping")
+    assert_reset(tls_from_port(lab, addr, "allowed.test", sport), "allowed.test in sibling on the cut flow's port")
+    assert d.ctl("apply", "agent")[0] == 0
+    assert tls_from_port(lab, addr, "allowed.test", sport) == ("ok", b"tls:ping")

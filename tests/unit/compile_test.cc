@@ -623,13 +623,25 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // TCP Fast Open data in a SYN would pass uninspected: such SYNs are dropped (the retry has none).
   CHECK(render_rule(pin->rules[3]) == "tcp option fastopen exists counter drop");
   CHECK(render_rule(pin->rules[4]) == "tcp option 254 exists counter drop");
-  CHECK(render_rule(pin->rules[5]) == "tcp flags syn goto pass");
+  // A new connection's handshake passes; a SYN on an entry that has seen replies (a new
+  // connection on an old one's addresses and ports) goes to the reader, which forgets the old one.
+  CHECK(render_rule(pin->rules[5]) == "tcp flags syn ct state new goto pass");
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
   CHECK(render_rule(pin->rules[6]) == "meta l4proto udp meta mark set ct id counter queue num 17");
   // A followed HTTP connection has a queue of its own (the reader refuses what it does not follow).
   CHECK(render_rule(pin->rules[7]) == "ct mark 0x7ffffffc meta mark set ct id counter queue num 18");
   CHECK(render_rule(pin->rules[8]) == "meta mark set ct id counter queue num 16");
+  // Ahead of the fast path, such a SYN loses the old connection's mark (cut, followed or a
+  // phase's): the new connection is judged as new. Only with pinning.
+  const Chain* output = find_chain(t, "output");
+  REQUIRE(output != nullptr);
+  CHECK(render_rule(output->rules[0]) ==
+        "tcp flags syn ct direction original ct mark != 0x00000000 ct mark set 0x00000000");
+  CompileOptions no_pin = o;
+  no_pin.pin = false;
+  CHECK(render_rule(find_chain(build_table(p, nullptr, named(p, "agent", 1), no_pin), "output")->rules[0])
+            .starts_with("meta nfproto ipv4 ct direction original"));
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
