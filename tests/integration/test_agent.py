@@ -774,7 +774,7 @@ def query(name, i):
 
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 u.setblocking(False)
-flows, sent = [], 0
+flows, sent, next_flow = [], 0, 0.0
 for i in range(n):
     if time.monotonic() > deadline:
         break
@@ -789,7 +789,10 @@ for i in range(n):
             u.recv(4096)
     except OSError:
         pass
-    if i % 4 == 0:
+    if i % 4 == 0 and time.monotonic() >= next_flow:
+        # At most one new flow a millisecond: the lab's echo server (a thread per connection,
+        # shared with sandbox two) keeps accepting, so sandbox two's checks measure the agent.
+        next_flow = time.monotonic() + 0.001
         t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         t.setblocking(False)
         try:
