@@ -54,14 +54,18 @@ def test_a_new_connection_on_the_four_tuple_of_an_admitted_one_is_judged_afresh(
         assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
 
 
-ABORT_PORT = 8445
-ABORT_SERVER = """
+ABORT_PORT, TFO_PORT = 8445, 8444
+ONE_READ_SERVER = """
 import socket, struct, sys
-# Aborts (a reset) every connection whose first bytes are a TLS record or ask for /abort;
-# echoes anything else.
-s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET, socket.SOCK_STREAM)
+# Reads each connection's first bytes once, then, by mode:
+#   tfo FILE  (TCP Fast Open on) appends them to FILE, answers a tiny HTTP response;
+#   abort     aborts (a reset) when they are a TLS record or ask for /abort, else echoes them.
+addr, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2])))
+if mode == "tfo":
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_FASTOPEN, 16)
+s.bind((addr, port))
 s.listen(16)
 print("ready", flush=True)
 while True:
@@ -69,7 +73,11 @@ while True:
     c.settimeout(2)
     try:
         data = c.recv(4096)
-        if data[:1] == b"\\x16" or b" /abort " in data:
+        if mode == "tfo":
+            with open(sys.argv[4], "ab") as f:
+                f.write(data + b"\\n--\\n")
+            c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
+        elif data[:1] == b"\\x16" or b" /abort " in data:
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
             c.sendall(b"got:" + data)
@@ -79,6 +87,12 @@ while True:
 """
 
 
+def one_read_server(lab, addr, port, *args):
+    p = lab.spawn(["/usr/bin/python3", "-c", ONE_READ_SERVER, addr, port, *args], netns=lab.internet,
+                  stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "one-read server ready").strip() == "ready"
+
+
 @pytest.mark.parametrize("addr,first", [(V4, "tls"), (V6, "tls"), (V4, "http")])
 def test_a_server_that_aborts_an_admitted_flow_leaves_its_port_to_be_judged_afresh(lab, pinned, addr, first):  # noqa: F811
     """A server's reset ends an admitted flow for both ends, but conntrack, seeing it in the
@@ -86,9 +100,7 @@ def test_a_server_that_aborts_an_admitted_flow_leaves_its_port_to_be_judged_afre
     the admitted flow's mark included: its bytes went to the server unread (a followed HTTP
     connection's reader took them for bytes it had read). A sandbox needs only a server that
     resets (any site on the address does, for a hello it dislikes)."""
-    p = lab.spawn(["/usr/bin/python3", "-c", ABORT_SERVER, addr, ABORT_PORT], netns=lab.internet,
-                  stdout=subprocess.PIPE)
-    assert labmod._read_line(p, 10.0, "abort server ready").strip() == "ready"
+    one_read_server(lab, addr, ABORT_PORT, "abort")
     v6 = ":" in addr
     sport = 47041 if not v6 else 47042
 
@@ -150,29 +162,6 @@ def test_a_refused_flow_leaves_no_half_open_connection_on_the_server(lab, pinned
                  f"the server's end of the refused flow from port {sport} to close")
 
 
-TFO_PORT = 8444
-TFO_SERVER = """
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_FASTOPEN, 16)
-s.bind((sys.argv[1], int(sys.argv[2])))
-s.listen(16)
-print("ready", flush=True)
-while True:
-    c, _ = s.accept()
-    c.settimeout(2)
-    try:
-        data = c.recv(4096)
-        with open(sys.argv[3], "ab") as f:
-            f.write(data + b"\\n--\\n")
-        c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
-    except OSError:
-        pass
-    c.close()
-"""
-
-
 def test_tcp_fast_open_data_in_a_syn_is_never_let_through(lab, pinned, tmp_path):  # noqa: F811
     """With TCP Fast Open, the first bytes ride in the SYN, which chain pin lets pass before
     any payload is judged; a server that handed out a cookie would take them. egressd drops
@@ -181,9 +170,7 @@ def test_tcp_fast_open_data_in_a_syn_is_never_let_through(lab, pinned, tmp_path)
     seen = tmp_path / "tfo-seen"
     lab.internet.exec("sysctl", "-qw", "net.ipv4.tcp_fastopen=3")  # server (and client) on
     lab.sandbox.exec("sysctl", "-qw", "net.ipv4.tcp_fastopen=1")   # client on (the default)
-    p = lab.spawn(["/usr/bin/python3", "-c", TFO_SERVER, V4, TFO_PORT, seen], netns=lab.internet,
-                  stdout=subprocess.PIPE)
-    assert labmod._read_line(p, 10.0, "tfo server ready").strip() == "ready"
+    one_read_server(lab, V4, TFO_PORT, "tfo", seen)
 
     def fast_open(host):
         def run():
@@ -580,29 +567,6 @@ def test_bodies_are_skipped_as_the_server_reads_them_and_the_request_after_is_ju
     assert_reset(_exchange(lab, V4, [(upgrade, 1), (b"\x81\x85junk\r\n\r\n", 1)]), "websocket frames after an upgrade")
 
 
-def test_a_followed_connection_is_refused_after_a_restart_not_let_through(lab, pinned):  # noqa: F811
-    """The reader's memory of a followed connection dies with egressd; the kernel still marks
-    the connection followed, so after a restart its next request cannot go through unread: it
-    is refused."""
-    s = connect(lab, V4, HTTP_PORT, timeout=5.0)
-    s.sendall(_req("allowed.test"))
-    assert _responses(s, 1) == [b"host=allowed.test"]
-    pinned.kill()
-    pinned.wait()
-    pinned.start()
-    learn(lab)
-
-    def next_request():
-        # The client's ACK of the first response may cross the queue after the restart and
-        # be refused first: then sending finds the connection reset already.
-        s.sendall(_req("same-ip.test"))
-        return _responses(s, 1)
-    res = outcome(next_request)
-    s.close()
-    assert_reset(res, "a request on a connection followed before the restart")
-    assert any("followed before egressd restarted" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
-
-
 def _http_from_port(lab, addr, sport, steps):
     """_exchange from a fixed source port; the client closes with a reset (SO_LINGER 0), so the
     port is free again at once (no TIME_WAIT)."""
@@ -623,41 +587,36 @@ def _http_from_port(lab, addr, sport, steps):
     return outcome(run)
 
 
-@pytest.mark.parametrize("how", ["refused", "restart"])
-def test_a_new_connection_on_the_four_tuple_of_a_reset_followed_one_is_judged_afresh(lab, pinned, how):  # noqa: F811
-    """egressd's reset of a followed HTTP connection frees the client's port at once, while
-    conntrack never sees the client send it: the entry stays, marked followed. A new
-    connection from that port to the same server (the kernel hands out freed ports again) must
-    be judged as the new connection it is, not refused as an unknown followed one (an agent
-    test's final connect was refused so, now and then, after a sandbox's removal and add)."""
-    sport = 47021 if how == "refused" else 47022
-    assert _http_from_port(lab, V4, sport, [(_req("allowed.test"), 1)]) == ("ok", [b"host=allowed.test"])
-    if how == "refused":
-        assert_reset(_http_from_port(lab, V4, sport, [(_req("allowed.test"), 1), (_req("same-ip.test"), 1)]),
-                     "a second request naming same-ip.test")
-    else:
-        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.settimeout(3.0)
-        s.bind(("0.0.0.0", sport))
-        s.connect((V4, HTTP_PORT))
-        s.sendall(_req("allowed.test"))
-        assert _responses(s, 1) == [b"host=allowed.test"]
-        pinned.kill()
-        pinned.wait()
-        pinned.start()
-        learn(lab)
+def test_a_followed_connection_is_refused_after_a_restart_not_let_through(lab, pinned):  # noqa: F811
+    """The reader's memory of a followed connection dies with egressd; the kernel still marks
+    the connection followed, so after a restart its next request cannot go through unread: it
+    is refused. Its port then serves new connections, each judged on its own request."""
+    sport = 47022
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.settimeout(5.0)
+    s.bind(("0.0.0.0", sport))
+    s.connect((V4, HTTP_PORT))
+    s.sendall(_req("allowed.test"))
+    assert _responses(s, 1) == [b"host=allowed.test"]
+    pinned.kill()
+    pinned.wait()
+    pinned.start()
+    learn(lab)
 
-        def next_request():
-            s.sendall(_req("allowed.test"))
-            return _responses(s, 1)
-        res = outcome(next_request)
-        s.close()
-        assert_reset(res, "a request on a connection followed before the restart")
+    def next_request():
+        # The client's ACK of the first response may cross the queue after the restart and
+        # be refused first: then sending finds the connection reset already.
+        s.sendall(_req("same-ip.test"))
+        return _responses(s, 1)
+    res = outcome(next_request)
+    s.close()
+    assert_reset(res, "a request on a connection followed before the restart")
+    assert any("followed before egressd restarted" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
     for _ in range(3):
         assert _http_from_port(lab, V4, sport, [(_req("allowed.test"), 1)]) == ("ok", [b"host=allowed.test"])
         assert_reset(_http_from_port(lab, V4, sport, [(_req("same-ip.test"), 1)]),
-                     "a first request naming same-ip.test on the reused 4-tuple")
+                     "a first request naming same-ip.test from the port")
 
 
 @pytest.mark.parametrize("addr,loss", [(V4, "ip-options"), (V6, "ipv6-options"), (V4, "tcp-md5"), (V6, "tcp-md5"),
