@@ -351,7 +351,13 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // included: the new connection would be refused for good on a cut mark,
     // or admitted unread on an admitted one's. Its mark goes back to 0, so it
     // is judged as the new flow it is (chain pin hands the reader its SYN).
-    c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0}, StmtCtMarkSet{0}}, ""});
+    // Never egressd's own flows' mark nor an inbound flow's (0x7ffffffe and
+    // 0x7fffffff, the one mask): neither is pinning's, and a SYN a sandbox
+    // process forged on egressd's upstream flow must not shed its mark (the
+    // rules below keep the deny's resets related to that flow off `lo` by it).
+    c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0},
+                        MatchCtMarkNot{~(kOwnFlowMark ^ kInboundMark), kOwnFlowMark}, StmtCtMarkSet{0}},
+                       ""});
   }
   for (std::uint8_t family : {4, 6}) {
     c.rules.push_back({{MatchMetaNfproto{family}, MatchCtDirectionOriginal{}, MatchCtStateNewOrEstablished{},
