@@ -205,6 +205,7 @@ constexpr const char* kRawReason = "tcp segment written by a raw socket, not by 
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
+constexpr const char* kReplacedReason = "connection replaced before its first bytes were judged";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
 
 // Why the path or the server may drop a segment of the first bytes that the
@@ -355,7 +356,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     // The held connection is gone and a new one has its addresses and
     // ports: the old one's bytes must not complete the new one's hello.
     // (Its server end was closed by the old connection's end.)
-    replaced = reset_flow(it, "connection replaced before its first bytes were judged", now, false);
+    replaced = reset_flow(it, kReplacedReason, now, false);
     it = flows_.end();
   }
   auto with_replaced = [&](std::vector<PinVerdict> v) {
@@ -650,16 +651,17 @@ std::vector<PinVerdict> PinFlows::quic_gso(PinPacketId id, const Key& key, const
 
 // Chain pin sends a SYN here only when conntrack has seen replies on its
 // entry: the client opens a new connection on the addresses and ports of an
-// old one whose end it no longer has (egressd's reset of a cut or refused
-// flow reaches the client, not conntrack), and conntrack takes it up in the
-// old entry, id included. What is remembered for the old connection, keyed
+// old one whose ends are gone without conntrack seeing the client close (a
+// server's reset passes it in the reply direction only; egressd's reset of a
+// cut or refused flow reaches the client only), and conntrack takes it up in
+// the old entry, id included. What is remembered for the old connection, keyed
 // by that id, would answer for the new one: it is forgotten, and the new
 // connection's bytes are judged on their own.
 std::vector<PinVerdict> PinFlows::new_connection_on_old_entry(PinPacketId id, const Key& key, const Segment& seg,
                                                              Clock::time_point now) {
   std::vector<PinVerdict> out;
   if (auto it = flows_.find(key); it != flows_.end())
-    out = reset_flow(it, "connection replaced before its first bytes were judged", now, false);
+    out = reset_flow(it, kReplacedReason, now, false);
   decided_.erase(key);
   starts_.erase(key);
   forget_followed(key);

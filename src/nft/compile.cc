@@ -345,8 +345,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   if (pinning(policy, opts)) {
     // A SYN in the original direction of a flow that has a mark starts a new
     // connection on an old one's addresses and ports. Conntrack keeps an entry
-    // whose client got a reset it did not see (reject's reset of a cut or
-    // refused flow reaches the client only), the client's port is handed out
+    // whose ends are gone without it seeing the client close (a server's reset
+    // passes it in the reply direction only; reject's reset of a cut or refused
+    // flow reaches the client only), the client's port is handed out
     // again, and conntrack takes the new SYN up in the old entry, mark and id
     // included: the new connection would be refused for good on a cut mark,
     // or admitted unread on an admitted one's. Its mark goes back to 0, so it
