@@ -148,8 +148,28 @@ Chain pin_chain(const CompileOptions& opts) {
   // where the kernel splits GSO batches into their datagrams.
   c.rules.push_back({{MatchL4Proto{kUdp}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
   // A followed HTTP connection (its later requests are judged too).
-  c.rules.push_back({{MatchCtMark{kPinFollowMark}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinFollowQueueNum}}, ""});
+  c.rules.push_back({{MatchCtMark{kPinFollowMark}, StmtVerdict{VerdictKind::goto_, kPinFollowChain}}, ""});
   c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
+  return c;
+}
+
+// Chain `pin_follow` (see compile.h): a followed HTTP connection's packets.
+// The reader needs its bytes; a packet without any passes here (one rule per
+// TCP header length: nft cannot subtract one header field from another).
+// Urgent data goes to the reader whatever it carries: an urgent pointer on a
+// bare ACK takes a later byte out of the server's stream.
+Chain pin_follow_chain() {
+  Chain c{kPinFollowChain, std::nullopt, {}};
+  const Rule to_reader{{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinFollowQueueNum}}, ""};
+  Rule urgent = to_reader;
+  urgent.stmts.insert(urgent.stmts.begin(), MatchTcpFlagUrg{});
+  c.rules.push_back(urgent);
+  for (const std::uint8_t family : {4, 6}) {
+    for (std::uint8_t doff = 5; doff <= 15; ++doff) {
+      c.rules.push_back({{MatchTcpHeaderOnly{family, doff}, to_pass()}, ""});
+    }
+  }
+  c.rules.push_back(to_reader);
   return c;
 }
 
@@ -650,7 +670,10 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   t.chains.push_back(Chain{"active", std::nullopt, {}});
   t.chains.push_back(deny_chain(policy));
   const bool pin = pinning(policy, opts);
-  if (pin) t.chains.push_back(pin_chain(opts));
+  if (pin) {
+    t.chains.push_back(pin_chain(opts));
+    t.chains.push_back(pin_follow_chain());
+  }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,
                                       opts.pass_mark));

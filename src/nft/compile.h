@@ -157,6 +157,11 @@ static_assert((kInboundMark & kSpecialMarkMask) == kSpecialMarks && (kOwnFlowMar
               (kPhaseMarkSpan & kSpecialMarkMask) != kSpecialMarks && kPhaseMarkSpan + 1 == kSpecialMarks &&
               (kInlineMarkBit & kSpecialMarkMask) != kSpecialMarks);
 inline constexpr std::uint16_t kPinFollowQueueNum = 18;
+// A followed connection's packets, from chain pin: only those with bytes
+// (and any with the urgent flag) go to queue kPinFollowQueueNum; one that is
+// its headers alone (an ACK, a FIN, a reset) carries nothing to judge and
+// passes in the kernel, so a download's ACKs never leave it.
+inline constexpr const char* kPinFollowChain = "pin_follow";
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"

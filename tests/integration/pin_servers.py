@@ -39,7 +39,7 @@ def tls_handler(ctx):
 
 
 def http_handler(conn):
-    """Each request: 200 with body b"host=" + its Host. Keeps the connection open for the next
+    """Each request: 200 with body b"host=" + its Host (and N bytes more for GET /bulk/N). Keeps the connection open for the next
     request (pipelined or not) when the request asks (`Connection: keep-alive`); reads a
     request's body by Content-Length or chunked, as a real server would, so what follows it
     is the next request."""
@@ -85,6 +85,9 @@ def http_handler(conn):
                 buf = buf[n:]
             keep = fields.get(b"connection", b"").lower() == b"keep-alive"
             body = b"host=" + fields.get(b"host", b"")
+            target = head.lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b" ")[1:2]
+            if target and target[0].startswith(b"/bulk/"):  # a download: N more bytes
+                body += b"x" * int(target[0][len(b"/bulk/"):])
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: %s\r\n\r\n%s" %
                          (len(body), b"keep-alive" if keep else b"close", body))
             if not keep:

@@ -629,9 +629,24 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
   CHECK(render_rule(pin->rules[6]) == "meta l4proto udp meta mark set ct id counter queue num 17");
-  // A followed HTTP connection has a queue of its own (the reader refuses what it does not follow).
-  CHECK(render_rule(pin->rules[7]) == "ct mark 0x7ffffffc meta mark set ct id counter queue num 18");
+  // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
+  // does not follow).
+  CHECK(render_rule(pin->rules[7]) == "ct mark 0x7ffffffc goto pin_follow");
   CHECK(render_rule(pin->rules[8]) == "meta mark set ct id counter queue num 16");
+  // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
+  // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
+  // data and everything else go to the reader.
+  const Chain* follow = find_chain(t, "pin_follow");
+  REQUIRE(follow != nullptr);
+  REQUIRE(follow->rules.size() == 24);
+  CHECK(render_rule(follow->rules[0]) == "tcp flags urg meta mark set ct id counter queue num 18");
+  CHECK(render_rule(follow->rules[1]) == "ip hdrlength 5 ip length 40 tcp doff 5 goto pass");
+  CHECK(render_rule(follow->rules[4]) == "ip hdrlength 5 ip length 52 tcp doff 8 goto pass");
+  CHECK(render_rule(follow->rules[11]) == "ip hdrlength 5 ip length 80 tcp doff 15 goto pass");
+  CHECK(render_rule(follow->rules[12]) == "ip6 length 20 ip6 nexthdr tcp tcp doff 5 goto pass");
+  CHECK(render_rule(follow->rules[22]) == "ip6 length 60 ip6 nexthdr tcp tcp doff 15 goto pass");
+  CHECK(render_rule(follow->rules[23]) == "meta mark set ct id counter queue num 18");
+  CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin_follow") == nullptr);
   // Ahead of the fast path, such a SYN loses the old connection's mark (cut, followed or a
   // phase's): the new connection is judged as new. Never egressd's own flow's mark (a SYN a
   // sandbox forges on it must not shed it) nor an inbound flow's. Only with pinning.

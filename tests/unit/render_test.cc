@@ -97,6 +97,8 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");
   CHECK(one(MatchUdpLongHeader{}) == "@th,64,8 & 0x80 == 0x80");
   CHECK(one(MatchMetaLengthOver{1500}) == "meta length > 1500");
+  CHECK(one(MatchTcpHeaderOnly{4, 8}) == "ip hdrlength 5 ip length 52 tcp doff 8");
+  CHECK(one(MatchTcpHeaderOnly{6, 5}) == "ip6 length 20 ip6 nexthdr tcp tcp doff 5");
   CHECK(one(MatchTcpFlagUrg{}) == "tcp flags urg");
   CHECK(one(MatchTcpFlagRst{}) == "tcp flags rst");
   CHECK(one(MatchCtStateRelated{}) == "ct state related");
