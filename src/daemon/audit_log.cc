@@ -116,6 +116,8 @@ void setup_logging(LogFormat format) {
   spdlog::flush_on(spdlog::level::info);
 }
 
+bool logging_json() { return g_format.load() == LogFormat::json; }
+
 void audit_event(std::string_view event, json fields, spdlog::level::level_enum level, std::string_view text) {
   if (!fields.is_object()) fields = json{{"value", std::move(fields)}};
   auto log = audit_logger();

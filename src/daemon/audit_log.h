@@ -41,6 +41,10 @@ void setup_logging(LogFormat format);
 void audit_event(std::string_view event, nlohmann::json fields,
                  spdlog::level::level_enum level = spdlog::level::info, std::string_view text = {});
 
+// Whether setup_logging chose JSON lines (`run` and `agent` with
+// --log-format json); text before it is called.
+bool logging_json();
+
 // The JSON line formatter (exposed for tests): `{"time","level","logger","message"}`
 // for ordinary lines, the event object for lines of the "audit" logger.
 std::unique_ptr<spdlog::formatter> make_json_formatter();

@@ -2,6 +2,7 @@
 #include <iostream>
 #include <map>
 
+#include "daemon/audit_log.h"
 #include "daemon/commands.h"
 #include "egressd/policy.h"
 #include "egressd/policy_input.h"
@@ -12,8 +13,15 @@
 namespace egressd::daemon {
 
 int report(const Error& err) {
+  const int code = err.kind == ErrorKind::invalid ? 2 : 1;
+  // `run` / `agent` with --log-format json: every line on stderr is JSON, a
+  // start-up error too (a collector parsing the log would drop a plain one).
+  if (logging_json()) {
+    audit_event("startup_failed", {{"error", err.message}, {"exit", code}}, spdlog::level::err);
+    return code;
+  }
   std::cerr << "error: " << err.message << "\n";
-  return err.kind == ErrorKind::invalid ? 2 : 1;
+  return code;
 }
 
 namespace {

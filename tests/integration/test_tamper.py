@@ -343,8 +343,12 @@ def test_a_second_egressd_in_the_namespace_refuses_to_start_and_changes_nothing(
     with pytest.raises(labmod.LabError, match="second exited with 1 before ready"):
         second.start()
     said = second.log()
-    assert "another egressd already serves this network namespace" in said, said
-    assert f"pid {d.pid} (egressd)" in said, said
+    # --log-format json: the start-up error is a JSON line too, as every line of the run.
+    first_run = [json.loads(ln) for ln in said.split("\n--- ")[0].splitlines()[1:] if ln.strip()]
+    failed = [e for e in first_run if e.get("event") == "startup_failed"]
+    assert len(failed) == 1 and failed[0]["exit"] == 1 and failed[0]["level"] == "error", said
+    assert "another egressd already serves this network namespace" in failed[0]["error"], said
+    assert f"pid {d.pid} (egressd)" in failed[0]["error"], said
     assert normalized_table(lab) == table
     assert denied(lab.tcp_connect(LEARNED_IP, 80, timeout=0.5)), "the verifier phase must still be in force"
     # A foreign change as a barrier: once it is reported, everything before it was read, and the
@@ -355,7 +359,6 @@ def test_a_second_egressd_in_the_namespace_refuses_to_start_and_changes_nothing(
     d.kill()
     d.wait()
     second.start()
-    # Its first run's `error:` line is plain text, as every start-up error is: this run's lines.
     last_run = second.log().rsplit("\n--- ", 1)[1].splitlines()[1:]
     adopted = [e for e in map(json.loads, filter(str.strip, last_run)) if e.get("event") == "adoption"]
     assert [(e["phase"], e["restaged"]) for e in adopted] == [("verifier", False)], adopted
