@@ -38,11 +38,11 @@
 #include <libnftnl/common.h>
 
 #include <algorithm>
-#include <iterator>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <new>
 #include <functional>
@@ -1092,11 +1092,12 @@ class NetlinkKernel final : public Kernel {
     if (err != 0) return errno_error("list sets of " + what, err);
     if ((err = dump_rules(name, info.rules)) == kDumpInterrupted) {
       // The table's rules span several datagrams, and a commit fell between
-      // two of them: read them chain by chain, each chain's in one datagram
-      // as a rule is (one datagram is one fill, which no commit can split).
-      // Rules of different chains may then come from different commits, as
-      // they would from reads one after the other; the chains and sets are
-      // still checked unchanged around them below.
+      // two of them: read them chain by chain. Each of egressd's chains fits
+      // one datagram (up to 32 KiB), and one datagram is one fill, which no
+      // commit splits (a longer chain is retried like the whole table). Rules of different chains may then
+      // come from different commits, as they would from reads one after the
+      // other; the chains and sets are still checked unchanged around them
+      // below.
       info.rules.clear();
       std::vector<RuleInfo> part;
       for (const Object& c : chains_) {
