@@ -183,6 +183,12 @@ int cmd_run(const RunArgs& a) {
   o.metrics_interval_s = a.metrics_interval_s;
   o.resolv_conf = read_resolv_conf();
   o.hosts_file = hosts_file;
+  // A ready file says this egressd is ready: one a killed egressd left goes
+  // before this one installs anything (a second egressd, refused, leaves the
+  // first one's alone).
+  o.claimed = [&a] {
+    if (!a.ready_file.empty()) ::unlink(a.ready_file.c_str());
+  };
   o.after_switch = [&trim_when_idle] { trim_when_idle(); };
   o.after_request = [&trim_when_idle] { trim_when_idle(); };
   auto made = Instance::create(io, std::move(o));

@@ -343,6 +343,7 @@ Status Instance::Impl::build() {
   if (!opts.socket.empty()) {
     if (auto s = control::check_socket_path(opts.socket); !s) return s.error().wrap("--socket");
   }
+  if (opts.claimed) opts.claimed();
   auto kernel = nft::open_kernel();
   if (!kernel) return kernel.error();
   const Capabilities caps = opts.capabilities ? *opts.capabilities : probe_capabilities(**kernel);

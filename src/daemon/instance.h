@@ -61,6 +61,10 @@ struct InstanceOptions {
   EventHub* nft_events = nullptr;
   // The same for link and IPv6 route changes (the interface watch).
   EventHub* link_events = nullptr;
+  // Called once the namespace and the socket path are this egressd's (a
+  // second egressd stops before it), before anything is installed: the
+  // sidecar removes a ready file a killed egressd left there.
+  std::function<void()> claimed;
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
   // Called after every request on the sandbox's own socket (the same: a

@@ -342,17 +342,27 @@ def check_socket_is_ours(d):
     assert st.st_uid == 0
 
 
+def _start_with_listen_held_back(lab, d):
+    """Starts `d` with its listen() held back 300 ms (strace's fault injection): the moments
+    between its claim on the namespace and its socket serving last that long."""
+    binary = d.binary
+    # LeakSanitizer cannot run under ptrace (the sanitizer lab's binary would report that at exit).
+    no_leak_check = (os.environ.get("ASAN_OPTIONS", "") + ":detect_leaks=0").lstrip(":")
+    d.binary = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=listen",
+                "-e", "inject=listen:delay_enter=300000", "-E", f"ASAN_OPTIONS={no_leak_check}", *binary]
+    try:
+        with open(d.log_path, "ab") as log:
+            return lab.spawn(d.argv(), stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        d.binary = binary
+
+
 def test_a_client_that_connects_as_soon_as_the_socket_file_appears_is_never_refused(lab, egressd):
     """Orchestrators wait for the socket file and connect at once. The file must appear only
     once the socket listens: listen() is held back 300 ms here (strace's fault injection),
     which on a socket bound in place leaves a file that refuses every connection meanwhile."""
     d = egressd(SOCKET_CONFIG, start=False)
-    # LeakSanitizer cannot run under ptrace (the sanitizer lab's binary would report that at exit).
-    no_leak_check = (os.environ.get("ASAN_OPTIONS", "") + ":detect_leaks=0").lstrip(":")
-    d.binary = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=listen",
-                "-e", "inject=listen:delay_enter=300000", "-E", f"ASAN_OPTIONS={no_leak_check}", *d.binary]
-    with open(d.log_path, "ab") as log:
-        proc = lab.spawn(d.argv(), stdout=log, stderr=subprocess.STDOUT)
+    proc = _start_with_listen_held_back(lab, d)
     try:
         deadline = time.monotonic() + 15
         while not os.path.lexists(d.socket_path):  # polled as fast as lstat returns: the first instant
@@ -367,6 +377,35 @@ def test_a_client_that_connects_as_soon_as_the_socket_file_appears_is_never_refu
         assert ctl_works(d)
         check_socket_is_ours(d)
         assert not [p for p in os.listdir(d.socket_path.parent) if ".sock.new" in p], "a temporary socket was left"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
+def test_a_ready_file_a_killed_egressd_left_is_gone_until_the_next_one_is_ready(lab, egressd):
+    """A healthcheck on the ready file (Harbor's compose `test -f`, a Kubernetes startup probe)
+    passed at once after egressd was killed and started again: nothing removes a file on
+    SIGKILL, and the new egressd only wrote it again once ready. The new one removes it as soon
+    as the namespace is its own, before it installs anything, and writes it once ready."""
+    d = egressd(SOCKET_CONFIG)
+    assert d.ready_path.exists()
+    d.kill()
+    d.wait()
+    assert d.ready_path.exists(), "the killed egressd's ready file (nothing removes it on SIGKILL)"
+    proc = _start_with_listen_held_back(lab, d)
+    try:
+        labmod.wait_for(lambda: not d.ready_path.exists() or proc.poll() is not None, 15,
+                        "the killed egressd's ready file to go before the new one is ready")
+        assert proc.poll() is None, f"egressd exited {proc.returncode}:\n{d.log()}"
+        labmod.wait_for(lambda: d.ready_path.exists(), 15, "the new egressd's ready file")
+        assert ctl_works(d)
+        # A second egressd for the same namespace and ready file is refused before it touches it.
+        second = egressd(SOCKET_CONFIG, name="second", start=False)
+        second.ready_path = d.ready_path
+        with open(second.log_path, "ab") as log:
+            rc = lab.spawn(second.argv(), stdout=log, stderr=subprocess.STDOUT).wait(15)
+        assert rc == 1 and "another egressd already serves this network namespace" in second.log(), second.log()
+        assert d.ready_path.exists(), "the refused egressd removed the serving one's ready file"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
