@@ -241,16 +241,13 @@ def test_a_first_segment_written_with_a_raw_socket_is_refused(lab, pinned, addr,
     assert any("written by a raw socket" in (r.get("pin") or "") for r in records), records
 
 
-def test_an_urgent_pointer_sent_ahead_of_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
-    """With Docker's default NET_RAW, a sandbox process writes a payload-less ACK with URG whose
-    urgent pointer names a byte of the request its socket sends next. The ACK carried no bytes,
-    so it passed; the server's stack then took the named byte (the X of
-    "Host: allowed.test\\r\\nXHost: same-ip.test") out of the stream: one Host to the reader, two
-    to the server, which answered for the last. Urgent data on a pinned flow is refused."""
-    import subprocess
+def _urgent_ack_attack(lab, mode):
+    """pin_insert.py MODE (urgent-ack, urgent-ack-followed) from the sandbox with Docker's
+    default capabilities; asserts the server never answered for same-ip.test and the client
+    was reset."""
     p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
                    "/usr/bin/python3", str(labmod.HERE / "pin_insert.py"), labmod.SANDBOX_IF, V4,
-                   HTTP_PORT, "urgent-ack"],
+                   HTTP_PORT, mode],
                   netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert labmod._read_line(p, 10.0, "the urgent ACK").strip() == "inserted"
     p.stdin.write(b"go\n")
@@ -258,6 +255,15 @@ def test_an_urgent_pointer_sent_ahead_of_the_first_bytes_is_refused(lab, pinned)
     result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
     assert "same-ip.test" not in result.get("data", ""), f"the server answered for same-ip.test: {result}"
     assert result["outcome"] == "reset", result
+
+
+def test_an_urgent_pointer_sent_ahead_of_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
+    """With Docker's default NET_RAW, a sandbox process writes a payload-less ACK with URG whose
+    urgent pointer names a byte of the request its socket sends next. The ACK carried no bytes,
+    so it passed; the server's stack then took the named byte (the X of
+    "Host: allowed.test\\r\\nXHost: same-ip.test") out of the stream: one Host to the reader, two
+    to the server, which answered for the last. Urgent data on a pinned flow is refused."""
+    _urgent_ack_attack(lab, "urgent-ack")
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("tcp urgent data on a pinned flow" in (r.get("pin") or "") for r in records), records
 
@@ -628,19 +634,10 @@ def test_a_followed_connections_download_stays_in_the_kernel(lab, pinned, addr):
 def test_an_urgent_pointer_sent_ahead_of_a_later_request_is_refused(lab, pinned):  # noqa: F811
     """The bare-ACK attack on a followed connection: with Docker's NET_RAW, after a first
     request was admitted, a payload-less ACK with URG names a byte of the next request (the X
-    of "...allowed.test\r\nXHost: same-ip.test"), which the server's stack would take out of
+    of "...allowed.test\\r\\nXHost: same-ip.test"), which the server's stack would take out of
     the stream. Packets without bytes of a followed connection stay in the kernel, but not one
     with the urgent flag: the reader refuses it."""
-    p = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
-                   "/usr/bin/python3", str(labmod.HERE / "pin_insert.py"), labmod.SANDBOX_IF, V4,
-                   HTTP_PORT, "urgent-ack-followed"],
-                  netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert labmod._read_line(p, 10.0, "the urgent ACK").strip() == "inserted"
-    p.stdin.write(b"go\n")
-    p.stdin.flush()
-    result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
-    assert "same-ip.test" not in result.get("data", ""), f"the server answered for same-ip.test: {result}"
-    assert result["outcome"] == "reset", result
+    _urgent_ack_attack(lab, "urgent-ack-followed")
     assert any("tcp urgent data on a followed http connection" in line for line in _pin_lines(pinned)), \
         _pin_lines(pinned)
 
