@@ -1094,10 +1094,10 @@ class NetlinkKernel final : public Kernel {
       // The table's rules span several datagrams, and a commit fell between
       // two of them: read them chain by chain. Each of egressd's chains fits
       // one datagram (up to 32 KiB), and one datagram is one fill, which no
-      // commit splits (a longer chain is retried like the whole table). Rules of different chains may then
-      // come from different commits, as they would from reads one after the
-      // other; the chains and sets are still checked unchanged around them
-      // below.
+      // commit splits (a longer chain is retried like the whole table).
+      // Rules of different chains may then come from different commits, as
+      // they would from reads one after the other; the chains and sets are
+      // still checked unchanged around them below.
       info.rules.clear();
       std::vector<RuleInfo> part;
       for (const Object& c : chains_) {
