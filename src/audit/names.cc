@@ -21,15 +21,30 @@ NameIndex::Lru::iterator NameIndex::touch(const std::string& phase, const std::s
     it->second->last = now;
     return it->second;
   }
-  if (entries_.size() >= opts_.max_entries) {
-    // Forget the least recently seen entry.
-    Entry& old = lru_.back();
-    entries_.erase(PhaseName{old.phase, old.name});
-    lru_.pop_back();
-    ++evicted_;
-  }
   if (std::find(phase_order_.begin(), phase_order_.end(), phase) == phase_order_.end()) {
     phase_order_.push_back(phase);
+  }
+  if (entries_.size() >= opts_.max_entries) {
+    // Forget the least recently seen entry. Its list and map nodes (and its
+    // strings' buffers) become the new entry's: a full index, which a stream
+    // of new names keeps it, then allocates nothing per answer.
+    auto oldest = std::prev(lru_.end());
+    auto node = entries_.extract(PhaseName{oldest->phase, oldest->name});
+    ++evicted_;
+    oldest->phase = phase;
+    oldest->name = name;
+    oldest->resolved = oldest->refused = 0;
+    oldest->addrs.clear();
+    oldest->first = oldest->last = now;
+    lru_.splice(lru_.begin(), lru_, oldest);
+    if (node.empty()) {
+      entries_.emplace(PhaseName{oldest->phase, oldest->name}, oldest);
+    } else {
+      node.key() = PhaseName{oldest->phase, oldest->name};
+      node.mapped() = oldest;
+      entries_.insert(std::move(node));
+    }
+    return oldest;
   }
   lru_.push_front(Entry{phase, name, 0, 0, {}, now, now});
   entries_.emplace(PhaseName{lru_.front().phase, lru_.front().name}, lru_.begin());

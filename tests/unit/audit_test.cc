@@ -75,6 +75,19 @@ TEST_CASE("the name index is bounded: the least recently seen entry and its addr
   for (int i = 0; i < 10000; ++i) idx.observe("p", "x" + std::to_string(i) + ".example", {ip("203.0.113.7")}, t0);
   CHECK(idx.size() == 3);
   CHECK(idx.names_for(ip("203.0.113.7")).size() == 3);
+  // An evicted entry's place is reused: the new entry keeps nothing of it.
+  idx.refused("p", "r.example", t0);
+  idx.refused("p", "r.example", t0);
+  idx.observe("q", "s.example", {ip("192.0.2.9"), ip("192.0.2.10")}, t0);
+  for (int i = 0; i < 3; ++i) idx.observe("p", "y" + std::to_string(i) + ".example", {ip("203.0.113.8")}, t0 + 1s);
+  for (const HostEntry& h : idx.hosts()) {
+    CHECK(h.resolved == 1);
+    CHECK(h.refused == 0);
+    CHECK(h.addresses == std::vector<IpPrefix>{ip("203.0.113.8")});
+    CHECK(h.first == t0 + 1s);
+  }
+  CHECK(idx.names_for(ip("192.0.2.9")).empty());
+  CHECK(idx.hosts("q").empty());
 }
 
 TEST_CASE("a name seen in two phases keeps its address while either entry remembers it") {
