@@ -9,15 +9,12 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
   const TimePoint expires = now + ttl;
   auto& v = by_name_[name];
   // Only extended: a pair's expiry never shrinks, and one swept had passed.
-  auto note_expiry = [&] {
-    auto [it, fresh] = addr_dns_expires_.try_emplace(addr, expires);
-    if (!fresh) it->second = std::max(it->second, expires);
-  };
   for (auto& a : v) {
     if (a.addr == addr) {
       a.dns_expires = std::max(a.dns_expires, expires);
       if (!a.hosts) a.expires = a.dns_expires;
-      note_expiry();
+      auto& at = by_addr_[addr];
+      at.dns_expires = std::max(at.dns_expires, expires);
       return true;
     }
   }
@@ -29,8 +26,9 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
     }
   }
   v.push_back({addr, expires, false, expires});
-  by_addr_[addr].insert(name);
-  note_expiry();
+  auto& at = by_addr_[addr];
+  at.names.insert(name);
+  at.dns_expires = std::max(at.dns_expires, expires);
   ++count_;
   return true;
 }
@@ -68,7 +66,7 @@ std::size_t LearnedStore::set_hosts(const HostsPairs& pairs) {
         continue;
       }
       v.push_back({addr, TimePoint::max(), true, TimePoint{}});
-      by_addr_[addr].insert(name);
+      by_addr_[addr].names.insert(name);
       ++count_;
     }
   }
@@ -93,11 +91,8 @@ void LearnedStore::sweep(TimePoint now, const std::string& keep) {
       if (a.expires > now) return false;
       auto at = by_addr_.find(a.addr);
       if (at != by_addr_.end()) {
-        at->second.erase(it->first);
-        if (at->second.empty()) {
-          addr_dns_expires_.erase(a.addr);
-          by_addr_.erase(at);
-        }
+        at->second.names.erase(it->first);
+        if (at->second.names.empty()) by_addr_.erase(at);
       }
       --count_;
       return true;
@@ -125,7 +120,7 @@ std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool incl
   auto at = by_addr_.find(addr);
   if (at == by_addr_.end()) return out;
   const TimePoint now = clock_.steady();
-  for (const auto& name : at->second) {
+  for (const auto& name : at->second.names) {
     if (include_expired) {
       out.push_back(name);
       continue;
@@ -138,10 +133,10 @@ std::vector<std::string> LearnedStore::names_for(const IpPrefix& addr, bool incl
 }
 
 std::chrono::milliseconds LearnedStore::dns_left(const IpPrefix& addr) const {
-  const auto it = addr_dns_expires_.find(addr);
+  const auto it = by_addr_.find(addr);
   const TimePoint now = clock_.steady();
-  if (it == addr_dns_expires_.end() || it->second <= now) return std::chrono::milliseconds(0);
-  return std::chrono::ceil<std::chrono::milliseconds>(it->second - now);
+  if (it == by_addr_.end() || it->second.dns_expires <= now) return std::chrono::milliseconds(0);
+  return std::chrono::ceil<std::chrono::milliseconds>(it->second.dns_expires - now);
 }
 
 std::vector<std::string> LearnedStore::some_live_names(const IpPrefix& addr, std::size_t limit) const {
@@ -150,7 +145,7 @@ std::vector<std::string> LearnedStore::some_live_names(const IpPrefix& addr, std
   if (at == by_addr_.end()) return out;
   const TimePoint now = clock_.steady();
   std::size_t looked = 0;
-  for (const auto& name : at->second) {
+  for (const auto& name : at->second.names) {
     if (out.size() >= limit || looked++ >= 4 * limit) break;
     const auto& addrs = by_name_.at(name);
     if (std::any_of(addrs.begin(), addrs.end(), [&](const Addr& a) { return a.addr == addr && a.expires > now; }))

@@ -61,7 +61,7 @@ class LearnedStore {
   // How many names are remembered for `addr` (expired ones included), without copying them.
   std::size_t name_count(const IpPrefix& addr) const {
     const auto it = by_addr_.find(addr);
-    return it == by_addr_.end() ? 0 : it->second.size();
+    return it == by_addr_.end() ? 0 : it->second.names.size();
   }
   // How long the latest DNS expiry of any pair with `addr` is away (zero when
   // all have passed): what its learned set element has left, as far as DNS
@@ -94,9 +94,13 @@ class LearnedStore {
   std::size_t max_;
   TimeSource clock_;
   std::map<std::string, std::vector<Addr>> by_name_;
-  std::map<IpPrefix, std::set<std::string>, PrefixLess> by_addr_;  // every remembered pair, by address
-  std::set<IpPrefix, PrefixLess> hosts_addrs_;                     // addresses of hosts-file pairs
-  std::map<IpPrefix, TimePoint, PrefixLess> addr_dns_expires_;     // latest DNS expiry per address
+  struct ByAddr {
+    std::set<std::string> names;  // every remembered pair of the address
+    TimePoint dns_expires{};      // the latest DNS expiry of any of them (epoch: none)
+  };
+  // One map for both, so a new pair costs one lookup here (issue 17's CPU per answer).
+  std::map<IpPrefix, ByAddr, PrefixLess> by_addr_;
+  std::set<IpPrefix, PrefixLess> hosts_addrs_;  // addresses of hosts-file pairs
   std::size_t count_ = 0;
   TimePoint next_sweep_{};
 };
