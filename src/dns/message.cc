@@ -90,6 +90,63 @@ Result<QuestionAt> read_question(Bytes msg, std::size_t off) {
   return q;
 }
 
+struct NameWalk {
+  std::size_t end = 0;
+  bool compressed = false;
+};
+
+// The walk of a name that read_name and skip_name share (the same checks,
+// the same errors); `on_label` gets each label's bytes in order.
+template <class OnLabel>
+Result<NameWalk> walk_name(Bytes msg, std::size_t offset, OnLabel&& on_label) {
+  NameWalk out;
+  std::size_t pos = offset;
+  // Start of the run of labels being read. A pointer must target strictly
+  // before it, so each jump lands further back: no loop can form, and the
+  // walk ends after at most `offset` jumps. The 255-byte limit below bounds
+  // the text as well.
+  std::size_t run_start = offset;
+  std::size_t wire = 1;  // the root label
+  bool jumped = false;
+  for (;;) {
+    if (pos >= msg.size()) return at(pos, "name runs past the end");
+    const std::uint8_t len = msg[pos];
+    const std::uint8_t kind = len & 0xC0;
+    if (kind == 0xC0) {
+      if (msg.size() - pos < 2) return at(pos, "truncated compression pointer");
+      const std::size_t target = static_cast<std::size_t>(get16(msg, pos) & 0x3FFF);
+      if (target >= run_start) return at(pos, "compression pointer does not point backwards");
+      if (!jumped) out.end = pos + 2;
+      jumped = true;
+      run_start = target;
+      pos = target;
+      continue;
+    }
+    if (kind != 0) return at(pos, "unsupported label type");
+    if (len == 0) {
+      if (!jumped) out.end = pos + 1;
+      break;
+    }
+    // len <= 63 here: the top two bits are clear.
+    wire += std::size_t{len} + 1;
+    if (wire > kMaxNameWire) return at(offset, "name longer than 255 bytes");
+    if (msg.size() - pos - 1 < len) return at(pos, "label runs past the end");
+    on_label(msg.subspan(pos + 1, len));
+    pos += std::size_t{len} + 1;
+  }
+  out.compressed = jumped;
+  return out;
+}
+
+// Where the name at `offset` ends, checked as read_name checks it, without
+// building its text: the record walks that only need offsets (cap_ttls,
+// strip_trailing_opt) run for every answer (issue 17's CPU per answer).
+Result<std::size_t> skip_name(Bytes msg, std::size_t offset) {
+  auto w = walk_name(msg, offset, [](Bytes) {});
+  if (!w) return w.error();
+  return w->end;
+}
+
 // Walks the records after the question of a message with qdcount 1 and
 // calls fn(owner offset, head, section index 0..2) for each. Error (invalid)
 // when a record cannot be read.
@@ -98,15 +155,16 @@ Status walk_records(Bytes msg, Fn&& fn) {
   auto h = read_header(msg);
   if (!h) return at(0, "shorter than a header");
   if (h->qdcount != 1) return at(4, "qdcount " + std::to_string(h->qdcount));
-  auto q = read_question(msg, kHeaderSize);
-  if (!q) return q.error();
-  std::size_t pos = q->end;
+  auto qname_end = skip_name(msg, kHeaderSize);
+  if (!qname_end) return qname_end.error();
+  if (msg.size() - *qname_end < 4) return at(*qname_end, "truncated question");
+  std::size_t pos = *qname_end + 4;
   const unsigned counts[3] = {h->ancount, h->nscount, h->arcount};
   for (int section = 0; section < 3; ++section) {
     for (unsigned i = 0; i < counts[section]; ++i) {
-      auto owner = read_name(msg, pos);
-      if (!owner) return owner.error();
-      auto rr = read_record_head(msg, owner->end);
+      auto owner_end = skip_name(msg, pos);
+      if (!owner_end) return owner_end.error();
+      auto rr = read_record_head(msg, *owner_end);
       if (!rr) return rr.error();
       fn(pos, *rr, section);
       pos = rr->end;
@@ -181,44 +239,14 @@ std::optional<Header> read_header(Bytes msg) {
 
 Result<Name> read_name(Bytes msg, std::size_t offset) {
   Name out;
-  std::size_t pos = offset;
-  // Start of the run of labels being read. A pointer must target strictly
-  // before it, so each jump lands further back: no loop can form, and the
-  // walk ends after at most `offset` jumps. The 255-byte limit below bounds
-  // the text as well.
-  std::size_t run_start = offset;
-  std::size_t wire = 1;  // the root label
-  bool jumped = false;
-  bool first = true;
-  for (;;) {
-    if (pos >= msg.size()) return at(pos, "name runs past the end");
-    const std::uint8_t len = msg[pos];
-    const std::uint8_t kind = len & 0xC0;
-    if (kind == 0xC0) {
-      if (msg.size() - pos < 2) return at(pos, "truncated compression pointer");
-      const std::size_t target = static_cast<std::size_t>(get16(msg, pos) & 0x3FFF);
-      if (target >= run_start) return at(pos, "compression pointer does not point backwards");
-      if (!jumped) out.end = pos + 2;
-      jumped = true;
-      run_start = target;
-      pos = target;
-      continue;
-    }
-    if (kind != 0) return at(pos, "unsupported label type");
-    if (len == 0) {
-      if (!jumped) out.end = pos + 1;
-      break;
-    }
-    // len <= 63 here: the top two bits are clear.
-    wire += std::size_t{len} + 1;
-    if (wire > kMaxNameWire) return at(offset, "name longer than 255 bytes");
-    if (msg.size() - pos - 1 < len) return at(pos, "label runs past the end");
-    if (!first) out.text.push_back('.');
-    first = false;
-    for (std::size_t i = 0; i < len; ++i) append_label_byte(out.text, msg[pos + 1 + i]);
-    pos += std::size_t{len} + 1;
-  }
-  out.compressed = jumped;
+  out.text.reserve(64);
+  auto w = walk_name(msg, offset, [&](Bytes label) {
+    if (!out.text.empty()) out.text.push_back('.');  // labels are never empty
+    for (const std::uint8_t c : label) append_label_byte(out.text, c);
+  });
+  if (!w) return w.error();
+  out.end = w->end;
+  out.compressed = w->compressed;
   return out;
 }
 
