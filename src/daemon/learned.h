@@ -82,13 +82,7 @@ class LearnedStore {
   std::size_t size() const { return count_; }
 
  private:
-  struct PrefixLess {
-    bool operator()(const IpPrefix& a, const IpPrefix& b) const {
-      if (a.family != b.family) return a.family < b.family;
-      if (a.bytes != b.bytes) return a.bytes < b.bytes;
-      return a.prefix_len < b.prefix_len;
-    }
-  };
+  using PrefixLess = IpPrefixLess;
   void sweep(TimePoint now, const std::string& keep);
 
   std::size_t max_;

@@ -45,11 +45,7 @@ using Clock = std::chrono::steady_clock;
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
-struct AddrLess {
-  bool operator()(const IpPrefix& a, const IpPrefix& b) const {
-    return a.family != b.family ? a.family < b.family : a.bytes < b.bytes;
-  }
-};
+using AddrLess = IpAddrLess;
 
 }  // namespace
 

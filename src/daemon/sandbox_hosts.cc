@@ -35,12 +35,7 @@ namespace {
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
-struct PrefixLess {
-  bool operator()(const IpPrefix& a, const IpPrefix& b) const {
-    if (a.family != b.family) return a.family < b.family;
-    return a.bytes < b.bytes;
-  }
-};
+using PrefixLess = IpAddrLess;
 
 }  // namespace
 

@@ -493,3 +493,26 @@ TEST_CASE("IPv4 text form is inet_ntop's, for every byte value and prefix length
   CHECK(net.to_string() == "255.255.255.255");
   CHECK(accept("203.0.113.0/31").text == "203.0.113.0/31");
 }
+
+TEST_CASE("addresses order by family, then byte by byte, then prefix length") {
+  const auto ip = [](const char* s) { return *parse_ip(s); };
+  const IpAddrLess less;
+  // Byte order, not host word order: each of the 16 bytes decides in turn.
+  const std::vector<IpPrefix> ordered = {
+      ip("0.0.0.1"),      ip("0.0.1.0"),     ip("192.0.2.1"),       ip("192.0.2.2"),
+      ip("198.51.100.1"), ip("::1"),         ip("::1:0"),           ip("::100:0:0:0"),
+      ip("::1:0:0:0:0"),  ip("2001:db8::1"), ip("2001:db8::100"),   ip("2001:db8:0:1::"),
+      ip("2001:db8:1::"), ip("2001:db9::"),  ip("ff02::1")};
+  for (std::size_t i = 0; i < ordered.size(); ++i) {
+    for (std::size_t j = 0; j < ordered.size(); ++j) {
+      INFO(ordered[i].to_string(), " vs ", ordered[j].to_string());
+      CHECK(less(ordered[i], ordered[j]) == (i < j));
+    }
+  }
+  IpPrefix net = ip("192.0.2.0");
+  net.prefix_len = 24;
+  CHECK_FALSE(less(net, ip("192.0.2.0")));  // the prefix length aside
+  CHECK_FALSE(less(ip("192.0.2.0"), net));
+  CHECK(IpPrefixLess{}(net, ip("192.0.2.0")));
+  CHECK_FALSE(IpPrefixLess{}(ip("192.0.2.0"), net));
+}
