@@ -292,7 +292,7 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
 }
 
 std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
-  const Key key{seg.dst.family, seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
+  const Key key{static_cast<std::uint8_t>(seg.dst.family), seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kTcp) {
     if (seg.followed) return http_packet(id, key, seg, now);
     if (seg.syn) return new_connection_on_old_entry(id, key, seg, now);
