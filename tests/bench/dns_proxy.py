@@ -11,6 +11,7 @@ from its own client namespace, so the path is identical and nothing is shared:
 
   direct   dnsperf -> 198.51.100.53:53 (the upstream itself, no proxy)
   forward  dnsmasq --cache-size=0 --no-resolv --server=198.51.100.53 on 127.0.0.1:5301
+  floor    (--only) udpfwd.c on 127.0.0.1:5303: forwards, nothing else (see EXTRA_CONTENDERS)
   nftset   the same plus --nftset=/bench.example/4#inet#benchtbl#learned (set created first:
            table inet benchtbl { set learned { type ipv4_addr; flags timeout; } }), 127.0.0.1:5302
   egressd  egressd run --netns <ns>-egressd --dns-port 53, policy: upstream 198.51.100.53,
@@ -83,14 +84,15 @@ PREFIX = "egbdns-"
 UPSTREAM = "198.51.100.53"
 DOMAIN = "bench.example"
 TTL = 300
-FWD_PORT, NFTSET_PORT = 5301, 5302
+FWD_PORT, NFTSET_PORT, FLOOR_PORT = 5301, 5302, 5303
 # egressd keeps at most this many learned addresses in memory (sandbox.h max_learned); the
 # default name count stays below it so the benchmark measures the per-answer path.
 EGRESSD_MAX_LEARNED = 65536
 CONTENDERS = ("direct", "forward", "nftset", "egressd")
 # Diagnostic, only with --only: egressd in public mode forwards and observes but inserts nothing
-# into a set, which isolates the cost of the set insertion.
-EXTRA_CONTENDERS = ("egressd-public",)
+# into a set, which isolates the cost of the set insertion; floor is udpfwd.c, a forwarder that
+# does nothing but forward (batched, one upstream port), the most any proxy hop gets here.
+EXTRA_CONTENDERS = ("egressd-public", "floor")
 
 
 class BenchError(Exception):
@@ -505,6 +507,16 @@ class Bench:
                  f"--log-facility={self.tmp / (name + '.log')}", *extra], ns, self.tmp / f"{name}.out")
             self.wait_answer(ns, "127.0.0.1", port, self.first, f"dnsmasq ({name})", p)
             return "127.0.0.1", port, p, counter
+        if name == "floor":
+            binary = self.tmp / "udpfwd"
+            if not binary.exists():
+                cp = subprocess.run(["cc", "-O2", "-o", str(binary), str(Path(__file__).resolve().parent / "udpfwd.c")],
+                                    capture_output=True, text=True)
+                if cp.returncode != 0:
+                    raise BenchError(f"cc udpfwd.c failed: {cp.stderr.strip()}")
+            p = self.procs.spawn([binary, "127.0.0.1", str(FLOOR_PORT), UPSTREAM, "53"], ns, self.tmp / "floor.out")
+            self.wait_answer(ns, "127.0.0.1", FLOOR_PORT, self.first, "udpfwd (floor)", p)
+            return "127.0.0.1", FLOOR_PORT, p, None
         if name in ("egressd", "egressd-public"):
             nft(ns, "delete", "table", "inet", "egressd", check=False)  # a fresh start, not an adoption
             nft(ns, "delete", "table", "netdev", "egressd", check=False)  # its egress chains (policy drop)
@@ -682,16 +694,27 @@ def main():
             per_round["egressd_over_forward_qps"] = [x["qps"] / y["qps"] for x, y in zip(e, rounds["forward"])]
         if "direct" in rounds:
             per_round["egressd_p50_added_us"] = [x["p50_us"] - y["p50_us"] for x, y in zip(e, rounds["direct"])]
+            per_round["egressd_over_direct_qps"] = [x["qps"] / y["qps"] for x, y in zip(e, rounds["direct"])]
+        if "floor" in rounds:
+            per_round["egressd_over_floor_qps"] = [x["qps"] / y["qps"] for x, y in zip(e, rounds["floor"])]
+    if "floor" in rounds and "direct" in rounds:
+        per_round["floor_over_direct_qps"] = [x["qps"] / y["qps"] for x, y in zip(rounds["floor"], rounds["direct"])]
     ratios = {k: statistics.median(v) for k, v in per_round.items()}
     budgets = {"egressd_over_nftset_qps": (">=", 4.0), "egressd_over_forward_qps": (">=", 0.8),
-               "egressd_p50_added_us": ("<=", 100.0)}
+               "egressd_p50_added_us": ("<=", 100.0), "egressd_over_direct_qps": (">=", 0.9)}
     labels = {"egressd_over_nftset_qps": "egressd / dnsmasq --nftset qps",
               "egressd_over_forward_qps": "egressd / dnsmasq forward qps",
-              "egressd_p50_added_us": "egressd p50 over upstream direct (µs)"}
+              "egressd_p50_added_us": "egressd p50 over upstream direct (µs)",
+              "egressd_over_direct_qps": "egressd / upstream direct qps (issue 17)",
+              "egressd_over_floor_qps": "egressd / floor (udpfwd.c) qps",
+              "floor_over_direct_qps": "floor / upstream direct qps"}
     for k, v in ratios.items():
+        spread = f"  (rounds {min(per_round[k]):.2f} .. {max(per_round[k]):.2f})" if len(per_round[k]) > 1 else ""
+        if k not in budgets:
+            print(f"{labels[k]:<40} {v:>8.2f}   (no budget){spread}")
+            continue
         op, b = budgets[k]
         ok = v >= b if op == ">=" else v <= b
-        spread = f"  (rounds {min(per_round[k]):.2f} .. {max(per_round[k]):.2f})" if len(per_round[k]) > 1 else ""
         print(f"{labels[k]:<40} {v:>8.2f}   budget {op} {b:g}: {'within' if ok else 'MISSED'}{spread}")
     set_problems = [c for c in contenders for r in rounds[c]
                     if "set_elements" in r and abs(r["set_elements"] - r["names_answered"]) > 0.01 * r["names_answered"]]
