@@ -95,6 +95,10 @@ def rows_dns(d):
         out.append(row("DNS qps vs plain forwarding", s["egressd"]["qps"], "qps", "dnsmasq forward",
                        s["forward"]["qps"], r["egressd_over_forward_qps"], ">= 0.8 x",
                        verdict(r["egressd_over_forward_qps"] >= 0.8)))
+    if "egressd_over_direct_qps" in r:
+        out.append(row("DNS qps vs the upstream asked directly", s["egressd"]["qps"], "qps", "upstream direct",
+                       s["direct"]["qps"], r["egressd_over_direct_qps"], ">= 0.9 x",
+                       verdict(r["egressd_over_direct_qps"] >= 0.9)))
     if "egressd_p50_added_us" in r:
         added = r["egressd_p50_added_us"]
         out.append(row("DNS latency p50 at 1000 qps", s["egressd"]["p50_us"], "us", "upstream direct",
