@@ -41,16 +41,17 @@ struct IpPrefix {
 // words, not with memcmp: the DNS proxy's learned store orders addresses
 // this way dozens of times per answer (issue 17's CPU per answer).
 struct IpAddrLess {
-  static std::uint64_t word(const IpPrefix& p, std::size_t at) noexcept {
+  // Bytes [at, at + 8) of an address as one big-endian word.
+  static std::uint64_t word(const std::array<std::uint8_t, 16>& bytes, std::size_t at) noexcept {
     std::uint64_t w;
-    std::memcpy(&w, p.bytes.data() + at, sizeof w);
+    std::memcpy(&w, bytes.data() + at, sizeof w);
     if constexpr (std::endian::native == std::endian::little) w = __builtin_bswap64(w);
     return w;
   }
   bool operator()(const IpPrefix& a, const IpPrefix& b) const noexcept {
     if (a.family != b.family) return a.family < b.family;
-    if (const auto x = word(a, 0), y = word(b, 0); x != y) return x < y;
-    return word(a, 8) < word(b, 8);
+    if (const auto x = word(a.bytes, 0), y = word(b.bytes, 0); x != y) return x < y;
+    return word(a.bytes, 8) < word(b.bytes, 8);
   }
 };
 

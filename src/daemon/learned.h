@@ -82,7 +82,6 @@ class LearnedStore {
   std::size_t size() const { return count_; }
 
  private:
-  using PrefixLess = IpPrefixLess;
   void sweep(TimePoint now, const std::string& keep);
 
   std::size_t max_;
@@ -93,8 +92,8 @@ class LearnedStore {
     TimePoint dns_expires{};      // the latest DNS expiry of any of them (epoch: none)
   };
   // One map for both, so a new pair costs one lookup here (issue 17's CPU per answer).
-  std::map<IpPrefix, ByAddr, PrefixLess> by_addr_;
-  std::set<IpPrefix, PrefixLess> hosts_addrs_;  // addresses of hosts-file pairs
+  std::map<IpPrefix, ByAddr, IpPrefixLess> by_addr_;
+  std::set<IpPrefix, IpPrefixLess> hosts_addrs_;  // addresses of hosts-file pairs
   std::size_t count_ = 0;
   TimePoint next_sweep_{};
 };

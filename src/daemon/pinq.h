@@ -25,10 +25,8 @@
 #include <boost/asio/io_context.hpp>
 #include <array>
 #include <chrono>
-#include <tuple>
 #include <utility>
 #include <cstdint>
-#include <cstring>
 #include <deque>
 #include <list>
 #include <functional>
@@ -210,17 +208,12 @@ class PinFlows {
       if (a.sport != b.sport) return a.sport < b.sport;
       if (a.dport != b.dport) return a.dport < b.dport;
       for (const std::size_t at : {0, 8}) {
-        if (const auto x = word(a.src, at), y = word(b.src, at); x != y) return x < y;
+        if (const auto x = IpAddrLess::word(a.src, at), y = IpAddrLess::word(b.src, at); x != y) return x < y;
       }
       for (const std::size_t at : {0, 8}) {
-        if (const auto x = word(a.dst, at), y = word(b.dst, at); x != y) return x < y;
+        if (const auto x = IpAddrLess::word(a.dst, at), y = IpAddrLess::word(b.dst, at); x != y) return x < y;
       }
       return false;
-    }
-    static std::uint64_t word(const std::array<std::uint8_t, 16>& bytes, std::size_t at) noexcept {
-      std::uint64_t w;
-      std::memcpy(&w, bytes.data() + at, sizeof w);
-      return w;
     }
   };
   struct Flow {

@@ -45,8 +45,6 @@ using Clock = std::chrono::steady_clock;
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
-using AddrLess = IpAddrLess;
-
 }  // namespace
 
 // Appends the adds of `plain` and `replace` to learned set `set`. Each
@@ -794,7 +792,7 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
     std::uint64_t ms = 0;
     std::vector<std::string> names;
   };
-  std::map<IpPrefix, Carried, AddrLess> elems;
+  std::map<IpPrefix, Carried, IpAddrLess> elems;
   auto add = [&](const IpPrefix& a, std::uint64_t ms, const std::string& name) {
     Carried& c = elems[a];
     c.ms = std::max(c.ms, ms);
@@ -980,7 +978,7 @@ std::vector<nft::Op> Sandbox::named_learned_elems(std::vector<nft::Op> adds,
   // batch is what arrived in one turn of the loop (tens of answers at most)
   // and this runs for every answer with a new address (issue 17's CPU per
   // answer: the maps' nodes and comparisons were 5 % of the proxy's).
-  const AddrLess less;
+  const IpAddrLess less;
   const auto same = [&](const IpPrefix& a, const IpPrefix& b) { return !less(a, b) && !less(b, a); };
   std::vector<std::pair<const IpPrefix*, const std::string*>> fresh;
   fresh.reserve(records.size());

@@ -35,8 +35,6 @@ namespace {
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
-using PrefixLess = IpAddrLess;
-
 }  // namespace
 
 HostsLoad load_hosts(std::string_view text, std::string_view path) {
@@ -263,7 +261,7 @@ Status Sandbox::apply_hosts() {
   if (pairs.empty()) return {};
   const auto [s4, s6] = nft::learned_sets(active_chain());
   const std::uint64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(kHostsTimeout).count();
-  std::map<IpPrefix, std::vector<std::string>, PrefixLess> names;  // the file's allowed names per address
+  std::map<IpPrefix, std::vector<std::string>, IpAddrLess> names;  // the file's allowed names per address
   for (const auto& [name, addrs] : pairs) {
     for (const auto& a : addrs) names[a].push_back(name);
   }

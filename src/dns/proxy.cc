@@ -368,8 +368,8 @@ class Core : public std::enable_shared_from_this<Core> {
   void forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client);
   // One forwarded (or, with p->relay, relayed) query: its exchange with the
   // upstream (the relay target), then the answer or SERVFAIL to the client.
-  // The upstream is looked up when the coroutine starts: one closed or
-  // replaced meanwhile abandons the query, as it abandons those in flight.
+  // The upstream is looked up when the query is handed on: one closed or
+  // replaced since abandons the query, as it abandons those in flight.
   void exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query);
   void relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client, InFlight& entry);
   void on_upstream(const std::shared_ptr<Pending>& p, Answer r);
