@@ -238,6 +238,13 @@ def listing(lab) -> str:
     return "".join(out)
 
 
+def preresolved(lab):
+    """Waits for the initial phase's pre-resolution, which egressd runs once it is ready: until
+    its elements are in the kernel, two reads of the table may straddle their arrival."""
+    labmod.wait_for(lambda: ALLOWED_V4 in lab.learned_set(4) and ALLOWED_V6 in lab.learned_set(6), 5.0,
+                    "the pre-resolution of a.example.com in the learned sets")
+
+
 def check_rules_equal_kernel(lab, d):
     rc, ours, err = d.ctl("rules")
     assert rc == 0, err
@@ -252,6 +259,7 @@ def check_rules_equal_kernel(lab, d):
 
 def test_rules_are_the_kernels_tables_with_counters(lab, egressd):
     d = egressd(POLICY)
+    preresolved(lab)
     # A learned name (elements with timeouts), a denied connect (a counter that moved).
     r = lab.dns_query("a.example.com")
     assert r.outcome == "ok" and ALLOWED_V4 in r.addresses, r
@@ -276,6 +284,7 @@ def test_rules_are_the_kernels_tables_with_counters(lab, egressd):
 
 def test_network_policy_rules_prints_the_same_text(lab, egressd):
     d = egressd(POLICY)
+    preresolved(lab)
     binary = labmod.egressd_binary().parent / "network-policy"
     env = dict(os.environ, EGRESSD_SOCKET=str(d.socket_path))
     cp = subprocess.run([str(binary), "rules"], capture_output=True, text=True, timeout=10, env=env)
@@ -291,6 +300,7 @@ def test_rules_refuses_while_the_table_differs(lab, egressd):
     """A table someone changed is never printed as if it were egressd's: until the tamper
     guard has put it back, `rules` fails naming the difference; after, it prints the table."""
     d = egressd(POLICY)
+    preresolved(lab)
     rc, _, err = lab.nft(lab.sandbox, "add", "chain", "inet", "egressd", "intruder")
     assert rc == 0, err
 
