@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
-#include <boost/asio/post.hpp>
 #include <cerrno>
 #include <cstring>
 #include <spdlog/spdlog.h>
@@ -17,7 +16,7 @@ namespace egressd::daemon {
 
 namespace {
 
-// Well above one event-loop turn of answers; a bigger batch is sent at once.
+// Well above one event-loop turn of answers; a bigger batch is sent in parts.
 constexpr std::size_t kMaxBatch = 32 * 1024;
 
 }  // namespace
@@ -28,7 +27,7 @@ Result<std::unique_ptr<ConntrackForgetter>> ConntrackForgetter::open(boost::asio
   o.what = "conntrack netlink";
   auto t = nft::Transport::open(io, std::move(o));
   if (!t) return t.error();
-  std::unique_ptr<ConntrackForgetter> f(new ConntrackForgetter(io, std::move(*t)));
+  std::unique_ptr<ConntrackForgetter> f(new ConntrackForgetter(std::move(*t)));
   // The kernel handles a batch inside the send and queues its error
   // reports (ENOENT for flows already gone); they are read when they come,
   // so a batch costs no read of an empty socket, and the buffer never
@@ -99,23 +98,17 @@ void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, cons
   out.insert(out.end(), buf, buf + nlh->nlmsg_len);
 }
 
-void ConntrackForgetter::forget(const dns::FlowTuple& t) {
-  if (t.src.family != t.dst.family || (t.src.family != 4 && t.src.family != 6)) return;
-  append_delete(batch_, t, t_->next_seq());
-  ++pending_;
-  if (batch_.size() >= kMaxBatch) {
-    flush();
-    return;
+void ConntrackForgetter::forget(std::span<const dns::FlowTuple> flows) {
+  for (const dns::FlowTuple& t : flows) {
+    if (t.src.family != t.dst.family || (t.src.family != 4 && t.src.family != 6)) continue;
+    append_delete(batch_, t, t_->next_seq());
+    ++pending_;
+    if (batch_.size() >= kMaxBatch) flush();
   }
-  if (scheduled_) return;
-  scheduled_ = true;
-  boost::asio::post(io_, [this, stop = stop_.get_token()] {
-    if (!stop.stop_requested()) flush();
-  });
+  flush();
 }
 
 void ConntrackForgetter::flush() {
-  scheduled_ = false;
   if (batch_.empty()) return;
   if (const int err = t_->send(batch_.data(), batch_.size()); err != 0) {
     module_logger("dns")->warn("event=conntrack_forget_failed error=\"{}\"", errno_text(err));

@@ -525,7 +525,7 @@ Status Instance::Impl::build() {
     if (upstream_inside) {
       if (auto ct = ConntrackForgetter::open(io)) {
         forgetter = std::move(*ct);
-        popts.forget_flow = [f = forgetter.get()](const dns::FlowTuple& t) { f->forget(t); };
+        popts.forget_flow = [f = forgetter.get()](std::span<const dns::FlowTuple> flows) { f->forget(flows); };
       } else {
         log->warn("{}finished upstream DNS flows stay in conntrack (a sandbox query that reuses their port will "
                   "fail): {}", prefix(), ct.error().message);

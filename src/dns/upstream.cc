@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/ip/udp.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/read.hpp>
@@ -229,6 +230,20 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   std::vector<bool> dirty;  // by descriptor: pooled, and not drained empty
   void recycle(int fd, bool v4);
   int reuse(bool v4);
+
+  // Answered tries' flows and sockets, released once per turn (release()):
+  // the flows' conntrack deletions first, then the ports (disconnect). In
+  // the other order a query of the same turn could draw a port whose old
+  // entry still stood, and lose its own flow to that entry's deletion.
+  std::vector<FlowTuple> to_forget;
+  struct Released {
+    int fd;
+    bool v4;
+  };
+  std::vector<Released> to_recycle;
+  bool release_posted = false;
+  void release_later(const FlowTuple& t, int fd, bool v4);
+  void release();
   bool drain(int fd);     // reads a socket empty (at most 64 datagrams); false if it is not
   using Events = std::array<epoll_event, 64>;
   int poll(Events& evs);  // one epoll_wait: drains the pooled sockets it names; how many it named
@@ -312,7 +327,8 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
 
   void close_sockets() {
     error_code ec;
-    if (ufd >= 0 && reusable && impl->forget) {
+    bool released = false;
+    if (ufd >= 0 && reusable && impl->forget && !impl->closed) {
       // Its answer was read: nothing more is due on this flow.
       if (const auto ss = local ? local : local_address(ufd)) {
         FlowTuple t;
@@ -328,10 +344,12 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
         t.sport = port_of(*ss);
         t.dst = impl->servers[server].ip;
         t.dport = impl->servers[server].port;
-        impl->forget(t);
+        impl->unwatch(ufd);
+        impl->release_later(t, ufd, impl->addrs[server].is_v4());
+        released = true;
       }
     }
-    if (ufd >= 0) {
+    if (ufd >= 0 && !released) {
       impl->unwatch(ufd);
       if (reusable && !impl->closed) {
         impl->recycle(ufd, impl->addrs[server].is_v4());
@@ -625,6 +643,30 @@ void Upstream::Impl::recycle(int fd, bool v4) {
   pool.push_back({fd, polls});
 }
 
+void Upstream::Impl::release_later(const FlowTuple& t, int fd, bool v4) {
+  to_forget.push_back(t);
+  to_recycle.push_back({fd, v4});
+  if (release_posted) return;
+  release_posted = true;
+  asio::post(io, [self = shared_from_this()] { self->release(); });
+}
+
+void Upstream::Impl::release() {
+  release_posted = false;
+  if (!to_forget.empty()) {
+    forget(to_forget);
+    to_forget.clear();
+  }
+  for (const Released& r : to_recycle) {
+    if (closed) {
+      close_udp(r.fd);
+    } else {
+      recycle(r.fd, r.v4);
+    }
+  }
+  to_recycle.clear();
+}
+
 bool Upstream::Impl::drain(int fd) {
   for (int i = 0; i < 64; ++i) {
     const ssize_t r = ::recv(fd, rbuf.get(), kUdpReceive, MSG_DONTWAIT);
@@ -780,6 +822,7 @@ void Upstream::Impl::on_timer() {
 void Upstream::Impl::close() {
   if (closed) return;
   closed = true;
+  release();  // flows forgotten, then their sockets closed
   error_code ec;
   timer.cancel();
   for (auto* pool : {&pool4, &pool6}) {

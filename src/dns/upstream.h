@@ -66,13 +66,18 @@ struct FlowTuple {
   IpPrefix src, dst;  // single addresses, same family
   std::uint16_t sport = 0, dport = 0;
 };
-// Told of every such flow, so its conntrack entry can be dropped at once:
-// the port goes back to the namespace's ephemeral range, and a sandbox
-// process that draws it for its own DNS query (to the same server: the
-// sandbox's queries go where egressd's do) must get a new flow, redirected
-// to the proxy, not the reply-less tail of egressd's (which the output chain
-// denies: EPERM). May be empty.
-using ForgetFlow = std::function<void(const FlowTuple&)>;
+// Told of such flows, so their conntrack entries are dropped before their
+// ports go back to the namespace's ephemeral range: a sandbox process that
+// draws one for its own DNS query (to the same server: the sandbox's
+// queries go where egressd's do) must get a new flow, redirected to the
+// proxy, not the reply-less tail of egressd's (which the output chain
+// denies: EPERM); and egressd's next query that draws it must not have its
+// own flow deleted under it (its answer would then come in as a new flow
+// to a marked socket, which chain input drops). Called once per turn of the
+// loop with that turn's flows; the deletions must be in the kernel when it
+// returns, for the ports are released right after. Called from close() and
+// the destructor too: it must outlive the Upstream. May be empty.
+using ForgetFlow = std::function<void(std::span<const FlowTuple>)>;
 
 struct UpstreamOptions {
   std::vector<std::string> servers;  // as parse_server reads them, in order of preference

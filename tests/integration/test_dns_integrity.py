@@ -1447,3 +1447,44 @@ def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd, se
         if (r.outcome, r.rcode) != ("ok", "NOERROR"):
             failures.append(f"{i}: {r.outcome!r} {r.rcode}")
     assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
+def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egressd, server):
+    """An answered query's port goes back to the ephemeral range, and its conntrack entry is
+    deleted. If the port went back first, the next query could draw it while the old entry
+    still stood, send on it, and then lose the entry to the delete: its answer would come in as
+    a new flow to egressd's socket, be dropped in chain input (`ct direction original socket
+    mark ... drop`), and the sandbox wait a try's timeout. A range of 16 ports makes every draw
+    a likely repeat; a counter ahead of egressd's chain input sees any answer that came in
+    without its flow."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40015")
+    egressd(policy(server))
+    family = "ip6" if ":" in server else "ip"
+    rc, _, err = lab.nft(lab.sandbox, "-f", "-", input=f"""
+        table inet probe {{
+            chain input {{
+                type filter hook input priority -10; policy accept;
+                {family} saddr {server} udp sport 53 ct direction original counter
+            }}
+        }}""")
+    assert rc == 0, err
+    t = tok()
+    s = lab.sandbox.socket(socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM)
+    sent = answered = 0
+    with s:
+        s.connect((server, 53))
+        s.settimeout(3.0)
+        # 2000 allowed names, 16 in flight: a new query as each answer comes, so egressd reads
+        # new queries in the same turns as it reads answers and releases their ports.
+        while answered < 2000:
+            while sent < 2000 and sent - answered < 16:
+                s.send(labmod.dns_build_query(f"r{sent}.{t}.wild.example.org", "A", sent))
+                sent += 1
+            s.recv(4096)
+            answered += 1
+    rc, out, err = lab.nft(lab.sandbox, "list", "chain", "inet", "probe", "input")
+    assert rc == 0, err
+    strays = int(re.search(r"counter packets (\d+)", out).group(1))
+    assert strays == 0, f"{strays} upstream answers came in without their flow:\n{out}"

@@ -3,6 +3,9 @@
 // what it was asked, and fake PolicyHooks. Everything runs on one
 // io_context in the test thread; waits are on conditions with deadlines.
 #include <doctest/doctest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -10,13 +13,16 @@
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -449,12 +455,37 @@ struct Fixture {
   asio::io_context io;
   FakeUpstream upstream{io};
   FakeHooks hooks;
-  std::unique_ptr<Proxy> proxy;
+  // Before the proxy: it forgets its last flows when it closes.
   std::vector<FlowTuple> forgotten;  // flows the proxy said it was done with
+  int ports_free_when_forgotten = 0;  // a flow's port was someone else's to take while forgotten
+  std::unique_ptr<Proxy> proxy;
 
   void start(ProxyOptions opts = {}) {
     if (opts.upstream.empty()) opts.upstream = {upstream.address()};
-    opts.forget_flow = [this](const FlowTuple& t) { forgotten.push_back(t); };
+    opts.forget_flow = [this](std::span<const FlowTuple> flows) {
+      for (const FlowTuple& t : flows) {
+        forgotten.push_back(t);
+        // The port is still the flow's while it is forgotten (released after).
+        const int s = ::socket(t.src.family == 4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        sockaddr_storage ss{};
+        socklen_t len = 0;
+        if (t.src.family == 4) {
+          auto& a = reinterpret_cast<sockaddr_in&>(ss);
+          a.sin_family = AF_INET;
+          a.sin_port = htons(t.sport);
+          std::memcpy(&a.sin_addr, t.src.bytes.data(), 4);
+          len = sizeof a;
+        } else {
+          auto& a = reinterpret_cast<sockaddr_in6&>(ss);
+          a.sin6_family = AF_INET6;
+          a.sin6_port = htons(t.sport);
+          std::memcpy(&a.sin6_addr, t.src.bytes.data(), 16);
+          len = sizeof a;
+        }
+        if (::bind(s, reinterpret_cast<const sockaddr*>(&ss), len) == 0 || errno != EADDRINUSE) ++ports_free_when_forgotten;
+        ::close(s);
+      }
+    };
     // Root here: exercises SO_MARK for real (EPERM elsewhere is logged, not fatal).
     opts.own_mark = 0x2a;
     // Nothing of this test may bind addresses on port 53.
@@ -1116,6 +1147,7 @@ TEST_CASE("every answered query's flow is handed over to be forgotten, from the 
     CHECK(t.dport == f.upstream.port());
   }
   CHECK(forgotten_ports == seen_ports);
+  CHECK(f.ports_free_when_forgotten == 0);
 
   SUBCASE("a query that got no answer is not forgotten (a late answer must still match it)") {
     f.upstream.silent = true;
