@@ -1455,11 +1455,12 @@ def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egress
     deleted. If the port went back first, the next query could draw it while the old entry
     still stood, send on it, and then lose the entry to the delete: its answer would come in as
     a new flow to egressd's socket, be dropped in chain input (`ct direction original socket
-    mark ... drop`), and the sandbox wait a try's timeout. A range of 16 ports makes every draw
-    a likely repeat; a counter ahead of egressd's chain input sees any answer that came in
-    without its flow."""
+    mark ... drop`), and the sandbox wait a try's timeout. A range of 32 ports makes every draw
+    a likely repeat (16 queries in flight, the client's socket, and the ports of a turn's
+    answers until their release); a counter ahead of egressd's chain input sees any answer
+    that came in without its flow."""
     serve(lab)
-    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40015")
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40031")
     egressd(policy(server))
     family = "ip6" if ":" in server else "ip"
     rc, _, err = lab.nft(lab.sandbox, "-f", "-", input=f"""
@@ -1473,6 +1474,7 @@ def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egress
     t = tok()
     s = lab.sandbox.socket(socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM)
     sent = answered = 0
+    rcodes = {}
     with s:
         s.connect((server, 53))
         s.settimeout(3.0)
@@ -1482,8 +1484,10 @@ def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egress
             while sent < 2000 and sent - answered < 16:
                 s.send(labmod.dns_build_query(f"r{sent}.{t}.wild.example.org", "A", sent))
                 sent += 1
-            s.recv(4096)
+            rcode = labmod.dns_parse_reply(s.recv(4096))[1]
+            rcodes[rcode] = rcodes.get(rcode, 0) + 1
             answered += 1
+    assert rcodes == {"NOERROR": 2000}, rcodes
     rc, out, err = lab.nft(lab.sandbox, "list", "chain", "inet", "probe", "input")
     assert rc == 0, err
     strays = int(re.search(r"counter packets (\d+)", out).group(1))
