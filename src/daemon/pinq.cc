@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
+#include <map>
 
 #include "daemon/ctforget.h"
 #include "egressd/unique_fd.h"
@@ -34,6 +36,14 @@ constexpr int kMaxExtHeaders = 8;
 constexpr std::uint8_t kTcpOptMd5 = 19, kTcpOptAo = 29;
 // Room for one whole packet: the kernel hands GSO packets over segmented.
 constexpr std::uint32_t kCopyRange = 0xffff;
+// The largest packet a verdict can carry back (a netlink attribute's length
+// is 16 bits, header included). A first flight is at most the initial
+// congestion window (10 segments, ~15 KB): far below.
+constexpr std::size_t kMaxReinject = 0xffff - 4;
+// The judged copies kept until their verdicts, in bytes: beyond, the oldest
+// packet is dropped (a flood of first packets costs the sandbox's own flows).
+constexpr std::size_t kMaxHeldBytes = 8u << 20;
+constexpr std::size_t kMaxReinjected = 1u << 20;
 // Packets the kernel may hold for the reader before it drops new ones (no
 // fail-open flag: a full queue drops, it never bypasses the reader).
 constexpr std::uint32_t kQueueMaxLen = 4096;
@@ -105,6 +115,8 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
     s.sport = be16(pkt, off);
     s.dport = be16(pkt, off + 2);
     s.payload = pkt.subspan(off + 8, len - 8);
+    s.l4 = off;
+    s.ip_end = off + len;
     return s;
   }
   if (off + 20 > end) return std::nullopt;
@@ -133,6 +145,8 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
     i += pkt[i + 1];
   }
   s.payload = pkt.subspan(off + doff, end - off - doff);
+  s.l4 = off;
+  s.ip_end = end;
   return s;
 }
 
@@ -148,6 +162,30 @@ std::uint16_t checksum(std::uint32_t sum) {
   while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
   return static_cast<std::uint16_t>(~sum);
 }
+
+}  // namespace
+
+std::vector<std::uint8_t> judged_packet(std::span<const std::uint8_t> pkt, const Segment& s) {
+  std::vector<std::uint8_t> p(pkt.begin(), pkt.begin() + static_cast<std::ptrdiff_t>(s.ip_end));
+  const std::size_t len = s.ip_end - s.l4;
+  const std::size_t at = s.l4 + (s.proto == kTcp ? 16 : 6);  // the checksum field
+  p[at] = p[at + 1] = 0;
+  // Pseudo-header: addresses, protocol, L4 length.
+  const std::size_t alen = s.src.family == 4 ? 4 : 16;
+  std::uint32_t sum = sum16(0, s.src.bytes.data(), alen);
+  sum = sum16(sum, s.dst.bytes.data(), alen);
+  sum += s.proto;
+  sum += static_cast<std::uint32_t>(len & 0xffff) + static_cast<std::uint32_t>(len >> 16);
+  sum = sum16(sum, p.data() + s.l4, len & ~std::size_t{1});
+  if ((len & 1) != 0) sum += static_cast<std::uint32_t>(p[s.l4 + len - 1]) << 8;
+  std::uint16_t c = checksum(sum);
+  if (s.proto == kUdp && c == 0) c = 0xffff;  // 0 means "none" in UDP
+  p[at] = static_cast<std::uint8_t>(c >> 8);
+  p[at + 1] = static_cast<std::uint8_t>(c);
+  return p;
+}
+
+namespace {
 
 }  // namespace
 
@@ -545,6 +583,9 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
                            h.next, now);
   }
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
+  // As for the first bytes: a request the server drops would be sent again
+  // later, unread (below), with whatever bytes the pages then hold.
+  if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, h.next, now);
   const auto ahead = static_cast<std::int32_t>(seg.seq - h.next);
   // Bytes after a gap: the ones before them have not come through here yet
   // (the stack sends this segment again once they have).
@@ -884,21 +925,46 @@ class Queue : public PinQueue {
     const std::uint16_t queue = ntohs(nfg->res_id);
     const PinPacketId id = pin_packet_id(queue, ntohl(ph->packet_id));
     std::optional<Segment> seg;
+    std::span<const std::uint8_t> pkt;
     // A packet cut short by the copy range cannot be judged: reset (fail closed).
     if (tb[NFQA_PAYLOAD] != nullptr && tb[NFQA_CAP_LEN] == nullptr) {
-      seg = parse_packet({static_cast<const std::uint8_t*>(mnl_attr_get_payload(tb[NFQA_PAYLOAD])),
-                              mnl_attr_get_payload_len(tb[NFQA_PAYLOAD])});
+      pkt = {static_cast<const std::uint8_t*>(mnl_attr_get_payload(tb[NFQA_PAYLOAD])),
+             mnl_attr_get_payload_len(tb[NFQA_PAYLOAD])};
+      seg = parse_packet(pkt);
     }
     if (!seg) {
       ++errors_;
       pending_.push_back({id, PinVerdict::Kind::drop});
       return;
     }
+    // What goes back with the verdict: the bytes judged, not the queued
+    // packet's (judged_packet). Too large for a netlink attribute: dropped.
+    if (!seg->payload.empty()) {
+      if (seg->ip_end > kMaxReinject) {
+        ++errors_;
+        pending_.push_back({id, PinVerdict::Kind::drop});
+        return;
+      }
+      held_bytes_ += seg->ip_end;
+      held_.emplace(id, judged_packet(pkt, *seg));
+      while (held_bytes_ > kMaxHeldBytes) {
+        // The oldest packet goes without its copy: dropped now (its later
+        // verdict finds no packet in the kernel).
+        pending_.push_back({held_.begin()->first, PinVerdict::Kind::drop});
+        held_bytes_ -= held_.begin()->second.size();
+        held_.erase(held_.begin());
+      }
+    }
     if (tb[NFQA_SKB_INFO] != nullptr && mnl_attr_get_payload_len(tb[NFQA_SKB_INFO]) == 4) {
       const std::uint32_t info = ntohl(mnl_attr_get_u32(tb[NFQA_SKB_INFO]));
       seg->from_socket = (info & NFQA_SKB_CSUMNOTREADY) != 0;
       seg->gso = (info & NFQA_SKB_GSO) != 0;
     }
+    // A packet the reader sent back with its verdict carries a complete
+    // checksum, so it no longer looks like the socket's: when it comes back
+    // (a held segment of an HTTP flow whose first segment made it followed),
+    // it is known by its bytes, compared whole.
+    if (!seg->from_socket && !seg->payload.empty() && own_reinjection(*seg)) seg->from_socket = true;
     seg->followed = queue == nft::kPinFollowQueueNum;
     // Chain pin set the packet's mark to its conntrack id.
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
@@ -914,7 +980,8 @@ class Queue : public PinQueue {
     if (closed_) return;
     auto expired = flows_.expire(PinFlows::Clock::now());
     pending_.insert(pending_.end(), expired.begin(), expired.end());
-    std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
+    // Room for a verdict and the largest packet that goes back with one.
+    std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE + kMaxReinject + 512);
     std::size_t used = 0;
     auto send = [&] {
       if (used != 0 && t_->send(buf.data(), used) != 0) ++errors_;
@@ -922,7 +989,15 @@ class Queue : public PinQueue {
     };
     const std::uint32_t pass_mark = judge_.pass_mark();
     for (const PinVerdict& v : pending_) {
-      if (buf.size() - used < 256) send();
+      // The bytes judged go back with every verdict that lets the packet
+      // leave; a packet dropped or reset needs none.
+      std::vector<std::uint8_t> judged;
+      if (auto h = held_.find(v.packet_id); h != held_.end()) {
+        held_bytes_ -= h->second.size();
+        if (v.kind != PinVerdict::Kind::drop && v.kind != PinVerdict::Kind::reset) judged = std::move(h->second);
+        held_.erase(h);
+      }
+      if (buf.size() - used < 512 + judged.size()) send();
       nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST,
                                        static_cast<std::uint16_t>(v.packet_id >> 32));
       nlh->nlmsg_seq = t_->next_seq();
@@ -930,6 +1005,10 @@ class Queue : public PinQueue {
       vh.id = htonl(static_cast<std::uint32_t>(v.packet_id));
       vh.verdict = htonl(v.kind == PinVerdict::Kind::drop ? NF_DROP : NF_REPEAT);
       mnl_attr_put(nlh, NFQA_VERDICT_HDR, sizeof vh, &vh);
+      if (!judged.empty()) {
+        mnl_attr_put(nlh, NFQA_PAYLOAD, judged.size(), judged.data());
+        remember_reinjection(std::move(judged));
+      }
       switch (v.kind) {
         case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pass_mark))); break;
         case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
@@ -1002,6 +1081,38 @@ class Queue : public PinQueue {
   PinFlows::Clock::time_point armed_at_{};
   bool closed_ = false;
   std::vector<PinVerdict> pending_;
+  // The last packets sent back with a verdict (judged_packet), oldest first,
+  // at most kMaxReinjected bytes: known again when one comes back.
+  std::deque<std::vector<std::uint8_t>> reinjected_;
+  std::size_t reinjected_bytes_ = 0;
+  void remember_reinjection(std::vector<std::uint8_t> p) {
+    reinjected_bytes_ += p.size();
+    reinjected_.push_back(std::move(p));
+    while (reinjected_bytes_ > kMaxReinjected) {
+      reinjected_bytes_ -= reinjected_.front().size();
+      reinjected_.pop_front();
+    }
+  }
+  // `seg` is a packet sent back with a verdict: the same addresses, ports,
+  // sequence number and payload, byte for byte (then forgotten: it comes
+  // back once).
+  bool own_reinjection(const Segment& seg) {
+    for (auto it = reinjected_.begin(); it != reinjected_.end(); ++it) {
+      const auto o = parse_packet(*it);
+      if (!o || o->proto != seg.proto || o->seq != seg.seq || o->sport != seg.sport || o->dport != seg.dport ||
+          o->src != seg.src || o->dst != seg.dst || o->payload.size() != seg.payload.size() ||
+          !std::equal(o->payload.begin(), o->payload.end(), seg.payload.begin())) {
+        continue;
+      }
+      reinjected_bytes_ -= it->size();
+      reinjected_.erase(it);
+      return true;
+    }
+    return false;
+  }
+  // The judged copies of queued packets with payload, until their verdicts.
+  std::map<PinPacketId, std::vector<std::uint8_t>> held_;
+  std::size_t held_bytes_ = 0;
   std::uint64_t errors_ = 0;
   // Opened with the queue, in the sandbox's namespace (reset_servers).
   UniqueFd raw4_{::socket(AF_INET, SOCK_RAW | SOCK_CLOEXEC, IPPROTO_RAW)};

@@ -106,10 +106,20 @@ struct Segment {
   // it (an HTTP connection it admitted).
   bool followed = false;
   std::span<const std::uint8_t> payload;
+  std::size_t l4 = 0;       // where the TCP or UDP header starts in the packet
+  std::size_t ip_end = 0;   // where the packet ends, as its IP header says
 };
 // Parses an IPv4 or IPv6 TCP or UDP packet (IPv6 extension headers walked; a
 // fragment is refused). nullopt when it is anything else or truncated.
 std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt);
+
+// The packet as the reader read it, to go back to the kernel with the
+// verdict (NFQA_PAYLOAD), its TCP or UDP checksum complete (the kernel takes
+// a re-injected packet's checksum as it is). The kernel then sends these
+// bytes, not the queued packet's own: those may still be the sending
+// process's pages (MSG_ZEROCOPY, sendfile, splice), which it can rewrite
+// between the reader's copy and the packet leaving. `s` is parse_packet(pkt).
+std::vector<std::uint8_t> judged_packet(std::span<const std::uint8_t> pkt, const Segment& s);
 
 inline constexpr std::chrono::milliseconds kHoldTime{2000};
 inline constexpr std::size_t kMaxFlows = 4096;

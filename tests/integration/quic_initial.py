@@ -43,9 +43,10 @@ def _varint(v: int) -> bytes:
     return (0x80000000 | v).to_bytes(4, "big")
 
 
-def initial(dcid: bytes, hello: bytes, pn: int = 0, size: int = 1200) -> bytes:
+def initial(dcid: bytes, hello: bytes, pn: int = 0, size: int = 1200, offset: int = 0) -> bytes:
+    """A client Initial whose CRYPTO frame carries `hello` at `offset` of the stream."""
     key, iv, hp = keys(dcid)
-    frames = b"\x06" + _varint(0) + _varint(len(hello)) + hello
+    frames = b"\x06" + _varint(offset) + _varint(len(hello)) + hello
     head_len = 1 + 4 + 1 + len(dcid) + 1 + 1 + 2 + 4  # first, version, dcid, scid, token, length, pn
     frames += b"\x00" * max(0, size - head_len - len(frames) - 16)
     length = 4 + len(frames) + 16

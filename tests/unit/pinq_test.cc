@@ -127,6 +127,54 @@ TEST_CASE("parse_packet reads IPv4 and refuses fragments and truncation") {
   CHECK_FALSE(parse_packet(std::span(p).first(30)).has_value());
 }
 
+TEST_CASE("judged_packet: the packet as read, its TCP or UDP checksum complete, nothing past its end") {
+  // IPv4 TCP, 3 bytes of payload (an odd length), and 2 bytes past the IP
+  // length (link padding). The queued packet's checksum field holds only the
+  // pseudo-header's sum (CHECKSUM_PARTIAL): garbage here.
+  std::vector<std::uint8_t> p(40 + 3 + 2, 0);
+  p[0] = 0x45;
+  p[3] = 43;
+  p[9] = 6;
+  p[12] = 192, p[13] = 0, p[14] = 2, p[15] = 2;
+  p[16] = 203, p[17] = 0, p[18] = 113, p[19] = 10;
+  p[22] = 0x01, p[23] = 0xbb;  // dport 443
+  p[27] = 7;                   // seq 7
+  p[32] = 0x50;                // doff 5
+  p[36] = 0x12, p[37] = 0x34;  // checksum: not yet complete
+  p[40] = 'a', p[41] = 'b', p[42] = 'c';
+  auto s = parse_packet(p);
+  REQUIRE(s.has_value());
+  auto j = judged_packet(p, *s);
+  REQUIRE(j.size() == 43);
+  // Computed apart (Python, RFC 1071 over pseudo-header and segment).
+  CHECK(j[36] == 0xeb);
+  CHECK(j[37] == 0xaf);
+  CHECK(std::equal(j.begin(), j.begin() + 36, p.begin()));
+  CHECK(std::equal(j.begin() + 38, j.end(), p.begin() + 38));
+
+  // IPv6 UDP 2001:db8::2:5000 -> [2001:db8:3::10]:443, "hello".
+  std::vector<std::uint8_t> u(40 + 8 + 5, 0);
+  u[0] = 0x60;
+  u[5] = 13;  // payload length
+  u[6] = 17;
+  u[7] = 64;
+  const std::uint8_t src[16] = {0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2};
+  const std::uint8_t dst[16] = {0x20, 0x01, 0x0d, 0xb8, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10};
+  std::copy(src, src + 16, u.begin() + 8);
+  std::copy(dst, dst + 16, u.begin() + 24);
+  u[40] = 0x13, u[41] = 0x88;  // sport 5000
+  u[42] = 0x01, u[43] = 0xbb;  // dport 443
+  u[45] = 13;                  // length
+  const char* hello = "hello";
+  std::copy(hello, hello + 5, u.begin() + 48);
+  s = parse_packet(u);
+  REQUIRE(s.has_value());
+  j = judged_packet(u, *s);
+  REQUIRE(j.size() == u.size());
+  CHECK(j[46] == 0x4b);
+  CHECK(j[47] == 0x38);
+}
+
 namespace {
 
 // An IPv4 TCP segment from 192.0.2.2 to 203.0.113.10:80 carrying `payload`,

@@ -1,0 +1,164 @@
+"""Hostname pinning against a sender that rewrites its bytes after the reader read them.
+
+A socket can send from pages the process keeps writing to: MSG_ZEROCOPY sends from its own
+memory, sendfile() from a file's page cache. The packet in the queue points at those pages
+until it leaves the sandbox. The reader used to judge its copy and let the queued packet
+itself go on (NF_REPEAT): a process that rewrote the page while the reader held the first
+segment (waiting for the rest of the hello) had the server receive the rewritten bytes, on an
+address learned for another name. Now every packet the reader lets leave goes back with the
+bytes it judged (NFQA_PAYLOAD), so the server gets exactly those.
+
+No capability is needed for any of this (the lab's sockets are the test process's; none of the
+calls below needs a privilege). What remains: a judged segment lost on the way is sent again by
+the socket, from its pages, and takes the fast path unread (docs/pinning.md, "What pinning
+cannot stop").
+"""
+import mmap
+import os
+import socket
+import ssl
+
+import pytest
+
+import quic_initial as qi
+from lab import wait_for
+from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, connect, learn, servers  # noqa: F401 (fixtures)
+from test_pinning import pinned  # noqa: F401 (fixture)
+
+SO_ZEROCOPY = 60
+MSG_ZEROCOPY = 0x4000000
+SO_NO_CHECK = 11
+
+
+def held(pinned, before):
+    """Waits until the reader holds a new flow's first bytes (it counts it as inspected)."""
+    wait_for(lambda: pinned.status()["pin"]["inspected"] > before, 3.0, "the reader to hold the first segment")
+
+
+def read_all(s) -> bytes:
+    data = b""
+    s.settimeout(3.0)
+    try:
+        while chunk := s.recv(4096):
+            data += chunk
+    except OSError as e:
+        data += f"<{e!r}>".encode()
+    return data
+
+
+def http_rewritten(lab, pinned, addr, how, tmp_path) -> bytes:
+    """Sends a request head naming allowed.test (without its last line end) from a page, waits
+    until the reader holds it, rewrites the page to name same-ip.test, and ends the head."""
+    head = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n"
+    at = head.index(b"allowed.test")
+    before = pinned.status()["pin"]["inspected"]
+    s = connect(lab, addr, HTTP_PORT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if how == "zerocopy":
+        page = mmap.mmap(-1, 4096)
+        page[:len(head)] = head
+        s.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+        assert s.send(memoryview(page)[:len(head)], MSG_ZEROCOPY) == len(head)
+        held(pinned, before)
+        page[at:at + 12] = b"same-ip.test"
+    else:
+        path = tmp_path / "request"
+        path.write_bytes(head)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            assert os.sendfile(s.fileno(), fd, 0, len(head)) == len(head)
+            held(pinned, before)
+            os.pwrite(fd, b"same-ip.test", at)
+        finally:
+            os.close(fd)
+    s.send(b"\r\n")
+    with s:
+        return read_all(s)
+
+
+@pytest.mark.parametrize("how", ["zerocopy", "sendfile"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_request_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinned, addr, how, tmp_path):  # noqa: F811
+    answer = http_rewritten(lab, pinned, addr, how, tmp_path)
+    # The lab's HTTP server answers with the Host it received.
+    assert answer.endswith(b"host=allowed.test"), answer
+
+
+def test_a_client_hello_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinned, addr=V4):  # noqa: F811
+    """The client's TLS sends a hello naming same-ip.test; the page showed the reader one naming
+    allowed.test until the reader held it. The server must get the hello that was judged, so the
+    client's handshake (whose transcript has the other hello) fails instead of reaching
+    same-ip.test."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(inc, out, server_hostname="same-ip.test")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = out.read()
+    shown = hello.replace(b"same-ip.test", b"allowed.test")
+    page = mmap.mmap(-1, 8192)
+    page[:len(shown)] = shown
+    before = pinned.status()["pin"]["inspected"]
+    s = connect(lab, addr, TLS_PORT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+    assert s.send(memoryview(page)[:len(shown) - 1], MSG_ZEROCOPY) == len(shown) - 1
+    held(pinned, before)
+    page[:len(hello)] = hello
+    s.send(hello[-1:])
+    s.settimeout(3.0)
+    outcome = None
+    try:
+        while outcome is None:
+            try:
+                tls.do_handshake()
+                outcome = "handshake completed"
+            except ssl.SSLWantReadError:
+                if data := out.read():
+                    s.sendall(data)
+                chunk = s.recv(65536)
+                if not chunk:
+                    outcome = "closed"
+                inc.write(chunk)
+    except ssl.SSLError as e:
+        outcome = f"tls error: {e.reason}"
+    except OSError as e:
+        outcome = f"{e!r}"
+    s.close()
+    # The server read the judged hello: the two ends' transcripts differ.
+    assert outcome != "handshake completed", "the server took the rewritten hello"
+    assert pinned.status()["pin"]["admitted"] >= 1
+
+
+def test_a_quic_initial_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinned, tmp_path):  # noqa: F811
+    """The hello in two Initials; the first sent with sendfile() and no UDP checksum (SO_NO_CHECK:
+    nothing reads the pages before the packet leaves), rewritten to name same-ip.test while the
+    reader waits for the second. The lab's UDP echo server on 443 echoes what it received."""
+    a = qi.client_hello("allowed.test")
+    b = a.replace(b"allowed.test", b"same-ip.test")
+    cut = a.index(b"allowed.test") + 40
+    dcid = os.urandom(8)
+    first_a, first_b = qi.initial(dcid, a[:cut]), qi.initial(dcid, b[:cut])
+    assert len(first_a) == len(first_b)
+    second = qi.initial(dcid, a[cut:], pn=1, offset=cut)
+    path = tmp_path / "datagram"
+    path.write_bytes(first_a)
+    fd = os.open(path, os.O_RDWR)
+    before = pinned.status()["pin"]["inspected"]
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
+    s.connect((V4, 443))
+    s.settimeout(2.0)
+    try:
+        assert os.sendfile(s.fileno(), fd, 0, len(first_a)) == len(first_a)
+        held(pinned, before)
+        os.pwrite(fd, first_b, 0)
+    finally:
+        os.close(fd)
+    s.send(second)
+    echoes = [s.recv(65536), s.recv(65536)]
+    s.close()
+    assert first_b not in echoes, "the server received the rewritten Initial"
+    assert sorted(echoes) == sorted([first_a, second]), "the server did not get the judged Initials"
