@@ -610,6 +610,25 @@ Status Instance::Impl::build() {
         const PinStats s = q->stats();
         return std::array<std::uint64_t, 3>{s.inspected, s.admitted, s.reset};
       });
+      // Flows an earlier egressd admitted under the phase in force (an
+      // adopted table keeps its marks): this reader never learnt their names,
+      // so they are known as admitted for an unknown one, and the next
+      // switch keeps them only where an address entry allows them. Without
+      // this, a switch cut nothing of them and the new phase re-marked them
+      // by address. A fresh table's marks are new: nothing matches.
+      if (sandbox->state().mode == Mode::allowlist) {
+        if (auto flows = conntrack_flows_marked(io, sandbox->state().mark)) {
+          std::erase_if(*flows, [&](const AdmittedFlow& f) { return sandbox->allowed_by_address_entry(f.dst); });
+          if (!flows->empty()) {
+            pinq->adopt(*flows);
+            log->info("{}pin: adopted flows={} (admitted before a restart; their names are unknown)", prefix(),
+                      flows->size());
+          }
+        } else {
+          log->warn("{}pin: flows admitted before a restart not adopted (a switch will not cut them): {}", prefix(),
+                    flows.error().message);
+        }
+      }
     } else {
       log->error("{}hostname pinning has no queue reader, so TCP flows to addresses allowed only by name "
                  "cannot pass: {}", prefix(), r.error().message);

@@ -4,6 +4,7 @@
 #include <libmnl/libmnl.h>
 #include <linux/netfilter.h>
 #include <linux/netfilter/nfnetlink.h>
+#include <linux/netfilter/nfnetlink_conntrack.h>
 #include <linux/netfilter/nfnetlink_queue.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -747,6 +748,19 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
   return out;
 }
 
+void PinFlows::adopt(const AdmittedFlow& f) {
+  const Key key{static_cast<std::uint8_t>(f.dst.family), f.proto, f.src.bytes, f.dst.bytes, f.sport, f.dport};
+  if (admitted_.contains(key)) return;
+  Segment seg;
+  seg.proto = f.proto;
+  seg.src = f.src;
+  seg.dst = f.dst;
+  seg.sport = f.sport;
+  seg.dport = f.dport;
+  seg.ct_id = f.ct_id;
+  remember(key, seg, "");
+}
+
 std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
   std::vector<PinVerdict> out;
   for (auto it = flows_.begin(); it != flows_.end();) {
@@ -877,6 +891,10 @@ class Queue : public PinQueue {
     s.errors += errors_;
     return s;
   }
+  void adopt(const std::vector<AdmittedFlow>& flows) override {
+    for (const AdmittedFlow& f : flows) flows_.adopt(f);
+  }
+
   std::size_t cut(const std::function<bool(const AdmittedFlow&)>& keep) override {
     if (closed_) return 0;
     const std::vector<AdmittedFlow> gone = flows_.cut(keep, PinFlows::Clock::now());
@@ -1139,6 +1157,91 @@ Result<std::unique_ptr<PinQueue>> PinQueue::open(asio::io_context& io, PinJudge&
   auto q = std::make_unique<Queue>(io, std::move(*t), judge);
   q->start();
   return std::unique_ptr<PinQueue>(std::move(q));
+}
+
+namespace {
+
+// CTA_TUPLE_ORIG's addresses and ports into `f`; false when incomplete.
+bool read_orig_tuple(const nlattr* tuple, AdmittedFlow& f) {
+  const nlattr* t[8] = {};
+  auto collect = [](const nlattr* a, void* data) {
+    const auto type = static_cast<unsigned>(mnl_attr_get_type(a));
+    auto** tb = static_cast<const nlattr**>(data);
+    if (type < 8) tb[type] = a;  // every CTA_*_MAX used here is below 8
+    return MNL_CB_OK;
+  };
+  if (mnl_attr_parse_nested(tuple, collect, t) < 0 || t[CTA_TUPLE_IP] == nullptr || t[CTA_TUPLE_PROTO] == nullptr) {
+    return false;
+  }
+  const nlattr* ip[8] = {};
+  const nlattr* proto[8] = {};
+  if (mnl_attr_parse_nested(t[CTA_TUPLE_IP], collect, ip) < 0 ||
+      mnl_attr_parse_nested(t[CTA_TUPLE_PROTO], collect, proto) < 0) {
+    return false;
+  }
+  auto take = [](const nlattr* a, IpPrefix& out, int family, std::size_t len) {
+    if (a == nullptr || mnl_attr_get_payload_len(a) != len) return false;
+    out.family = static_cast<std::uint8_t>(family);
+    out.prefix_len = static_cast<std::uint8_t>(len * 8);
+    std::memcpy(out.bytes.data(), mnl_attr_get_payload(a), len);
+    return true;
+  };
+  const bool v4 = take(ip[CTA_IP_V4_SRC], f.src, 4, 4) && take(ip[CTA_IP_V4_DST], f.dst, 4, 4);
+  const bool v6 = !v4 && take(ip[CTA_IP_V6_SRC], f.src, 6, 16) && take(ip[CTA_IP_V6_DST], f.dst, 6, 16);
+  if ((!v4 && !v6) || proto[CTA_PROTO_NUM] == nullptr || proto[CTA_PROTO_SRC_PORT] == nullptr ||
+      proto[CTA_PROTO_DST_PORT] == nullptr) {
+    return false;
+  }
+  f.proto = mnl_attr_get_u8(proto[CTA_PROTO_NUM]);
+  f.sport = ntohs(mnl_attr_get_u16(proto[CTA_PROTO_SRC_PORT]));
+  f.dport = ntohs(mnl_attr_get_u16(proto[CTA_PROTO_DST_PORT]));
+  return true;
+}
+
+}  // namespace
+
+Result<std::vector<AdmittedFlow>> conntrack_flows_marked(boost::asio::io_context& io, std::uint32_t mark) {
+  nft::TransportOptions o;
+  o.protocol = NETLINK_NETFILTER;
+  o.what = "conntrack dump";
+  auto t = nft::Transport::open(io, std::move(o));
+  if (!t) return t.error();
+  std::vector<AdmittedFlow> out;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    out.clear();
+    std::vector<char> buf(MNL_SOCKET_BUFFER_SIZE);
+    nlmsghdr* nlh = mnl_nlmsg_put_header(buf.data());
+    nlh->nlmsg_type = static_cast<std::uint16_t>((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET);
+    nlh->nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+    auto* nfg = static_cast<nfgenmsg*>(mnl_nlmsg_put_extra_header(nlh, sizeof(nfgenmsg)));
+    nfg->nfgen_family = AF_UNSPEC;  // both families
+    nfg->version = NFNETLINK_V0;
+    nfg->res_id = 0;
+    // The kernel filters the dump by mark.
+    mnl_attr_put_u32(nlh, CTA_MARK, htonl(mark));
+    mnl_attr_put_u32(nlh, CTA_MARK_MASK, htonl(0xffffffff));
+    const int err = (*t)->request(nlh, [&](const nlmsghdr* h) {
+      if (h->nlmsg_type != ((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW)) return;
+      const nlattr* tb[CTA_MAX + 1] = {};
+      if (mnl_attr_parse(h, sizeof(nfgenmsg), [](const nlattr* a, void* data) {
+            const int type = mnl_attr_get_type(a);
+            if (type >= 0 && type <= CTA_MAX) static_cast<const nlattr**>(data)[type] = a;
+            return MNL_CB_OK;
+          }, tb) < 0 || tb[CTA_TUPLE_ORIG] == nullptr || tb[CTA_MARK] == nullptr ||
+          ntohl(mnl_attr_get_u32(tb[CTA_MARK])) != mark) {
+        return;
+      }
+      AdmittedFlow f;
+      if (!read_orig_tuple(tb[CTA_TUPLE_ORIG], f)) return;
+      if (f.proto != Segment::kTcp && !(f.proto == Segment::kUdp && f.dport == 443)) return;
+      if (tb[CTA_ID] != nullptr) f.ct_id = ntohl(mnl_attr_get_u32(tb[CTA_ID]));
+      out.push_back(f);
+    }, std::chrono::seconds(2));
+    if (err == EINTR) continue;  // interrupted: dump again
+    if (err != 0) return errno_error("conntrack dump", err);
+    return out;
+  }
+  return Error::runtime("conntrack dump: interrupted three times");
 }
 
 }  // namespace egressd::daemon

@@ -194,6 +194,10 @@ class PinFlows {
   // name is not allowed for their address any more); a packet of one that
   // still reaches the reader is refused.
   std::vector<AdmittedFlow> cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now);
+  // A flow an earlier egressd admitted (found in conntrack at start): known
+  // from here on, its name unknown (""), so a switch keeps it only where the
+  // address alone decides (pin_keeps). Nothing if the flow is known already.
+  void adopt(const AdmittedFlow& f);
   std::size_t admitted_remembered() const { return admitted_.size(); }
   std::size_t quic_followed() const { return followed_.size(); }
   std::size_t http_followed() const { return http_.size(); }
@@ -343,6 +347,15 @@ class PinQueue {
   // ct mark nft::kPinCutMark (chain active denies its later packets).
   // Returns how many.
   virtual std::size_t cut(const std::function<bool(const AdmittedFlow&)>& keep) = 0;
+  // PinFlows::adopt for each of `flows`.
+  virtual void adopt(const std::vector<AdmittedFlow>& flows) = 0;
 };
+
+// The TCP flows, and UDP flows to port 443, conntrack holds in the current
+// network namespace with ct mark `mark` (one ctnetlink dump, filtered by the
+// kernel): at start, the flows an earlier egressd admitted under the phase
+// in force, whose names this one never learnt. Runtime error when the dump
+// fails.
+Result<std::vector<AdmittedFlow>> conntrack_flows_marked(boost::asio::io_context& io, std::uint32_t mark);
 
 }  // namespace egressd::daemon

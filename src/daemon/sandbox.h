@@ -321,9 +321,12 @@ class Sandbox : public dns::PolicyHooks {
   std::vector<std::string> learned_names_for(const IpPrefix& addr) const;
   // The hostname/wildcard entry of the phase in force allowing `name`, or nullptr.
   const Entry* allowed_name(std::string_view name) const;
+  // An IP or CIDR entry of the phase in force covers `dst` (not a learned address).
+  bool allowed_by_address_entry(const IpPrefix& dst) const;
   // Whether a flow admitted for `name` to `dst` may go on under the phase in
   // force (after a switch): public; an IP/CIDR entry allows `dst` (not
-  // inspected); or the phase allows `name` and `name` was learned for `dst`.
+  // inspected); or the phase allows `name` and `name` was learned for `dst`
+  // ("": a name unknown, a flow admitted before a restart: never).
   bool pin_keeps(const std::string& name, const IpPrefix& dst) const;
   // A flow pinning reset: a `denied` record carrying decide()'s line.
   void pin_reset(const IpPrefix& dst, std::uint16_t port, const std::string& reason);

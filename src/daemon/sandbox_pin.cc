@@ -17,6 +17,13 @@ const Entry* Sandbox::allowed_name(std::string_view name) const {
   return active_facts_->matcher->match(name);
 }
 
+bool Sandbox::allowed_by_address_entry(const IpPrefix& dst) const {
+  for (const auto& e : active_phase().entries) {
+    if (!e.is_name() && e.ip.family == dst.family && e.ip.contains(dst)) return true;
+  }
+  return false;
+}
+
 bool Sandbox::pin_keeps(const std::string& name, const IpPrefix& dst) const {
   if (inline_unknown_) return false;  // entries unknown here: fail closed
   const Phase& phase = active_phase();
@@ -25,9 +32,7 @@ bool Sandbox::pin_keeps(const std::string& name, const IpPrefix& dst) const {
     case Mode::no_network: return false;
     case Mode::allowlist: break;
   }
-  for (const auto& e : phase.entries) {
-    if (!e.is_name() && e.ip.family == dst.family && e.ip.contains(dst)) return true;
-  }
+  if (allowed_by_address_entry(dst)) return true;
   if (allowed_name(name) == nullptr) return false;
   const auto names = learned_.names_for(dst);
   return std::find(names.begin(), names.end(), name) != names.end();

@@ -13,6 +13,7 @@ import ssl
 import pytest
 
 from lab import DNS_V4
+from test_agent import agent  # noqa: F401 (fixture)
 from test_pinning_attacks import tls_from_port
 from test_pinning import TLS_PORT, V4, V6, assert_reset, connect, learn, outcome, servers  # noqa: F401 (fixture)
 
@@ -29,6 +30,10 @@ phases:
   both:
     network_mode: allowlist
     allowed_hosts: [allowed.test, same-ip.test]
+  by_address:
+    network_mode: allowlist
+    allowed_hosts: [same-ip.test, 203.0.113.10, "2001:db8:3::10"]
+  open: public
 """
 
 
@@ -117,3 +122,52 @@ def test_the_port_of_a_cut_flow_serves_a_new_connection_judged_afresh(lab, egres
     assert_reset(tls_from_port(lab, addr, "allowed.test", sport), "allowed.test in sibling on the cut flow's port")
     assert d.ctl("apply", "agent")[0] == 0
     assert tls_from_port(lab, addr, "allowed.test", sport) == ("ok", b"tls:ping")
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_flow_admitted_before_a_restart_is_cut_by_a_later_switch(lab, egressd, servers, addr):  # noqa: F811
+    """The reader knows the flows it admitted, in memory: a restarted egressd (the table and its
+    marks adopted) knew none, so a switch cut nothing and the new phase's chain re-marked the
+    flow by its address (allowed there through same-ip.test), and the flow admitted for
+    allowed.test went on (found by an attack review). Now the flows conntrack holds with the
+    adopted phase's mark are adopted at start, their name unknown: a switch keeps them only
+    where an address entry, or a public phase, allows them."""
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    t = open_tls(lab, addr, "allowed.test")
+    d.restart()  # SIGTERM, same config: the table (phase agent, its marks) is adopted
+    assert "pin: adopted flows=1" in d.log(), d.log()
+    assert exchange(t, b"mid") == ("ok", b"tls:mid")  # the restart itself cuts nothing
+    assert d.ctl("apply", "sibling")[0] == 0
+    learn(lab, "same-ip.test")  # the address is allowed in sibling, only through same-ip.test
+    assert_reset(exchange(t), "a flow admitted for allowed.test before the restart, after the switch to sibling")
+    t.close()
+
+
+@pytest.mark.parametrize("phase", ["by_address", "open"])
+def test_a_flow_admitted_before_a_restart_goes_on_where_the_address_alone_decides(
+        lab, egressd, servers, phase):  # noqa: F811
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    t = open_tls(lab, V4, "allowed.test")
+    d.restart()
+    assert d.ctl("apply", phase)[0] == 0
+    assert exchange(t) == ("ok", b"tls:two")
+    t.close()
+
+
+def test_agent_mode_a_flow_admitted_before_the_agents_restart_is_cut_by_a_later_switch(
+        lab, agent, servers):  # noqa: F811
+    """The same in agent mode: the agent re-attaches the sandbox from its state dir and adopts
+    its table, and with it the flows conntrack holds under the phase in force."""
+    import signal
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(POLICY))
+    learn(lab, "allowed.test")
+    t = open_tls(lab, V4, "allowed.test")
+    agent.stop(signal.SIGKILL)
+    agent.start()
+    assert exchange(t, b"mid") == ("ok", b"tls:mid")
+    agent.ok("--sandbox", "one", "apply", "sibling")
+    learn(lab, "same-ip.test")
+    assert_reset(exchange(t), "a flow admitted for allowed.test before the agent's restart, after the switch to sibling")
+    t.close()
