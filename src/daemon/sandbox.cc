@@ -537,7 +537,8 @@ Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing,
 
 Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
                                 std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
-                                std::vector<std::string> unresolved) {
+                                Preresolved pre) {
+  std::vector<std::string> unresolved = std::move(pre.unresolved);
   const Phase& target = *target_ptr;
   if (auto s = check_capabilities(target, caps_); !s) return s.error();
   flush_learned();  // addresses answered under the old phase go in before it changes
@@ -551,6 +552,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   // earlier) go into its sets in the same transaction: no window where a
   // client's cached address is refused.
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
+  for (const auto& [name, addr, ms] : pre.pairs) remember(name, addr, ms);
   for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     ++switch_failures_;
@@ -639,8 +641,8 @@ void Sandbox::run_applies() {
 }
 
 boost::asio::awaitable<void> Sandbox::apply_job(ApplyJob job, std::vector<std::string> names) {
-  std::vector<std::string> unresolved = co_await preresolve(std::move(names));
-  finish_apply(std::move(job), std::move(unresolved));
+  Preresolved pre = co_await preresolve(std::move(names));
+  finish_apply(std::move(job), std::move(pre));
   run_applies();
 }
 
@@ -660,7 +662,7 @@ auto async_resolve(dns::Proxy& proxy, const std::string& name, const boost::asio
 // A switch waits at most this long for its pre-resolution.
 constexpr std::chrono::seconds kPreresolveDeadline{3};
 
-boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector<std::string> names) {
+boost::asio::awaitable<Sandbox::Preresolved> Sandbox::preresolve(std::vector<std::string> names) {
   // The phase's exact hostnames, A and AAAA, all at once, each in a
   // coroutine of its own, raced against kPreresolveDeadline: this one waits
   // on a timer that either expires or is cancelled by the last resolve to
@@ -675,6 +677,7 @@ boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector
     std::size_t remaining;
     bool over = false;
     std::vector<std::string> failed;
+    std::vector<std::tuple<std::string, IpPrefix, std::uint64_t>> pairs;
     std::set<std::string> pending;
     boost::asio::steady_timer all_done;
   };
@@ -699,7 +702,7 @@ boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector
                 guarded(name, l.addr, *g, true);
                 continue;
               }
-              remember(name, l.addr, learn_timeout_ms(l.ttl));
+              round->pairs.emplace_back(name, l.addr, learn_timeout_ms(l.ttl));
             }
           }
           if (--round->remaining == 0) round->all_done.cancel();
@@ -719,16 +722,16 @@ boost::asio::awaitable<std::vector<std::string>> Sandbox::preresolve(std::vector
     unresolved.push_back(name);
   }
   std::sort(unresolved.begin(), unresolved.end());
-  co_return unresolved;
+  co_return Preresolved{std::move(unresolved), std::move(round->pairs)};
 }
 
-void Sandbox::finish_apply(ApplyJob job, std::vector<std::string> unresolved) {
+void Sandbox::finish_apply(ApplyJob job, Preresolved pre) {
   if (closed_) {
     job.reply(control::error_reply("unknown_sandbox",
                                    "the sandbox was removed before this switch was made; its policy did not change"));
     return;
   }
-  auto r = switch_to(job.target, std::move(job.facts), job.is_inline, std::move(unresolved));
+  auto r = switch_to(job.target, std::move(job.facts), job.is_inline, std::move(pre));
   job.reply(r ? control::ok_reply(*r) : control::error_reply(r.error(), "invalid_policy"));
 }
 

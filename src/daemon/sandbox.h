@@ -379,9 +379,20 @@ class Sandbox : public dns::PolicyHooks {
     std::vector<std::function<void(Status)>> done;
   };
 
+  // What a switch's pre-resolution found: the names that got no address
+  // (sorted), and the (name, address, timeout ms) pairs of the others.
+  struct Preresolved {
+    std::vector<std::string> unresolved;
+    std::vector<std::tuple<std::string, IpPrefix, std::uint64_t>> pairs;
+  };
+  // `pre.pairs` are remembered here, just before the switch's batch: had the
+  // pre-resolution remembered them while the old phase was still in force,
+  // a sandbox answer for a name both phases allow, carrying such an address,
+  // would have been taken as already in the old phase's sets (learn's skip)
+  // and released with the address missing there.
   Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target,
                                    std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
-                                   std::vector<std::string> unresolved);
+                                   Preresolved pre);
   // ---- control commands (sandbox_control.cc) ----
   control::Dispatcher command_table();
   void apply(const control::ApplyRequest& req, control::Reply reply);
@@ -394,11 +405,10 @@ class Sandbox : public dns::PolicyHooks {
   // runs the rest of the queue when it ends.
   void run_applies();
   boost::asio::awaitable<void> apply_job(ApplyJob job, std::vector<std::string> names);
-  // Resolves `names` concurrently, remembering their addresses; returns the
-  // names that got none, sorted.
-  boost::asio::awaitable<std::vector<std::string>> preresolve(std::vector<std::string> names);
+  // Resolves `names` concurrently; remembers nothing (switch_to does).
+  boost::asio::awaitable<Preresolved> preresolve(std::vector<std::string> names);
   // The switch and its reply.
-  void finish_apply(ApplyJob job, std::vector<std::string> unresolved);
+  void finish_apply(ApplyJob job, Preresolved pre);
   void flush_learned();
   // Appends to `ops` the adds of `plain` and the replacements of `replace`
   // in learned set `set` (sandbox.cc says why an element is replaced).

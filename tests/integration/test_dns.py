@@ -20,12 +20,14 @@ query log shows (or must not show) is exact.
 """
 import json
 import random
+import subprocess
 import socket
 import struct
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -785,6 +787,87 @@ def test_apply_preresolves_exact_hostnames(lab, egressd):
     line = next((ln for ln in out.splitlines() if "not resolved" in ln), "")
     listed = line.partition(":")[2].partition("(")[0]
     assert [n.strip() for n in listed.split(",")] == [unknown], out
+
+
+# An upstream whose answers a test scripts: name -> [address, delay s], re-read from a file at every
+# query (so an address can change), each query logged (monotonic time, name, type).
+SCRIPTED_UPSTREAM = r"""
+import json, socket, struct, sys, threading, time
+addr, mapfile = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((addr, 53))
+print("READY", flush=True)
+while True:
+    msg, peer = s.recvfrom(65536)
+    i, labels = 12, []
+    while i < len(msg) and msg[i]:
+        labels.append(msg[i + 1:i + 1 + msg[i]].decode(errors="replace")); i += 1 + msg[i]
+    if i + 5 > len(msg):
+        continue
+    name, question, qtype = ".".join(labels).lower(), msg[12:i + 5], struct.unpack_from("!H", msg, i + 1)[0]
+    m = json.load(open(mapfile))
+    if name not in m:
+        continue
+    a, delay = m[name]
+    with open(mapfile + ".log", "a") as f:
+        f.write(f"{name} {qtype}\n")
+    an = 1 if qtype == 1 else 0
+    out = struct.pack("!HHHHHH", struct.unpack_from("!H", msg)[0], 0x8180, 1, an, 0, 0) + question
+    if an:
+        out += b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 60, 4) + socket.inet_aton(a)
+    threading.Timer(delay, lambda d=out, p=peer: s.sendto(d, p)).start()  # an upstream slow to answer
+"""
+
+
+def test_an_answer_during_a_switchs_pre_resolution_is_in_the_phase_in_force(lab, egressd):
+    """A switch pre-resolves its names while the old phase is still in force. It used to put
+    what it found in the learned store at once; an answer to the sandbox for a name both phases
+    allow, carrying such an address, then looked already written (the store skips re-writing a
+    pair whose element outlives the answer) and was released although the old phase's set did
+    not have the address: the client's connection was refused until the switch landed (found
+    by an attack review). Now the pre-resolved pairs are remembered with the switch itself."""
+    upstream, old, new = "198.51.100.53", "198.51.100.10", "198.51.100.11"
+    mapfile = lab.tmp / "upstream.json"
+    mapfile.write_text(json.dumps({"fast.example.org": [old, 0], "slow.example.org": [old, 2.0]}))
+    lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
+    p = lab.spawn([sys.executable, "-c", SCRIPTED_UPSTREAM, upstream, str(mapfile)], netns=lab.internet,
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the scripted upstream") == "READY"
+    d = egressd(f"""\
+initial_phase: a
+dns: {{ upstream: ["{upstream}"] }}
+phases:
+  a: {{ network_mode: allowlist, allowed_hosts: ["fast.example.org"] }}
+  b: {{ network_mode: allowlist, allowed_hosts: ["fast.example.org", "slow.example.org"] }}
+""")
+    labmod.wait_for(lambda: old in lab.learned_set(4, "ph_a"), 5.0, "the start's pre-resolution of fast.example.org")
+    # The name's address moves (a CDN, a failover); phase b's pre-resolution finds the new one,
+    # and waits 2 s for slow.example.org.
+    mapfile.write_text(json.dumps({"fast.example.org": [new, 0], "slow.example.org": [old, 2.0]}))
+    log = Path(str(mapfile) + ".log")
+
+    def fast_asked() -> int:
+        return sum(1 for ln in log.read_text().splitlines() if ln == "fast.example.org 1") if log.exists() else 0
+
+    before = fast_asked()
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    c.connect(str(d.socket_path))
+    with c:
+        c.sendall(json.dumps({"cmd": "apply", "phase": "b"}).encode() + b"\n")
+        labmod.wait_for(lambda: fast_asked() > before, 3.0, "the switch's pre-resolution of fast.example.org")
+        r = lab.dns_query("fast.example.org", timeout=3.0)
+        assert (r.outcome, r.rcode, r.addresses) == ("ok", "NOERROR", [new]), r
+        assert d.status()["phase"] == "a", "the switch landed before the answer: the test proves nothing"
+        assert new in lab.learned_set(4, "ph_a"), "the answer was released with its address in no set of phase a"
+        assert lab.udp_exchange(new, labmod.ECHO_PORT) == "ok"
+        reply = b""
+        while b"\n" not in reply:
+            chunk = c.recv(65536)
+            assert chunk, "the switch's reply"
+            reply += chunk
+    assert json.loads(reply.split(b"\n", 1)[0]).get("ok") is True, reply
+    assert new in lab.learned_set(4, "ph_b")
 
 
 def test_start_preresolves_initial_phase(lab, egressd):
