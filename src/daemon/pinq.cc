@@ -41,8 +41,8 @@ constexpr std::uint32_t kCopyRange = 0xffff;
 // is 16 bits, header included). A first flight is at most the initial
 // congestion window (10 segments, ~15 KB): far below.
 constexpr std::size_t kMaxReinject = 0xffff - 4;
-// The judged copies kept until their verdicts, in bytes: beyond, the oldest
-// packet is dropped (a flood of first packets costs the sandbox's own flows).
+// The judged copies kept until their verdicts, in bytes: beyond, a new packet
+// is dropped unread (a flood of first packets costs the sandbox's own flows).
 constexpr std::size_t kMaxHeldBytes = 8u << 20;
 constexpr std::size_t kMaxReinjected = 1u << 20;
 // Packets the kernel may hold for the reader before it drops new ones (no
@@ -963,15 +963,17 @@ class Queue : public PinQueue {
         pending_.push_back({id, PinVerdict::Kind::drop});
         return;
       }
+      // Full: this packet is dropped unread, as if lost on the way; its
+      // socket sends it again. (Never an older one's copy: a held segment
+      // dropped after the reader read it would be judged and then sent again
+      // by the socket, from its pages, on the admitted flow's fast path.)
+      if (held_bytes_ + seg->ip_end > kMaxHeldBytes) {
+        ++errors_;
+        pending_.push_back({id, PinVerdict::Kind::drop});
+        return;
+      }
       held_bytes_ += seg->ip_end;
       held_.emplace(id, judged_packet(pkt, *seg));
-      while (held_bytes_ > kMaxHeldBytes) {
-        // The oldest packet goes without its copy: dropped now (its later
-        // verdict finds no packet in the kernel).
-        pending_.push_back({held_.begin()->first, PinVerdict::Kind::drop});
-        held_bytes_ -= held_.begin()->second.size();
-        held_.erase(held_.begin());
-      }
     }
     if (tb[NFQA_SKB_INFO] != nullptr && mnl_attr_get_payload_len(tb[NFQA_SKB_INFO]) == 4) {
       const std::uint32_t info = ntohl(mnl_attr_get_u32(tb[NFQA_SKB_INFO]));
