@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -19,31 +20,13 @@ namespace {
 constexpr int kReplyTimeoutMs = 2000;
 constexpr int kDumpAttempts = 8;
 
-// Attributes of one message, indexed by type (up to `max`).
-std::vector<const nlattr*> attrs(const nlmsghdr* nlh, std::size_t header, std::uint16_t max) {
-  std::vector<const nlattr*> tb(max + 1, nullptr);
-  struct Ctx {
-    std::vector<const nlattr*>* tb;
-    std::uint16_t max;
-  } ctx{&tb, max};
-  mnl_attr_parse(
-      nlh, static_cast<unsigned>(header),
-      [](const nlattr* a, void* p) -> int {
-        auto* c = static_cast<Ctx*>(p);
-        const std::uint16_t type = mnl_attr_get_type(a);
-        if (type <= c->max) (*c->tb)[type] = a;
-        return MNL_CB_OK;
-      },
-      &ctx);
-  return tb;
-}
-
 }  // namespace
 
 std::optional<LinkInfo> parse_link(const nlmsghdr* nlh) {
   if (nlh->nlmsg_type != RTM_NEWLINK || nlh->nlmsg_len < NLMSG_LENGTH(sizeof(ifinfomsg))) return std::nullopt;
   const auto* ifi = static_cast<const ifinfomsg*>(mnl_nlmsg_get_payload(nlh));
-  const auto tb = attrs(nlh, sizeof(ifinfomsg), IFLA_IFNAME);
+  std::array<const nlattr*, IFLA_IFNAME + 1> tb;
+  (void)nft::attr_table(nlh, sizeof(ifinfomsg), tb);
   const nlattr* name = tb[IFLA_IFNAME];
   if (name == nullptr || mnl_attr_validate(name, MNL_TYPE_NUL_STRING) < 0) return std::nullopt;
   LinkInfo l;
@@ -58,7 +41,8 @@ std::optional<IpPrefix> parse_onlink6_route(const nlmsghdr* nlh, const std::vect
   if (nlh->nlmsg_type != RTM_NEWROUTE || nlh->nlmsg_len < NLMSG_LENGTH(sizeof(rtmsg))) return std::nullopt;
   const auto* rt = static_cast<const rtmsg*>(mnl_nlmsg_get_payload(nlh));
   if (rt->rtm_family != AF_INET6 || rt->rtm_type != RTN_UNICAST || rt->rtm_dst_len > 128) return std::nullopt;
-  const auto tb = attrs(nlh, sizeof(rtmsg), RTA_MULTIPATH);
+  std::array<const nlattr*, RTA_MULTIPATH + 1> tb;
+  (void)nft::attr_table(nlh, sizeof(rtmsg), tb);
   if (tb[RTA_GATEWAY] != nullptr || tb[RTA_MULTIPATH] != nullptr) return std::nullopt;
   const nlattr* oif = tb[RTA_OIF];
   if (oif == nullptr || mnl_attr_validate(oif, MNL_TYPE_U32) < 0) return std::nullopt;

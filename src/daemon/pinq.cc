@@ -186,10 +186,6 @@ std::vector<std::uint8_t> judged_packet(std::span<const std::uint8_t> pkt, const
   return p;
 }
 
-namespace {
-
-}  // namespace
-
 std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
   const bool v4 = r.src.family == 4;
   const std::size_t ip = v4 ? 20 : 40, alen = v4 ? 4 : 16;
@@ -721,10 +717,14 @@ void PinFlows::forget_admitted(const Key& key) {
 }
 
 void PinFlows::remember(const Key& key, const Segment& seg, const std::string& name) {
+  remember(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, 0, seg.ct_id});
+}
+
+void PinFlows::remember(const Key& key, AdmittedFlow f) {
   forget_admitted(key);
-  const std::uint64_t order = next_order_++;
-  admitted_.emplace(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, order, seg.ct_id});
-  admitted_order_.emplace(order, key);
+  f.order = next_order_++;
+  admitted_order_.emplace(f.order, key);
+  admitted_.emplace(key, std::move(f));
   if (admitted_.size() > kMaxAdmitted) {
     admitted_.erase(admitted_order_.begin()->second);
     admitted_order_.erase(admitted_order_.begin());
@@ -751,14 +751,9 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
 void PinFlows::adopt(const AdmittedFlow& f) {
   const Key key{static_cast<std::uint8_t>(f.dst.family), f.proto, f.src.bytes, f.dst.bytes, f.sport, f.dport};
   if (admitted_.contains(key)) return;
-  Segment seg;
-  seg.proto = f.proto;
-  seg.src = f.src;
-  seg.dst = f.dst;
-  seg.sport = f.sport;
-  seg.dport = f.dport;
-  seg.ct_id = f.ct_id;
-  remember(key, seg, "");
+  AdmittedFlow unknown = f;
+  unknown.name.clear();
+  remember(key, std::move(unknown));
 }
 
 std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
@@ -928,12 +923,8 @@ class Queue : public PinQueue {
       return;
     }
     if (nlh->nlmsg_type != msg_type(NFQNL_MSG_PACKET)) return;
-    const nlattr* tb[NFQA_MAX + 1] = {};
-    if (mnl_attr_parse(nlh, sizeof(nfgenmsg), [](const nlattr* a, void* data) {
-          const int type = mnl_attr_get_type(a);
-          if (type >= 0 && type <= NFQA_MAX) static_cast<const nlattr**>(data)[type] = a;
-          return MNL_CB_OK;
-        }, tb) < 0 || tb[NFQA_PACKET_HDR] == nullptr ||
+    std::array<const nlattr*, NFQA_MAX + 1> tb;
+    if (nft::attr_table(nlh, sizeof(nfgenmsg), tb) < 0 || tb[NFQA_PACKET_HDR] == nullptr ||
         mnl_attr_get_payload_len(tb[NFQA_PACKET_HDR]) < sizeof(nfqnl_msg_packet_hdr)) {
       ++errors_;
       return;
@@ -1165,22 +1156,11 @@ namespace {
 
 // CTA_TUPLE_ORIG's addresses and ports into `f`; false when incomplete.
 bool read_orig_tuple(const nlattr* tuple, AdmittedFlow& f) {
-  const nlattr* t[8] = {};
-  auto collect = [](const nlattr* a, void* data) {
-    const auto type = static_cast<unsigned>(mnl_attr_get_type(a));
-    auto** tb = static_cast<const nlattr**>(data);
-    if (type < 8) tb[type] = a;  // every CTA_*_MAX used here is below 8
-    return MNL_CB_OK;
-  };
-  if (mnl_attr_parse_nested(tuple, collect, t) < 0 || t[CTA_TUPLE_IP] == nullptr || t[CTA_TUPLE_PROTO] == nullptr) {
-    return false;
-  }
-  const nlattr* ip[8] = {};
-  const nlattr* proto[8] = {};
-  if (mnl_attr_parse_nested(t[CTA_TUPLE_IP], collect, ip) < 0 ||
-      mnl_attr_parse_nested(t[CTA_TUPLE_PROTO], collect, proto) < 0) {
-    return false;
-  }
+  std::array<const nlattr*, CTA_TUPLE_MAX + 1> t;
+  if (nft::attr_table(tuple, t) < 0 || t[CTA_TUPLE_IP] == nullptr || t[CTA_TUPLE_PROTO] == nullptr) return false;
+  std::array<const nlattr*, CTA_IP_MAX + 1> ip;
+  std::array<const nlattr*, CTA_PROTO_MAX + 1> proto;
+  if (nft::attr_table(t[CTA_TUPLE_IP], ip) < 0 || nft::attr_table(t[CTA_TUPLE_PROTO], proto) < 0) return false;
   auto take = [](const nlattr* a, IpPrefix& out, int family, std::size_t len) {
     if (a == nullptr || mnl_attr_get_payload_len(a) != len) return false;
     out.family = static_cast<std::uint8_t>(family);
@@ -1224,12 +1204,8 @@ Result<std::vector<AdmittedFlow>> conntrack_flows_marked(boost::asio::io_context
     mnl_attr_put_u32(nlh, CTA_MARK_MASK, htonl(0xffffffff));
     const int err = (*t)->request(nlh, [&](const nlmsghdr* h) {
       if (h->nlmsg_type != ((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW)) return;
-      const nlattr* tb[CTA_MAX + 1] = {};
-      if (mnl_attr_parse(h, sizeof(nfgenmsg), [](const nlattr* a, void* data) {
-            const int type = mnl_attr_get_type(a);
-            if (type >= 0 && type <= CTA_MAX) static_cast<const nlattr**>(data)[type] = a;
-            return MNL_CB_OK;
-          }, tb) < 0 || tb[CTA_TUPLE_ORIG] == nullptr || tb[CTA_MARK] == nullptr ||
+      std::array<const nlattr*, CTA_MAX + 1> tb;
+      if (nft::attr_table(h, sizeof(nfgenmsg), tb) < 0 || tb[CTA_TUPLE_ORIG] == nullptr || tb[CTA_MARK] == nullptr ||
           ntohl(mnl_attr_get_u32(tb[CTA_MARK])) != mark) {
         return;
       }

@@ -317,6 +317,7 @@ class PinFlows {
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   std::vector<ServerReset> server_resets_;
   void remember(const Key& key, const Segment& seg, const std::string& name);
+  void remember(const Key& key, AdmittedFlow f);
   std::map<Key, AdmittedFlow> admitted_;
   std::map<std::uint64_t, Key> admitted_order_;
   std::uint64_t next_order_ = 0;

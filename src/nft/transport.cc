@@ -12,6 +12,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -357,6 +358,27 @@ void Transport::start(Handlers h, std::size_t datagrams_per_turn) {
   impl_->started = true;
   impl_->handlers = std::move(h);
   asio::co_spawn(impl_->sd->get_executor(), Impl::receive(impl_, datagrams_per_turn), asio::detached);
+}
+
+namespace {
+
+int put_attr(const nlattr* a, void* data) {
+  auto& tb = *static_cast<std::span<const nlattr*>*>(data);
+  const std::uint16_t type = mnl_attr_get_type(a);
+  if (type < tb.size()) tb[type] = a;
+  return MNL_CB_OK;
+}
+
+}  // namespace
+
+int attr_table(const nlmsghdr* nlh, std::size_t header, std::span<const nlattr*> tb) {
+  std::fill(tb.begin(), tb.end(), nullptr);
+  return mnl_attr_parse(nlh, static_cast<unsigned>(header), put_attr, &tb);
+}
+
+int attr_table(const nlattr* nest, std::span<const nlattr*> tb) {
+  std::fill(tb.begin(), tb.end(), nullptr);
+  return mnl_attr_parse_nested(nest, put_attr, &tb);
 }
 
 }  // namespace egressd::nft

@@ -13,7 +13,8 @@
 // forgetter (daemon/ctforget), the interface
 // watch (daemon/netwatch), and the flow reaper's sock_diag dumps and
 // SOCK_DESTROY requests (daemon/sockdiag, requests only, on its own thread).
-// No other code in egressd opens a netlink socket.
+// No other code in egressd opens a netlink socket. attr_table reads the
+// attributes of what they receive.
 //
 // Shutdown: stop() (also run by the destructor) marks the state the receive
 // coroutine shares (it outlives the Transport until the coroutine ends),
@@ -33,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -157,5 +159,11 @@ class Transport {
   explicit Transport(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<Impl> impl_;  // shared with the running receive loop
 };
+
+// The attributes of one message after its `header` bytes, or those nested in
+// `nest`, by type: tb[type], nullptr where absent (types past the table are
+// skipped). Negative when they are malformed (as mnl_attr_parse says).
+int attr_table(const nlmsghdr* nlh, std::size_t header, std::span<const nlattr*> tb);
+int attr_table(const nlattr* nest, std::span<const nlattr*> tb);
 
 }  // namespace egressd::nft
