@@ -18,9 +18,9 @@
 #include <algorithm>
 #include <array>
 #include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/post.hpp>
 #include <boost/asio/ip/udp.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
@@ -323,38 +323,39 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   Clock::time_point deadline{};
 
   Bytes query() const { return Bytes(out).subspan(2); }
+
+  // The flow of ufd's try, whose answer was read (nothing more is due on it):
+  // ufd's address and port to the server's; nullopt if they cannot be read.
+  std::optional<FlowTuple> answered_flow() const {
+    const auto ss = local ? local : local_address(ufd);
+    if (!ss) return std::nullopt;
+    FlowTuple t;
+    const bool v4 = ss->ss_family == AF_INET;
+    t.src.family = v4 ? 4 : 6;
+    t.src.prefix_len = v4 ? 32 : 128;
+    if (v4) {
+      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*ss).sin_addr, 4);
+    } else {
+      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*ss).sin6_addr, 16);
+    }
+    t.sport = port_of(*ss);
+    t.dst = impl->servers[server].ip;
+    t.dport = impl->servers[server].port;
+    return t;
+  }
   Bytes question() const { return query().subspan(kHeaderSize, question_len); }
 
   void close_sockets() {
     error_code ec;
-    bool released = false;
-    if (ufd >= 0 && reusable && impl->forget && !impl->closed) {
-      // Its answer was read: nothing more is due on this flow.
-      if (const auto ss = local ? local : local_address(ufd)) {
-        FlowTuple t;
-        t.src = IpPrefix{};
-        const bool v4 = ss->ss_family == AF_INET;
-        t.src.family = v4 ? 4 : 6;
-        t.src.prefix_len = v4 ? 32 : 128;
-        if (v4) {
-          std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*ss).sin_addr, 4);
-        } else {
-          std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*ss).sin6_addr, 16);
-        }
-        t.sport = port_of(*ss);
-        t.dst = impl->servers[server].ip;
-        t.dport = impl->servers[server].port;
-        impl->unwatch(ufd);
-        impl->release_later(t, ufd, impl->addrs[server].is_v4());
-        released = true;
-      }
-    }
-    if (ufd >= 0 && !released) {
+    if (ufd >= 0) {
       impl->unwatch(ufd);
-      if (reusable && !impl->closed) {
-        impl->recycle(ufd, impl->addrs[server].is_v4());
-      } else {
+      const bool v4 = impl->addrs[server].is_v4();
+      if (!reusable || impl->closed) {
         impl->close_udp(ufd);
+      } else if (const auto flow = impl->forget ? answered_flow() : std::nullopt) {
+        impl->release_later(*flow, ufd, v4);  // forgotten first, then recycled
+      } else {
+        impl->recycle(ufd, v4);
       }
     }
     ufd = -1;
