@@ -162,3 +162,46 @@ def test_a_quic_initial_rewritten_in_its_pages_reaches_the_server_as_judged(lab,
     s.close()
     assert first_b not in echoes, "the server received the rewritten Initial"
     assert sorted(echoes) == sorted([first_a, second]), "the server did not get the judged Initials"
+
+
+# The HTTP attack as a sandbox process runs it: its own socket, its own page. Sends the head
+# without its last line end, says HELD, waits for a line on stdin (the reader holds the
+# segment), rewrites the page, ends the head and prints the answer as JSON.
+ZEROCOPY_ATTACKER = r'''
+import json, mmap, socket, sys
+addr, port = sys.argv[1], int(sys.argv[2])
+head = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n"
+page = mmap.mmap(-1, 4096)
+page[:len(head)] = head
+s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+s.settimeout(3.0)
+s.connect((addr, port))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.setsockopt(socket.SOL_SOCKET, 60, 1)  # SO_ZEROCOPY
+print("READY", flush=True)
+assert s.send(memoryview(page)[:len(head)], 0x4000000) == len(head)  # MSG_ZEROCOPY
+sys.stdin.readline()
+at = head.index(b"allowed.test")
+page[at:at + 12] = b"same-ip.test"
+s.send(b"\r\n")
+data = b""
+try:
+    while chunk := s.recv(4096):
+        data += chunk
+except OSError as e:
+    data += repr(e).encode()
+print(json.dumps({"answer": data.decode(errors="replace")}))
+'''
+
+
+@pytest.mark.parametrize("who", ["uid 65534", "docker caps"])
+def test_a_sandbox_process_rewriting_its_zero_copy_page_reaches_the_server_as_judged(lab, pinned, who):  # noqa: F811
+    from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    before = pinned.status()["pin"]["inspected"]
+    p = attacker(lab, ZEROCOPY_ATTACKER, V4, HTTP_PORT, uid=who == "uid 65534",
+                 caps="-all" if who == "uid 65534" else DOCKER_CAPS)
+    held(pinned, before)
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    res = attacker_result(p)
+    assert res["answer"].endswith("host=allowed.test"), res
