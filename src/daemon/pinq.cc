@@ -126,7 +126,9 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt) {
   s.sport = be16(pkt, off);
   s.dport = be16(pkt, off + 2);
   s.seq = be32(pkt, off + 4);
+  s.ack = be32(pkt, off + 8);
   const std::uint8_t flags = pkt[off + 13];
+  s.ack_flag = (flags & 0x10) != 0;
   s.fin = (flags & 0x01) != 0;
   s.syn = (flags & 0x02) != 0;
   s.rst = (flags & 0x04) != 0;
@@ -184,6 +186,15 @@ std::vector<std::uint8_t> judged_packet(std::span<const std::uint8_t> pkt, const
   p[at] = static_cast<std::uint8_t>(c >> 8);
   p[at + 1] = static_cast<std::uint8_t>(c);
   return p;
+}
+
+bool apply_patch(std::vector<std::uint8_t>& pkt, const PinVerdict& v) {
+  const std::optional<Segment> s = parse_packet(pkt);
+  if (!s || v.patch_at > s->payload.size() || v.patch.size() > s->payload.size() - v.patch_at) return false;
+  const auto at = static_cast<std::size_t>(s->payload.data() - pkt.data()) + v.patch_at;
+  std::copy(v.patch.begin(), v.patch.end(), pkt.begin() + static_cast<std::ptrdiff_t>(at));
+  pkt = judged_packet(pkt, *s);
+  return true;
 }
 
 std::vector<std::uint8_t> server_reset_packet(const ServerReset& r) {
@@ -329,10 +340,16 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
 std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
   const Key key{static_cast<std::uint8_t>(seg.dst.family), seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kTcp) {
-    if (seg.followed) return http_packet(id, key, seg, now);
+    if (seg.followed) {
+      if (auto tf = tls_.find(key); tf != tls_.end() && tf->second.ct_id == seg.ct_id) {
+        return tls_packet(id, tf, seg, now);
+      }
+      return http_packet(id, key, seg, now);
+    }
     if (seg.syn) return new_connection_on_old_entry(id, key, seg, now);
     // A new connection on the addresses and ports of a followed one.
     if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id != seg.ct_id) forget_followed(key);
+    if (auto tf = tls_.find(key); tf != tls_.end() && tf->second.ct_id != seg.ct_id) forget_tls(key);
     // Urgent data on a flow whose bytes are not held: an admitted one (the
     // server would take a byte out of what it has not read yet), or an
     // undecided one, where a payload-less segment's urgent pointer names a
@@ -500,7 +517,117 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   judge_.pin_decided(d, seg.dst, seg.dport);
   if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
   if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::http) return follow_http(it, d.name, now);
-  return finish(it, d.kind == pin::Decision::Kind::admit, now);
+  if (d.kind == pin::Decision::Kind::admit) return follow_tls(it, seg, now);
+  return finish(it, false, now);
+}
+
+// ---- Judged bytes kept for retransmissions --------------------------------------------------
+
+namespace {
+// How far sequence number `a` is after `b` (negative: before).
+std::int64_t seq_after(std::uint32_t a, std::uint32_t b) { return static_cast<std::int32_t>(a - b); }
+}  // namespace
+
+std::ptrdiff_t PinFlows::Kept::add(std::uint32_t seq, std::span<const std::uint8_t> bytes) {
+  if (bytes.empty()) return 0;
+  const std::size_t before = size;
+  if (!ranges.empty() && seq_after(seq, ranges.back().first + static_cast<std::uint32_t>(ranges.back().second.size())) == 0) {
+    ranges.back().second.insert(ranges.back().second.end(), bytes.begin(), bytes.end());
+  } else {
+    ranges.emplace_back(seq, std::vector<std::uint8_t>(bytes.begin(), bytes.end()));
+  }
+  size += bytes.size();
+  // Over the bound: the oldest bytes go, and a retransmission of them is refused.
+  while (size > kMaxKeptPerFlow) {
+    auto& [at, b] = ranges.front();
+    const std::size_t drop = std::min(b.size(), size - kMaxKeptPerFlow);
+    forgotten_until = at + static_cast<std::uint32_t>(drop);
+    if (drop == b.size()) {
+      ranges.pop_front();
+    } else {
+      b.erase(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(drop));
+      at += static_cast<std::uint32_t>(drop);
+    }
+    size -= drop;
+  }
+  return static_cast<std::ptrdiff_t>(size) - static_cast<std::ptrdiff_t>(before);
+}
+
+std::optional<std::string> PinFlows::Kept::patch(const Segment& seg, PinVerdict& v) const {
+  const auto len = static_cast<std::uint32_t>(seg.payload.size());
+  if (len == 0) return std::nullopt;
+  if (forgotten_until && seq_after(*forgotten_until, seg.seq) > 0) {
+    return std::string("a retransmission of judged bytes the reader no longer keeps (more than 16384 bytes of them "
+                       "not yet answered)");
+  }
+  std::vector<std::uint8_t> out;
+  std::size_t first = len, last = 0;  // the payload span the patch covers
+  for (const auto& [at, b] : ranges) {
+    const std::int64_t from = std::max<std::int64_t>(0, seq_after(at, seg.seq));
+    const std::int64_t to = std::min<std::int64_t>(len, seq_after(at, seg.seq) + static_cast<std::int64_t>(b.size()));
+    if (from >= to) continue;
+    if (out.empty()) out.assign(seg.payload.begin(), seg.payload.end());
+    const std::int64_t in_b = from - seq_after(at, seg.seq);
+    std::copy_n(b.begin() + in_b, to - from, out.begin() + from);
+    first = std::min(first, static_cast<std::size_t>(from));
+    last = std::max(last, static_cast<std::size_t>(to));
+  }
+  if (out.empty()) return std::nullopt;
+  v.patch_at = first;
+  v.patch.assign(out.begin() + static_cast<std::ptrdiff_t>(first), out.begin() + static_cast<std::ptrdiff_t>(last));
+  return std::nullopt;
+}
+
+// ---- TLS: admitted, until the server answers ------------------------------------------------
+
+// A TLS flow admitted on its hello: followed (kPinFollowMark) rather than
+// given the fast path, with its judged bytes kept, until the server answers.
+std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg,
+                                             Clock::time_point now) {
+  const Key key = it->first;
+  TlsFollowed t;
+  t.ct_id = it->second.ct_id;
+  t.ack = seg.ack;
+  const std::vector<std::uint8_t> bytes = stream(it->second);
+  t.end = it->second.base + static_cast<std::uint32_t>(bytes.size());
+  const std::ptrdiff_t grew = t.judged.add(it->second.base, bytes);
+  std::vector<PinVerdict> out = finish(it, true, now);
+  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
+  forget_tls(key);
+  tls_lru_.push_front(key);
+  t.lru = tls_lru_.begin();
+  tls_.emplace(key, std::move(t));
+  tls_kept_ += static_cast<std::size_t>(grew);
+  while (!tls_lru_.empty() && (tls_.size() > kMaxTlsFollowed || tls_kept_ > kMaxKeptBytes)) forget_tls(tls_lru_.back());
+  return out;
+}
+
+void PinFlows::forget_tls(const Key& key) {
+  if (auto it = tls_.find(key); it != tls_.end()) {
+    tls_kept_ -= it->second.judged.size;
+    tls_lru_.erase(it->second.lru);
+    tls_.erase(it);
+  }
+}
+
+// A packet of a followed TLS flow (queue kPinFollowQueueNum): bytes that
+// repeat the judged hello go with the judged bytes; the first packet whose
+// ACK says the server answered is admitted, and the flow takes the fast path.
+std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf,
+                                             const Segment& seg, Clock::time_point now) {
+  const Key key = tf->first;
+  TlsFollowed& t = tf->second;
+  tls_lru_.splice(tls_lru_.begin(), tls_lru_, t.lru);
+  if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.end, now);
+  if (seg.urg) return refuse_followed(id, key, seg, kUrgentPinnedReason, t.end, now);
+  if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
+  PinVerdict v{id, PinVerdict::Kind::pass};
+  if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.end, now);
+  if (seg.ack_flag && seq_after(seg.ack, t.ack) > 0) {
+    v.kind = PinVerdict::Kind::admit;
+    forget_tls(key);
+  }
+  return {std::move(v)};
 }
 
 // ---- HTTP: the requests after the first ----------------------------------------------------
@@ -518,10 +645,11 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   h.ct_id = f.ct_id;
   h.next = f.base + f.extent;
   const std::vector<std::uint8_t> bytes = stream(f);
-  const pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(bytes.data(), bytes.size()));
+  const pin::HttpRequestStream::Step step = feed_http(h, f.base, bytes);
   std::optional<std::string> bad = step.invalid;
   if (!bad && f.extent > bytes.size()) bad = h.requests.skip(f.extent - bytes.size());
   if (bad) {
+    http_kept_ -= h.framing.size;
     forget_admitted(it->first);
     return reset_flow(it, *bad, now);
   }
@@ -531,6 +659,7 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
     const pin::Decision d =
         pin::decide(pin::PinProto::http, pin::Parse::complete_with(step.heads[i]), f.dst, f.dport, facts);
     if (d.kind != pin::Decision::Kind::admit) {
+      http_kept_ -= h.framing.size;
       forget_admitted(it->first);
       return reset_flow(it, "a later request on the connection: " + d.reason, now);
     }
@@ -542,12 +671,30 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   http_lru_.push_front(key);
   h.lru = http_lru_.begin();
   http_.emplace(key, std::move(h));
-  if (http_.size() > kMaxHttpFollowed) forget_followed(http_lru_.back());
+  bound_http();
   return out;
+}
+
+void PinFlows::bound_http() {
+  while (!http_lru_.empty() && (http_.size() > kMaxHttpFollowed || http_kept_ > kMaxKeptBytes)) {
+    forget_followed(http_lru_.back());
+  }
+}
+
+pin::HttpRequestStream::Step PinFlows::feed_http(HttpFollowed& h, std::uint32_t seq,
+                                                 std::span<const std::uint8_t> bytes) {
+  pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(bytes.data(), bytes.size()));
+  if (step.invalid) return step;
+  for (const auto& [from, to] : step.framing) {
+    const std::ptrdiff_t grew = h.framing.add(seq + static_cast<std::uint32_t>(from), bytes.subspan(from, to - from));
+    http_kept_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(http_kept_) + grew);
+  }
+  return step;
 }
 
 void PinFlows::forget_followed(const Key& key) {
   if (auto it = http_.find(key); it != http_.end()) {
+    http_kept_ -= it->second.framing.size;
     http_lru_.erase(it->second.lru);
     http_.erase(it);
   }
@@ -567,7 +714,7 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
     // restarted, or forgot it for newer ones): its next request could not be
     // judged, so it is refused rather than let through unread.
     return refuse_followed(id, key, seg,
-                           "http connection followed before egressd restarted, or one of more than 4096 followed at once",
+                           "connection followed before egressd restarted, or one of more than 4096 followed at once",
                            seg.seq, now);
   }
   HttpFollowed& h = hf->second;
@@ -588,10 +735,17 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
   // (the stack sends this segment again once they have).
   if (ahead > 0) return {{id, PinVerdict::Kind::drop}};
   const auto seen = static_cast<std::size_t>(-static_cast<std::int64_t>(ahead));
-  // A retransmission of bytes already read: the socket sends the same bytes again.
-  if (seen >= seg.payload.size()) return {{id, PinVerdict::Kind::pass}};
-  const pin::HttpRequestStream::Step step = h.requests.feed(pin::Bytes(seg.payload.data() + seen, seg.payload.size() - seen));
+  // Bytes already read (a retransmission): the socket sends them again from
+  // its own copy, which may be pages its process rewrote since; the server
+  // gets the framing the reader read (body bytes are body bytes whatever
+  // they hold).
+  PinVerdict v{id, PinVerdict::Kind::pass};
+  if (seen > 0) {
+    if (auto bad = h.framing.patch(seg, v)) return refuse_followed(id, key, seg, *bad, h.next, now);
+  }
+  if (seen >= seg.payload.size()) return {std::move(v)};
   const std::uint32_t server_seq = h.next;
+  const pin::HttpRequestStream::Step step = feed_http(h, h.next, seg.payload.subspan(seen));
   h.next = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
   if (step.invalid) return refuse_followed(id, key, seg, *step.invalid, server_seq, now);
   for (const auto& name : step.heads) {
@@ -601,7 +755,8 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
     if (d.kind == pin::Decision::Kind::admit) continue;
     return refuse_followed(id, key, seg, "a later request on the connection: " + d.reason, server_seq, now);
   }
-  return {{id, PinVerdict::Kind::pass}};
+  bound_http();
+  return {std::move(v)};
 }
 
 // A followed connection refused as any decided flow is; the server's end is
@@ -610,6 +765,7 @@ std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key
                                                   const std::string& why, std::uint32_t server_seq,
                                                   Clock::time_point now) {
   forget_followed(key);
+  forget_tls(key);
   if (server_resets_.size() < kMaxFlows) server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, server_seq});
   return refuse_decided(id, key, seg, why, now);
 }
@@ -703,6 +859,7 @@ std::vector<PinVerdict> PinFlows::new_connection_on_old_entry(PinPacketId id, co
   decided_.erase(key);
   starts_.erase(key);
   forget_followed(key);
+  forget_tls(key);
   forget_admitted(key);
   // Bytes in a SYN (no Fast Open option: a raw socket wrote them) never pass unread.
   out.push_back({id, seg.payload.empty() ? PinVerdict::Kind::pass : PinVerdict::Kind::drop});
@@ -741,6 +898,7 @@ std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedF
     set_decided(it->first, {false, now, it->second.ct_id});
     followed_.erase(it->first);
     forget_followed(it->first);
+    forget_tls(it->first);
     admitted_order_.erase(it->second.order);
     out.push_back(std::move(it->second));
     it = admitted_.erase(it);
@@ -1003,10 +1161,19 @@ class Queue : public PinQueue {
       // The bytes judged go back with every verdict that lets the packet
       // leave; a packet dropped or reset needs none.
       std::vector<std::uint8_t> judged;
+      bool drop = v.kind == PinVerdict::Kind::drop;
       if (auto h = held_.find(v.packet_id); h != held_.end()) {
         held_bytes_ -= h->second.size();
         if (v.kind != PinVerdict::Kind::drop && v.kind != PinVerdict::Kind::reset) judged = std::move(h->second);
         held_.erase(h);
+      }
+      // A retransmission of judged bytes goes with them. If that cannot be
+      // done (it cannot happen: the patch was made from this packet), the
+      // packet is dropped, never sent with the pages' bytes.
+      if (!drop && !v.patch.empty() && (judged.empty() || !apply_patch(judged, v))) {
+        ++errors_;
+        judged.clear();
+        drop = true;
       }
       if (buf.size() - used < 512 + judged.size()) send();
       nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST,
@@ -1014,13 +1181,13 @@ class Queue : public PinQueue {
       nlh->nlmsg_seq = t_->next_seq();
       nfqnl_msg_verdict_hdr vh{};
       vh.id = htonl(static_cast<std::uint32_t>(v.packet_id));
-      vh.verdict = htonl(v.kind == PinVerdict::Kind::drop ? NF_DROP : NF_REPEAT);
+      vh.verdict = htonl(drop ? NF_DROP : NF_REPEAT);
       mnl_attr_put(nlh, NFQA_VERDICT_HDR, sizeof vh, &vh);
       if (!judged.empty()) {
         mnl_attr_put(nlh, NFQA_PAYLOAD, judged.size(), judged.data());
         remember_reinjection(std::move(judged));
       }
-      switch (v.kind) {
+      switch (drop ? PinVerdict::Kind::drop : v.kind) {
         case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pass_mark))); break;
         case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
         case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pass_mark)); break;

@@ -77,6 +77,8 @@ struct Segment {
   IpPrefix src, dst;  // single addresses
   std::uint16_t sport = 0, dport = 0;
   std::uint32_t seq = 0;  // TCP only
+  std::uint32_t ack = 0;  // TCP: the acknowledgment number, when ack_flag
+  bool ack_flag = false;
   std::uint32_t ct_id = 0;  // the flow's conntrack id (chain pin puts it in the packet's mark)
   bool syn = false, fin = false, rst = false;
   bool urg = false;  // TCP: the urgent flag (a byte the server's stack takes out of the stream)
@@ -120,6 +122,10 @@ std::optional<Segment> parse_packet(std::span<const std::uint8_t> pkt);
 // process's pages (MSG_ZEROCOPY, sendfile, splice), which it can rewrite
 // between the reader's copy and the packet leaving. `s` is parse_packet(pkt).
 std::vector<std::uint8_t> judged_packet(std::span<const std::uint8_t> pkt, const Segment& s);
+// Writes `v.patch` over `pkt`'s payload from `v.patch_at` and completes its
+// checksum again. False when the packet cannot hold it.
+struct PinVerdict;
+bool apply_patch(std::vector<std::uint8_t>& pkt, const PinVerdict& v);
 
 inline constexpr std::chrono::milliseconds kHoldTime{2000};
 inline constexpr std::size_t kMaxFlows = 4096;
@@ -135,6 +141,15 @@ inline constexpr std::chrono::seconds kQuicFollowTime{30};
 // HTTP connections followed at once (their later requests are judged); the
 // least recently active is forgotten past this, and its next packet refused.
 inline constexpr std::size_t kMaxHttpFollowed = 4096;
+// TLS flows admitted and not yet answered by their server (their judged
+// hello kept for its retransmissions), at once; the oldest is forgotten past
+// this, and its next packet with bytes refused.
+inline constexpr std::size_t kMaxTlsFollowed = 4096;
+// Judged bytes kept for retransmissions: per flow (a whole 16 KiB head or
+// hello), and across all flows of each kind (past it, the least recently
+// active flow is forgotten).
+inline constexpr std::size_t kMaxKeptPerFlow = 16384;
+inline constexpr std::size_t kMaxKeptBytes = 8u << 20;
 
 // A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI).
 struct AdmittedFlow {
@@ -176,6 +191,11 @@ struct PinVerdict {
   enum class Kind { admit, reset, pass, drop, recheck, follow };
   PinPacketId packet_id = 0;
   Kind kind = Kind::drop;
+  // Bytes to send in place of the packet's own, from payload offset
+  // `patch_at`: a retransmission of bytes the reader judged carries the
+  // bytes judged, not what the sender's pages hold now (PinFlows::Kept).
+  std::size_t patch_at = 0;
+  std::vector<std::uint8_t> patch{};
 };
 
 class PinFlows {
@@ -201,6 +221,9 @@ class PinFlows {
   std::size_t admitted_remembered() const { return admitted_.size(); }
   std::size_t quic_followed() const { return followed_.size(); }
   std::size_t http_followed() const { return http_.size(); }
+  std::size_t tls_followed() const { return tls_.size(); }
+  // Judged bytes kept for retransmissions, across all followed flows.
+  std::size_t kept_bytes() const { return http_kept_ + tls_kept_; }
   // TCP payload bytes held across all flows (each flow keeps at most kMaxInspect).
   std::size_t held_bytes() const;
   // The refused flows whose server end should be reset, since the last call.
@@ -241,6 +264,42 @@ class PinFlows {
     std::uint32_t ct_id = 0;
     std::uint32_t extent = 0;  // TCP: the furthest byte held (offset from base), kept or not
   };
+  // Judged bytes a flow's server may not have received yet, by sequence
+  // number, oldest first. The socket keeps its own copy of what it sent and
+  // resends it if the segment is lost on the way, from pages its process may
+  // have rewritten since the reader read them (MSG_ZEROCOPY, sendfile()): so
+  // every retransmission is sent with these bytes in place of its own.
+  struct Kept {
+    std::deque<std::pair<std::uint32_t, std::vector<std::uint8_t>>> ranges;
+    std::size_t size = 0;
+    // Judged bytes before this sequence number were forgotten (the flow's
+    // bound): a retransmission that starts before it is refused.
+    std::optional<std::uint32_t> forgotten_until;
+    // Appends the judged bytes at `seq`; returns how many bytes it now holds
+    // more (negative: fewer).
+    std::ptrdiff_t add(std::uint32_t seq, std::span<const std::uint8_t> bytes);
+    // The patch for `seg` (its bytes that repeat kept ones, replaced by
+    // these), or the reason it is refused.
+    std::optional<std::string> patch(const Segment& seg, PinVerdict& v) const;
+  };
+  // A TLS flow admitted on its hello, until its server answered: the
+  // client's ACK moved past `ack` (the server had sent nothing more when the
+  // hello was judged; a TLS server speaks once it has the whole hello, and
+  // then no retransmission of it reaches the server's application).
+  struct TlsFollowed {
+    Kept judged;
+    std::uint32_t ack = 0;
+    std::uint32_t ct_id = 0;
+    std::uint32_t end = 0;  // sequence number after the judged bytes
+    std::list<Key>::iterator lru;
+  };
+  std::map<Key, TlsFollowed> tls_;
+  std::list<Key> tls_lru_;  // most recently active first
+  std::size_t tls_kept_ = 0, http_kept_ = 0;
+  std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
+                                     Clock::time_point now);
+  void forget_tls(const Key& key);
   // An HTTP connection admitted for `name`: its later bytes are read as
   // requests (pin::HttpRequestStream), each head's host judged.
   struct HttpFollowed {
@@ -251,7 +310,11 @@ class PinFlows {
     std::uint32_t ct_id = 0;
     std::uint32_t next = 0;  // sequence number of the first byte not yet read
     std::list<Key>::iterator lru;
+    Kept framing;  // the requests' framing read (heads, chunk lines, trailers)
   };
+  // Feeds a followed connection `bytes` at sequence number `seq` and keeps
+  // their framing.
+  pin::HttpRequestStream::Step feed_http(HttpFollowed& h, std::uint32_t seq, std::span<const std::uint8_t> bytes);
   std::map<Key, HttpFollowed> http_;
   std::list<Key> http_lru_;  // most recently active first
   std::vector<PinVerdict> follow_http(std::map<Key, Flow>::iterator it, const std::string& name,
@@ -260,6 +323,8 @@ class PinFlows {
   std::vector<PinVerdict> refuse_followed(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
                                           std::uint32_t server_seq, Clock::time_point now);
   void forget_followed(const Key& key);
+  // Forgets the least recently active followed connections past the bounds.
+  void bound_http();
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);

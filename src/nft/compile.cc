@@ -208,6 +208,12 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
+        // A followed TLS flow settles: the server has answered its hello, so
+        // no retransmission of the judged bytes can reach it any more, and
+        // the reader's admit gives the flow the phase's mark (the fast path).
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
+                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
+                           ""});
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});

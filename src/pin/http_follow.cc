@@ -93,6 +93,8 @@ HttpRequestStream::Step HttpRequestStream::feed(Bytes bytes) {
   Step step;
   std::size_t i = 0;
   while (i < bytes.size()) {
+    const std::size_t at = i;
+    const bool framing = state_ != State::body && state_ != State::chunk_data;
     switch (state_) {
       case State::head: {
         // Bytes up to the empty line; the head is read whole, from its
@@ -151,6 +153,13 @@ HttpRequestStream::Step HttpRequestStream::feed(Bytes bytes) {
         }
         ++i;
         break;
+    }
+    if (framing && i > at) {
+      if (!step.framing.empty() && step.framing.back().second == at) {
+        step.framing.back().second = i;
+      } else {
+        step.framing.emplace_back(at, i);
+      }
     }
   }
   return step;

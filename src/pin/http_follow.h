@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pin/http_head.h"
@@ -25,6 +26,10 @@ class HttpRequestStream {
     // malformed head or chunk, a tunnel's or an upgraded protocol's bytes):
     // fixed text, never the sandbox's bytes.
     std::optional<std::string> invalid;
+    // Where these bytes are the requests' framing (request heads, chunk
+    // lines, trailers: what decides where a request starts) rather than body
+    // data, as [from, to) offsets into them, in order.
+    std::vector<std::pair<std::size_t, std::size_t>> framing;
   };
   // The client's next bytes, in order, without gaps.
   Step feed(Bytes bytes);

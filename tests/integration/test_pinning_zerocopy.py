@@ -84,11 +84,10 @@ def test_a_request_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinn
     assert answer.endswith(b"host=allowed.test"), answer
 
 
-def test_a_client_hello_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinned, addr=V4):  # noqa: F811
-    """The client's TLS sends a hello naming same-ip.test; the page showed the reader one naming
-    allowed.test until the reader held it. The server must get the hello that was judged, so the
-    client's handshake (whose transcript has the other hello) fails instead of reaching
-    same-ip.test."""
+def hello_rewritten(lab, pinned, addr) -> str:
+    """The client's TLS sends a hello naming same-ip.test; the page shows the reader one naming
+    allowed.test until the reader holds it (all but its last byte). Returns how the client's
+    handshake ended."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
@@ -127,6 +126,13 @@ def test_a_client_hello_rewritten_in_its_pages_reaches_the_server_as_judged(lab,
     except OSError as e:
         outcome = f"{e!r}"
     s.close()
+    return outcome
+
+
+def test_a_client_hello_rewritten_in_its_pages_reaches_the_server_as_judged(lab, pinned, addr=V4):  # noqa: F811
+    """The server must get the hello that was judged, so the client's handshake (whose
+    transcript has the other hello) fails instead of reaching same-ip.test."""
+    outcome = hello_rewritten(lab, pinned, addr)
     # The server read the judged hello: the two ends' transcripts differ.
     assert outcome != "handshake completed", "the server took the rewritten hello"
     assert pinned.status()["pin"]["admitted"] >= 1
@@ -205,3 +211,53 @@ def test_a_sandbox_process_rewriting_its_zero_copy_page_reaches_the_server_as_ju
     p.stdin.flush()
     res = attacker_result(p)
     assert res["answer"].endswith("host=allowed.test"), res
+
+
+# ---- A judged segment lost on the way -------------------------------------------------------
+#
+# The server's namespace drops the first segment with bytes of every connection to the pinned
+# servers, once: the judged copy never arrives, the byte after it does, and the client's socket
+# sends the first segment again from its pages, which the process rewrote meanwhile. The
+# retransmission used to leave unread (a TLS flow's on the fast path, a followed HTTP
+# connection's as "bytes already read"); now the reader keeps a flow's judged bytes until the
+# server has answered and sends them in place of whatever a retransmission carries.
+
+LOSSY = """\
+table inet egressd_test_lossy {
+  chain prerouting {
+    type filter hook prerouting priority 0; policy accept;
+    tcp dport { %d, %d } meta length > 80 ct mark 0 ct mark set 1 counter drop
+  }
+}
+"""
+
+
+@pytest.fixture
+def lossy(lab):
+    """Loses the first segment with bytes (longer than a bare ACK or SYN with options) of every
+    new connection to the TLS and HTTP servers, in the server's namespace."""
+    lab.internet.exec("nft", "-f", "-", input=LOSSY % (TLS_PORT, HTTP_PORT))
+    yield
+    lab.internet.exec("nft", "delete", "table", "inet", "egressd_test_lossy", check=False)
+
+
+def lost(lab) -> int:
+    out = lab.internet.exec("nft", "list", "table", "inet", "egressd_test_lossy").stdout
+    return int(out.split("packets ")[1].split()[0])
+
+
+@pytest.mark.parametrize("how", ["zerocopy", "sendfile"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_lost_request_sent_again_from_rewritten_pages_reaches_the_server_as_judged(
+        lab, pinned, lossy, addr, how, tmp_path):  # noqa: F811
+    answer = http_rewritten(lab, pinned, addr, how, tmp_path)
+    assert lost(lab) == 1, "the server's namespace did not lose the judged segment"
+    assert answer.endswith(b"host=allowed.test"), answer
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_lost_client_hello_sent_again_from_rewritten_pages_reaches_the_server_as_judged(
+        lab, pinned, lossy, addr):  # noqa: F811
+    outcome = hello_rewritten(lab, pinned, addr)
+    assert lost(lab) == 1, "the server's namespace did not lose the judged segment"
+    assert outcome != "handshake completed", "the server took the rewritten hello"

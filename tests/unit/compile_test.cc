@@ -663,7 +663,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
   // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
   // the learned set as before (flows decided under another phase).
-  REQUIRE(rules.size() == 25);
+  REQUIRE(rules.size() == 27);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[2] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
@@ -673,26 +673,33 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8d counter ct mark set "
         "0x7ffffffc goto pass");
   CHECK(rules[4] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[5] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc goto pin");
+  // A followed TLS flow whose server answered: the reader's admit gives it the phase's mark.
+  CHECK(rules[5] ==
+        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc meta mark 0x8f9e8c8c counter ct mark set "
+        "0x45470002 goto pass");
+  CHECK(rules[6] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc goto pin");
   // Urgent data, decided flow or not: the reader refuses it (the server would take a byte out).
-  CHECK(rules[6] == "ip daddr @ph_agent_d4 tcp flags urg goto pin");
+  CHECK(rules[7] == "ip daddr @ph_agent_d4 tcp flags urg goto pin");
   // QUIC: UDP 443 only; other UDP ports are decided by the address. The reader's admit
   // holds on a decided flow too, and a decided flow's long-header packets (its handshake's:
   // a second connection's Initials) go to the reader as well.
-  CHECK(rules[7] ==
+  CHECK(rules[8] ==
         "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[10] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
   // ... and so do packets longer than one datagram (a GSO batch can hide an Initial after
   // a short-header packet).
-  CHECK(rules[10] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
-  CHECK(rules[11] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[17] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
-  CHECK(rules[18] == "ip6 daddr @ph_agent_d6 tcp flags urg goto pin");
-  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[21] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
-  CHECK(rules[22] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[11] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[12] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[17] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
+  CHECK(rules[18] ==
+        "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc meta mark 0x8f9e8c8c counter ct mark set "
+        "0x45470002 goto pass");
+  CHECK(rules[19] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
+  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 tcp flags urg goto pin");
+  CHECK(rules[22] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[23] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
+  CHECK(rules[24] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
   CHECK(pin_follow_mark(o.pass_mark) == 0x8f9e8c8d);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.

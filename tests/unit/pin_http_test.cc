@@ -174,6 +174,31 @@ TEST_CASE("later requests: each head is found after the body before it, at every
   CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\nGET / HTTP/1.1\r\nHost: b.test\r\n") == V{"a.test"});
 }
 
+// The stream with every byte that is not framing (body, chunk data) replaced by '.', fed in
+// pieces of `piece` bytes.
+std::string framing_of(std::string_view s, std::size_t piece) {
+  HttpRequestStream st;
+  std::string out(s.size(), '.');
+  for (std::size_t off = 0; off < s.size(); off += piece) {
+    const auto step = st.feed(as_bytes(s.substr(off, piece)));
+    REQUIRE(!step.invalid);
+    for (std::size_t i = 1; i < step.framing.size(); ++i) CHECK(step.framing[i - 1].second < step.framing[i].first);
+    for (const auto& [from, to] : step.framing) {
+      for (std::size_t i = from; i < to; ++i) out[off + i] = s[off + i];
+    }
+  }
+  return out;
+}
+
+TEST_CASE("later requests: the framing (heads, chunk lines, trailers) is told from body bytes, at every cut") {
+  const std::string head = "POST / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\n";
+  const std::string chunked = "POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n";
+  const std::string get = "GET / HTTP/1.1\r\nHost: b.test\r\n\r\n";
+  const std::string s = head + "HELLO" + chunked + "3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n" + get;
+  const std::string want = head + "....." + chunked + "3\r\n...\r\n0\r\nX-T: 1\r\n\r\n" + get;
+  for (std::size_t piece : {s.size(), std::size_t{1}, std::size_t{7}}) CHECK(framing_of(s, piece) == want);
+}
+
 TEST_CASE("later requests: what cannot be read as requests is refused, naming why") {
   CHECK(follow("GET / HTTP/1.1\r\nHost: a.test\r\n\r\n\x81\x85junk\r\n\r\n") ==
         V{"a.test", "invalid: a later request on the connection: malformed request line"});

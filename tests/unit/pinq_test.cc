@@ -788,6 +788,184 @@ TEST_CASE("an admitted HTTP connection stays followed: every later request is ju
   CHECK(f.stats().inspected == 2);
 }
 
+std::string sandbox_root() {
+  const char* r = std::getenv("EGRESSD_SOURCE_ROOT");
+  return r ? r : ".";
+}
+
+// A sandbox segment from queue kPinFollowQueueNum (a followed flow), with its ACK number.
+Segment followed_seg(std::uint32_t seq, const std::string& bytes, std::uint32_t ack, std::uint16_t dport = 443) {
+  Segment s = seg(seq, bytes);
+  s.dport = dport;
+  s.followed = true;
+  s.ack_flag = true;
+  s.ack = ack;
+  return s;
+}
+
+std::string patched(const Segment& s, const PinVerdict& v) {
+  std::string out(reinterpret_cast<const char*>(s.payload.data()), s.payload.size());
+  out.replace(v.patch_at, v.patch.size(), std::string(v.patch.begin(), v.patch.end()));
+  return out;
+}
+
+TEST_CASE("a TLS flow stays followed until its server answers: a resent hello goes with the bytes judged") {
+  Judge j;
+  PinFlows f(j);
+  const pintest::Buf h = pintest::load_hellos(sandbox_root()).at("sni_allowed");
+  const std::string hello(h.begin(), h.end());
+  const std::uint32_t server_next = 777;  // the client's ACK before the server has sent anything
+  Segment first = seg(1000, hello);
+  first.dport = 443;
+  first.ack_flag = true;
+  first.ack = server_next;
+  // Admitted, but followed (its own ct mark): no fast path yet.
+  const auto v = f.packet(1, first, t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::follow);
+  CHECK(v[0].patch.empty());
+  CHECK(f.tls_followed() == 1);
+  CHECK(f.kept_bytes() == hello.size());
+  // The hello was lost on the way; the socket sends it again from pages that now name
+  // same-ip.test. It leaves with the judged bytes.
+  std::string rewritten = hello;
+  rewritten.replace(rewritten.find("allowed.test"), 12, "same-ip.test");
+  const Segment again = followed_seg(1000, rewritten, server_next);
+  auto r = f.packet(2, again, t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::pass);
+  CHECK(patched(again, r[0]) == hello);
+  // Part of it, from the middle, coalesced with a byte after it: that part patched, the byte as is.
+  const std::string tail = rewritten.substr(100) + "X";
+  const Segment part = followed_seg(1100, tail, server_next);
+  r = f.packet(3, part, t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::pass);
+  CHECK(patched(part, r[0]) == hello.substr(100) + "X");
+  // Bytes after the hello, before the server answered: not judged, nothing to patch; still followed.
+  const Segment after = followed_seg(1000 + static_cast<std::uint32_t>(hello.size()), "abc", server_next);
+  r = f.packet(4, after, t0);
+  CHECK((r.size() == 1 && r[0].kind == K::pass && r[0].patch.empty()));
+  CHECK(f.tls_followed() == 1);
+  // A payload-less segment passes (the kernel keeps those; an urgent one reaches the reader).
+  CHECK(f.packet(5, followed_seg(1003 + static_cast<std::uint32_t>(hello.size()), "", server_next), t0)[0].kind ==
+        K::pass);
+  // The server answered (the client acknowledges its bytes): admitted, the fast path from here on.
+  r = f.packet(6, followed_seg(1003 + static_cast<std::uint32_t>(hello.size()), "finished", server_next + 90), t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::admit);
+  CHECK(f.tls_followed() == 0);
+  CHECK(f.kept_bytes() == 0);
+  CHECK(f.stats().admitted == 1);
+}
+
+TEST_CASE("a followed TLS flow refuses what the server may not read as the reader did") {
+  Judge j;
+  PinFlows f(j);
+  const pintest::Buf h = pintest::load_hellos(sandbox_root()).at("sni_allowed");
+  const std::string hello(h.begin(), h.end());
+  auto admit = [&](std::uint16_t sport) {
+    Segment s = seg(1000, hello, sport);
+    s.dport = 443;
+    s.ack_flag = true;
+    s.ack = 5;
+    REQUIRE(f.packet(sport, s, t0)[0].kind == K::follow);
+  };
+  admit(40001);
+  Segment raw = followed_seg(1000, hello, 5);
+  raw.sport = 40001;
+  raw.from_socket = false;  // a raw socket's copy of the hello: the reader cannot know the server takes it
+  CHECK(f.packet(10, raw, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "tcp segment written by a raw socket, not by the connection's socket");
+  CHECK(f.tls_followed() == 0);
+  admit(40002);
+  Segment urg = followed_seg(1000 + static_cast<std::uint32_t>(hello.size()), "", 5);
+  urg.sport = 40002;
+  urg.urg = true;
+  CHECK(f.packet(11, urg, t0)[0].kind == K::reset);
+  // A new connection on the four-tuple (another conntrack id) is not the followed one.
+  admit(40003);
+  Segment other = followed_seg(1000, hello, 5);
+  other.sport = 40003;
+  other.ct_id = 99;
+  CHECK(f.packet(12, other, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("connection followed before egressd restarted"));
+}
+
+TEST_CASE("followed TLS flows are bounded in number; a forgotten one's bytes are refused") {
+  Judge j;
+  PinFlows f(j);
+  const pintest::Buf h = pintest::load_hellos(sandbox_root()).at("sni_allowed");
+  const std::string hello(h.begin(), h.end());
+  for (std::uint32_t i = 0; i <= kMaxTlsFollowed; ++i) {
+    Segment s = seg(1000, hello, static_cast<std::uint16_t>(20000 + i));
+    s.dport = 443;
+    REQUIRE(f.packet(i, s, t0)[0].kind == K::follow);
+  }
+  CHECK(f.tls_followed() == kMaxTlsFollowed);
+  CHECK(f.kept_bytes() == kMaxTlsFollowed * hello.size());
+  Segment oldest = followed_seg(1000, hello, 0);
+  oldest.sport = 20000;
+  CHECK(f.packet(9999, oldest, t0)[0].kind == K::reset);
+}
+
+TEST_CASE("a followed HTTP connection's resent bytes go with the framing the reader read, bodies as they are") {
+  Judge j;
+  PinFlows f(j);
+  const std::string head = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 5\r\n\r\n";
+  const std::string body = "HELLO";
+  REQUIRE(f.packet(1, seg(1000, head + body), t0)[0].kind == K::follow);
+  const std::uint32_t next = 1000 + static_cast<std::uint32_t>(head.size() + body.size());
+  auto later = [&](std::uint32_t seq, const std::string& bytes) { return followed_seg(seq, bytes, 1, 80); };
+  // The first write resent from pages that now say other things: the head as read, the body as sent.
+  std::string rewritten = head + "WORLD";
+  rewritten.replace(rewritten.find("allowed.test"), 12, "same-ip.test");
+  rewritten.replace(rewritten.find("Content-Length: 5"), 17, "Content-Length: 0");
+  const Segment again = later(1000, rewritten);
+  auto r = f.packet(2, again, t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::pass);
+  CHECK(patched(again, r[0]) == head + "WORLD");
+  // A resent body byte alone: nothing to patch.
+  r = f.packet(3, later(next - 2, "XY"), t0);
+  CHECK((r.size() == 1 && r[0].kind == K::pass && r[0].patch.empty()));
+  // A retransmission that runs on into new bytes: the old part patched, the new read.
+  const std::string second = "GET /b HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  const std::string mixed = std::string("LO") + second;
+  r = f.packet(4, later(next - 2, mixed), t0);
+  CHECK((r.size() == 1 && r[0].kind == K::pass && r[0].patch.empty()));
+  std::string second_rewritten = second;
+  second_rewritten.replace(second_rewritten.find("allowed.test"), 12, "same-ip.test");
+  const Segment again2 = later(next, second_rewritten);
+  r = f.packet(5, again2, t0);
+  REQUIRE(r.size() == 1);
+  CHECK(patched(again2, r[0]) == second);
+  CHECK(f.kept_bytes() == head.size() + second.size());
+}
+
+TEST_CASE("a followed HTTP connection keeps 16 KiB of framing; a retransmission of older framing is refused") {
+  Judge j;
+  PinFlows f(j);
+  const std::string first = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  REQUIRE(f.packet(1, seg(1000, first), t0)[0].kind == K::follow);
+  std::uint32_t next = 1000 + static_cast<std::uint32_t>(first.size());
+  const std::string pad(1000, 'a');
+  const std::string head = "GET / HTTP/1.1\r\nHost: allowed.test\r\nX-Pad: " + pad + "\r\n\r\n";
+  for (int i = 0; i < 20; ++i) {
+    REQUIRE(f.packet(2 + i, followed_seg(next, head, 1, 80), t0)[0].kind == K::pass);
+    next += static_cast<std::uint32_t>(head.size());
+  }
+  CHECK(f.kept_bytes() == kMaxKeptPerFlow);
+  // The last head, resent: patched.
+  CHECK(!f.packet(30, followed_seg(next - static_cast<std::uint32_t>(head.size()), head, 1, 80), t0)[0].patch.empty());
+  // The first, resent: its bytes are no longer kept, so it could carry anything: refused.
+  const auto r = f.packet(31, followed_seg(1000, first, 1, 80), t0);
+  CHECK(r[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("a retransmission of judged bytes the reader no longer keeps"));
+  CHECK(f.http_followed() == 0);
+  CHECK(f.kept_bytes() == 0);
+}
+
 TEST_CASE("a followed connection the reader does not know is refused, never let through unread") {
   Judge j;
   PinFlows f(j);
@@ -795,7 +973,7 @@ TEST_CASE("a followed connection the reader does not know is refused, never let 
   Segment s = seg(5000, ok);
   s.followed = true;  // the kernel says followed: egressd restarted since
   CHECK(f.packet(1, s, t0)[0].kind == K::reset);
-  CHECK(j.reasons.back().starts_with("http connection followed before egressd restarted"));
+  CHECK(j.reasons.back().starts_with("connection followed before egressd restarted"));
   const std::string none;
   Segment fin = seg(7000, none, 40001);
   fin.followed = true;
@@ -826,6 +1004,7 @@ TEST_CASE("pipelined requests held with the first are judged before any leaves; 
   CHECK(j.reasons.back().starts_with("a later request on the connection: http host same-ip.test"));
   CHECK(f.http_followed() == 0);
   CHECK(f.admitted_remembered() == 0);
+  CHECK(f.kept_bytes() == 0);  // nothing kept for a connection refused
   // A first write larger than what is kept: fine inside its body, refused past it.
   const std::string body(20000, 'b');
   const std::string post = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 20000\r\n\r\n" + body;
