@@ -7,7 +7,10 @@
 // first bytes, asks pin::decide, and answers every held packet at once:
 //   admit: NF_REPEAT with the skb mark nft::pin_admit_mark: the phase chain
 //          gives the flow the phase's ct mark, and every later packet of the
-//          flow never leaves the kernel (the fast path);
+//          flow never leaves the kernel (the fast path). A TLS flow is first
+//          followed (`follow`, as HTTP) with its judged hello kept, until the
+//          server answered: a retransmission of the hello carries the judged
+//          bytes, not the pages the sender may have rewritten;
 //   reset: NF_REPEAT with the skb mark kPinResetMark: chain pin rejects it
 //          with a TCP reset (QUIC: ICMP admin-prohibited), so the client
 //          learns at once;

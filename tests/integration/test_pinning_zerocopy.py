@@ -9,9 +9,8 @@ address learned for another name. Now every packet the reader lets leave goes ba
 bytes it judged (NFQA_PAYLOAD), so the server gets exactly those.
 
 No capability is needed for any of this (the lab's sockets are the test process's; none of the
-calls below needs a privilege). What remains: a judged segment lost on the way is sent again by
-the socket, from its pages, and takes the fast path unread (docs/pinning.md, "What pinning
-cannot stop").
+calls below needs a privilege). A judged segment lost on the way is sent again by the socket,
+from its pages: that retransmission, too, must reach the server as judged (the tests at the end).
 """
 import mmap
 import os
