@@ -27,6 +27,11 @@ decides pass or fail: the test does.
                                         copied, with FORGED; report tries and send errors
   raw-frame DSTMAC DST PORT TOKEN       issue 14 class 5: AF_PACKET frames (plain and with
                                         PACKET_QDISC_BYPASS) carrying UDP to DST:PORT
+  zerocopy-http ADDR PORT SHOWN SENT    hostname pinning's rewrite attack: a request head naming
+                                        SHOWN, sent with MSG_ZEROCOPY from this process's page
+                                        without its last line end; ready once sent; on `go`,
+                                        rewrites the page to name SENT (same length), ends the
+                                        head and reports the server's answer
   tls ADDR PORT SNI                     a TLS handshake presenting SNI (no verification), then
                                         one "ping" and its reply (issue 16: hostname pinning)
   http ADDR PORT HOST                   one HTTP/1.1 GET with that Host, and the reply
@@ -523,7 +528,34 @@ def cmd_http(args):
     out(stream_outcome(run))
 
 
+def cmd_zerocopy_http(args):
+    import mmap
+    addr, port, shown, sent = args[0], int(args[1]), args[2], args[3]
+    assert len(shown) == len(sent), "the rewrite keeps the length"
+    head = f"GET / HTTP/1.1\r\nHost: {shown}\r\nConnection: close\r\n".encode()
+    page = mmap.mmap(-1, 4096)
+    page[:len(head)] = head
+    s = socket.create_connection((addr, port), timeout=3.0)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setsockopt(socket.SOL_SOCKET, 60, 1)  # SO_ZEROCOPY
+    assert s.send(memoryview(page)[:len(head)], 0x4000000) == len(head)  # MSG_ZEROCOPY
+    out({"ready": True})
+    sys.stdin.readline()
+    at = head.index(shown.encode())
+    page[at:at + len(sent)] = sent.encode()
+
+    def run():
+        with s:
+            s.sendall(b"\r\n")
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data
+    out(stream_outcome(run))
+
+
 COMMANDS = {
+    "zerocopy-http": cmd_zerocopy_http,
     "query": cmd_query,
     "resolver-ports": cmd_resolver_ports,
     "bind": cmd_bind,

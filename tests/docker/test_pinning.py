@@ -19,7 +19,8 @@ import pytest
 
 import dockerlab
 import lab as labmod
-from dockerlab import DOCKER_DNS, SERVER_B, V4, host_dns_query
+from dockerlab import DOCKER_DNS, NOBODY, SERVER_B, V4, host_dns_query
+from lab import wait_for
 
 ALLOWED, OTHER = "b.example.com", "wild.example.org"   # one address, two names
 TLS_PORT, HTTP_PORT = 8443, 8081                       # pin_servers.py's
@@ -86,3 +87,25 @@ def test_denied_records_the_presented_and_the_learned_name(sb):
     assert cp.returncode == 0, f"egressctl denied --json exited {cp.returncode}: {cp.stdout}{cp.stderr}"
     records = json.loads(cp.stdout)["records"]
     assert want in [r.get("pin") for r in records if r.get("port") == TLS_PORT and r.get("dst") == SERVER_B], records
+
+
+@pytest.mark.parametrize("user", [NOBODY, None], ids=["uid 65534", "root with Docker's capabilities"])
+def test_a_request_rewritten_in_its_pages_after_the_read_reaches_the_server_as_judged(sb, user):
+    """The task process sends a head naming the allowed name from a page (MSG_ZEROCOPY: no
+    capability needed) without its last line end, waits until egressd holds it, rewrites the
+    page to name the other site on the same address, and ends the head. The server must get
+    the head egressd judged (docs/pinning.md "Bytes the server never takes")."""
+    other = "w" + ALLOWED[1:]   # another name of ALLOWED's length; the server answers with the Host it got
+    def inspected():
+        cp = sb.egressctl("status", "--json")
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        return json.loads(cp.stdout)["pin"]["inspected"]
+    before = inspected()
+    attacker = sb.task.probe_proc("zerocopy-http", SERVER_B, str(HTTP_PORT), ALLOWED, other, user=user)
+    try:
+        wait_for(lambda: inspected() > before, 10.0, "egressd to hold the first segment")
+        attacker.send("go")
+        res = attacker.result(timeout=30.0)
+    finally:
+        attacker.close()
+    assert res["outcome"] == "ok" and res["reply"].endswith(f"host={ALLOWED}"), res
