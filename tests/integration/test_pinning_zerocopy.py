@@ -260,3 +260,37 @@ def test_a_lost_client_hello_sent_again_from_rewritten_pages_reaches_the_server_
     outcome = hello_rewritten(lab, pinned, addr)
     assert lost(lab) == 1, "the server's namespace did not lose the judged segment"
     assert outcome != "handshake completed", "the server took the rewritten hello"
+
+
+def _queue_trips(lab, queue):
+    """Packets the kernel has handed to pinning queue `queue` so far (its id sequence)."""
+    for line in lab.sandbox.read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
+        f = line.split()
+        if f and int(f[0]) == queue:
+            return int(f[7])
+    raise AssertionError(f"queue {queue} is not bound in the sandbox")
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_tls_flow_takes_the_fast_path_once_its_server_answered(lab, pinned, addr):  # noqa: F811
+    """A TLS flow stays followed until its server answers the hello; the client's first bytes
+    after that answer are the last to go through the reader. 100 exchanges after the
+    handshake must add at most that one trip (queue 18), and the flow then carries the phase's
+    ct mark, not the follow mark."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    before = _queue_trips(lab, 18)
+    s = connect(lab, addr, TLS_PORT)
+    sport = s.getsockname()[1]
+    with ctx.wrap_socket(s, server_hostname="allowed.test") as t:
+        for i in range(100):
+            t.sendall(b"ping%d" % i)
+            assert t.recv(100) == b"tls:ping%d" % i
+        trips = _queue_trips(lab, 18) - before
+        flows = [line for line in lab.sandbox.read_proc("/proc/net/nf_conntrack").splitlines()
+                 if f" sport={sport} dport={TLS_PORT} " in line]
+    assert 1 <= trips <= 2, f"{trips} packets of the TLS flow went through the reader after its hello"
+    assert len(flows) == 1, flows
+    mark = int(flows[0].split("mark=")[1].split()[0])
+    assert mark not in (0, 0x7ffffffc), f"the flow's ct mark is {mark:#x}: not the phase's"
