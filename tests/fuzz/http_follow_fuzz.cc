@@ -8,7 +8,10 @@
 //  - the pieces give exactly what the whole stream gives: the same heads (the
 //    same names, in order) and the same refusal, so where segments are cut
 //    never lets a request through unjudged;
-//  - a refusal ends the stream: nothing after it is read.
+//  - a refusal ends the stream: nothing after it is read;
+//  - the framing (what is not body data: the bytes hostname pinning keeps for
+//    retransmissions) is the same bytes however the stream is cut, in order,
+//    within what was fed.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,15 +26,24 @@ namespace {
 struct Result {
   std::vector<std::optional<std::string>> heads;
   std::optional<std::string> invalid;
+  std::vector<bool> framing;  // per input byte, up to a refusal
 };
 
 Result run(Bytes in, std::size_t piece) {
   HttpRequestStream s;
   Result r;
   for (std::size_t off = 0; off < in.size() && !r.invalid; off += piece) {
-    const auto step = s.feed(in.subspan(off, std::min(piece, in.size() - off)));
+    const std::size_t n = std::min(piece, in.size() - off);
+    const auto step = s.feed(in.subspan(off, n));
     r.heads.insert(r.heads.end(), step.heads.begin(), step.heads.end());
     r.invalid = step.invalid;
+    if (r.framing.size() < in.size()) r.framing.resize(in.size());
+    std::size_t last = 0;
+    for (const auto& [from, to] : step.framing) {
+      FUZZ_CHECK(from >= last && from < to && to <= n);
+      last = to;
+      for (std::size_t i = from; i < to; ++i) r.framing[off + i] = true;
+    }
     FUZZ_CHECK(s.held() <= kMaxInspect);
   }
   return r;
@@ -47,6 +59,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const Result cut = run(in, piece);
   FUZZ_CHECK(whole.heads == cut.heads);
   FUZZ_CHECK(whole.invalid == cut.invalid);
+  if (!whole.invalid) FUZZ_CHECK(whole.framing == cut.framing);
   for (const auto& h : whole.heads) {
     if (h) FUZZ_CHECK(normalize_name(*h).has_value() || h->find(':') != std::string::npos);
   }
