@@ -344,6 +344,21 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       if (auto tf = tls_.find(key); tf != tls_.end() && tf->second.ct_id == seg.ct_id) {
         return tls_packet(id, tf, seg, now);
       }
+      // A straggler of a TLS flow admitted a moment ago, queued before its
+      // mark was set: sent back to the hook once; if it comes back, the mark
+      // did not take, and the flow is refused (http_packet: not followed).
+      if (auto hf = http_.find(key); hf == http_.end() || hf->second.ct_id != seg.ct_id) {
+        if (auto d = decided_.find(key);
+            d != decided_.end() && d->second.admitted && d->second.ct_id == seg.ct_id) {
+          const std::uint64_t fp = fingerprint(seg);
+          auto& seen = d->second.rechecked;
+          if (std::find(seen.begin(), seen.end(), fp) == seen.end() && seen.size() < kMaxRechecks) {
+            seen.push_back(fp);
+            return {{id, PinVerdict::Kind::recheck}};
+          }
+          decided_.erase(d);
+        }
+      }
       return http_packet(id, key, seg, now);
     }
     if (seg.syn) return new_connection_on_old_entry(id, key, seg, now);
@@ -514,10 +529,18 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
     return {};
   }
+  if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::tls && parse.early_data) {
+    // After a HelloRetryRequest a server skips the encrypted records of
+    // refused early data, so a client that offered it can send records the
+    // reader must take for the end of the handshake, then a second hello.
+    d.kind = pin::Decision::Kind::reset;
+    d.reason = "tls early data (0-RTT) offered on a pinned flow (" + d.reason +
+               "): a server skips such records after a HelloRetryRequest, so they could hide a second ClientHello";
+  }
   judge_.pin_decided(d, seg.dst, seg.dport);
   if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
   if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::http) return follow_http(it, d.name, now);
-  if (d.kind == pin::Decision::Kind::admit) return follow_tls(it, seg, now);
+  if (d.kind == pin::Decision::Kind::admit) return follow_tls(it, seg, d.name, now);
   return finish(it, false, now);
 }
 
@@ -581,16 +604,35 @@ std::optional<std::string> PinFlows::Kept::patch(const Segment& seg, PinVerdict&
 // ---- TLS: admitted, until the server answers ------------------------------------------------
 
 // A TLS flow admitted on its hello: followed (kPinFollowMark) rather than
-// given the fast path, with its judged bytes kept, until the server answers.
+// given the fast path, its records read and its bytes kept, until its
+// handshake is over (TlsFollowed).
 std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg,
-                                             Clock::time_point now) {
+                                             const std::string& name, Clock::time_point now) {
   const Key key = it->first;
+  Flow& f = it->second;
   TlsFollowed t;
-  t.ct_id = it->second.ct_id;
+  t.name = name;
+  t.dst = f.dst;
+  t.dport = f.dport;
+  t.ct_id = f.ct_id;
   t.ack = seg.ack;
-  const std::vector<std::uint8_t> bytes = stream(it->second);
-  t.end = it->second.base + static_cast<std::uint32_t>(bytes.size());
-  const std::ptrdiff_t grew = t.judged.add(it->second.base, bytes);
+  const std::vector<std::uint8_t> bytes = stream(f);
+  // A second hello may follow the first in the same write (the server reads
+  // it after its HelloRetryRequest): the bytes held are read as records too.
+  const pin::TlsClientStream::Step step = t.records.feed(bytes, false);
+  std::optional<std::string> bad = step.invalid;
+  if (!bad && f.extent > bytes.size()) bad = "tls bytes beyond the first 16384 before the handshake ended";
+  for (std::size_t i = 0; !bad && i < step.hellos.size(); ++i) {
+    const pin::Parse p = pin::parse_client_hello_message(step.hellos[i]);
+    const pin::Decision d = pin::decide(pin::PinProto::tls, p, f.dst, f.dport, judge_.pin_facts());
+    if (d.kind != pin::Decision::Kind::admit) bad = "a second ClientHello on the connection: " + d.reason;
+  }
+  if (bad) {
+    forget_admitted(key);
+    return reset_flow(it, *bad, now);
+  }
+  t.next = f.base + static_cast<std::uint32_t>(bytes.size());
+  const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
   std::vector<PinVerdict> out = finish(it, true, now);
   for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
   forget_tls(key);
@@ -598,8 +640,12 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
   t.lru = tls_lru_.begin();
   tls_.emplace(key, std::move(t));
   tls_kept_ += static_cast<std::size_t>(grew);
-  while (!tls_lru_.empty() && (tls_.size() > kMaxTlsFollowed || tls_kept_ > kMaxKeptBytes)) forget_tls(tls_lru_.back());
+  bound_tls();
   return out;
+}
+
+void PinFlows::bound_tls() {
+  while (!tls_lru_.empty() && (tls_.size() > kMaxTlsFollowed || tls_kept_ > kMaxKeptBytes)) forget_tls(tls_lru_.back());
 }
 
 void PinFlows::forget_tls(const Key& key) {
@@ -611,21 +657,48 @@ void PinFlows::forget_tls(const Key& key) {
 }
 
 // A packet of a followed TLS flow (queue kPinFollowQueueNum): bytes that
-// repeat the judged hello go with the judged bytes; the first packet whose
-// ACK says the server answered is admitted, and the flow takes the fast path.
+// repeat ones read go with those; new ones are read as records, a later
+// hello judged; the packet that ends the handshake is admitted, and the flow
+// takes the fast path.
 std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf,
                                              const Segment& seg, Clock::time_point now) {
   const Key key = tf->first;
   TlsFollowed& t = tf->second;
   tls_lru_.splice(tls_lru_.begin(), tls_lru_, t.lru);
-  if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.end, now);
-  if (seg.urg) return refuse_followed(id, key, seg, kUrgentPinnedReason, t.end, now);
+  if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
+  if (seg.urg) return refuse_followed(id, key, seg, kUrgentPinnedReason, t.next, now);
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
+  // As for the first bytes: bytes the server drops would be sent again.
+  if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
+  const std::int64_t ahead = seq_after(seg.seq, t.next);
+  // Bytes after a gap: the ones before them have not come through here yet.
+  if (ahead > 0) return {{id, PinVerdict::Kind::drop}};
   PinVerdict v{id, PinVerdict::Kind::pass};
-  if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.end, now);
-  if (seg.ack_flag && seq_after(seg.ack, t.ack) > 0) {
+  if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
+  const auto seen = static_cast<std::size_t>(-ahead);
+  if (seen >= seg.payload.size()) return {std::move(v)};
+  const auto fresh = seg.payload.subspan(seen);
+  const bool answered = seg.ack_flag && seq_after(seg.ack, t.ack) > 0;
+  const pin::TlsClientStream::Step step = t.records.feed(fresh, answered);
+  const std::ptrdiff_t grew = t.judged.add(t.next, fresh);
+  tls_kept_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(tls_kept_) + grew);
+  const std::uint32_t server_seq = t.next;
+  t.next += static_cast<std::uint32_t>(fresh.size());
+  if (step.invalid) return refuse_followed(id, key, seg, *step.invalid, server_seq, now);
+  for (const auto& hello : step.hellos) {
+    const pin::Parse p = pin::parse_client_hello_message(hello);
+    const pin::Decision d = pin::decide(pin::PinProto::tls, p, t.dst, t.dport, judge_.pin_facts());
+    if (d.kind != pin::Decision::Kind::admit) {
+      return refuse_followed(id, key, seg, "a second ClientHello on the connection: " + d.reason, server_seq, now);
+    }
+  }
+  if (t.records.done()) {
+    // Stragglers queued before the mark is set are sent back to the hook (packet()).
+    set_decided(key, {true, now, t.ct_id});
     v.kind = PinVerdict::Kind::admit;
     forget_tls(key);
+  } else {
+    bound_tls();
   }
   return {std::move(v)};
 }

@@ -8,9 +8,9 @@
 //   admit: NF_REPEAT with the skb mark nft::pin_admit_mark: the phase chain
 //          gives the flow the phase's ct mark, and every later packet of the
 //          flow never leaves the kernel (the fast path). A TLS flow is first
-//          followed (`follow`, as HTTP) with its judged hello kept, until the
-//          server answered: a retransmission of the hello carries the judged
-//          bytes, not the pages the sender may have rewritten;
+//          followed (`follow`, as HTTP) through its handshake: every later
+//          ClientHello is judged, and a retransmission of bytes read carries
+//          the judged bytes, not the pages the sender may have rewritten;
 //   reset: NF_REPEAT with the skb mark kPinResetMark: chain pin rejects it
 //          with a TCP reset (QUIC: ICMP admin-prohibited), so the client
 //          learns at once;
@@ -45,6 +45,7 @@
 #include "pin/decide.h"
 #include "pin/http_follow.h"
 #include "pin/quic_initial.h"
+#include "pin/tls_follow.h"
 
 namespace egressd::nft {
 class Transport;
@@ -285,24 +286,33 @@ class PinFlows {
     // these), or the reason it is refused.
     std::optional<std::string> patch(const Segment& seg, PinVerdict& v) const;
   };
-  // A TLS flow admitted on its hello, until its server answered: the
-  // client's ACK moved past `ack` (the server had sent nothing more when the
-  // hello was judged; a TLS server speaks once it has the whole hello, and
-  // then no retransmission of it reaches the server's application).
+  // A TLS flow admitted on its hello, until its handshake is over: its
+  // client's records are read (pin::TlsClientStream) and every later
+  // ClientHello judged (a HelloRetryRequest asks for a second one), until an
+  // application data record starts in a segment whose ACK moved past `ack`
+  // (the server had sent nothing more when the hello was judged). By then the
+  // server has every hello whole, and no retransmission of one reaches its
+  // application. The bytes read are kept for retransmissions.
   struct TlsFollowed {
     Kept judged;
+    pin::TlsClientStream records;
+    std::string name;
+    IpPrefix dst;
+    std::uint16_t dport = 0;
     std::uint32_t ack = 0;
     std::uint32_t ct_id = 0;
-    std::uint32_t end = 0;  // sequence number after the judged bytes
+    std::uint32_t next = 0;  // sequence number of the first byte not yet read
     std::list<Key>::iterator lru;
   };
   std::map<Key, TlsFollowed> tls_;
   std::list<Key> tls_lru_;  // most recently active first
   std::size_t tls_kept_ = 0, http_kept_ = 0;
-  std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, const std::string& name,
+                                     Clock::time_point now);
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                      Clock::time_point now);
   void forget_tls(const Key& key);
+  void bound_tls();
   // An HTTP connection admitted for `name`: its later bytes are read as
   // requests (pin::HttpRequestStream), each head's host judged.
   struct HttpFollowed {

@@ -150,11 +150,11 @@ inline constexpr std::uint32_t kQuicOneDatagramMax = 1500;
 // `follow` re-runs the hook with pin_follow_mark, which the phase chain turns
 // into the ct mark. A packet from that queue the reader does not follow (it
 // restarted, or forgot the connection) is refused: the flow is never
-// admitted unread. A TLS flow the reader admits is followed too, until the
-// server has answered its hello (the client's ACK says so): until then a
-// retransmission of the hello, from pages the sender may have rewritten, is
-// sent with the bytes judged. Then the reader's admit mark gives the flow the
-// phase's mark.
+// admitted unread. A TLS flow the reader admits is followed too, through its
+// handshake: every later ClientHello is judged (a HelloRetryRequest asks for
+// one), and a retransmission of bytes read, from pages the sender may have
+// rewritten, is sent with the bytes judged. Then the reader's admit mark gives
+// the flow the phase's mark.
 inline constexpr std::uint32_t kPinFollowMark = 0x7ffffffc;
 static_assert((kInboundMark & kSpecialMarkMask) == kSpecialMarks && (kOwnFlowMark & kSpecialMarkMask) == kSpecialMarks &&
               (kPinCutMark & kSpecialMarkMask) == kSpecialMarks && (kPinFollowMark & kSpecialMarkMask) == kSpecialMarks &&

@@ -76,7 +76,9 @@ Parse client_hello_body(Bytes body) {
       ech = true;
     }
   }
-  return Parse::complete_with(std::move(name), ech);
+  Parse p = Parse::complete_with(std::move(name), ech);
+  p.early_data = seen.test(kExtEarlyData);
+  return p;
 }
 
 // Judges the handshake bytes gathered so far. `limit`: how many handshake

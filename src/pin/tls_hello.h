@@ -11,6 +11,8 @@ namespace egressd::pin {
 
 // encrypted_client_hello (draft-ietf-tls-esni, codepoint 0xfe0d).
 inline constexpr std::uint16_t kExtEch = 0xfe0d;
+// early_data (RFC 8446 §4.2.10).
+inline constexpr std::uint16_t kExtEarlyData = 42;
 
 // `stream`: the first client bytes of a TCP flow, in order. TLS records
 // (possibly several, a hello split across them) carrying a handshake message

@@ -29,6 +29,9 @@ struct Parse {
   // complete (TLS, QUIC): the hello carries encrypted_client_hello; `name` is
   // then the outer (public) name, which is what is judged.
   bool ech = false;
+  // complete (TLS): the hello offers early data (the early_data extension,
+  // TLS 1.3 0-RTT).
+  bool early_data = false;
   // need_more: how many bytes of the flow are held so far.
   std::size_t buffered = 0;
   // invalid: why, in a few words ("h2c preface", "truncated ClientHello").

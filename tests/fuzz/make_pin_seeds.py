@@ -72,3 +72,20 @@ for v2 in (0, 1):
     write("quic_initial", "sealed_two_datagrams_%s" % ("v2" if v2 else "v1"), seed)
 f = crypto(0, hellos["ech_outer"][5:])
 write("quic_initial", "sealed_ech_one_packet", b"\x01\x02" + len(f).to_bytes(2, "big") + f)
+
+# tls_follow_fuzz: a first byte (piece size, answered) and a client's TLS records.
+os.makedirs(os.path.join(here, "corpus", "tls_follow"), exist_ok=True)
+
+
+def record(t, body):
+    return bytes([t, 3, 3]) + len(body).to_bytes(2, "big") + body
+
+
+ch = hellos["sni_allowed"][5:]
+ccs = record(20, b"\x01")
+write("tls_follow", "tls13", b"\x13" + hellos["sni_allowed"] + ccs + record(23, b"x" * 40))
+write("tls_follow", "hrr_ccs_second_hello", b"\x17" + hellos["sni_allowed"] + ccs + record(22, ch) + record(23, b"f" * 30))
+write("tls_follow", "second_hello_in_records", b"\x04" + hellos["sni_allowed"] +
+      b"".join(record(22, ch[i:i + 200]) for i in range(0, len(ch), 200)))
+write("tls_follow", "tls12", b"\x15" + hellos["tls12_sni"] + record(22, b"\x10\x00\x00\x03abc") + ccs +
+      record(22, b"\x01\xff\xff\xff" + b"e" * 36) + record(23, b"GET /"))

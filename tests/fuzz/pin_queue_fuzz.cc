@@ -9,9 +9,13 @@
 //  - no crash, no out-of-bounds read, no UB (ASan/UBSan);
 //  - every queued packet gets exactly one verdict, and only packets that were
 //    queued get one; once the hold time has passed, none is held;
-//  - the counters add up: admitted + reset <= inspected.
+//  - the counters add up: admitted + reset <= inspected;
+//  - a verdict that sends a retransmission with judged bytes (a patch) patches
+//    only its own packet's payload, and apply_patch takes it; the judged
+//    bytes kept stay within their bounds.
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -42,10 +46,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   PinFlows flows(judge);
   auto now = PinFlows::Clock::time_point{} + std::chrono::hours(1);
   std::set<PinPacketId> queued, answered;
+  std::map<PinPacketId, std::vector<std::uint8_t>> packets;  // the queued packets, for their patches
   auto take = [&](const std::vector<PinVerdict>& vs) {
     for (const PinVerdict& v : vs) {
       FUZZ_CHECK(queued.contains(v.packet_id));
       FUZZ_CHECK(answered.insert(v.packet_id).second);
+      if (v.patch.empty()) continue;
+      FUZZ_CHECK(v.kind != PinVerdict::Kind::drop && v.kind != PinVerdict::Kind::reset);
+      std::vector<std::uint8_t> p = packets.at(v.packet_id);
+      FUZZ_CHECK(apply_patch(p, v));
     }
   };
   std::uint32_t next_id = 1;
@@ -71,7 +80,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     // As the reader names packets: the queue (by protocol, as chain pin sends them) and its id.
     const PinPacketId id = pin_packet_id(seg->proto == Segment::kUdp ? 17 : seg->followed ? 18 : 16, next_id++);
     queued.insert(id);
+    packets.emplace(id, std::vector<std::uint8_t>(pkt.begin(), pkt.end()));
     take(flows.packet(id, *seg, now));
+    FUZZ_CHECK(flows.kept_bytes() <= 2 * kMaxKeptBytes);
     const PinStats& st = flows.stats();
     FUZZ_CHECK(st.admitted + st.reset <= st.inspected);
     (void)flows.take_server_resets();

@@ -809,18 +809,43 @@ std::string patched(const Segment& s, const PinVerdict& v) {
   return out;
 }
 
-TEST_CASE("a TLS flow stays followed until its server answers: a resent hello goes with the bytes judged") {
+std::string be16(std::size_t n) { return {static_cast<char>(n >> 8), static_cast<char>(n & 0xff)}; }
+std::string be24(std::size_t n) { return static_cast<char>(n >> 16) + be16(n & 0xffff); }
+
+// A TLS 1.3 ClientHello handshake message naming `sni` (early_data offered when asked).
+std::string client_hello(const std::string& sni, bool early_data = false) {
+  std::string exts;
+  auto ext = [&](std::uint16_t type, const std::string& body) { exts += be16(type) + be16(body.size()) + body; };
+  const std::string host = std::string(1, '\0') + be16(sni.size()) + sni;
+  ext(0, be16(host.size()) + host);
+  ext(43, std::string("\x02\x03\x04", 3));
+  if (early_data) ext(42, "");
+  const std::string body = std::string("\x03\x03", 2) + std::string(32, 'r') + std::string(1, '\0') + be16(2) +
+                           std::string("\x13\x01", 2) + std::string("\x01\x00", 2) + be16(exts.size()) + exts;
+  return "\x01" + be24(body.size()) + body;
+}
+
+std::string record(std::uint8_t type, const std::string& body) {
+  return static_cast<char>(type) + std::string("\x03\x03", 2) + be16(body.size()) + body;
+}
+const std::string kCcs = record(20, "\x01");
+
+// A TLS flow's first write, admitted: its ACK number says the server has sent nothing yet.
+constexpr std::uint32_t kServerNext = 777;
+std::vector<PinVerdict> tls_first(PinFlows& f, PinPacketId id, const std::string& bytes, std::uint16_t sport = 40000) {
+  Segment s = seg(1000, bytes, sport);
+  s.dport = 443;
+  s.ack_flag = true;
+  s.ack = kServerNext;
+  return f.packet(id, s, t0);
+}
+
+TEST_CASE("a TLS flow stays followed until its handshake is over: a resent hello goes with the bytes judged") {
   Judge j;
   PinFlows f(j);
-  const pintest::Buf h = pintest::load_hellos(sandbox_root()).at("sni_allowed");
-  const std::string hello(h.begin(), h.end());
-  const std::uint32_t server_next = 777;  // the client's ACK before the server has sent anything
-  Segment first = seg(1000, hello);
-  first.dport = 443;
-  first.ack_flag = true;
-  first.ack = server_next;
+  const std::string hello = record(22, client_hello("allowed.test"));
   // Admitted, but followed (its own ct mark): no fast path yet.
-  const auto v = f.packet(1, first, t0);
+  const auto v = tls_first(f, 1, hello);
   REQUIRE(v.size() == 1);
   CHECK(v[0].kind == K::follow);
   CHECK(v[0].patch.empty());
@@ -830,33 +855,118 @@ TEST_CASE("a TLS flow stays followed until its server answers: a resent hello go
   // same-ip.test. It leaves with the judged bytes.
   std::string rewritten = hello;
   rewritten.replace(rewritten.find("allowed.test"), 12, "same-ip.test");
-  const Segment again = followed_seg(1000, rewritten, server_next);
+  const Segment again = followed_seg(1000, rewritten, kServerNext);
   auto r = f.packet(2, again, t0);
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::pass);
   CHECK(patched(again, r[0]) == hello);
-  // Part of it, from the middle, coalesced with a byte after it: that part patched, the byte as is.
-  const std::string tail = rewritten.substr(100) + "X";
-  const Segment part = followed_seg(1100, tail, server_next);
+  // Part of it, from the middle, coalesced with the first byte after it: that part patched, the byte as is.
+  const std::string tail = rewritten.substr(20) + kCcs.substr(0, 1);
+  const Segment part = followed_seg(1020, tail, kServerNext);
   r = f.packet(3, part, t0);
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::pass);
-  CHECK(patched(part, r[0]) == hello.substr(100) + "X");
-  // Bytes after the hello, before the server answered: not judged, nothing to patch; still followed.
-  const Segment after = followed_seg(1000 + static_cast<std::uint32_t>(hello.size()), "abc", server_next);
-  r = f.packet(4, after, t0);
+  CHECK(patched(part, r[0]) == hello.substr(20) + kCcs.substr(0, 1));
+  const auto end = 1000 + static_cast<std::uint32_t>(hello.size());
+  // The rest of a change_cipher_spec record, before the server answered: read, still followed.
+  r = f.packet(4, followed_seg(end + 1, kCcs.substr(1), kServerNext), t0);
   CHECK((r.size() == 1 && r[0].kind == K::pass && r[0].patch.empty()));
   CHECK(f.tls_followed() == 1);
   // A payload-less segment passes (the kernel keeps those; an urgent one reaches the reader).
-  CHECK(f.packet(5, followed_seg(1003 + static_cast<std::uint32_t>(hello.size()), "", server_next), t0)[0].kind ==
-        K::pass);
-  // The server answered (the client acknowledges its bytes): admitted, the fast path from here on.
-  r = f.packet(6, followed_seg(1003 + static_cast<std::uint32_t>(hello.size()), "finished", server_next + 90), t0);
+  CHECK(f.packet(5, followed_seg(end + 6, "", kServerNext), t0)[0].kind == K::pass);
+  // Bytes after a gap wait: the stack sends them again once those before came through.
+  CHECK(f.packet(6, followed_seg(end + 7, record(23, "x"), kServerNext + 90), t0)[0].kind == K::drop);
+  // An encrypted record after the server answered (the client acknowledges its bytes): the
+  // handshake is over, admitted, the fast path from here on.
+  r = f.packet(7, followed_seg(end + 6, record(23, "finished"), kServerNext + 90), t0);
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::admit);
   CHECK(f.tls_followed() == 0);
   CHECK(f.kept_bytes() == 0);
   CHECK(f.stats().admitted == 1);
+  // A straggler queued before the mark took is sent back to the hook once; if it comes back,
+  // the mark did not take: refused.
+  const std::string more = record(23, "more");
+  const Segment straggler = followed_seg(end + 6 + 13, more, kServerNext + 90);
+  CHECK(f.packet(8, straggler, t0)[0].kind == K::recheck);
+  CHECK(f.packet(9, straggler, t0)[0].kind == K::reset);
+}
+
+TEST_CASE("a second ClientHello (after a HelloRetryRequest) is judged like the first") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ch1 = record(22, client_hello("allowed.test"));
+  const auto end = 1000 + static_cast<std::uint32_t>(ch1.size());
+  // The server asked for another hello; the client sends a dummy change_cipher_spec and a
+  // hello naming another site on the address: refused.
+  REQUIRE(tls_first(f, 1, ch1)[0].kind == K::follow);
+  auto r = f.packet(2, followed_seg(end, kCcs + record(22, client_hello("same-ip.test")), kServerNext + 99), t0);
+  CHECK(r[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("a second ClientHello on the connection: tls sni same-ip.test to 203.0.113.10:443"));
+  CHECK(f.tls_followed() == 0);
+  // The allowed name again, cut into records of 40 bytes and segments of 50: read whole, let
+  // on; then the encrypted flight ends the handshake.
+  REQUIRE(tls_first(f, 3, ch1, 40001)[0].kind == K::follow);
+  const std::string ch2 = client_hello("allowed.test");
+  std::string records = kCcs;
+  for (std::size_t at = 0; at < ch2.size(); at += 40) records += record(22, ch2.substr(at, 40));
+  std::uint32_t next = end;
+  PinPacketId id = 4;
+  for (std::size_t at = 0; at < records.size(); at += 50) {
+    const std::string piece = records.substr(at, 50);
+    Segment s = followed_seg(next, piece, kServerNext + 99);
+    s.sport = 40001;
+    CHECK(f.packet(id++, s, t0)[0].kind == K::pass);
+    next += static_cast<std::uint32_t>(std::min<std::size_t>(50, records.size() - at));
+  }
+  const std::string finished = record(23, "finished");
+  Segment fin = followed_seg(next, finished, kServerNext + 400);
+  fin.sport = 40001;
+  CHECK(f.packet(id++, fin, t0)[0].kind == K::admit);
+  // A second hello sent with the first, before any answer (the server reads it after its
+  // HelloRetryRequest): judged before the first write leaves.
+  r = tls_first(f, 50, ch1 + kCcs + record(22, client_hello("same-ip.test")), 40002);
+  CHECK(r[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("a second ClientHello on the connection: tls sni same-ip.test"));
+  // The same split: a hello that never completes within 16 KiB is refused.
+  REQUIRE(tls_first(f, 51, ch1, 40003)[0].kind == K::follow);
+  const std::string too_big = record(22, "\x01" + be24(20000) + std::string(16000, 'x'));
+  Segment big = followed_seg(end, too_big, kServerNext + 99);
+  big.sport = 40003;
+  CHECK(f.packet(52, big, t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "tls ClientHello larger than 16384 bytes");
+}
+
+TEST_CASE("a first ClientHello that offers early data is refused on a pinned flow") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(tls_first(f, 1, record(22, client_hello("allowed.test", true)))[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("tls early data (0-RTT) offered on a pinned flow (tls sni allowed.test"));
+  CHECK(f.stats().admitted == 0);
+}
+
+TEST_CASE("TLS 1.2: plaintext handshake messages, then encrypted ones; the first application data ends it") {
+  Judge j;
+  PinFlows f(j);
+  const std::string ch1 = record(22, client_hello("allowed.test"));
+  const std::string cke = record(22, "\x10" + be24(3) + "abc");  // ClientKeyExchange
+  for (const char first : {'\x9a', '\x01'}) {
+    // Its encrypted Finished starts with any byte; with 0x01 it looks like a hello's start,
+    // whose length never comes before the application data.
+    const std::uint16_t sport = first == '\x01' ? 40001 : 40000;
+    const std::string finished = record(22, std::string(1, first) + std::string("\xff\xff\xff", 3) + std::string(36, 'e'));
+    REQUIRE(tls_first(f, sport, ch1, sport)[0].kind == K::follow);
+    std::uint32_t next = 1000 + static_cast<std::uint32_t>(ch1.size());
+    for (const std::string& bytes : {cke + kCcs + finished, record(23, "GET /")}) {
+      Segment s = followed_seg(next, bytes, kServerNext + 1200);
+      s.sport = sport;
+      const auto r = f.packet(sport + next, s, t0);
+      CHECK(r[0].kind == (bytes[0] == 23 ? K::admit : K::pass));
+      next += static_cast<std::uint32_t>(bytes.size());
+    }
+  }
+  CHECK(f.stats().reset == 0);
+  CHECK(f.tls_followed() == 0);
 }
 
 TEST_CASE("a followed TLS flow refuses what the server may not read as the reader did") {
@@ -906,7 +1016,10 @@ TEST_CASE("followed TLS flows are bounded in number; a forgotten one's bytes are
   CHECK(f.kept_bytes() == kMaxTlsFollowed * hello.size());
   Segment oldest = followed_seg(1000, hello, 0);
   oldest.sport = 20000;
-  CHECK(f.packet(9999, oldest, t0)[0].kind == K::reset);
+  // Sent back to the hook once (it could be a straggler of a flow whose mark was just set);
+  // back again, it is refused.
+  CHECK(f.packet(9999, oldest, t0)[0].kind == K::recheck);
+  CHECK(f.packet(10000, oldest, t0)[0].kind == K::reset);
 }
 
 TEST_CASE("a followed HTTP connection's resent bytes go with the framing the reader read, bodies as they are") {
@@ -1018,7 +1131,8 @@ TEST_CASE("pipelined requests held with the first are judged before any leaves; 
   CHECK(f.http_followed() == kMaxHttpFollowed);
   Segment oldest = seg(1 + static_cast<std::uint32_t>(post.size()), ok, 40001);
   oldest.followed = true;
-  CHECK(f.packet(9000, oldest, t0)[0].kind == K::reset);
+  CHECK(f.packet(9000, oldest, t0)[0].kind == K::recheck);  // once: it could be a straggler
+  CHECK(f.packet(9001, oldest, t0)[0].kind == K::reset);
   Segment newest = seg(1 + static_cast<std::uint32_t>(ok.size()), ok, static_cast<std::uint16_t>(41000 + kMaxHttpFollowed - 1));
   newest.followed = true;
   CHECK(f.packet(9001, newest, t0)[0].kind == K::pass);

@@ -1,0 +1,72 @@
+"""Hostname pinning and a TLS 1.3 HelloRetryRequest (docs/pinning.md, "A second ClientHello").
+
+A server that cannot use the client's key shares answers the first ClientHello with a
+HelloRetryRequest and takes a second one, and OpenSSL (the lab's server is Python's ssl) takes
+the server name from the second hello again. The reader used to judge the first hello only,
+so a client whose first hello named allowed.test and offered no key share, and whose second
+named same-ip.test, completed its handshake with same-ip.test (no capability needed; found in
+an attack review). Now every ClientHello of the flow is judged: the flow stays followed until
+an encrypted record starts after the server answered, and a first hello offering early data,
+whose records a server skips after a HelloRetryRequest, is refused.
+
+The client (tls13_hrr_client.py) is a small TLS 1.3 client of its own: Python's ssl cannot
+be made to send a hello without key shares.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import lab as labmod
+from test_pinning import TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
+from test_pinning import pinned  # noqa: F401 (fixture)
+
+CLIENT = str(labmod.HERE / "tls13_hrr_client.py")
+MODES = ["ccs", "noccs", "split", "ahead"]
+
+
+def hrr(lab, addr, first, second, mode, nobody=False) -> dict:
+    argv = [sys.executable, CLIENT, addr, str(TLS_PORT), first, second, mode]
+    if nobody:
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--"] + argv
+    p = lab.spawn(argv, netns=lab.sandbox, stdout=subprocess.PIPE)
+    out, _ = p.communicate(timeout=20)
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def pin_records(d) -> list:
+    reply = d.request({"cmd": "denied"})
+    assert reply.get("ok") is True, reply
+    return [r.get("pin") or "" for r in reply["records"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_the_allowed_name_twice_completes_its_handshake(lab, pinned, addr, mode):  # noqa: F811
+    """The control: the server really asks for a second hello, and the flow, judged twice, passes."""
+    assert hrr(lab, addr, "allowed.test", "allowed.test", mode) == {"step": "done", "answer": "sni=allowed.test"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_second_hello_naming_another_site_is_refused(lab, pinned, addr, mode):  # noqa: F811
+    res = hrr(lab, addr, "allowed.test", "same-ip.test", mode)
+    assert res.get("answer") != "sni=same-ip.test", "the server completed a handshake for same-ip.test"
+    assert "ConnectionResetError" in res.get("error", ""), res
+    host = f"[{addr}]" if ":" in addr else addr
+    want = f"a second ClientHello on the connection: tls sni same-ip.test to {host}:{TLS_PORT}"
+    assert any(r.startswith(want) for r in pin_records(pinned)), pin_records(pinned)
+
+
+def test_a_sandbox_process_without_privileges_cannot_name_another_site_in_its_second_hello(lab, pinned):  # noqa: F811
+    res = hrr(lab, V4, "allowed.test", "same-ip.test", "ccs", nobody=True)
+    assert res.get("answer") != "sni=same-ip.test", "the server completed a handshake for same-ip.test"
+    assert "ConnectionResetError" in res.get("error", ""), res
+
+
+def test_a_first_hello_offering_early_data_is_refused(lab, pinned):  # noqa: F811
+    res = hrr(lab, V4, "allowed.test", "same-ip.test", "early")
+    assert "ConnectionResetError" in res.get("error", ""), res
+    assert any(r.startswith("tls early data (0-RTT) offered on a pinned flow") for r in pin_records(pinned))
