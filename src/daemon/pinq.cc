@@ -389,6 +389,23 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       return {{id, PinVerdict::Kind::admit}};
     }
   }
+  // Bytes of a followed connection queued on the first queue before the
+  // flow's mark took (a straggler of the first write), that continue its
+  // stream exactly: read in their place, as if they had come on the follow
+  // queue. Sent back to the hook instead, they would come back behind later
+  // bytes and be dropped as after a gap (every packet after them too, each
+  // one sent again). Anything else is sent back (below): a new connection
+  // on the same addresses and ports (conntrack may even give it the old
+  // id) comes back, unmarked, and is judged on its own.
+  if (seg.proto == kTcp && !seg.payload.empty() && !flows_.contains(key)) {
+    if (auto tf = tls_.find(key);
+        tf != tls_.end() && tf->second.ct_id == seg.ct_id && seg.seq == tf->second.next) {
+      return tls_packet(id, tf, seg, now);
+    }
+    if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id == seg.ct_id && seg.seq == hf->second.next) {
+      return http_packet(id, key, seg, now);
+    }
+  }
   if (auto d = decided_.find(key); d != decided_.end() && !flows_.contains(key)) {
     if (d->second.admitted) {
       // A straggler queued before its flow's mark was set, or the first
@@ -540,7 +557,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   judge_.pin_decided(d, seg.dst, seg.dport);
   if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
   if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::http) return follow_http(it, d.name, now);
-  if (d.kind == pin::Decision::Kind::admit) return follow_tls(it, seg, d.name, now);
+  if (d.kind == pin::Decision::Kind::admit) return follow_tls(it, seg, now);
   return finish(it, false, now);
 }
 
@@ -601,17 +618,16 @@ std::optional<std::string> PinFlows::Kept::patch(const Segment& seg, PinVerdict&
   return std::nullopt;
 }
 
-// ---- TLS: admitted, until the server answers ------------------------------------------------
+// ---- TLS: admitted, followed through the handshake ------------------------------------------
 
 // A TLS flow admitted on its hello: followed (kPinFollowMark) rather than
 // given the fast path, its records read and its bytes kept, until its
 // handshake is over (TlsFollowed).
 std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg,
-                                             const std::string& name, Clock::time_point now) {
+                                             Clock::time_point now) {
   const Key key = it->first;
   Flow& f = it->second;
   TlsFollowed t;
-  t.name = name;
   t.dst = f.dst;
   t.dport = f.dport;
   t.ct_id = f.ct_id;
@@ -668,6 +684,8 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
   if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
   if (seg.urg) return refuse_followed(id, key, seg, kUrgentPinnedReason, t.next, now);
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
+  // Too large to go back as read: unread, as if lost (its socket sends it again, smaller).
+  if (seg.oversize) return {{id, PinVerdict::Kind::drop}};
   // As for the first bytes: bytes the server drops would be sent again.
   if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
   const std::int64_t ahead = seq_after(seg.seq, t.next);
@@ -816,7 +834,15 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
   if (seen > 0) {
     if (auto bad = h.framing.patch(seg, v)) return refuse_followed(id, key, seg, *bad, h.next, now);
   }
-  if (seen >= seg.payload.size()) return {std::move(v)};
+  // Body bytes are read only to be counted: a packet of nothing else leaves
+  // as it is. One that must leave as read but cannot (too large) is dropped:
+  // its socket sends it again, and the bytes read then are patched in.
+  auto as_read = [&](bool framing) -> std::vector<PinVerdict> {
+    v.as_read = framing || !v.patch.empty();
+    if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
+    return {std::move(v)};
+  };
+  if (seen >= seg.payload.size()) return as_read(false);
   const std::uint32_t server_seq = h.next;
   const pin::HttpRequestStream::Step step = feed_http(h, h.next, seg.payload.subspan(seen));
   h.next = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
@@ -829,7 +855,7 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
     return refuse_followed(id, key, seg, "a later request on the connection: " + d.reason, server_seq, now);
   }
   bound_http();
-  return {std::move(v)};
+  return as_read(!step.framing.empty());
 }
 
 // A followed connection refused as any decided flow is; the server's end is
@@ -1179,12 +1205,14 @@ class Queue : public PinQueue {
     }
     // What goes back with the verdict: the bytes judged, not the queued
     // packet's (judged_packet). Too large for a netlink attribute: dropped.
-    if (!seg->payload.empty()) {
-      if (seg->ip_end > kMaxReinject) {
+    if (!seg->payload.empty() && seg->ip_end > kMaxReinject) {
+      if (queue != nft::kPinFollowQueueNum) {
         ++errors_;
         pending_.push_back({id, PinVerdict::Kind::drop});
         return;
       }
+      seg->oversize = true;  // not held: PinFlows lets it go only if its bytes decide nothing
+    } else if (!seg->payload.empty()) {
       // Full: this packet is dropped unread, as if lost on the way; its
       // socket sends it again. (Never an older one's copy: a held segment
       // dropped after the reader read it would be judged and then sent again
@@ -1247,6 +1275,7 @@ class Queue : public PinQueue {
         judged.clear();
         drop = true;
       }
+      if (!v.as_read) judged.clear();  // bytes read only to be counted: the packet as it is
       if (buf.size() - used < 512 + judged.size()) send();
       nlmsghdr* nlh = put_queue_header(buf.data() + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST,
                                        static_cast<std::uint16_t>(v.packet_id >> 32));

@@ -111,6 +111,11 @@ struct Segment {
   // From queue kPinFollowQueueNum: the flow's ct mark says the reader follows
   // it (an HTTP connection it admitted).
   bool followed = false;
+  // Too large to go back with a verdict (a GSO packet of about 64 KiB: a
+  // netlink attribute holds less). Only a followed connection's reach the
+  // reader; one whose bytes decide nothing (an HTTP body) passes as it is,
+  // any other is dropped and its socket sends it again, smaller.
+  bool oversize = false;
   std::span<const std::uint8_t> payload;
   std::size_t l4 = 0;       // where the TCP or UDP header starts in the packet
   std::size_t ip_end = 0;   // where the packet ends, as its IP header says
@@ -200,6 +205,10 @@ struct PinVerdict {
   // bytes judged, not what the sender's pages hold now (PinFlows::Kept).
   std::size_t patch_at = 0;
   std::vector<std::uint8_t> patch{};
+  // The packet leaves as the reader read it (its bytes decided something):
+  // the verdict carries the reader's copy. False for bytes read only to be
+  // counted (an HTTP body): the packet leaves as it is.
+  bool as_read = true;
 };
 
 class PinFlows {
@@ -296,7 +305,6 @@ class PinFlows {
   struct TlsFollowed {
     Kept judged;
     pin::TlsClientStream records;
-    std::string name;
     IpPrefix dst;
     std::uint16_t dport = 0;
     std::uint32_t ack = 0;
@@ -307,8 +315,7 @@ class PinFlows {
   std::map<Key, TlsFollowed> tls_;
   std::list<Key> tls_lru_;  // most recently active first
   std::size_t tls_kept_ = 0, http_kept_ = 0;
-  std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, const std::string& name,
-                                     Clock::time_point now);
+  std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                      Clock::time_point now);
   void forget_tls(const Key& key);

@@ -413,12 +413,16 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   Segment a = seg(1000, ok);
   a.ct_id = 7;
   REQUIRE(f.packet(1, a, t0)[0].kind == K::follow);
-  // A straggler of the same connection: back to the hook, no new decision.
+  // A straggler of the same connection that continues its stream: read in its place (the
+  // connection is followed), no new decision. One that does not is sent back to the hook.
   const std::string x = "x";
   Segment straggler = seg(1000 + ok.size(), x);
   straggler.ct_id = 7;
-  CHECK(f.packet(2, straggler, t0)[0].kind == K::recheck);
+  CHECK(f.packet(2, straggler, t0)[0].kind == K::pass);
   CHECK(f.stats().inspected == 1);
+  Segment early = seg(1000, ok);
+  early.ct_id = 7;
+  CHECK(f.packet(20, early, t0)[0].kind == K::recheck);
   // The same four-tuple, a new connection, even with the old entry's id (conntrack may
   // reuse it): its handshake ACK is sent back, comes back (the kernel has no mark for it),
   // passes as an undecided flow's; its request is judged, and another Host is reset.
