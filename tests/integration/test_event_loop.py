@@ -19,7 +19,7 @@ second round gave loaded p99 2.1 / 5.3 / 3.2 ms and the one after 1.0 / 1.5 / 3.
 alternating runs, CI twice 2.5 and 5.6 ms, so 2 x max(idle, 1 ms) failed either binary at
 random. What the test is for still fails: the read-retry loop it was written against gave a
 loaded p99 of 14.1 ms with an idle p99 of 4.1 ms (bound 12.3 ms), and any answer waiting like
-a retry pause (hundreds of ms to 2 s) breaks SLOWEST (50 ms, or 15 x the idle p99 on a
+a retry pause (hundreds of ms to 2 s) breaks SLOWEST (100 ms, or 15 x the idle p99 on a
 machine slow enough that idle answers already take milliseconds).
 """
 import os
@@ -34,7 +34,10 @@ FLOOR = 0.008        # s, see the module docstring
 QUERIES = 600        # per kind (idle, loaded), in ROUNDS blocks each
 ROUNDS = 6
 PACE = 0.005        # s between status polls
-SLOWEST = 0.050      # s: no single answer may take this long (the old retry loop slept up to 2 s)
+# s: no single answer may take this long (the old retry loop slept hundreds of ms to 2 s). 50 ms
+# failed once in a CI run beside the ASan compile and the container suites: one loaded answer of
+# 65.8 ms, the loaded p99 1.91 ms below the idle p99 2.39 ms (2026-12-06).
+SLOWEST = 0.100
 SLOWEST_ASAN = 0.100  # s: the same under ASan/UBSan, whose CPU cost is several times (50.6 ms seen on a loaded host)
 NAMES = ("a.example.com", "b.example.com")
 
