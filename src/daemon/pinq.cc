@@ -684,14 +684,28 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
   if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
   if (seg.urg) return refuse_followed(id, key, seg, kUrgentPinnedReason, t.next, now);
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
-  // Too large to go back as read: unread, as if lost (its socket sends it again, smaller).
-  if (seg.oversize) return {{id, PinVerdict::Kind::drop}};
   // As for the first bytes: bytes the server drops would be sent again.
   if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
+  PinVerdict v{id, PinVerdict::Kind::pass};
+  if (t.done_ack) {
+    // The handshake is over: bytes after it are not read (encrypted), and
+    // leave as they are; retransmitted ones go with the bytes read.
+    if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
+    v.as_read = !v.patch.empty();
+    if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
+    // The server spoke after the segment that ended the handshake: it has it.
+    if (seg.ack_flag && seq_after(seg.ack, *t.done_ack) > 0) {
+      set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())
+      v.kind = PinVerdict::Kind::admit;
+      forget_tls(key);
+    }
+    return {std::move(v)};
+  }
+  // Too large to go back as read: unread, as if lost (its socket sends it again, smaller).
+  if (seg.oversize) return {{id, PinVerdict::Kind::drop}};
   const std::int64_t ahead = seq_after(seg.seq, t.next);
   // Bytes after a gap: the ones before them have not come through here yet.
   if (ahead > 0) return {{id, PinVerdict::Kind::drop}};
-  PinVerdict v{id, PinVerdict::Kind::pass};
   if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
   const auto seen = static_cast<std::size_t>(-ahead);
   if (seen >= seg.payload.size()) return {std::move(v)};
@@ -710,14 +724,8 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
       return refuse_followed(id, key, seg, "a second ClientHello on the connection: " + d.reason, server_seq, now);
     }
   }
-  if (t.records.done()) {
-    // Stragglers queued before the mark is set are sent back to the hook (packet()).
-    set_decided(key, {true, now, t.ct_id});
-    v.kind = PinVerdict::Kind::admit;
-    forget_tls(key);
-  } else {
-    bound_tls();
-  }
+  if (t.records.done()) t.done_ack = seg.ack;
+  bound_tls();
   return {std::move(v)};
 }
 

@@ -295,13 +295,18 @@ class PinFlows {
     // these), or the reason it is refused.
     std::optional<std::string> patch(const Segment& seg, PinVerdict& v) const;
   };
-  // A TLS flow admitted on its hello, until its handshake is over: its
-  // client's records are read (pin::TlsClientStream) and every later
-  // ClientHello judged (a HelloRetryRequest asks for a second one), until an
-  // application data record starts in a segment whose ACK moved past `ack`
-  // (the server had sent nothing more when the hello was judged). By then the
-  // server has every hello whole, and no retransmission of one reaches its
-  // application. The bytes read are kept for retransmissions.
+  // A TLS flow admitted on its hello, until its handshake is over and the
+  // server has shown it got the end: its client's records are read
+  // (pin::TlsClientStream) and every later ClientHello judged (a
+  // HelloRetryRequest asks for a second one) until an application data record
+  // starts in a segment whose ACK moved past `ack` (the server had sent
+  // nothing more when the hello was judged): that segment's ACK is `done_ack`.
+  // The bytes read are kept, and a retransmission of them is sent with them,
+  // until a later segment's ACK moves past `done_ack`: the server spoke after
+  // that segment, which a server waiting for a second hello never does
+  // without it. (Read at once, that segment could be lost, or dropped by the
+  // server for an old timestamp a raw ACK sent ahead of it made it expect,
+  // and resent from rewritten pages as the hello it stood in for.)
   struct TlsFollowed {
     Kept judged;
     pin::TlsClientStream records;
@@ -310,6 +315,7 @@ class PinFlows {
     std::uint32_t ack = 0;
     std::uint32_t ct_id = 0;
     std::uint32_t next = 0;  // sequence number of the first byte not yet read
+    std::optional<std::uint32_t> done_ack;
     std::list<Key>::iterator lru;
   };
   std::map<Key, TlsFollowed> tls_;

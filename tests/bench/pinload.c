@@ -6,8 +6,10 @@
  *       One epoll thread. On every port it reads the client's first TLS record (the
  *       ClientHello, whatever its size; if the first byte is not 22 it answers at once) and
  *       answers with 6 bytes (the "first byte", standing in for a ServerHello). On an FBPORT it
- *       then waits for the client to go; on TPUTPORT it counts every later byte and, at the
- *       client's EOF, writes "BYTES USEC\n" (USEC from its answer to the EOF) and closes.
+ *       then waits for the client to go; on TPUTPORT it counts every later byte, answers the
+ *       first of them with 6 bytes more (as a TLS 1.3 server sends its session tickets once
+ *       the client's Finished arrives), and at the client's EOF writes "BYTES USEC\n" (USEC
+ *       from its first answer to the EOF) and closes.
  *       Prints "ready" when all listen.
  *   pinload lat ADDR PORT HELLO N
  *       N times, one after the other: connect, send HELLO (a file), read the first byte;
@@ -121,6 +123,7 @@ static int send_all(int fd, const unsigned char *p, size_t n) {
 struct sconn {
   unsigned char kind;     /* 0 free, 1 first byte, 2 throughput */
   unsigned char answered;
+  unsigned char ticketed; /* throughput: the "session ticket" sent after the client's first bytes */
   unsigned char hdr[5];
   unsigned char have;     /* bytes of hdr */
   uint32_t need;          /* bytes of the first record's body still to read */
@@ -206,6 +209,12 @@ static int serve(int argc, char **argv) {
           }
         }
         s->bytes += (size_t)r - off;
+        /* As a TLS 1.3 server sends its session tickets once the client's Finished arrives:
+         * 6 bytes more, after the client's first bytes past its hello. */
+        if (s->kind == 2 && s->answered && !s->ticketed && s->bytes > 0) {
+          s->ticketed = 1;
+          send_all(fd, (const unsigned char *)kAnswer, sizeof kAnswer);
+        }
       }
     }
   }
@@ -282,7 +291,8 @@ static int tput(char **argv) {
   line[got] = 0;
   close(fd);
   unsigned long long bytes, usec;
-  if (sscanf(line, "%llu %llu", &bytes, &usec) != 2) {
+  /* The server's "session ticket" (6 bytes) comes first. */
+  if (got < 6 || sscanf(line + 6, "%llu %llu", &bytes, &usec) != 2) {
     fprintf(stderr, "no count from the server (%s)\n", r < 0 ? strerrorname_np(errno) : "eof");
     return 1;
   }

@@ -881,8 +881,28 @@ TEST_CASE("a TLS flow stays followed until its handshake is over: a resent hello
   // Bytes after a gap wait: the stack sends them again once those before came through.
   CHECK(f.packet(6, followed_seg(end + 7, record(23, "x"), kServerNext + 90), t0)[0].kind == K::drop);
   // An encrypted record after the server answered (the client acknowledges its bytes): the
-  // handshake is over, admitted, the fast path from here on.
-  r = f.packet(7, followed_seg(end + 6, record(23, "finished"), kServerNext + 90), t0);
+  // handshake is over, but that segment could still be lost or dropped by the server, and
+  // sent again from rewritten pages: still followed, its bytes kept.
+  const std::string fin = record(23, "finished");
+  r = f.packet(7, followed_seg(end + 6, fin, kServerNext + 90), t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::pass);
+  CHECK(r[0].as_read);
+  CHECK(f.tls_followed() == 1);
+  // Sent again as a second hello (the server waiting for one after a HelloRetryRequest): it
+  // leaves as the record read.
+  std::string forged = record(22, std::string(fin.size() - 5, '\x01'));
+  const Segment resent = followed_seg(end + 6, forged, kServerNext + 90);
+  r = f.packet(8, resent, t0);
+  CHECK((r.size() == 1 && r[0].kind == K::pass && patched(resent, r[0]) == fin));
+  // Bytes after it, before the server spoke again: not read, they leave as they are.
+  const std::string more = record(23, "more");
+  r = f.packet(9, followed_seg(end + 6 + static_cast<std::uint32_t>(fin.size()), more, kServerNext + 90), t0);
+  CHECK((r.size() == 1 && r[0].kind == K::pass && !r[0].as_read && r[0].patch.empty()));
+  // The server spoke after that segment (the client acknowledges more of its bytes): admitted,
+  // the fast path from here on.
+  const auto after = end + 6 + static_cast<std::uint32_t>(fin.size() + more.size());
+  r = f.packet(10, followed_seg(after, more, kServerNext + 200), t0);
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::admit);
   CHECK(f.tls_followed() == 0);
@@ -890,10 +910,9 @@ TEST_CASE("a TLS flow stays followed until its handshake is over: a resent hello
   CHECK(f.stats().admitted == 1);
   // A straggler queued before the mark took is sent back to the hook once; if it comes back,
   // the mark did not take: refused.
-  const std::string more = record(23, "more");
-  const Segment straggler = followed_seg(end + 6 + 13, more, kServerNext + 90);
-  CHECK(f.packet(8, straggler, t0)[0].kind == K::recheck);
-  CHECK(f.packet(9, straggler, t0)[0].kind == K::reset);
+  const Segment straggler = followed_seg(after + static_cast<std::uint32_t>(more.size()), more, kServerNext + 200);
+  CHECK(f.packet(11, straggler, t0)[0].kind == K::recheck);
+  CHECK(f.packet(12, straggler, t0)[0].kind == K::reset);
 }
 
 TEST_CASE("a second ClientHello (after a HelloRetryRequest) is judged like the first") {
@@ -926,7 +945,11 @@ TEST_CASE("a second ClientHello (after a HelloRetryRequest) is judged like the f
   const std::string finished = record(23, "finished");
   Segment fin = followed_seg(next, finished, kServerNext + 400);
   fin.sport = 40001;
-  CHECK(f.packet(id++, fin, t0)[0].kind == K::admit);
+  CHECK(f.packet(id++, fin, t0)[0].kind == K::pass);
+  const std::string request = record(23, "GET /");
+  Segment req = followed_seg(next + static_cast<std::uint32_t>(finished.size()), request, kServerNext + 900);
+  req.sport = 40001;
+  CHECK(f.packet(id++, req, t0)[0].kind == K::admit);
   // A second hello sent with the first, before any answer (the server reads it after its
   // HelloRetryRequest): judged before the first write leaves.
   r = tls_first(f, 50, ch1 + kCcs + record(22, client_hello("same-ip.test")), 40002);
@@ -961,12 +984,16 @@ TEST_CASE("TLS 1.2: plaintext handshake messages, then encrypted ones; the first
     const std::string finished = record(22, std::string(1, first) + std::string("\xff\xff\xff", 3) + std::string(36, 'e'));
     REQUIRE(tls_first(f, sport, ch1, sport)[0].kind == K::follow);
     std::uint32_t next = 1000 + static_cast<std::uint32_t>(ch1.size());
-    for (const std::string& bytes : {cke + kCcs + finished, record(23, "GET /")}) {
-      Segment s = followed_seg(next, bytes, kServerNext + 1200);
+    // The server's Finished came before the client's application data; its answer to that
+    // data comes after, and the client's next segment acknowledges it.
+    std::uint32_t ack = kServerNext + 1200;
+    for (const std::string& bytes : {cke + kCcs + finished, record(23, "GET /"), record(23, "GET /2")}) {
+      Segment s = followed_seg(next, bytes, ack);
       s.sport = sport;
       const auto r = f.packet(sport + next, s, t0);
-      CHECK(r[0].kind == (bytes[0] == 23 ? K::admit : K::pass));
+      CHECK(r[0].kind == (ack == kServerNext + 1500 ? K::admit : K::pass));
       next += static_cast<std::uint32_t>(bytes.size());
+      if (bytes[0] == 23) ack = kServerNext + 1500;
     }
   }
   CHECK(f.stats().reset == 0);
