@@ -337,6 +337,14 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
   return h;
 }
 
+bool PinFlows::recheck_once(Decided& d, const Segment& seg) {
+  const std::uint64_t fp = fingerprint(seg);
+  auto& seen = d.rechecked;
+  if (std::find(seen.begin(), seen.end(), fp) != seen.end() || seen.size() >= kMaxRechecks) return false;
+  seen.push_back(fp);
+  return true;
+}
+
 std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
   const Key key{static_cast<std::uint8_t>(seg.dst.family), seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kTcp) {
@@ -350,12 +358,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       if (auto hf = http_.find(key); hf == http_.end() || hf->second.ct_id != seg.ct_id) {
         if (auto d = decided_.find(key);
             d != decided_.end() && d->second.admitted && d->second.ct_id == seg.ct_id) {
-          const std::uint64_t fp = fingerprint(seg);
-          auto& seen = d->second.rechecked;
-          if (std::find(seen.begin(), seen.end(), fp) == seen.end() && seen.size() < kMaxRechecks) {
-            seen.push_back(fp);
-            return {{id, PinVerdict::Kind::recheck}};
-          }
+          if (recheck_once(d->second, seg)) return {{id, PinVerdict::Kind::recheck}};
           decided_.erase(d);
         }
       }
@@ -415,12 +418,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       // the hook, where a straggler finds its flow's mark and takes the fast
       // path; a packet that comes back has no mark, so it starts a flow of
       // its own and is judged on its own bytes.
-      const std::uint64_t fp = fingerprint(seg);
-      auto& seen = d->second.rechecked;
-      if (std::find(seen.begin(), seen.end(), fp) == seen.end() && seen.size() < kMaxRechecks) {
-        seen.push_back(fp);
-        return {{id, PinVerdict::Kind::recheck}};
-      }
+      if (recheck_once(d->second, seg)) return {{id, PinVerdict::Kind::recheck}};
       decided_.erase(d);
     } else if (seg.proto == kUdp ||
                (d->second.ct_id == seg.ct_id && !(seg.payload.empty() && !seg.rst && !seg.fin))) {
