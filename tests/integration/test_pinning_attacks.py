@@ -594,13 +594,18 @@ def _http_from_port(lab, addr, sport, steps):
     return outcome(run)
 
 
-def _queue_trips(lab, queue):
-    """Packets the kernel has handed to pinning queue `queue` so far (its id sequence)."""
+def _queue(lab, queue):
+    """(packets waiting, packets handed over so far) of pinning queue `queue` in the sandbox."""
     for line in lab.sandbox.read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
         f = line.split()
         if f and int(f[0]) == queue:
-            return int(f[7])
+            return int(f[2]), int(f[7])
     raise AssertionError(f"queue {queue} is not bound in the sandbox")
+
+
+def _queue_trips(lab, queue):
+    """Packets the kernel has handed to pinning queue `queue` so far (its id sequence)."""
+    return _queue(lab, queue)[1]
 
 
 @pytest.mark.parametrize("addr", [V4, V6])

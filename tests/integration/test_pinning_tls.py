@@ -100,9 +100,7 @@ priv = t.X25519PrivateKey.generate()
 pub = priv.public_key().public_bytes(t.serialization.Encoding.Raw, t.serialization.PublicFormat.Raw)
 ch2 = t.client_hello("same-ip.test", sid, pub)
 s.sendall(t.rec(22, ch1))
-typ, hrr, _ = c.record()
-while typ == 20:
-    typ, hrr, _ = c.record()
+typ, hrr, _ = c.handshake()
 assert typ == 22 and hrr[6:38] == t.HRR_RANDOM, "no HelloRetryRequest"
 sp = s.getsockname()[1]
 # The client's ACK of every byte the server sent, off the tap (a condition, with a deadline).
@@ -157,9 +155,7 @@ sys.stdin.readline()
 os.pwrite(fd, real, 0)
 out = {"step": "sent"}
 try:
-    typ, sh, _ = c.record()
-    while typ == 20:
-        typ, sh, _ = c.record()
+    typ, sh, _ = c.handshake()
     out = {"step": "answer", "type": typ, "data": sh[:8].hex()}
     if typ == 22 and sh[0] == 2:
         out = {"step": "server hello", "answer": "the server took the second hello"}
@@ -169,17 +165,9 @@ print(__import__("json").dumps(out))
 '''
 
 
-def _queue(lab, number):
-    """(packets waiting, packets handed over so far) of nfnetlink queue `number` in the sandbox."""
-    for line in lab.sandbox.read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
-        f = line.split()
-        if f and int(f[0]) == number:
-            return int(f[2]), int(f[7])
-    raise AssertionError(f"queue {number} is not bound in the sandbox")
-
-
 def test_the_segment_that_ends_the_handshake_cannot_be_lost_and_resent_as_a_second_hello(lab, pinned):  # noqa: F811
     from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    from test_pinning_attacks import _queue
     before = _queue(lab, 18)[1]
     p = attacker(lab, PAWS_ATTACKER, V4, TLS_PORT, labmod.HERE, caps=DOCKER_CAPS)
     line = labmod._read_line(p, 15.0, "the attacker's fake record")

@@ -262,20 +262,12 @@ def test_a_lost_client_hello_sent_again_from_rewritten_pages_reaches_the_server_
     assert outcome != "handshake completed", "the server took the rewritten hello"
 
 
-def _queue_trips(lab, queue):
-    """Packets the kernel has handed to pinning queue `queue` so far (its id sequence)."""
-    for line in lab.sandbox.read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
-        f = line.split()
-        if f and int(f[0]) == queue:
-            return int(f[7])
-    raise AssertionError(f"queue {queue} is not bound in the sandbox")
-
-
 @pytest.mark.parametrize("addr", [V4, V6])
 def test_a_tls_flow_takes_the_fast_path_once_its_server_answered(lab, pinned, addr):  # noqa: F811
     """A TLS flow stays followed through its handshake, until the server has spoken after the
     record that ended it. 100 exchanges after the handshake must add at most those few trips
     (queue 18), and the flow then carries the phase's ct mark, not the follow mark."""
+    from test_pinning_attacks import _queue_trips
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE

@@ -72,6 +72,26 @@ class Conn:
         r, self.buf = self.buf[:5 + n], self.buf[5 + n:]
         return r[0], r[5:], r[:5]
 
+    def handshake(self):
+        """The next record that is not a change_cipher_spec: (type, body, header)."""
+        t, body, hdr = self.record()
+        while t == 20:
+            t, body, hdr = self.record()
+        return t, body, hdr
+
+
+def hello_extensions(msg):
+    """{type: data} of a ServerHello (or HelloRetryRequest) handshake message."""
+    body = msg[4:]
+    p = 2 + 32
+    p += 1 + body[p] + 3
+    exts, out = body[p + 2:], {}
+    while exts:
+        et, el = struct.unpack("!HH", exts[:4])
+        out[et] = exts[4:4 + el]
+        exts = exts[4 + el:]
+    return out
+
 
 class Keys:
     def __init__(self, secret):
@@ -107,23 +127,10 @@ def main(addr, port, sni1, sni2, mode="ccs"):
         s.sendall(rec(22, ch1) + rec(20, b"\x01") + rec(22, ch2))
     else:
         s.sendall(rec(22, ch1))
-    t, hrr, _ = c.record()
-    while t == 20:
-        t, hrr, _ = c.record()
+    t, hrr, _ = c.handshake()
     if t != 22 or hrr[0] != 2 or hrr[6:38] != HRR_RANDOM:
         return {"step": "hrr", "type": t, "data": hrr[:60].hex()}
-    # cookie?
-    body = hrr[4:]
-    p = 2 + 32
-    p += 1 + body[p]
-    p += 3
-    exts = body[p + 2:]
-    cookie = None
-    while exts:
-        et, el = struct.unpack("!HH", exts[:4])
-        if et == 44:
-            cookie = exts[4:4 + el]
-        exts = exts[4 + el:]
+    cookie = hello_extensions(hrr).get(44)
     if cookie is not None:
         if mode == "ahead":
             return {"step": "hrr", "error": "the server asked for a cookie"}
@@ -135,23 +142,11 @@ def main(addr, port, sni1, sni2, mode="ccs"):
     elif mode == "split":
         s.sendall(b"".join(rec(22, ch2[i:i + 40]) for i in range(0, len(ch2), 40)))
     transcript = b"\xfe\x00\x00\x20" + hashlib.sha256(ch1).digest() + hrr + ch2
-    t, sh, _ = c.record()
-    while t == 20:
-        t, sh, _ = c.record()
+    t, sh, _ = c.handshake()
     if t != 22 or sh[0] != 2:
         return {"step": "sh", "type": t, "data": sh[:60].hex()}
     transcript += sh
-    body = sh[4:]
-    p = 2 + 32
-    p += 1 + body[p]
-    p += 3
-    exts = body[p + 2:]
-    spub = None
-    while exts:
-        et, el = struct.unpack("!HH", exts[:4])
-        if et == 51:
-            spub = exts[4 + 4:4 + el]
-        exts = exts[4 + el:]
+    spub = hello_extensions(sh)[51][4:]  # key_share: group (2), length (2), key
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
     shared = priv.exchange(X25519PublicKey.from_public_bytes(spub))
     early = hkdf_extract(b"\0" * 32, b"\0" * 32)
