@@ -109,3 +109,33 @@ def test_a_request_rewritten_in_its_pages_after_the_read_reaches_the_server_as_j
     finally:
         attacker.close()
     assert res["outcome"] == "ok" and res["reply"].endswith(f"host={ALLOWED}"), res
+
+
+HRR_CLIENT = labmod.HERE / "tls13_hrr_client.py"   # tests/integration's TLS 1.3 client of its own
+
+
+def hrr(sb, first: str, second: str, mode: str, user: str | None) -> dict:
+    """tls13_hrr_client.py run by the task container's python3, its program read from stdin
+    (the container mounts tests/docker only): a first ClientHello naming FIRST with no key
+    share, so the server asks for a second one, which names SECOND."""
+    cp = sb.task.exec("python3", "-", SERVER_B, str(TLS_PORT), first, second, mode, user=user,
+                      input=HRR_CLIENT.read_text(), timeout=30.0)
+    try:
+        return json.loads(cp.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise AssertionError(f"tls13_hrr_client.py exited {cp.returncode}: {cp.stdout}{cp.stderr}") from None
+
+
+@pytest.mark.parametrize("user", [NOBODY, None], ids=["uid 65534", "root with Docker's capabilities"])
+def test_a_second_hello_after_a_retry_request_cannot_name_another_site(sb, user):
+    """docs/pinning.md "A second ClientHello", from a real task container: the first hello
+    names the allowed name and offers no key share, the server answers with a
+    HelloRetryRequest, and the second hello names the other site on the same address.
+    OpenSSL takes the name from the second hello, so it must never reach the server. The
+    control, the allowed name in both hellos, shows the server really asks again and the
+    flow, judged twice, passes."""
+    assert hrr(sb, ALLOWED, ALLOWED, "ccs", user) == {"step": "done", "answer": f"sni={ALLOWED}"}
+    for mode in ("ccs", "noccs"):
+        res = hrr(sb, ALLOWED, OTHER, mode, user)
+        assert res.get("answer") != f"sni={OTHER}", f"{mode}: the server completed a handshake for {OTHER}"
+        assert "ConnectionResetError" in res.get("error", ""), f"{mode}: {res}"
