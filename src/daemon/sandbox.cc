@@ -552,8 +552,7 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
   // earlier) go into its sets in the same transaction: no window where a
   // client's cached address is refused.
   const std::string chain = is_inline ? nft::inline_chain(next.generation) : nft::phase_chain(target.name);
-  for (const auto& [name, addr, ms] : pre.pairs) remember(name, addr, ms);
-  for (auto& op : carried_learned(target, *target_facts, chain)) ch.ops.push_back(std::move(op));
+  for (auto& op : carried_learned(target, *target_facts, chain, pre.pairs)) ch.ops.push_back(std::move(op));
   if (auto s = apply_batch(ch); !s) {
     ++switch_failures_;
     // The file may have been read anew above: the phase in force keeps its pairs as read now.
@@ -561,6 +560,10 @@ Result<json> Sandbox::switch_to(const std::shared_ptr<const Phase>& target_ptr,
     log()->error("switch from={} to={} failed: {}", state_.phase, next.phase, s.error().message);
     return s.error();
   }
+  // Remembered only now, with the new phase in force: a pair remembered
+  // before a refused batch would let learn() skip a sandbox answer carrying
+  // its address as already in the old phase's sets.
+  for (const auto& [name, addr, ms] : pre.pairs) remember(name, addr, ms);
   ++switches_;
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   const std::string from = state_.phase;
@@ -677,7 +680,7 @@ boost::asio::awaitable<Sandbox::Preresolved> Sandbox::preresolve(std::vector<std
     std::size_t remaining;
     bool over = false;
     std::vector<std::string> failed;
-    std::vector<std::tuple<std::string, IpPrefix, std::uint64_t>> pairs;
+    std::vector<Preresolved::Pair> pairs;
     std::set<std::string> pending;
     boost::asio::steady_timer all_done;
   };
@@ -781,8 +784,8 @@ void Sandbox::remember(const std::string& name, const IpPrefix& addr, std::uint6
   (void)learned_.remember(name, addr, std::chrono::milliseconds(timeout_ms));
 }
 
-std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFacts& facts,
-                                              const std::string& chain) const {
+std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain,
+                                              const std::vector<Preresolved::Pair>& preresolved) const {
   std::vector<nft::Op> ops;
   if (target.mode != Mode::allowlist) return ops;
   const dns::NameMatcher& m = *facts.matcher;
@@ -817,6 +820,9 @@ std::vector<nft::Op> Sandbox::carried_learned(const Phase& target, const PhaseFa
       add(a.addr, static_cast<std::uint64_t>(std::max<long long>(left, 1000)), name);
     }
   }
+  // The switch's pre-resolved pairs (exact hostnames of the target, guard
+  // already applied), not remembered until the batch is in.
+  for (const auto& [name, addr, ms] : preresolved) add(addr, ms, name);
   // Hosts-file pairs the target allows: refreshed while they stay in the file.
   const auto hosts_ms = static_cast<std::uint64_t>(std::chrono::milliseconds(kHostsTimeout).count());
   for (const auto& [name, addrs] : hosts_allowed(facts, target.mode)) {

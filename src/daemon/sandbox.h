@@ -382,14 +382,15 @@ class Sandbox : public dns::PolicyHooks {
   // What a switch's pre-resolution found: the names that got no address
   // (sorted), and the (name, address, timeout ms) pairs of the others.
   struct Preresolved {
+    using Pair = std::tuple<std::string, IpPrefix, std::uint64_t>;
     std::vector<std::string> unresolved;
-    std::vector<std::tuple<std::string, IpPrefix, std::uint64_t>> pairs;
+    std::vector<Pair> pairs;
   };
-  // `pre.pairs` are remembered here, just before the switch's batch: had the
-  // pre-resolution remembered them while the old phase was still in force,
-  // a sandbox answer for a name both phases allow, carrying such an address,
-  // would have been taken as already in the old phase's sets (learn's skip)
-  // and released with the address missing there.
+  // `pre.pairs` go into the switch's batch and are remembered only once the
+  // kernel took it: remembered while the old phase is still in force (before
+  // the batch, or after a refused one), a sandbox answer for a name both
+  // phases allow, carrying such an address, would be taken as already in the
+  // old phase's sets (learn's skip) and released with the address missing.
   Result<nlohmann::json> switch_to(const std::shared_ptr<const Phase>& target,
                                    std::shared_ptr<const PhaseFacts> target_facts, bool is_inline,
                                    Preresolved pre);
@@ -427,8 +428,10 @@ class Sandbox : public dns::PolicyHooks {
   // elements' comments. Errors are logged, not fatal.
   void restore_learned();
   // Elements for `target`'s learned sets: every remembered address whose name
-  // `target` allows, with its remaining lifetime.
-  std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain) const;
+  // `target` allows, with its remaining lifetime, and a switch's pre-resolved
+  // pairs (not remembered yet).
+  std::vector<nft::Op> carried_learned(const Phase& target, const PhaseFacts& facts, const std::string& chain,
+                                       const std::vector<Preresolved::Pair>& preresolved = {}) const;
   std::uint64_t learn_timeout_ms(std::uint32_t ttl) const;
   // Logs the rebinding_guard audit event: `addr` for `name` not learned
   // because of `g` (the name matched an exact entry, or only a wildcard).

@@ -580,6 +580,41 @@ TEST_CASE("apply pre-resolves exact hostnames into the new phase in the same bat
   CHECK(saw_resolved);
 }
 
+TEST_CASE("a switch the kernel refused leaves no pre-resolved address behind as already inserted") {
+  // verifier allows pypi.org too; its pre-resolution finds an address the phase in force
+  // (agent) has not learned. The kernel refuses the switch: agent stays in force without
+  // that element, so the sandbox's own answer for it must still be committed before it is
+  // released, not skipped as already in the sets.
+  Fixture f(dns_policy());
+  FakeProxy proxy;
+  proxy.answers["pypi.org"] = {"198.51.100.20"};
+  f.sb->attach_proxy(&proxy);
+  REQUIRE(f.sb->start("agent").ok());
+  f.kernel->fail_next = Error::runtime("add rule ph_verifier: No buffer space available");
+  std::optional<json> reply;
+  f.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}}, [&](json r) { reply = r; });
+  REQUIRE(reply.has_value());
+  REQUIRE((*reply)["ok"] == false);
+  CHECK(f.sb->status()["phase"] == "agent");
+  const std::size_t before = f.kernel->applied.size();
+  std::optional<Status> done;
+  f.sb->learn({learned("pypi.org", "198.51.100.20", 5)}, [&](Status s) { done = s; });  // FakeProxy's TTL
+  REQUIRE(done.has_value());
+  CHECK(done->ok());
+  REQUIRE(f.kernel->applied.size() == before + 1);
+  const auto* v4 = elems_for(f.kernel->applied.back(), "ph_agent_d4");
+  REQUIRE(v4 != nullptr);
+  REQUIRE(v4->elems.size() == 1);
+  CHECK(v4->elems[0].from.to_string() == "198.51.100.20");
+  // A switch that succeeds carries the pair as before.
+  reply.reset();
+  f.sb->handle({{"cmd", "apply"}, {"phase", "verifier"}}, [&](json r) { reply = r; });
+  REQUIRE(reply.has_value());
+  REQUIRE((*reply)["ok"] == true);
+  REQUIRE(elems_for(f.kernel->applied.back(), "ph_verifier_d4") != nullptr);
+  CHECK(elems_for(f.kernel->applied.back(), "ph_verifier_d4")->elems[0].from.to_string() == "198.51.100.20");
+}
+
 TEST_CASE("learned addresses expire by the sandbox's clock; denied records carry its wall time") {
   using namespace std::chrono_literals;
   testing::ManualClock clock;
