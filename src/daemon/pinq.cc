@@ -248,6 +248,8 @@ void pop_oldest(Order& order, Map& map) {
 }
 
 constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
+constexpr const char* kQuicForgottenReason =
+    "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
@@ -387,10 +389,14 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     // repeat the judged hello, or be another connection's, judged afresh.
     if (auto fo = followed_.find(key); fo != followed_.end()) return quic_follow(id, fo, seg, now);
     // Its assembler forgotten: what holds no Initial starts no connection.
-    if (admitted_.contains(key) &&
-        !pin::quic_datagram_has_initial(pin::Bytes(seg.payload.data(), seg.payload.size()))) {
-      return {{id, PinVerdict::Kind::admit}};
-    }
+    const bool initial = pin::quic_datagram_has_initial(pin::Bytes(seg.payload.data(), seg.payload.size()));
+    if (admitted_.contains(key) && !initial) return {{id, PinVerdict::Kind::admit}};
+    // A flow the kernel already passed (its ct mark is set: admitted here
+    // earlier, or by an earlier phase) whose assembler is gone (bounded in
+    // number and time, or a restart): an Initial on it cannot be judged
+    // afresh, since the server may hold part of the connection's stream
+    // (a first hello that asked for a second) and take only what extends it.
+    if (initial && seg.passed && !flows_.contains(key)) return refuse_decided(id, key, seg, kQuicForgottenReason, now);
   }
   // Bytes of a followed connection queued on the first queue before the
   // flow's mark took (a straggler of the first write), that continue its
@@ -914,6 +920,13 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
       followed_.erase(fo);
       decided_.erase(key);
       return quic_packet(id, key, seg, now);
+    case pin::QuicFollow::Kind::hello: {
+      // A second ClientHello (after a HelloRetryRequest): the server takes
+      // the name from it, so it must be allowed here as the first was.
+      const pin::Decision d = pin::decide(pin::PinProto::quic, r.hello, seg.dst, seg.dport, judge_.pin_facts());
+      if (d.kind == pin::Decision::Kind::admit) return {{id, PinVerdict::Kind::admit}};
+      return refuse_decided(id, key, seg, "a second ClientHello on the connection: " + d.reason, now);
+    }
     case pin::QuicFollow::Kind::invalid:
       break;
   }
@@ -1246,6 +1259,8 @@ class Queue : public PinQueue {
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
       seg->ct_id = ntohl(mnl_attr_get_u32(tb[NFQA_MARK]));
     }
+    // ... or, for a UDP flow the kernel passed before, kPinUdpPassedMark.
+    seg->passed = queue == nft::kPinUdpQueueNum && seg->ct_id == nft::kPinUdpPassedMark;
     auto v = flows_.packet(id, *seg, PinFlows::Clock::now());
     pending_.insert(pending_.end(), v.begin(), v.end());
   }

@@ -111,6 +111,10 @@ struct Segment {
   // From queue kPinFollowQueueNum: the flow's ct mark says the reader follows
   // it (an HTTP connection it admitted).
   bool followed = false;
+  // UDP: the kernel passed this flow before (its ct mark is set: the reader
+  // admitted it, or an earlier phase passed it). Chain pin then marks the
+  // datagram nft::kPinUdpPassedMark instead of its conntrack id.
+  bool passed = false;
   // Too large to go back with a verdict (a GSO packet of about 64 KiB: a
   // netlink attribute holds less). Only a followed connection's reach the
   // reader; one whose bytes decide nothing (an HTTP body) passes as it is,

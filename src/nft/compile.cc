@@ -146,7 +146,10 @@ Chain pin_chain(const CompileOptions& opts) {
   // can bind the port of a flow admitted a moment ago). No bypass: with no
   // reader the kernel drops it (fail closed). QUIC has a queue of its own,
   // where the kernel splits GSO batches into their datagrams.
-  c.rules.push_back({{MatchL4Proto{kUdp}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
+  c.rules.push_back(
+      {{MatchL4Proto{kUdp}, MatchCtMark{0}, StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
+  c.rules.push_back(
+      {{MatchL4Proto{kUdp}, StmtMetaMarkSet{kPinUdpPassedMark}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
   // A followed HTTP connection (its later requests are judged too).
   c.rules.push_back({{MatchCtMark{kPinFollowMark}, StmtVerdict{VerdictKind::goto_, kPinFollowChain}}, ""});
   c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});

@@ -134,6 +134,13 @@ inline constexpr std::uint16_t kPinQueueNum = 16;
 // on its own (the TCP queue keeps GSO packets whole: it needs their checksum
 // state, and a byte stream has no boundaries to lose).
 inline constexpr std::uint16_t kPinUdpQueueNum = 17;
+// The mark chain pin gives a datagram of a UDP flow whose ct mark is already
+// set (the kernel passed it: the reader admitted it, or an earlier phase did)
+// in place of its conntrack id: an Initial on such a flow is never judged
+// afresh by a reader that no longer holds the flow's assembler (the server
+// may hold part of that connection's stream). A flow whose conntrack id is
+// this value by chance is taken for one (fail closed: its Initials refused).
+inline constexpr std::uint32_t kPinUdpPassedMark = 0x71756963;  // "quic"
 // A UDP 443 packet longer than this may be a GSO batch, whose datagrams after
 // the first the long-header match cannot see: it leaves the fast path of a
 // decided QUIC flow for the reader. A QUIC client sends no datagram longer

@@ -21,6 +21,16 @@ constexpr std::array<std::uint8_t, 20> kSaltV2 = {0x0d, 0xed, 0xe3, 0xde, 0xf7, 
                                                   0x81, 0xbe, 0x6e, 0x26, 0x9d, 0xcb, 0xf9, 0xbd, 0x2e, 0xd9};
 constexpr std::size_t kTag = 16;
 constexpr std::size_t kSample = 16;
+// RFC 9000 §14.1: a server discards a datagram under 1200 bytes that carries
+// a client Initial. egressd refuses it: read here and discarded there, it
+// would move the packet numbers egressd decodes away from the server's.
+constexpr std::size_t kMinInitialDatagram = 1200;
+constexpr const char* kSmallDatagram = "quic Initial in a datagram under 1200 bytes (servers discard it)";
+
+// The length of the handshake message at the start of `b` (4 + its body).
+std::size_t handshake_end(const std::uint8_t* b) {
+  return 4 + (static_cast<std::size_t>(b[1]) << 16 | static_cast<std::size_t>(b[2]) << 8 | b[3]);
+}
 
 // Long header packet types (RFC 9000 §17.2, RFC 9369 §3.2).
 enum class LongType { initial, zero_rtt, handshake, retry };
@@ -182,6 +192,8 @@ Parse QuicInitialAssembler::feed(Bytes datagram) {
         return finish(Parse::invalid("quic Initial with a Destination Connection ID under 8 bytes"));
       }
       version_ = lp.version;
+      dcid_len_ = std::min(lp.dcid.size(), dcid_.size());  // read_long_packet caps it at 20
+      std::copy_n(lp.dcid.begin(), dcid_len_, dcid_.begin());
       // The keys of every client Initial come from the first one's DCID
       // (RFC 9001 §5.2), even if the client later switches to the server's.
       keys_ = quic_client_initial_keys(lp.version, lp.dcid);
@@ -193,6 +205,7 @@ Parse QuicInitialAssembler::feed(Bytes datagram) {
     if (lp.type == LongType::retry) return finish(Parse::invalid("quic Retry packet from a client"));
     first_in_datagram = false;
     if (lp.type != LongType::initial) continue;  // 0-RTT, Handshake: not ours to open
+    if (datagram.size() < kMinInitialDatagram) return finish(Parse::invalid(kSmallDatagram));
     if (Parse p = open_initial(lp.packet, lp.pn_offset); p.verdict != Verdict::need_more) return finish(p);
   }
   if (Parse p = judge(); p.verdict != Verdict::need_more) return finish(p);
@@ -210,23 +223,57 @@ QuicFollow QuicInitialAssembler::follow(Bytes datagram) {
     const HeaderRead h = read_long_packet(r, datagram, lp, why);
     if (h == HeaderRead::short_header) break;  // nothing in it starts a connection
     // What this connection's Initials cannot be may still be another
-    // connection's first one: judged afresh, with its own reason if bad.
-    if (h == HeaderRead::bad || lp.version != *version_) {
+    // connection's first one: judged afresh, with its own reason if bad. Not
+    // under this connection's own Destination Connection ID, though: the
+    // server takes that as this connection's, whose stream it holds.
+    if (h == HeaderRead::bad) {
       if (first_in_datagram) return {QuicFollow::Kind::other, ""};
-      return {QuicFollow::Kind::invalid, h == HeaderRead::bad ? why : "quic version changed between packets"};
+      return {QuicFollow::Kind::invalid, why};
+    }
+    if (lp.version != *version_) {
+      if (first_in_datagram && !original_dcid(lp.dcid)) return {QuicFollow::Kind::other, ""};
+      return {QuicFollow::Kind::invalid, "quic version changed between packets"};
     }
     if (lp.type == LongType::retry) return {QuicFollow::Kind::invalid, "quic Retry packet from a client"};
     const bool first = first_in_datagram;
     first_in_datagram = false;
     if (lp.type != LongType::initial) continue;
+    if (datagram.size() < kMinInitialDatagram) return {QuicFollow::Kind::invalid, kSmallDatagram};
     following_ = true;
     auth_failed_ = false;
     const Parse p = open_initial(lp.packet, lp.pn_offset);
     following_ = false;
-    if (auth_failed_ && first) return {QuicFollow::Kind::other, ""};
+    // Another connection's keys. With this connection's Destination
+    // Connection ID it is this connection's Initial that egressd cannot open
+    // (its packet numbers read otherwise than the server's): refused.
+    if (auth_failed_ && first && !original_dcid(lp.dcid)) return {QuicFollow::Kind::other, ""};
     if (p.verdict == Verdict::invalid) return {QuicFollow::Kind::invalid, p.reason};
   }
+  // A second ClientHello, after the judged one in the stream: what a client
+  // sends after a HelloRetryRequest. The server takes the name from it, so
+  // it is judged like the first once whole (until then its pieces go on:
+  // the server cannot act on part of a hello). Nothing may follow it.
+  if (!second_end_ && contiguous_ > hello_end_) {
+    const Bytes rest(crypto_.data() + hello_end_, contiguous_ - hello_end_);
+    Parse p = parse_client_hello_message(rest);
+    if (p.verdict == Verdict::need_more) {
+      if (contiguous_ >= kMaxInspect) return {QuicFollow::Kind::invalid, "ClientHello larger than 16384 bytes"};
+      return {QuicFollow::Kind::same, ""};
+    }
+    if (p.verdict == Verdict::invalid) return {QuicFollow::Kind::invalid, "a second ClientHello: " + p.reason};
+    second_end_ = hello_end_ + handshake_end(rest.data());
+    if (pieces_[npieces_ - 1].end > second_end_) {
+      return {QuicFollow::Kind::invalid, "quic CRYPTO data after the second ClientHello"};
+    }
+    QuicFollow f{QuicFollow::Kind::hello, ""};
+    f.hello = std::move(p);
+    return f;
+  }
   return {QuicFollow::Kind::same, ""};
+}
+
+bool QuicInitialAssembler::original_dcid(Bytes dcid) const {
+  return dcid.size() == dcid_len_ && std::equal(dcid.begin(), dcid.end(), dcid_.begin());
 }
 
 // Removes header protection and the AEAD of one Initial (RFC 9001 §5.3, §5.4)
@@ -336,8 +383,9 @@ Parse QuicInitialAssembler::frames(Bytes plaintext) {
 Parse QuicInitialAssembler::add_crypto(std::size_t offset, Bytes data) {
   if (data.empty()) return Parse::more(fed_);
   const std::size_t end = offset + data.size();
-  if (following_) {
-    // After the decision: CRYPTO data may only repeat what was judged.
+  if (following_ && (second_end_ != 0 || end <= hello_end_)) {
+    // After the decision: CRYPTO data may only repeat what was judged, and
+    // add nothing but a second hello (follow()).
     for (std::size_t i = 0; i < npieces_; ++i) {
       if (pieces_[i].begin <= offset && end <= pieces_[i].end) {
         if (std::memcmp(crypto_.data() + offset, data.data(), data.size()) != 0) {
@@ -353,7 +401,8 @@ Parse QuicInitialAssembler::add_crypto(std::size_t offset, Bytes data) {
   for (std::size_t i = 0; i < npieces_; ++i) {
     const std::size_t b = std::max(offset, pieces_[i].begin), e = std::min(end, pieces_[i].end);
     if (b < e && std::memcmp(crypto_.data() + b, data.data() + (b - offset), e - b) != 0) {
-      return Parse::invalid("quic CRYPTO data contradicts earlier data");
+      return Parse::invalid(following_ ? "quic CRYPTO data contradicts the judged ClientHello"
+                                       : "quic CRYPTO data contradicts earlier data");
     }
   }
   std::memcpy(crypto_.data() + offset, data.data(), data.size());
@@ -392,6 +441,15 @@ Parse QuicInitialAssembler::judge() {
     // Nothing more can arrive past the cap.
     if (contiguous_ >= kMaxInspect) return Parse::invalid("ClientHello larger than 16384 bytes");
     return Parse::more(fed_);
+  }
+  if (p.verdict == Verdict::complete) {
+    // A client sends a second hello only after the server's
+    // HelloRetryRequest, so never with its first: the server would read
+    // both and take the name from the second.
+    hello_end_ = handshake_end(crypto_.data());
+    if (pieces_[npieces_ - 1].end > hello_end_) {
+      return Parse::invalid("quic CRYPTO data after the ClientHello (a second hello the server would read too)");
+    }
   }
   return p;
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <nettle/aes.h>
 #include <nettle/gcm.h>
@@ -44,11 +45,18 @@ struct QuicFollow {
     other,    // its first packet is not this connection's (another
               // Destination Connection ID's keys, another version): a new
               // connection on the same four-tuple, to be judged afresh
-    invalid,  // this connection's Initial with CRYPTO data the judged hello
-              // does not hold or contradicts, a bad frame, a client Retry
+    hello,    // a second ClientHello, whole, after the judged one (as a
+              // client sends after a HelloRetryRequest): judge `hello`
+    invalid,  // this connection's Initial with CRYPTO data that contradicts
+              // what was sent or follows a second hello, an Initial under
+              // this connection's Destination Connection ID that does not
+              // open, a datagram under 1200 bytes, a bad frame, a client Retry
   };
+  QuicFollow() = default;
+  QuicFollow(Kind k, std::string why) : kind(k), reason(std::move(why)) {}
   Kind kind = Kind::invalid;
   std::string reason;  // invalid: why (fixed text)
+  Parse hello;         // hello: as parse_client_hello_message says
 };
 
 // Whether any packet of `datagram` is an Initial, or may be one (a header
@@ -74,7 +82,9 @@ class QuicInitialAssembler {
   //     name / ech as parse_client_hello_message says;
   //   need_more: not yet (buffered = datagram bytes fed so far);
   //   invalid: the first packet is not a v1/v2 Initial, a Destination
-  //     Connection ID under 8 bytes in the first Initial, malformed headers,
+  //     Connection ID under 8 bytes in the first Initial, an Initial in a
+  //     datagram under 1200 bytes, CRYPTO data after the whole ClientHello
+  //     (a second hello the server would also read), malformed headers,
   //     an authentication failure, reserved bits set, a frame other than
   //     PADDING/PING/ACK/CRYPTO, CRYPTO data beyond kMaxInspect bytes or
   //     contradicting earlier data, a ClientHello the TLS parser refuses, or
@@ -96,11 +106,16 @@ class QuicInitialAssembler {
   Parse open_initial(Bytes packet, std::size_t pn_offset);
   Parse frames(Bytes plaintext);
   Parse judge();
+  bool original_dcid(Bytes dcid) const;
 
   std::optional<Parse> final_;
   bool following_ = false;    // add_crypto: only repeats of held bytes
   bool auth_failed_ = false;  // open_initial: the AEAD tag did not verify
   std::optional<QuicVersion> version_;
+  std::array<std::uint8_t, 20> dcid_{};  // the first Initial's Destination Connection ID
+  std::size_t dcid_len_ = 0;
+  std::size_t hello_end_ = 0;   // where the judged ClientHello ends in the CRYPTO stream
+  std::size_t second_end_ = 0;  // where a second one ends, once whole (follow())
   QuicInitialKeys keys_{};
   // keys_ scheduled once per flow, not once per packet.
   aes128_ctx hp_{};

@@ -89,16 +89,17 @@ inline Buf crypto_frame(std::uint64_t offset, const Buf& data) {
 // to a `min_size` packet, protected as RFC 9001 §5 says. `reserved`: the
 // header's reserved bits (0x0c), which a valid packet leaves 0.
 // `precomputed`: the keys for (version, dcid), to save deriving them again
-// (the fuzz target). Encrypts in place: one buffer, few allocations.
+// (the fuzz target). `pn_len`: the packet number's encoded length (1-4
+// bytes: its low bytes). Encrypts in place: one buffer, few allocations.
 inline void seal_initial_into(Buf& out, egressd::pin::QuicVersion version, const Buf& dcid, const Buf& scid,
                               std::uint32_t pn, const std::uint8_t* frames, std::size_t frames_len,
                               std::size_t min_size = 1200, const Buf& token = {}, std::uint8_t reserved = 0,
-                              const egressd::pin::QuicInitialKeys* precomputed = nullptr) {
+                              const egressd::pin::QuicInitialKeys* precomputed = nullptr, std::size_t pn_len = 4) {
   using egressd::pin::QuicVersion;
   const auto keys = precomputed ? *precomputed : egressd::pin::quic_client_initial_keys(version, dcid);
   const std::size_t start = out.size();
   const std::uint8_t type_bits = version == QuicVersion::v2 ? 1 : 0;
-  out.push_back(static_cast<std::uint8_t>(0xc0 | type_bits << 4 | (reserved & 0x0c) | 0x03));
+  out.push_back(static_cast<std::uint8_t>(0xc0 | type_bits << 4 | (reserved & 0x0c) | (pn_len - 1)));
   const auto v = static_cast<std::uint32_t>(version);
   for (int i = 3; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
   out.push_back(static_cast<std::uint8_t>(dcid.size()));
@@ -107,14 +108,17 @@ inline void seal_initial_into(Buf& out, egressd::pin::QuicVersion version, const
   out.insert(out.end(), scid.begin(), scid.end());
   put_varint(out, token.size());
   out.insert(out.end(), token.begin(), token.end());
-  // Length (2-byte varint) + 4-byte packet number + frames + 16-byte tag.
-  const std::size_t fixed = out.size() - start + 2 + 4 + 16;
-  const std::size_t payload = fixed + frames_len < min_size ? min_size - fixed : frames_len;
-  const std::size_t length = 4 + payload + 16;
+  // Length (2-byte varint) + packet number + frames + 16-byte tag. The
+  // header protection sample starts 4 bytes into the packet number field
+  // whatever its length: a short packet number needs that much payload.
+  const std::size_t fixed = out.size() - start + 2 + pn_len + 16;
+  std::size_t payload = fixed + frames_len < min_size ? min_size - fixed : frames_len;
+  payload = std::max(payload, std::size_t{4} - pn_len);
+  const std::size_t length = pn_len + payload + 16;
   out.push_back(static_cast<std::uint8_t>(0x40 | length >> 8));
   out.push_back(static_cast<std::uint8_t>(length));
   const std::size_t pn_offset = out.size() - start;
-  for (int i = 3; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(pn >> (8 * i)));
+  for (int i = static_cast<int>(pn_len) - 1; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(pn >> (8 * i)));
   const std::size_t header_len = out.size() - start;
   out.insert(out.end(), frames, frames + frames_len);
   out.resize(start + header_len + payload + 16, 0x00);  // PADDING, then room for the tag
@@ -134,7 +138,7 @@ inline void seal_initial_into(Buf& out, egressd::pin::QuicVersion version, const
   std::uint8_t mask[16];
   aes128_encrypt(&hp, 16, mask, p + pn_offset + 4);
   p[0] ^= mask[0] & 0x0f;
-  for (int i = 0; i < 4; ++i) p[pn_offset + i] ^= mask[1 + i];
+  for (std::size_t i = 0; i < pn_len; ++i) p[pn_offset + i] ^= mask[1 + i];
 }
 
 // The same as a new buffer (a `min_size` datagram of one packet).

@@ -614,7 +614,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 9);
+  REQUIRE(pin->rules.size() == 10);
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
@@ -628,11 +628,14 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   CHECK(render_rule(pin->rules[5]) == "tcp flags syn ct state new goto pass");
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
-  CHECK(render_rule(pin->rules[6]) == "meta l4proto udp meta mark set ct id counter queue num 17");
+  CHECK(render_rule(pin->rules[6]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
+  // A QUIC flow the kernel passed before carries a mark that says so, not its id: the reader
+  // never judges an Initial on it afresh once it no longer holds the flow's assembler.
+  CHECK(render_rule(pin->rules[7]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
   // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
   // does not follow).
-  CHECK(render_rule(pin->rules[7]) == "ct mark 0x7ffffffc goto pin_follow");
-  CHECK(render_rule(pin->rules[8]) == "meta mark set ct id counter queue num 16");
+  CHECK(render_rule(pin->rules[8]) == "ct mark 0x7ffffffc goto pin_follow");
+  CHECK(render_rule(pin->rules[9]) == "meta mark set ct id counter queue num 16");
   // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
   // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
   // data and everything else go to the reader.

@@ -224,3 +224,126 @@ TEST_CASE("no ClientHello after 16 datagrams is invalid; a hello without SNI is 
   REQUIRE(q.verdict == Verdict::complete);
   CHECK_FALSE(q.name.has_value());
 }
+
+namespace {
+
+QuicFollow follow(QuicInitialAssembler& a, const Buf& d) { return a.follow(Bytes(d.data(), d.size())); }
+
+// The RFC 9001 appendix A ClientHello (server name example.com), and the same with another
+// name of that length.
+Buf rfc_hello(bool other_name = false) {
+  Buf f = hex(pintest::rfc::kV1CryptoFrame);
+  Buf h = slice(f, 4, f.size());  // 06 00 40f1: CRYPTO at offset 0, 241 bytes
+  REQUIRE(h.size() == 241);
+  if (other_name) {
+    const std::string from = "example.com";
+    auto it = std::search(h.begin(), h.end(), from.begin(), from.end());
+    REQUIRE(it != h.end());
+    it[6] = 'x';
+  }
+  return h;
+}
+
+Buf initial(std::uint32_t pn, const Buf& frames, std::size_t min_size = 1200) {
+  return pintest::seal_initial(QuicVersion::v1, kDcid, {}, pn, frames, min_size);
+}
+
+}  // namespace
+
+TEST_CASE("a second ClientHello: refused in the first one's stream, judged once whole after it, nothing after it") {
+  const Buf ch = rfc_hello(), other = rfc_hello(true);
+  // Both hellos in the stream before anything was decided: a client sends its second only
+  // after the server's HelloRetryRequest, and the server would read both and take the second's
+  // name. Refused whatever the second names, and also when it comes in a later packet of
+  // the same datagram.
+  for (const Buf& second : {ch, other}) {
+    QuicInitialAssembler a;
+    const Parse p = feed(a, initial(0, cat(pintest::crypto_frame(0, ch), pintest::crypto_frame(241, second))));
+    CHECK(p.verdict == Verdict::invalid);
+    CHECK(p.reason == "quic CRYPTO data after the ClientHello (a second hello the server would read too)");
+  }
+  {
+    QuicInitialAssembler a;
+    const Buf two = cat(initial(0, pintest::crypto_frame(0, ch), 0), initial(1, pintest::crypto_frame(241, other)));
+    CHECK(feed(a, two).verdict == Verdict::invalid);
+  }
+  // After the decision (the server answered with a HelloRetryRequest): the second hello, in
+  // pieces. The first piece goes on (a server cannot act on part of a hello); once whole it
+  // is handed over to be judged, once; a repeat is the same; anything after it is refused.
+  for (const bool named_other : {false, true}) {
+    const Buf& second = named_other ? other : ch;
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    CHECK(follow(a, initial(1, pintest::crypto_frame(241, slice(second, 0, 100)))).kind == QuicFollow::Kind::same);
+    const QuicFollow f = follow(a, initial(2, pintest::crypto_frame(341, slice(second, 100, 241))));
+    REQUIRE(f.kind == QuicFollow::Kind::hello);
+    CHECK(f.hello.verdict == Verdict::complete);
+    CHECK(f.hello.name == (named_other ? "examplx.com" : "example.com"));
+    CHECK(follow(a, initial(3, pintest::crypto_frame(241, second))).kind == QuicFollow::Kind::same);
+    const QuicFollow third = follow(a, initial(4, pintest::crypto_frame(482, ch)));
+    CHECK(third.kind == QuicFollow::Kind::invalid);
+    CHECK(third.reason == "quic CRYPTO data the judged ClientHello does not hold");
+  }
+  {
+    // A second hello followed by more bytes in the same datagram: refused.
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    const QuicFollow f = follow(a, initial(1, cat(pintest::crypto_frame(241, ch), pintest::crypto_frame(482, ch))));
+    CHECK(f.kind == QuicFollow::Kind::invalid);
+    CHECK(f.reason == "quic CRYPTO data after the second ClientHello");
+  }
+  {
+    // What is not a ClientHello where the second would start: refused.
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    const QuicFollow f = follow(a, initial(1, pintest::crypto_frame(241, hex("0b000000"))));
+    CHECK(f.kind == QuicFollow::Kind::invalid);
+    CHECK(f.reason == "a second ClientHello: first handshake message is not a ClientHello");
+  }
+}
+
+TEST_CASE("an Initial in a datagram under 1200 bytes is refused, before and after the decision") {
+  // A server discards it (RFC 9000 §14.1); read here, it would move the packet numbers egressd
+  // expects away from the server's.
+  const Buf ch = rfc_hello();
+  {
+    QuicInitialAssembler a;
+    const Parse p = feed(a, initial(0, pintest::crypto_frame(0, ch), 1199));
+    CHECK(p.verdict == Verdict::invalid);
+    CHECK(p.reason == "quic Initial in a datagram under 1200 bytes (servers discard it)");
+  }
+  QuicInitialAssembler a;
+  REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch), 1200)).verdict == Verdict::complete);
+  const QuicFollow f = follow(a, initial(1000, hex("01"), 57));
+  CHECK(f.kind == QuicFollow::Kind::invalid);
+  CHECK(f.reason == "quic Initial in a datagram under 1200 bytes (servers discard it)");
+}
+
+TEST_CASE("after admission, an Initial under the connection's own id that does not open is refused, not judged afresh") {
+  // egressd read an Initial with packet number 1000 the server never took (a raw socket's bad
+  // checksum, say), so a 1-byte packet number 1 decodes to 1025 here and to 1 at the server:
+  // it does not open here. Taken for another connection's first Initial, a new assembler
+  // would judge a hello at offset 0, of which the server keeps only the bytes past what it
+  // holds. Under the connection's own Destination Connection ID it is refused.
+  const Buf ch = rfc_hello();
+  QuicInitialAssembler a;
+  REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+  REQUIRE(follow(a, initial(1000, hex("01"))).kind == QuicFollow::Kind::same);
+  Buf one;
+  pintest::seal_initial_into(one, QuicVersion::v1, kDcid, {}, 1, ch.data(), 0, 1200, {}, 0, nullptr, 1);
+  const QuicFollow f = follow(a, one);
+  CHECK(f.kind == QuicFollow::Kind::invalid);
+  CHECK(f.reason == "quic Initial fails authentication");
+  // The same packet sealed for another connection id opens with that id's keys: another
+  // connection, judged afresh by the caller.
+  Buf other;
+  const Buf dcid2 = hex("0011223344556677");
+  pintest::seal_initial_into(other, QuicVersion::v1, dcid2, {}, 1, ch.data(), 0, 1200, {}, 0, nullptr, 1);
+  CHECK(follow(a, other).kind == QuicFollow::Kind::other);
+  // A version change under the connection's own id is refused too; under another id it is
+  // another connection's.
+  CHECK(follow(a, pintest::seal_initial(QuicVersion::v2, kDcid, {}, 0, pintest::crypto_frame(0, ch))).kind ==
+        QuicFollow::Kind::invalid);
+  CHECK(follow(a, pintest::seal_initial(QuicVersion::v2, dcid2, {}, 0, pintest::crypto_frame(0, ch))).kind ==
+        QuicFollow::Kind::other);
+}

@@ -280,7 +280,9 @@ namespace {
 
 // The client Initial of RFC 9001 appendix A.2 (SNI example.com) as a UDP
 // datagram to 203.0.113.10:443.
-Segment quic(const pintest::Buf& datagram, std::uint16_t sport = 40001) {
+// A datagram of the flow from `sport`; `passed`: the kernel passed the flow
+// before (chain pin marked the datagram kPinUdpPassedMark).
+Segment quic(const pintest::Buf& datagram, std::uint16_t sport = 40001, bool passed = false) {
   Segment s;
   s.proto = Segment::kUdp;
   s.src = *parse_ip("192.0.2.2");
@@ -288,6 +290,7 @@ Segment quic(const pintest::Buf& datagram, std::uint16_t sport = 40001) {
   s.sport = sport;
   s.dport = 443;
   s.payload = {datagram.data(), datagram.size()};
+  s.passed = passed;
   return s;
 }
 
@@ -685,6 +688,30 @@ TEST_CASE("QUIC after admission: a second connection on the four-tuple is judged
   CHECK(f.stats().reset == 1);
 }
 
+TEST_CASE("QUIC after admission: a second ClientHello (after a HelloRetryRequest) is judged like the first") {
+  const pintest::Buf dcid = pintest::hex("8394c8f03e515708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  auto second = [&](bool other) {
+    const pintest::Buf f = rfc_frame(other);
+    return pintest::crypto_frame(241, pintest::Buf(f.begin() + 4, f.end()));  // after the first hello's 241 bytes
+  };
+  {
+    PinFlows f(j);
+    REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+    CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 1, second(false))), t0)[0].kind == K::admit);
+    CHECK(f.stats().reset == 0);
+  }
+  PinFlows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 1, second(true))), t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() ==
+        "a second ClientHello on the connection: quic sni examplx.com to 203.0.113.10:443; address learned for "
+        "example.com");
+  CHECK(f.quic_followed() == 0);
+}
+
 TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and number") {
   const pintest::Buf a = pintest::hex("8394c8f03e515708");
   Judge j;
@@ -695,11 +722,18 @@ TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and num
   const auto later = t0 + kQuicFollowTime;
   (void)f.expire(later);
   CHECK(f.quic_followed() == 0);
-  // Forgotten: a datagram without an Initial starts no connection and is let on; one with
-  // another hello is judged as a new connection's.
-  CHECK(f.packet(2, quic(handshake_packet(a)), later)[0].kind == K::admit);
-  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, pintest::hex("0011223344556677"), {}, 0,
-                                               rfc_frame(true))), later)[0].kind == K::reset);
+  // Forgotten: a datagram without an Initial starts no connection and is let on. One with an
+  // Initial, on a flow the kernel passed (its ct mark is set), cannot be judged afresh: the
+  // server may hold part of the connection's stream and take only what extends it. Refused,
+  // whatever its hello names.
+  CHECK(f.packet(2, quic(handshake_packet(a), 40001, true), later)[0].kind == K::admit);
+  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 1, rfc_frame()), 40001, true), later)[0].kind ==
+        K::reset);
+  CHECK(j.reasons.back() ==
+        "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds");
+  // A new flow (its ct mark still 0) is judged as before.
+  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()), 40002), later)[0].kind ==
+        K::admit);
   // At most kMaxQuicFollowed are kept, the oldest forgotten first.
   PinFlows g(j);
   for (std::size_t i = 0; i < kMaxQuicFollowed + 10; ++i) {

@@ -1,0 +1,114 @@
+"""Hostname pinning and QUIC's HelloRetryRequest (docs/pinning.md, "A second ClientHello").
+
+A server that cannot use the client's key shares answers the first ClientHello with a
+HelloRetryRequest and reads a second one from the same CRYPTO stream, and takes the server name
+from it (GnuTLS and OpenSSL alike). An attack review found three ways to get a second hello
+naming same-ip.test past a reader that judged only the first, each as uid 65534 with no
+capability, each completing the handshake with the lab's real QUIC server (Debian's gtlsserver,
+ngtcp2 with GnuTLS):
+  - both hellos in the first Initial's stream (or the second sent ahead of the first);
+  - an Initial the server discards (a datagram under 1200 bytes) read by egressd, so the next
+    Initial's short packet number decoded differently here, did not open, was taken for another
+    connection's and judged afresh: a hello at offset 0 naming allowed.test whose tail, past what
+    the server already held, was the second hello;
+  - the same hello-with-a-tail after 300 other flows had pushed this one out of the reader's
+    followed flows.
+Now every ClientHello of the stream is judged (a second one only after the first was decided,
+as a server's HelloRetryRequest makes a client send it), an Initial in a datagram under 1200
+bytes is refused, one under the connection's own id that does not open is refused, and an
+Initial on a flow the kernel passed before whose assembler egressd no longer holds is refused.
+
+The client (quic_hrr_client.py) is a QUIC client of its own: gtlsclient cannot be made to send a
+hello without key shares. It completes the handshake and checks the server's Finished against
+the transcript of the second hello.
+"""
+import subprocess
+
+import pytest
+
+import lab as labmod
+from lab import wait_for
+from test_dns_integrity import attacker, attacker_result
+from test_pinning import HOSTS, V4, V6, learn, policy
+
+CLIENT = (labmod.HERE / "quic_hrr_client.py").read_text()
+
+
+@pytest.fixture
+def gtls(lab, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-subj", "/CN=allowed.test", "-days", "1"],
+                   check=True, capture_output=True, timeout=30)
+    htdocs = tmp_path / "htdocs"
+    htdocs.mkdir()
+    for addr in (V4, V6):
+        lab.spawn(["gtlsserver", "-q", "-d", htdocs, addr, 443, key, cert], netns=lab.internet,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def bound():
+        out = lab.internet.exec("ss", "-Hlun", "sport = :443").stdout
+        return V4 in out and V6 in out
+    wait_for(bound, 10.0, "gtlsserver to bind port 443")
+    lab.dns.restart(hosts=HOSTS)
+
+
+@pytest.fixture
+def pinned(lab, egressd, gtls):
+    d = egressd(policy())
+    learn(lab)
+    return d
+
+
+def run_client(lab, addr, sni1, sni2, mode) -> dict:
+    """The client as uid 65534 with no capability: its JSON result."""
+    return attacker_result(attacker(lab, CLIENT, addr, 443, sni1, sni2, mode, uid=True), timeout=40.0)
+
+
+def pin_records(d) -> list:
+    return [r.get("pin") for r in d.request({"cmd": "denied"})["records"] if r.get("pin")]
+
+
+def assert_refused(res, what):
+    assert res.get("step") == "refused", f"{what}: {res}"
+    assert res.get("step") != "handshake-done" and not res.get("server_finished_verifies_over_ch2_transcript"), res
+
+
+@pytest.mark.parametrize("mode", ["onepacket", "ahead"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_second_hello_in_the_stream_of_the_first_is_refused(lab, pinned, addr, mode):
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", mode)
+    assert_refused(res, "both hellos in the first flight")
+    assert any("quic CRYPTO data after the ClientHello" in r for r in pin_records(pinned)), pin_records(pinned)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_second_hello_after_a_retry_request_is_judged_like_the_first(lab, pinned, addr):
+    """The control: a well-behaved client whose second hello, sent after the server's
+    HelloRetryRequest, names the allowed name completes its handshake (refused before this
+    change, whatever it named). Naming the other site, it is refused."""
+    res = run_client(lab, addr, "allowed.test", "allowed.test", "sequential")
+    assert res.get("hrr") is True, res
+    assert res.get("step") == "handshake-done" and res.get("server_finished_verifies_over_ch2_transcript"), res
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", "sequential")
+    assert res.get("hrr") is True, res
+    assert_refused(res, "a second hello naming same-ip.test after the HelloRetryRequest")
+    host = f"[{addr}]" if ":" in addr else addr
+    want = f"a second ClientHello on the connection: quic sni same-ip.test to {host}:443"
+    assert any(r.startswith(want) for r in pin_records(pinned)), pin_records(pinned)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_an_initial_the_server_discards_cannot_shift_the_reader_off_the_servers_packet_numbers(lab, pinned, addr):
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", "diverge")
+    assert res.get("hrr") is True, res
+    assert_refused(res, "a hello-with-a-tail after an Initial the server discards")
+    assert any("quic Initial in a datagram under 1200 bytes" in r for r in pin_records(pinned)), pin_records(pinned)
+
+
+def test_a_flow_pushed_out_of_the_followed_ones_is_refused_not_judged_afresh(lab, pinned):
+    res = run_client(lab, V4, "allowed.test", "same-ip.test", "evict")
+    assert res.get("hrr") is True, res
+    assert_refused(res, "a hello-with-a-tail after 300 other flows")
+    want = "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds"
+    assert want in pin_records(pinned), pin_records(pinned)
