@@ -139,3 +139,52 @@ def test_a_second_hello_after_a_retry_request_cannot_name_another_site(sb, user)
         res = hrr(sb, ALLOWED, OTHER, mode, user)
         assert res.get("answer") != f"sni={OTHER}", f"{mode}: the server completed a handshake for {OTHER}"
         assert "ConnectionResetError" in res.get("error", ""), f"{mode}: {res}"
+
+
+PAWS_ATTACKER = labmod.HERE / "tls13_paws_attacker.py"
+
+
+def _queue_handed(sb, queue: int) -> tuple[int, int]:
+    """(packets waiting, packets handed over so far) of pinning queue `queue` in the task's
+    namespace."""
+    for line in sb.task.netns().read_proc("/proc/net/netfilter/nfnetlink_queue").splitlines():
+        f = line.split()
+        if f and int(f[0]) == queue:
+            return int(f[2]), int(f[7])
+    raise AssertionError(f"queue {queue} is not bound in {sb.task.name}'s namespace")
+
+
+# The two topologies whose task keeps Docker's default capabilities (NET_RAW among them); the
+# shipped compose example drops them all from its task (container/compose.yaml).
+@pytest.mark.parametrize("sb", ["harbor", "netns-pid"], indirect=True)
+def test_the_record_that_ends_the_handshake_cannot_be_dropped_and_resent_as_a_second_hello(sb):
+    """docs/pinning.md "A second ClientHello", the forged-timestamp variant, as root with
+    Docker's default capabilities (NET_RAW) in a real task container: after the
+    HelloRetryRequest a raw ACK with a timestamp 2 s ahead makes the server drop the client's
+    next segment, an application-data record as long as the second hello, sent from a file's
+    page; once egressd has read it, the page is rewritten to a second hello naming the other
+    site, and the stack's retransmission carries it. The server must never take that hello."""
+    for f in (HRR_CLIENT, PAWS_ATTACKER):
+        cp = sb.task.exec("sh", "-c", f"cat > /tmp/{f.name}", input=f.read_text())
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+    before = _queue_handed(sb, 18)[1]
+    p = subprocess.Popen([dockerlab.DOCKER, "exec", "--interactive", sb.task.ref, "python3", f"/tmp/{PAWS_ATTACKER.name}",
+                          SERVER_B, str(TLS_PORT), "/tmp", ALLOWED, OTHER],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for want in ("READY", "SENT"):
+            line = labmod._read_line(p, 15.0, f"the attacker's {want}")
+            assert line == want, line
+        # The reader has read the fake record (handed over and answered) before the page changes.
+        wait_for(lambda: _queue_handed(sb, 18)[1] > before and _queue_handed(sb, 18)[0] == 0, 5.0,
+                 "egressd to read the record that ends the handshake")
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=30.0)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err.decode(errors="replace")
+    res = json.loads((getattr(p, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    assert res.get("answer") is None, f"the server took a second hello naming {OTHER}: {res}"
