@@ -248,6 +248,12 @@ void pop_oldest(Order& order, Map& map) {
 }
 
 constexpr const char* kRawReason = "tcp segment written by a raw socket, not by the connection's socket";
+constexpr const char* kForeignReason =
+    "a connection the phase in force never judged by name (opened under an earlier phase, or passed there by "
+    "address)";
+constexpr const char* kQuicOtherReason =
+    "quic Initial of another connection on the four-tuple of an admitted one (the server may hold the first one's "
+    "stream)";
 constexpr const char* kQuicForgottenReason =
     "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
@@ -382,6 +388,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       }
       return refuse_decided(id, key, seg, kUrgentPinnedReason, now);
     }
+    if (seg.foreign) return foreign_packet(id, key, seg, now);
   }
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {
@@ -397,6 +404,14 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     // afresh, since the server may hold part of the connection's stream
     // (a first hello that asked for a second) and take only what extends it.
     if (initial && seg.passed && !flows_.contains(key)) return refuse_decided(id, key, seg, kQuicForgottenReason, now);
+    // A short-header datagram of a flow the kernel passed under another
+    // phase (the phase chain sends it here) that this reader never admitted.
+    if (!initial && seg.passed && !flows_.contains(key)) {
+      if (auto d = decided_.find(key); d != decided_.end() && !d->second.admitted) {
+        return {{id, PinVerdict::Kind::reset}};
+      }
+      return refuse_decided(id, key, seg, kForeignReason, now);
+    }
   }
   // Bytes of a followed connection queued on the first queue before the
   // flow's mark took (a straggler of the first write), that continue its
@@ -538,9 +553,15 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     case pin::TcpKind::need_more:
       if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
       return {};
-    case pin::TcpKind::other:
-      // Not TLS, not HTTP: the address decides, as without pinning.
+    case pin::TcpKind::other: {
+      // Not TLS, not HTTP: the address decides, as without pinning. Known
+      // as such, so a later phase that allows the address takes it on
+      // (foreign_packet).
+      AdmittedFlow a{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, "", 0, f.ct_id};
+      a.by_address = true;
+      remember(key, std::move(a));
       return finish(it, true, now);
+    }
     case pin::TcpKind::tls: proto = pin::PinProto::tls; break;
     case pin::TcpKind::http: proto = pin::PinProto::http; break;
   }
@@ -881,6 +902,27 @@ std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key
   return refuse_decided(id, key, seg, why, now);
 }
 
+// A packet of a TCP flow that carries another phase's mark (queue
+// kPinForeignQueueNum): the phase in force never judged it. Admitted again
+// (the admit mark gives it this phase's mark) only if this reader admitted
+// the connection by name (the switch kept it, or it would carry the cut
+// mark) and is not following it; a followed connection whose mark a phase
+// that passes by address overwrote missed bytes the reader never read.
+std::vector<PinVerdict> PinFlows::foreign_packet(PinPacketId id, const Key& key, const Segment& seg,
+                                                 Clock::time_point now) {
+  if (auto d = decided_.find(key); d != decided_.end() && !d->second.admitted && d->second.ct_id == seg.ct_id) {
+    return {{id, PinVerdict::Kind::reset}};  // refused already
+  }
+  // (By name, or by its address as another protocol: this phase's chain sent
+  // it here from its learned set, so the address is allowed.)
+  if (auto a = admitted_.find(key); a != admitted_.end() && a->second.ct_id == seg.ct_id &&
+                                    (!a->second.name.empty() || a->second.by_address) && !flows_.contains(key) &&
+                                    !http_.contains(key) && !tls_.contains(key)) {
+    return {{id, PinVerdict::Kind::admit}};
+  }
+  return refuse_decided(id, key, seg, kForeignReason, now);
+}
+
 // A datagram of an undecided UDP flow to port 443: QUIC Initials whose
 // ClientHello is judged like a TLS flow's. Anything that is not a v1/v2
 // Initial the parser can open is refused (ICMP), so clients fall back to TCP.
@@ -916,10 +958,14 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
     case pin::QuicFollow::Kind::same:
       return {{id, PinVerdict::Kind::admit}};
     case pin::QuicFollow::Kind::other:
-      // Another connection on the four-tuple: judged on its own Initials.
-      followed_.erase(fo);
-      decided_.erase(key);
-      return quic_packet(id, key, seg, now);
+      // Another connection on the four-tuple: never judged afresh. The
+      // server may hold the first one's CRYPTO stream (a first hello that
+      // asked for a second), and an Initial of that connection the current
+      // assembler cannot open (after such a datagram switched assemblers)
+      // would be judged from offset 0 while the server reads only what
+      // extends its stream. A client starts a new connection from a new
+      // socket; this one falls back to TCP.
+      return refuse_decided(id, key, seg, kQuicOtherReason, now);
     case pin::QuicFollow::Kind::hello: {
       // A second ClientHello (after a HelloRetryRequest): the server takes
       // the name from it, so it must be allowed here as the first was.
@@ -1009,7 +1055,7 @@ void PinFlows::remember(const Key& key, AdmittedFlow f) {
 std::vector<AdmittedFlow> PinFlows::cut(const std::function<bool(const AdmittedFlow&)>& keep, Clock::time_point now) {
   std::vector<AdmittedFlow> out;
   for (auto it = admitted_.begin(); it != admitted_.end();) {
-    if (keep(it->second)) {
+    if (it->second.by_address || keep(it->second)) {  // by address: the new phase's rules decide
       ++it;
       continue;
     }
@@ -1139,7 +1185,9 @@ Status configure(nft::Transport& t) {
   // could not be read (a short-header packet runs to its datagram's end).
   if (auto s = bind_queue(t, nft::kPinUdpQueueNum, false); !s) return s;
   // Followed HTTP connections: TCP, as queue 16.
-  return bind_queue(t, nft::kPinFollowQueueNum, true);
+  if (auto s = bind_queue(t, nft::kPinFollowQueueNum, true); !s) return s;
+  // TCP flows another phase marked: judged whole, GSO packets too.
+  return bind_queue(t, nft::kPinForeignQueueNum, true);
 }
 
 class Queue : public PinQueue {
@@ -1224,8 +1272,10 @@ class Queue : public PinQueue {
     }
     // What goes back with the verdict: the bytes judged, not the queued
     // packet's (judged_packet). Too large for a netlink attribute: dropped.
-    if (!seg->payload.empty() && seg->ip_end > kMaxReinject) {
-      if (queue != nft::kPinFollowQueueNum) {
+    if (!seg->payload.empty() && (seg->ip_end > kMaxReinject || queue == nft::kPinForeignQueueNum)) {
+      // A foreign flow's packet is admitted or refused whole, never read:
+      // nothing of it is held, and it goes back as it is.
+      if (queue != nft::kPinFollowQueueNum && queue != nft::kPinForeignQueueNum) {
         ++errors_;
         pending_.push_back({id, PinVerdict::Kind::drop});
         return;
@@ -1255,6 +1305,7 @@ class Queue : public PinQueue {
     // it is known by its bytes, compared whole.
     if (!seg->from_socket && !seg->payload.empty() && own_reinjection(*seg)) seg->from_socket = true;
     seg->followed = queue == nft::kPinFollowQueueNum;
+    seg->foreign = queue == nft::kPinForeignQueueNum;
     // Chain pin set the packet's mark to its conntrack id.
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
       seg->ct_id = ntohl(mnl_attr_get_u32(tb[NFQA_MARK]));

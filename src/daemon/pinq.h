@@ -115,6 +115,9 @@ struct Segment {
   // admitted it, or an earlier phase passed it). Chain pin then marks the
   // datagram nft::kPinUdpPassedMark instead of its conntrack id.
   bool passed = false;
+  // From queue kPinForeignQueueNum: a TCP flow that carries a phase's mark
+  // (another phase's, or urgent data on this phase's own flow).
+  bool foreign = false;
   // Too large to go back with a verdict (a GSO packet of about 64 KiB: a
   // netlink attribute holds less). Only a followed connection's reach the
   // reader; one whose bytes decide nothing (an HTTP body) passes as it is,
@@ -164,7 +167,10 @@ inline constexpr std::size_t kMaxTlsFollowed = 4096;
 inline constexpr std::size_t kMaxKeptPerFlow = 16384;
 inline constexpr std::size_t kMaxKeptBytes = 8u << 20;
 
-// A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI).
+// A flow admitted because it presented `name` (TLS SNI, HTTP Host, QUIC SNI),
+// or, `by_address`, a TCP flow whose first bytes are neither TLS nor HTTP,
+// which the address decides (a switch never cuts it by name; the new phase's
+// rules decide it by its address).
 struct AdmittedFlow {
   std::uint8_t proto = Segment::kTcp;
   IpPrefix src, dst;
@@ -172,6 +178,7 @@ struct AdmittedFlow {
   std::string name;
   std::uint64_t order = 0;  // admission order (the oldest is forgotten first)
   std::uint32_t ct_id = 0;
+  bool by_address = false;
 };
 // A refused TCP flow's server end: the handshake reached the server, the held
 // bytes never did, so a RST at `seq` (the first byte the server waits for)
@@ -358,6 +365,7 @@ class PinFlows {
   static std::uint64_t fingerprint(const Segment& seg);
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> foreign_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> quic_gso(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> refuse_decided(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
                                          Clock::time_point now);

@@ -152,6 +152,11 @@ Chain pin_chain(const CompileOptions& opts) {
       {{MatchL4Proto{kUdp}, StmtMetaMarkSet{kPinUdpPassedMark}, StmtCounter{}, StmtQueue{kPinUdpQueueNum}}, ""});
   // A followed HTTP connection (its later requests are judged too).
   c.rules.push_back({{MatchCtMark{kPinFollowMark}, StmtVerdict{VerdictKind::goto_, kPinFollowChain}}, ""});
+  // A TCP flow that carries a phase's mark: another phase's (or urgent data
+  // on this phase's own): kPinForeignQueueNum.
+  c.rules.push_back({{MatchCtMarkNot{~std::uint32_t{0}, 0}, StmtMetaMarkSetCtId{}, StmtCounter{},
+                      StmtQueue{kPinForeignQueueNum}},
+                     ""});
   c.rules.push_back({{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
   return c;
 }
@@ -199,8 +204,12 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
       // other UDP ports are decided by the address.
       auto pinned = [&](const std::string& set, SetType type) {
         if (!pin) return;
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
-                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
+        // Whatever the flow's ct mark: an undecided flow (0), a followed TLS
+        // flow that settled (its server answered after the handshake, so no
+        // retransmission of judged bytes can reach it any more), or a flow
+        // admitted by name under an earlier phase and kept by the switch.
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchMetaMark{pin_admit_mark(pass_mark)},
+                            StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
         // An HTTP flow the reader admitted stays followed: its own ct mark,
         // and every later packet back to chain pin (compile.h kPinFollowMark).
@@ -208,22 +217,23 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
                             MatchMetaMark{pin_follow_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{kPinFollowMark},
                             to_pass()},
                            ""});
+        // Every other TCP packet of a tracked flow to such an address goes to
+        // chain pin: an undecided flow's (ct mark 0), a followed one's
+        // (kPinFollowMark), urgent data on this phase's own (chain active
+        // keeps it off the fast path: the server's stack takes the urgent
+        // byte out of the stream, so what the reader judged is not what the
+        // server reads), and a flow that carries another phase's mark: this
+        // phase never judged it by name (compile.h kPinForeignQueueNum). Only
+        // this phase's own flows take the fast path, in chain active. (A
+        // packet conntrack calls invalid has no ct mark: neither rule
+        // matches it, and it is decided by its address below, as without
+        // pinning, urgent data excepted.)
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
-        // A followed TLS flow settles: the server has answered its hello, so
-        // no retransmission of the judged bytes can reach it any more, and
-        // the reader's admit gives the flow the phase's mark (the fast path).
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
-                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
-                           ""});
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{kPinFollowMark},
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMarkNot{~std::uint32_t{0}, 0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
-        // Urgent data, on any flow to such an address (chain active keeps it
-        // off the fast path): the server's stack takes the urgent byte out of
-        // the stream, so what the reader judged is not what the server reads
-        // (the reader refuses it).
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchTcpFlagUrg{}, StmtVerdict{VerdictKind::goto_, kPinChain}}, ""});
         // A QUIC flow's long-header packets (its handshake) come here even
         // once it is decided (chain active keeps them off the fast path), so
@@ -234,15 +244,22 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
                             MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
+        // Every other UDP 443 packet of a tracked flow to such an address goes
+        // to chain pin: an undecided flow's, a decided one's long-header
+        // packets and those longer than one datagram (chain active sends both
+        // here: a GSO batch whose first datagram is a short-header packet can
+        // carry an Initial after it, and the reader's queue gets the batch
+        // split), and a flow that carries another phase's mark (never judged
+        // by name here). Long headers and batches go there untracked too.
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
+                           ""});
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMarkNot{~std::uint32_t{0}, 0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
-        // ... and so do its packets longer than one datagram: a GSO batch
-        // whose first datagram is a short-header packet can carry an Initial
-        // after it (the reader's queue gets the batch split).
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
                             MatchMetaLengthOver{kQuicOneDatagramMax}, StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});

@@ -168,6 +168,13 @@ static_assert((kInboundMark & kSpecialMarkMask) == kSpecialMarks && (kOwnFlowMar
               (kPhaseMarkSpan & kSpecialMarkMask) != kSpecialMarks && kPhaseMarkSpan + 1 == kSpecialMarks &&
               (kInlineMarkBit & kSpecialMarkMask) != kSpecialMarks);
 inline constexpr std::uint16_t kPinFollowQueueNum = 18;
+// A TCP flow to a learned-only address that carries another phase's mark
+// (opened under an earlier phase, passed there by an address entry or a
+// public phase, or admitted by name there): chain pin sends its packets to
+// this queue, where the reader admits it again (the phase's mark) only if it
+// admitted the connection by name and the switch kept it, and refuses it
+// otherwise. (Queue 19 is the namespace claim, daemon/netns_claim.h.)
+inline constexpr std::uint16_t kPinForeignQueueNum = 20;
 // A followed connection's packets, from chain pin: only those with bytes
 // (and any with the urgent flag) go to queue kPinFollowQueueNum; one that is
 // its headers alone (an ACK, a FIN, a reset) carries nothing to judge and

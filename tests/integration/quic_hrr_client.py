@@ -22,6 +22,11 @@ MODE: onepacket (default): CH1+CH2 in one CRYPTO frame of one Initial
       evict: CH1 alone; after the HelloRetryRequest 300 other flows, each with an Initial naming
              SNI1 (each waited for until the server answers or the deadline), then the same
              hello-with-CH2-as-its-tail as `diverge` in an ordinary Initial
+      detour, detour_scid, detour_v2: CH1 alone; after the HelloRetryRequest another
+             connection's first Initial on the four-tuple (a new Destination Connection ID with
+             its own keys and a hello naming SNI1; or the server's own connection ID with keys
+             derived from it; or a QUIC v2 Initial under a new ID), then, under the first
+             connection's ID and keys, the hello-with-CH2-as-its-tail (found in a second review)
 Prints READY, then one JSON line.
 """
 import hashlib
@@ -109,6 +114,37 @@ def seal_long(keys, ptype, dcid, scid, pn, payload, pad_to=0, token=b""):
         need = pad_to - (len(head) + 2 + 4 + len(payload) + 16)
         if need > 0:
             payload = payload + b"\x00" * need
+    length = 4 + len(payload) + 16
+    head += (0x4000 | length).to_bytes(2, "big") + pn.to_bytes(4, "big")
+    sealed = keys.aead.encrypt(keys.nonce(pn), payload, head)
+    out = bytearray(head + sealed)
+    pn_at = len(head) - 4
+    m = keys.mask(bytes(out[pn_at + 4:pn_at + 20]))
+    out[0] ^= m[0] & 0x0f
+    for i in range(4):
+        out[pn_at + i] ^= m[1 + i]
+    return bytes(out)
+
+
+SALT_V2 = bytes.fromhex("0dede3def700a6db819381be6e269dcbf9bd2ed9")
+
+
+class PKeysV2(PKeys):
+    def __init__(self, dcid):
+        init = hkdf_extract(SALT_V2, dcid)
+        secret = hkdf_expand_label(init, b"client in", b"", 32)
+        self.aead = AESGCM(hkdf_expand_label(secret, b"quicv2 key", b"", 16))
+        self.iv = hkdf_expand_label(secret, b"quicv2 iv", b"", 12)
+        self.hp = hkdf_expand_label(secret, b"quicv2 hp", b"", 16)
+
+
+def seal_initial_v2(keys, dcid, scid, pn, payload, pad_to=1200):
+    """A QUIC v2 Initial (type bits 01), 4-byte pn."""
+    first = 0xc0 | (1 << 4) | 0x03
+    head = bytes([first]) + (0x6b3343cf).to_bytes(4, "big") + u8(dcid) + u8(scid) + varint(0)
+    need = pad_to - (len(head) + 2 + 4 + len(payload) + 16)
+    if need > 0:
+        payload = payload + b"\x00" * need
     length = 4 + len(payload) + 16
     head += (0x4000 | length).to_bytes(2, "big") + pn.to_bytes(4, "big")
     sealed = keys.aead.encrypt(keys.nonce(pn), payload, head)
@@ -328,6 +364,9 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
     elif mode == "diverge":  # CH1 alone; after the HRR: a small Initial, then a 1-byte-pn Initial
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
+    elif mode in ("detour", "detour_scid", "detour_v2"):
+        pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
+        sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
     elif mode == "evict":  # CH1 alone; after the HRR: 300 other admitted flows, then CHx
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
@@ -362,8 +401,12 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                 break
             for kind, pkt, pn_at, pscid in split_datagram(d, len(scid)):
                 if kind == "initial":
+                    try:
+                        pt = open_packet(sik, pkt, pn_at, True)
+                    except Exception:
+                        res["foreign_packets"] = res.get("foreign_packets", 0) + 1
+                        continue
                     server_cid = pscid
-                    pt = open_packet(sik, pkt, pn_at, True)
                     cr, kinds = frames_crypto(pt)
                     res.setdefault("server_initial_frames", []).append([str(k) for k in kinds])
                     for off, dd in cr:
@@ -404,6 +447,40 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     s.send(seal_initial_pn1(cik, dcid, scid, 1, pl))  # the original DCID: its keys
                     res["ch2_sent"] = True
                     res["small_initial_len"] = len(small)
+                if mode in ("detour", "detour_scid", "detour_v2") and not res.get("ch2_sent"):
+                    # (a) another connection's first Initial on the same four-tuple (a fresh DCID
+                    # D1, its own keys, a whole hello naming sni1): egressd's follow() cannot open
+                    # it with D0's keys, takes it for "other", drops the D0 assembler and admits a
+                    # new one keyed on D1.
+                    oh = client_hello(sni1, os.urandom(32), pub, transport_params(os.urandom(8)))
+                    if mode == "detour":
+                        d1 = os.urandom(8)
+                        s.send(seal_long(PKeys(initial_secrets(d1)[0]), 0, d1, os.urandom(8), 0,
+                                         b"\x06" + varint(0) + varint(len(oh)) + oh, pad_to=1200))
+                    elif mode == "detour_scid":
+                        # DCID = the server's own SCID for this connection, sealed with keys derived
+                        # from that SCID: the server routes it to the real connection and cannot
+                        # open it (drops it); egressd takes it for another connection.
+                        d1 = server_cid
+                        s.send(seal_long(PKeys(initial_secrets(d1)[0]), 0, d1, scid, 0,
+                                         b"\x06" + varint(0) + varint(len(oh)) + oh, pad_to=1200))
+                    elif mode == "detour_v2":
+                        # A QUIC v2 Initial under a fresh DCID (the server, ngtcp2 0.12, has no
+                        # final v2 and answers Version Negotiation / drops it): egressd's follow()
+                        # sees a version change under a DCID not the original -> "other".
+                        d1 = os.urandom(8)
+                        s.send(seal_initial_v2(PKeysV2(d1), d1, os.urandom(8), 0,
+                                               b"\x06" + varint(0) + varint(len(oh)) + oh))
+                    res["detour_dcid"] = d1.hex()
+                    # (b) an Initial of the REAL connection (D0's keys, D0 as DCID, pn 1): follow() on
+                    # the D1 assembler cannot open it, D0 is not D1 -> "other" again -> a fresh D0
+                    # assembler with no memory of CH1 judges CHx (allowed.test) at offset 0. The
+                    # server already holds [0, len(CH1)) and reads only CHx's tail: CH2.
+                    chx = hello_embedding(sni1, os.urandom(32), tp, len(ch1), ch2)
+                    pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
+                    pl += b"\x06" + varint(0) + varint(len(chx)) + chx
+                    s.send(seal_long(cik, 0, dcid, scid, 1, pl, pad_to=1200))
+                    res["ch2_sent"] = True
                 if mode == "evict" and not res.get("ch2_sent"):
                     # Push this flow out of egressd's followed QUIC flows (256 at most): other
                     # sockets, each admitted for an Initial naming sni1.
@@ -451,7 +528,11 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     res["step"] = "server-hello"
             if hsk is not None and pending_hs:
                 for pkt, pn_at in pending_hs:
-                    pt = open_packet(hsk[1], pkt, pn_at, True)
+                    try:
+                        pt = open_packet(hsk[1], pkt, pn_at, True)
+                    except Exception:
+                        res["foreign_packets"] = res.get("foreign_packets", 0) + 1
+                        continue
                     cr, kinds = frames_crypto(pt)
                     for off, dd in cr:
                         hs.add(off, dd)

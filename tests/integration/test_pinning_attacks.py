@@ -341,8 +341,11 @@ def test_every_initial_of_an_admitted_quic_flow_is_judged(lab, pinned, addr):  #
     opened a connection naming allowed.test and then, from the same socket, a second one (a new
     connection ID) naming same-ip.test — or resent its Initial with another hello (as after a
     first one the server never received: a UDP socket may lower its own TTL). The server got
-    both. Now a decided flow's long-header packets still go to the reader. The lab's UDP echo
-    server on 443 of the shared address answers every datagram it receives with itself."""
+    both. Now a decided flow's long-header packets still go to the reader, and a second
+    connection on the four-tuple is refused whatever it names (judged afresh, it could be the
+    first connection's Initial read from offset 0 while the server holds that stream: found in
+    a later review). The lab's UDP echo server on 443 of the shared address answers every
+    datagram it receives with itself."""
     import os
     import quic_initial as qi
     allowed, other = qi.client_hello("allowed.test"), qi.client_hello("same-ip.test")
@@ -377,13 +380,15 @@ def test_every_initial_of_an_admitted_quic_flow_is_judged(lab, pinned, addr):  #
     s2, c = flow(), os.urandom(8)
     delivered(s2, qi.initial(c, allowed))
     refused(s2, qi.initial(c, other, pn=1), "an Initial resent with another hello")
-    # A resent Initial with the same hello, and a second connection naming the allowed site: fine.
+    # A resent Initial with the same hello: fine. A second connection naming the allowed site
+    # is refused too; from a socket of its own it is judged on its hello.
     s3, d, e = flow(), os.urandom(8), os.urandom(8)
     delivered(s3, qi.initial(d, allowed))
     delivered(s3, qi.initial(d, allowed, pn=1))
-    delivered(s3, qi.initial(e, allowed))
+    refused(s3, qi.initial(e, allowed), "a second QUIC connection on the four-tuple")
+    delivered(flow(), qi.initial(e, allowed))
     lines = [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
-    assert any(line.startswith("quic sni same-ip.test to ") for line in lines), lines
+    assert any(line.startswith("quic Initial of another connection on the four-tuple") for line in lines), lines
     assert any("quic Initial after the flow was admitted: quic CRYPTO data contradicts" in line for line in lines), lines
 
 
@@ -448,8 +453,10 @@ def test_a_gso_batch_of_datagrams_cannot_hide_an_initial(lab, pinned, addr, stat
     assert refusal is not None, f"no refusal; echoes of {[len(e) for e in echoes]} bytes"
     # What came before it in the batch is this connection's and went through.
     assert echoes == batch[:-1], [len(e) for e in echoes]
+    # The hidden Initial is another connection's (a new connection id) on the four-tuple of
+    # the admitted one: refused as such, whatever it names.
     lines = [r.get("pin") or "" for r in pinned.request({"cmd": "denied"})["records"]]
-    assert any(line.startswith("quic sni same-ip.test to ") for line in lines), lines
+    assert any(line.startswith("quic Initial of another connection on the four-tuple") for line in lines), lines
 
 
 @pytest.mark.parametrize("addr", [V4, V6])

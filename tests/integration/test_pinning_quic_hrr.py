@@ -112,3 +112,19 @@ def test_a_flow_pushed_out_of_the_followed_ones_is_refused_not_judged_afresh(lab
     assert_refused(res, "a hello-with-a-tail after 300 other flows")
     want = "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds"
     assert want in pin_records(pinned), pin_records(pinned)
+
+
+@pytest.mark.parametrize("mode", ["detour", "detour_scid", "detour_v2"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_another_connections_initial_cannot_make_the_first_one_judged_afresh(lab, pinned, addr, mode):
+    """Found in a second review of the fixes above: after the HelloRetryRequest, one datagram
+    the current assembler cannot open and that is not under the connection's id (another
+    connection's first Initial, or one under the server's own id, or a v2 Initial) made the
+    reader drop the first connection's assembler for a new one; the first connection's next
+    Initial then was "another connection" too, judged from offset 0 (the hello-with-a-tail).
+    Now a second connection on the four-tuple is refused, and the flow with it."""
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", mode)
+    assert res.get("hrr") is True, res
+    assert_refused(res, f"{mode}: the first connection's hello-with-a-tail")
+    want = "quic Initial of another connection on the four-tuple of an admitted one"
+    assert any(r.startswith(want) for r in pin_records(pinned)), pin_records(pinned)

@@ -171,3 +171,106 @@ def test_agent_mode_a_flow_admitted_before_the_agents_restart_is_cut_by_a_later_
     learn(lab, "same-ip.test")
     assert_reset(exchange(t), "a flow admitted for allowed.test before the agent's restart, after the switch to sibling")
     t.close()
+
+
+# ---- connections the phase in force never judged by name (docs/pinning.md "Switches") ----------
+# Found in an attack review (2026-12-06), as uid 65534 with no capability: a connection opened
+# under a phase that passes by address (public, or an IP entry) went on in the pinned phase
+# switched to, re-marked by its address, and its next request named another site on the same
+# address; and a followed HTTP connection lost its following after a round trip through such a
+# phase. Now such a flow's next packet goes to the reader, which admits it again only if it
+# judged the connection by name before (and no longer follows it), and refuses it otherwise.
+
+FOREIGN = "a connection the phase in force never judged by name"
+
+
+@pytest.mark.parametrize("start", ["open", "by_address"])
+def test_a_connection_opened_under_a_phase_that_passes_by_address_is_refused_in_a_pinned_one(
+        lab, egressd, servers, start):  # noqa: F811
+    from test_pinning import HTTP_PORT
+    from test_pinning_attacks import _pin_lines, _req, _responses
+    d = egressd(POLICY)
+    assert d.ctl("apply", start)[0] == 0
+    learn(lab, "same-ip.test")
+    s = connect(lab, V4, HTTP_PORT, timeout=5)
+    s.sendall(_req("same-ip.test"))
+    assert _responses(s, 1) == [b"host=same-ip.test"], f"the request under {start}"
+    rc, _, err = d.ctl("apply", "agent")
+    assert rc == 0, err
+    learn(lab, "allowed.test")
+
+    def next_request():
+        s.sendall(_req("same-ip.test"))
+        return _responses(s, 1)
+    assert_reset(outcome(next_request), f"a connection opened under {start}, its next request in agent")
+    s.close()
+    assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)
+    # A new connection is judged on its own request, as ever.
+    t = connect(lab, V4, HTTP_PORT, timeout=5)
+    t.sendall(_req("allowed.test"))
+    assert _responses(t, 1) == [b"host=allowed.test"]
+    t.close()
+
+
+@pytest.mark.parametrize("via", ["open", "by_address"])
+def test_a_followed_connection_is_refused_after_a_round_trip_through_a_phase_that_passes_by_address(
+        lab, egressd, servers, via):  # noqa: F811
+    from test_pinning import HTTP_PORT
+    from test_pinning_attacks import _pin_lines, _req, _responses
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    s = connect(lab, V4, HTTP_PORT, timeout=5)
+    s.sendall(_req("allowed.test"))
+    assert _responses(s, 1) == [b"host=allowed.test"]
+    assert d.ctl("apply", via)[0] == 0
+    s.sendall(_req("allowed.test"))
+    assert _responses(s, 1) == [b"host=allowed.test"], f"the connection under {via}"
+    assert d.ctl("apply", "agent")[0] == 0
+    learn(lab, "allowed.test")
+
+    def next_request():
+        s.sendall(_req("same-ip.test"))
+        return _responses(s, 1)
+    assert_reset(outcome(next_request), f"a followed connection back from {via}, naming same-ip.test")
+    s.close()
+    assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)
+
+
+def test_a_tls_flow_kept_by_two_switches_goes_on_with_one_trip_through_the_reader(lab, egressd, servers):  # noqa: F811
+    """The control: a flow admitted by name under agent, kept by a switch to a phase that allows
+    the name too and back, goes on; each switch costs it one trip through the reader (its next
+    packet carries the other phase's mark), not one per packet."""
+    from test_pinning_attacks import _queue_trips
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    t = open_tls(lab, V4, "allowed.test")
+    for phase in ("both", "agent"):
+        assert d.ctl("apply", phase)[0] == 0
+        before = _queue_trips(lab, 20)
+        for i in range(5):
+            assert exchange(t, b"x%d" % i) == ("ok", b"tls:x%d" % i), f"the kept flow under {phase}"
+        assert 1 <= _queue_trips(lab, 20) - before <= 2, "one trip (two if an ACK crossed first)"
+    t.close()
+
+
+def test_a_quic_flow_opened_under_a_public_phase_is_refused_in_a_pinned_one(lab, egressd, servers):  # noqa: F811
+    """QUIC too: a flow the kernel passed under the public phase is refused (ICMP) once the
+    pinned phase takes over, its short-header datagrams as much as an Initial. The lab's UDP
+    echo server on 443 of the shared address answers each datagram with itself."""
+    import errno
+    from test_pinning_attacks import _pin_lines, _quic_socket, _short_header
+    d = egressd(POLICY)
+    assert d.ctl("apply", "open")[0] == 0
+    s = _quic_socket(lab, V4)
+    datagram = _short_header(1200)
+    s.send(datagram)
+    assert s.recv(4096) == datagram, "the echo under the public phase"
+    assert d.ctl("apply", "agent")[0] == 0
+    learn(lab, "allowed.test")
+    s.send(_short_header(1200))
+    try:
+        echo = s.recv(4096)
+        raise AssertionError(f"a short-header datagram of a flow opened under open reached the server: {echo[:8]!r}")
+    except OSError as e:
+        assert e.errno in (errno.EHOSTUNREACH, errno.ECONNREFUSED), e
+    assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)

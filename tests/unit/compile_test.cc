@@ -614,7 +614,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 10);
+  REQUIRE(pin->rules.size() == 11);
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
@@ -635,7 +635,10 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
   // does not follow).
   CHECK(render_rule(pin->rules[8]) == "ct mark 0x7ffffffc goto pin_follow");
-  CHECK(render_rule(pin->rules[9]) == "meta mark set ct id counter queue num 16");
+  // A TCP flow that carries a phase's mark (another phase's: never judged by name here; or
+  // urgent data on this phase's own) has a queue of its own.
+  CHECK(render_rule(pin->rules[9]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
+  CHECK(render_rule(pin->rules[10]) == "meta mark set ct id counter queue num 16");
   // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
   // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
   // data and everything else go to the reader.
@@ -664,45 +667,40 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Chain* agent = find_chain(t, "ph_agent");
   std::vector<std::string> rules;
   for (const auto& r : agent->rules) rules.push_back(render_rule(r));
-  // a4, n4 first (an IP entry decides alone), then the reader's admit, then the queue, then
-  // the learned set as before (flows decided under another phase).
+  // a4, n4 first (an IP entry decides alone), then the reader's admit, then chain pin, then
+  // the learned set as before (other protocols, decided by the address).
   REQUIRE(rules.size() == 27);
   CHECK(rules[0] == "ip daddr @ph_agent_a4 counter ct mark set 0x45470002 goto pass");
+  // The reader's admit, whatever the flow's ct mark: undecided, a followed TLS flow whose
+  // server answered, or a flow admitted by name under another phase and kept by the switch.
   CHECK(rules[2] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8c counter ct mark set "
-        "0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 meta l4proto tcp meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
   // An HTTP flow the reader admits stays followed (its own ct mark, back to chain pin).
   CHECK(rules[3] ==
         "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8d counter ct mark set "
         "0x7ffffffc goto pass");
+  // Every other TCP packet of a tracked flow: undecided, followed, urgent data on this phase's
+  // own (the server would take a byte out), or a flow another phase marked (this phase never
+  // judged it by name). Urgent data without conntrack too.
   CHECK(rules[4] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 goto pin");
-  // A followed TLS flow whose server answered: the reader's admit gives it the phase's mark.
-  CHECK(rules[5] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc meta mark 0x8f9e8c8c counter ct mark set "
-        "0x45470002 goto pass");
-  CHECK(rules[6] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x7ffffffc goto pin");
-  // Urgent data, decided flow or not: the reader refuses it (the server would take a byte out).
-  CHECK(rules[7] == "ip daddr @ph_agent_d4 tcp flags urg goto pin");
+  CHECK(rules[5] == "ip daddr @ph_agent_d4 meta l4proto tcp ct mark != 0x00000000 goto pin");
+  CHECK(rules[6] == "ip daddr @ph_agent_d4 tcp flags urg goto pin");
   // QUIC: UDP 443 only; other UDP ports are decided by the address. The reader's admit
-  // holds on a decided flow too, and a decided flow's long-header packets (its handshake's:
-  // a second connection's Initials) go to the reader as well.
-  CHECK(rules[8] ==
+  // holds on a decided flow too; every other UDP 443 packet of a tracked flow goes to the
+  // reader (chain active sends a decided flow's long-header packets and those longer than
+  // one datagram here, and another phase's flows come here whole), and so do long headers
+  // and batches without conntrack.
+  CHECK(rules[7] ==
         "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 ct mark 0x00000000 goto pin");
+  CHECK(rules[9] == "ip daddr @ph_agent_d4 udp dport 443 ct mark != 0x00000000 goto pin");
   CHECK(rules[10] == "ip daddr @ph_agent_d4 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
-  // ... and so do packets longer than one datagram (a GSO batch can hide an Initial after
-  // a short-header packet).
   CHECK(rules[11] == "ip daddr @ph_agent_d4 udp dport 443 meta length > 1500 goto pin");
   CHECK(rules[12] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
-  CHECK(rules[17] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x00000000 goto pin");
-  CHECK(rules[18] ==
-        "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc meta mark 0x8f9e8c8c counter ct mark set "
-        "0x45470002 goto pass");
-  CHECK(rules[19] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark 0x7ffffffc goto pin");
-  CHECK(rules[20] == "ip6 daddr @ph_agent_d6 tcp flags urg goto pin");
-  CHECK(rules[22] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark 0x00000000 goto pin");
-  CHECK(rules[23] == "ip6 daddr @ph_agent_d6 udp dport 443 @th,64,8 & 0x80 == 0x80 goto pin");
-  CHECK(rules[24] == "ip6 daddr @ph_agent_d6 udp dport 443 meta length > 1500 goto pin");
+  CHECK(rules[15] ==
+        "ip6 daddr @ph_agent_d6 meta l4proto tcp meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
+  CHECK(rules[18] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark != 0x00000000 goto pin");
+  CHECK(rules[22] == "ip6 daddr @ph_agent_d6 udp dport 443 ct mark != 0x00000000 goto pin");
   CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
   CHECK(pin_follow_mark(o.pass_mark) == 0x8f9e8c8d);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
