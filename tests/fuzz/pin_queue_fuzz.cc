@@ -77,8 +77,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     seg->from_socket = (ctl & 0x20) == 0;
     seg->gso = (ctl & 0x40) != 0;
     seg->followed = (ctl & 0x80) != 0 && seg->proto == Segment::kTcp;
+    // Conntrack id 7: a TCP packet of a flow another phase marked (queue 20), or a datagram of
+    // a UDP flow the kernel passed before (chain pin's mark in place of the id).
+    seg->foreign = seg->proto == Segment::kTcp && !seg->followed && seg->ct_id == 7;
+    seg->passed = seg->proto == Segment::kUdp && seg->ct_id == 7;
     // As the reader names packets: the queue (by protocol, as chain pin sends them) and its id.
-    const PinPacketId id = pin_packet_id(seg->proto == Segment::kUdp ? 17 : seg->followed ? 18 : 16, next_id++);
+    const PinPacketId id = pin_packet_id(
+        seg->proto == Segment::kUdp ? 17 : seg->followed ? 18 : seg->foreign ? 20 : 16, next_id++);
     queued.insert(id);
     packets.emplace(id, std::vector<std::uint8_t>(pkt.begin(), pkt.end()));
     take(flows.packet(id, *seg, now));

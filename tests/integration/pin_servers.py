@@ -56,20 +56,42 @@ def http_handler(conn):
                 buf += data
 
         def line():
+            # RFC 9112 §2.2: a line ends at LF; a CR before it is dropped (bare LF tolerated,
+            # as nginx, HAProxy, Node and CPython's http.server do).
             nonlocal buf
-            while b"\r\n" not in buf:
+            while b"\n" not in buf:
                 need(len(buf) + 1)
-            out, buf = buf.split(b"\r\n", 1)
-            return out
+            out, buf = buf.split(b"\n", 1)
+            return out[:-1] if out.endswith(b"\r") else out
+
+        def bad_request():
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            conn.close()
 
         while True:
-            while b"\r\n\r\n" not in buf:
-                need(len(buf) + 1)
-            head, buf = buf.split(b"\r\n\r\n", 1)
+            # Empty lines before a request line are skipped (RFC 9112 §2.2); the head ends at
+            # the first empty line after it.
+            first = line()
+            while first == b"":
+                first = line()
+            lines = []
+            while (ln := line()) != b"":
+                lines.append(ln)
+            # A request line is METHOD SP target SP HTTP/1.x: anything else is refused, as a
+            # real server does (this one used to ignore it and read the fields anyway).
+            parts = first.split(b" ")
+            if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
+                bad_request()
+                return
             fields = {}
-            for ln in head.lstrip(b"\r\n").split(b"\r\n")[1:]:
-                name, _, value = ln.partition(b":")
-                fields[name.strip().lower()] = value.strip()
+            for ln in lines:
+                name, sep, value = ln.partition(b":")
+                key = name.lower()
+                # No whitespace before the colon, no field without one, one Host (RFC 9112 §5.1, §3.2).
+                if not sep or not name or name != name.strip() or (key == b"host" and key in fields):
+                    bad_request()
+                    return
+                fields[key] = value.strip()
             if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
                 while True:
                     size = int(line().split(b";")[0], 16)
@@ -85,9 +107,9 @@ def http_handler(conn):
                 buf = buf[n:]
             keep = fields.get(b"connection", b"").lower() == b"keep-alive"
             body = b"host=" + fields.get(b"host", b"")
-            target = head.lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b" ")[1:2]
-            if target and target[0].startswith(b"/bulk/"):  # a download: N more bytes
-                body += b"x" * int(target[0][len(b"/bulk/"):])
+            target = parts[1]
+            if target.startswith(b"/bulk/"):  # a download: N more bytes
+                body += b"x" * int(target[len(b"/bulk/"):])
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: %s\r\n\r\n%s" %
                          (len(body), b"keep-alive" if keep else b"close", body))
             if not keep:

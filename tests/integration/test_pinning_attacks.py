@@ -746,3 +746,15 @@ def test_a_hello_the_server_drops_cannot_be_overwritten_after_admission(lab, pin
     assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("server may drop" in (r.get("pin") or "") for r in records), records
+
+
+def test_a_head_ended_by_a_bare_lf_hides_no_request_from_the_reader(lab, pinned):  # noqa: F811
+    """A head whose empty line is a bare LF (`\\r\\n\\n`) ends there, for the reader as for real
+    servers (nginx, HAProxy, Node, CPython's http.server: RFC 9112 §2.2), so the bytes after
+    it are the announced body, not a request. The lab's server ended heads at CRLFCRLF only and
+    answered the "body" as a request naming same-ip.test (found in an attack review); it now
+    reads lines as those servers do, and this stays the case egressd and the server agree on."""
+    body = b"Host: same-ip.test\r\nContent-Length: 0\r\n\r\n"
+    req = (b"POST / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n"
+           b"Content-Length: %d\r\n\n" % len(body)) + body
+    assert _exchange(lab, V4, [(req, 1)]) == ("ok", [b"host=allowed.test"])
