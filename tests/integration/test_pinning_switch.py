@@ -274,3 +274,18 @@ def test_a_quic_flow_opened_under_a_public_phase_is_refused_in_a_pinned_one(lab,
     except OSError as e:
         assert e.errno in (errno.EHOSTUNREACH, errno.ECONNREFUSED), e
     assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)
+
+
+def test_a_flow_idle_since_a_switch_is_one_a_restarted_egressd_never_judged(lab, egressd, servers):  # noqa: F811
+    """Admitted by name under agent, kept by a switch to both, idle since (it still carries
+    agent's mark): a restarted egressd adopts only flows with the mark in force, never judged
+    this one, and refuses its next packet (fail closed)."""
+    from test_pinning_attacks import _pin_lines
+    d = egressd(POLICY)
+    learn(lab, "allowed.test")
+    t = open_tls(lab, V4, "allowed.test")
+    assert d.ctl("apply", "both")[0] == 0
+    d.restart()
+    assert_reset(exchange(t), "a flow idle since the switch, after the restart")
+    t.close()
+    assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)
