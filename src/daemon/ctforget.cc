@@ -88,6 +88,14 @@ void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns
   out.insert(out.end(), buf, buf + nlh->nlmsg_len);
 }
 
+void append_delete_ct(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
+                      std::uint16_t sport, std::uint16_t dport, std::uint32_t seq) {
+  alignas(4) std::uint8_t buf[256];
+  std::memset(buf, 0, sizeof buf);
+  const nlmsghdr* nlh = put_ct_tuple(buf, IPCTNL_MSG_CT_DELETE, seq, proto, src, dst, sport, dport);
+  out.insert(out.end(), buf, buf + nlh->nlmsg_len);
+}
+
 void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
                         std::uint16_t sport, std::uint16_t dport, std::uint32_t mark, std::uint32_t seq) {
   alignas(4) std::uint8_t buf[256];

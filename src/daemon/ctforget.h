@@ -59,5 +59,10 @@ class ConntrackForgetter {
 // a switch cuts with it (nft::kPinCutMark).
 void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
                         std::uint16_t sport, std::uint16_t dport, std::uint32_t mark, std::uint32_t seq);
+// The IPCTNL_MSG_CT_DELETE message for the flow whose original direction is
+// `proto` src:sport -> dst:dport, appended to `out`. Hostname pinning drops
+// a refused TCP flow's entry with it (Queue::reset_servers).
+void append_delete_ct(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
+                      std::uint16_t sport, std::uint16_t dport, std::uint32_t seq);
 
 }  // namespace egressd::daemon

@@ -1409,6 +1409,17 @@ class Queue : public PinQueue {
         ++errors_;
       }
     }
+    // Then the flow's conntrack entry goes. Conntrack took the held bytes
+    // (its hook runs before the queue), so it expects the stream past them
+    // and ignores the reset at its start: the entry would stay established
+    // with that window, and a new connection from the same port could be
+    // left with data conntrack calls invalid, which has no entry and may not
+    // pass (chain pin_untracked). Without the entry, its SYN starts a new one.
+    std::vector<std::uint8_t> batch;
+    for (const ServerReset& r : resets) {
+      append_delete_ct(batch, Segment::kTcp, r.src, r.dst, r.sport, r.dport, t_->next_seq());
+    }
+    if (!batch.empty() && t_->send(batch.data(), batch.size()) != 0) ++errors_;
   }
 
   void arm() {

@@ -181,6 +181,21 @@ Chain pin_follow_chain() {
   return c;
 }
 
+// Chain `pin_untracked` (see compile.h): a TCP packet to a learned-only
+// address without a conntrack entry. The header-only rules of pin_follow
+// pass one without bytes; urgent data and bytes are dropped.
+Chain pin_untracked_chain() {
+  Chain c{kPinUntrackedChain, std::nullopt, {}};
+  c.rules.push_back({{MatchTcpFlagUrg{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  for (const std::uint8_t family : {4, 6}) {
+    for (std::uint8_t doff = 5; doff <= 15; ++doff) {
+      c.rules.push_back({{MatchTcpHeaderOnly{family, doff}, to_pass()}, ""});
+    }
+  }
+  c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  return c;
+}
+
 Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_t mark, bool pin = false,
                       std::uint32_t pass_mark = kPassMark) {
   Chain c{chain, std::nullopt, {}};
@@ -224,17 +239,20 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         // byte out of the stream, so what the reader judged is not what the
         // server reads), and a flow that carries another phase's mark: this
         // phase never judged it by name (compile.h kPinForeignQueueNum). Only
-        // this phase's own flows take the fast path, in chain active. (A
-        // packet conntrack calls invalid has no ct mark: neither rule
-        // matches it, and it is decided by its address below, as without
-        // pinning, urgent data excepted.)
+        // this phase's own flows take the fast path, in chain active.
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMarkNot{~std::uint32_t{0}, 0},
                             StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchTcpFlagUrg{}, StmtVerdict{VerdictKind::goto_, kPinChain}}, ""});
+        // A TCP packet conntrack gave no entry (no ct mark, so neither rule
+        // above matched it): only one without bytes passes (compile.h
+        // kPinUntrackedChain). It used to fall to the learned set's rule and
+        // pass by its address, unread.
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp},
+                            StmtVerdict{VerdictKind::goto_, kPinUntrackedChain}},
+                           ""});
         // A QUIC flow's long-header packets (its handshake) come here even
         // once it is decided (chain active keeps them off the fast path), so
         // the reader sees every Initial: a second connection on the same
@@ -244,24 +262,16 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
                             MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
-        // Every other UDP 443 packet of a tracked flow to such an address goes
-        // to chain pin: an undecided flow's, a decided one's long-header
-        // packets and those longer than one datagram (chain active sends both
-        // here: a GSO batch whose first datagram is a short-header packet can
-        // carry an Initial after it, and the reader's queue gets the batch
-        // split), and a flow that carries another phase's mark (never judged
-        // by name here). Long headers and batches go there untracked too.
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMark{0},
-                            StmtVerdict{VerdictKind::goto_, kPinChain}},
-                           ""});
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchCtMarkNot{~std::uint32_t{0}, 0},
-                            StmtVerdict{VerdictKind::goto_, kPinChain}},
-                           ""});
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{},
-                            StmtVerdict{VerdictKind::goto_, kPinChain}},
-                           ""});
+        // Every other UDP 443 packet to such an address goes to chain pin:
+        // an undecided flow's, a decided one's long-header packets and those
+        // longer than one datagram (chain active sends both here: a GSO batch
+        // whose first datagram is a short-header packet can carry an Initial
+        // after it, and the reader's queue gets the batch split), a flow that
+        // carries another phase's mark (never judged by name here), and one
+        // conntrack gave no entry (chain pin queues it as passed: the reader
+        // refuses it, holding no assembler for it).
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
-                            MatchMetaLengthOver{kQuicOneDatagramMax}, StmtVerdict{VerdictKind::goto_, kPinChain}},
+                            StmtVerdict{VerdictKind::goto_, kPinChain}},
                            ""});
       };
       for (const auto* set : {&s.a4, &s.n4, &s.d4}) {
@@ -699,6 +709,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   if (pin) {
     t.chains.push_back(pin_chain(opts));
     t.chains.push_back(pin_follow_chain());
+    t.chains.push_back(pin_untracked_chain());
   }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,

@@ -180,6 +180,12 @@ inline constexpr std::uint16_t kPinForeignQueueNum = 20;
 // its headers alone (an ACK, a FIN, a reset) carries nothing to judge and
 // passes in the kernel, so a download's ACKs never leave it.
 inline constexpr const char* kPinFollowChain = "pin_follow";
+// A TCP packet to a learned-only address that conntrack gave no entry (it
+// calls it invalid: out of its window, or an ACK on an entry a sandbox with
+// NET_RAW closed and reopened with forged RST and SYN segments the server
+// dropped): one without bytes passes (a closing reset or ACK), one with
+// bytes or the urgent flag is dropped. Never let through unread.
+inline constexpr const char* kPinUntrackedChain = "pin_untracked";
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"

@@ -235,8 +235,10 @@ def test_a_first_segment_written_with_a_raw_socket_is_refused(lab, pinned, addr,
     result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
     assert "same-ip.test" not in result.get("data", ""), f"the server answered for same-ip.test: {result}"
     assert result["outcome"] == "reset", result
+    # Refused, nothing admitted. The refused flow's conntrack entry is dropped, so the socket's
+    # own copy, if it leaves before the client's reset lands, is a new entry's and refused again.
     admitted, reset = pin_counts(pinned)
-    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    assert admitted == before[0] and reset in (before[1] + 1, before[1] + 2), (before, admitted, reset)
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("written by a raw socket" in (r.get("pin") or "") for r in records), records
 
@@ -329,7 +331,9 @@ def test_urgent_data_in_the_first_bytes_is_refused(lab, pinned):  # noqa: F811
     assert b"same-ip.test" not in (result[1] if isinstance(result[1], bytes) else b""), result
     assert_reset(result, "a request whose first bytes carry urgent data")
     admitted, reset = pin_counts(pinned)
-    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    # Refused, nothing admitted (the refused flow's conntrack entry is dropped, so a copy its
+    # socket sends before the client's reset lands is a new entry's, refused again).
+    assert admitted == before[0] and reset in (before[1] + 1, before[1] + 2), (before, admitted, reset)
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("urgent data" in (r.get("pin") or "") for r in records), records
 
@@ -743,7 +747,9 @@ def test_a_hello_the_server_drops_cannot_be_overwritten_after_admission(lab, pin
     result = json.loads(labmod._read_line(p, 10.0, "the attacker's outcome"))
     assert "same-ip.test" not in result.get("data", ""), f"the server finished a handshake for same-ip.test: {result}"
     admitted, reset = pin_counts(pinned)
-    assert (admitted, reset) == (before[0], before[1] + 1), (before, admitted, reset)
+    # Refused, nothing admitted (the refused flow's conntrack entry is dropped, so a copy its
+    # socket sends before the client's reset lands is a new entry's, refused again).
+    assert admitted == before[0] and reset in (before[1] + 1, before[1] + 2), (before, admitted, reset)
     records = pinned.request({"cmd": "denied"})["records"]
     assert any("server may drop" in (r.get("pin") or "") for r in records), records
 
@@ -758,3 +764,25 @@ def test_a_head_ended_by_a_bare_lf_hides_no_request_from_the_reader(lab, pinned)
     req = (b"POST / HTTP/1.1\r\nHost: allowed.test\r\nConnection: keep-alive\r\n"
            b"Content-Length: %d\r\n\n" % len(body)) + body
     assert _exchange(lab, V4, [(req, 1)]) == ("ok", [b"host=allowed.test"])
+
+
+CT_RESYNC = (labmod.HERE / "ct_resync_attacker.py").read_text()
+
+
+@pytest.mark.parametrize("mode", ["none", "rst_syn"])
+@pytest.mark.parametrize("port", [HTTP_PORT, TLS_PORT])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_connection_pushed_out_of_conntrack_cannot_send_bytes_unread(lab, pinned, addr, port, mode):  # noqa: F811
+    """Docker's NET_RAW (found in an attack review): a raw RST and then a raw SYN, both with bad
+    checksums (the server drops them, conntrack takes them), give a live connection a new
+    conntrack entry in SYN_SENT, so the socket's next data segment has none (conntrack calls it
+    invalid) and no ct mark. Every pinning rule asks for a ct mark, so it fell to the learned
+    set's rule and passed by address, unread: the server answered a request or completed a
+    handshake naming same-ip.test. Now such a packet passes only without bytes. `none` is the
+    control: the same connection without the raw segments is judged and reset."""
+    from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    res = attacker_result(attacker(lab, CT_RESYNC, addr, port, "same-ip.test", mode, caps=DOCKER_CAPS))
+    assert res.get("cli") is not None, res
+    answer = res.get("answer", "")
+    assert "host=same-ip.test" not in answer and "sni=same-ip.test" not in answer, f"{mode}: {res}"
+    assert "error" in res or answer == "", res

@@ -62,7 +62,7 @@ def pinned(lab, egressd, gtls):
 
 def run_client(lab, addr, sni1, sni2, mode) -> dict:
     """The client as uid 65534 with no capability: its JSON result."""
-    return attacker_result(attacker(lab, CLIENT, addr, 443, sni1, sni2, mode, uid=True), timeout=40.0)
+    return attacker_result(attacker(lab, CLIENT, addr, 443, sni1, sni2, mode, uid=True), timeout=60.0)
 
 
 def pin_records(d) -> list:
