@@ -372,7 +372,17 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       }
       return http_packet(id, key, seg, now);
     }
-    if (seg.syn) return new_connection_on_old_entry(id, key, seg, now);
+    if (seg.syn) {
+      // A SYN a raw socket wrote on the addresses and ports of a live flow
+      // (Docker's NET_RAW, a bad checksum so the server drops it) opens no
+      // connection, but output's first rule has zeroed the flow's mark: were
+      // it taken for a new connection, what the reader knows of the live one
+      // would be forgotten and its next bytes judged as a first request (a
+      // followed HTTP connection's body written as one; found in an attack
+      // review). Dropped; the flow keeps what the reader knows of it.
+      if (!seg.from_socket) return {{id, PinVerdict::Kind::drop}};
+      return new_connection_on_old_entry(id, key, seg, now);
+    }
     // A new connection on the addresses and ports of a followed one.
     if (auto hf = http_.find(key); hf != http_.end() && hf->second.ct_id != seg.ct_id) forget_followed(key);
     if (auto tf = tls_.find(key); tf != tls_.end() && tf->second.ct_id != seg.ct_id) forget_tls(key);

@@ -786,3 +786,31 @@ def test_a_connection_pushed_out_of_conntrack_cannot_send_bytes_unread(lab, pinn
     answer = res.get("answer", "")
     assert "host=same-ip.test" not in answer and "sni=same-ip.test" not in answer, f"{mode}: {res}"
     assert "error" in res or answer == "", res
+
+
+MIDBODY = (labmod.HERE / "midbody_attacker.py").read_text()
+
+
+@pytest.mark.parametrize("mode", ["none", "syn"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_raw_syn_cannot_make_a_followed_connections_body_a_first_request(lab, pinned, addr, mode):  # noqa: F811
+    """Docker's NET_RAW (found in an attack review): a raw SYN with a bad checksum on a live,
+    followed HTTP connection (the server drops it; output's first rule zeroes the flow's mark)
+    was taken for a new connection on the old entry, so the reader forgot the followed one and
+    judged its next bytes, the announced body written as a request naming allowed.test whose
+    own body was a request naming same-ip.test, as a first request: the server answered for
+    same-ip.test. A SYN no socket wrote is now dropped and changes nothing; the body is read as
+    the followed connection's body, and the request after it is judged: refused, the client
+    reset. `none`: the same without the SYN."""
+    from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    before = pin_counts(pinned)
+    p = attacker(lab, MIDBODY, addr, HTTP_PORT, mode, caps=DOCKER_CAPS)
+    assert labmod._read_line(p, 10.0, "the head sent") == "SENT"
+    wait_for(lambda: pin_counts(pinned)[0] > before[0], 5.0, "egressd to admit the head")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    res = attacker_result(p)
+    assert "host=same-ip.test" not in res.get("answer", ""), res
+    # The segment holding the body's end and the request after it is refused, the client reset.
+    assert "ConnectionResetError" in res.get("error", ""), res
+    assert pin_counts(pinned)[1] > before[1], "the request naming same-ip.test was refused"

@@ -1339,3 +1339,27 @@ TEST_CASE("a connection another phase marked: admitted again only if the reader 
   REQUIRE(f.packet(10, first, t0)[0].kind == K::follow);
   CHECK(f.packet(11, foreign(2000, allowed, 40004, 7), t0)[0].kind == K::reset);
 }
+
+TEST_CASE("a SYN no socket wrote, on a followed connection's addresses and ports, is dropped and forgets nothing") {
+  // Docker's NET_RAW: a raw SYN (bad checksum: the server drops it) zeroes the live flow's ct
+  // mark in output; taken for a new connection, it made the reader forget the followed one.
+  Judge j;
+  PinFlows f(j);
+  const std::string head = "POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 10\r\n\r\n";
+  REQUIRE(f.packet(1, seg(1000, head, 40000), t0)[0].kind == K::follow);
+  REQUIRE(f.http_followed() == 1);
+  Segment raw_syn = seg(5, "", 40000);
+  raw_syn.syn = true;
+  raw_syn.from_socket = false;
+  CHECK(f.packet(2, raw_syn, t0)[0].kind == K::drop);
+  CHECK(f.http_followed() == 1);
+  // The connection's next bytes continue its stream: the body, then a request naming another
+  // site, refused.
+  const std::string more = "0123456789GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
+  const auto next = 1000 + static_cast<std::uint32_t>(head.size());
+  CHECK(f.packet(3, seg(next, more, 40000), t0)[0].kind == K::reset);
+  // A socket's SYN is a new connection on the old entry, as before.
+  Segment syn = seg(7000, "", 40000);
+  syn.syn = true;
+  CHECK(f.packet(4, syn, t0)[0].kind == K::pass);
+}
