@@ -104,11 +104,12 @@ def initial_secrets(dcid):
     return (hkdf_expand_label(init, b"client in", b"", 32), hkdf_expand_label(init, b"server in", b"", 32))
 
 
-def seal_long(keys, ptype, dcid, scid, pn, payload, pad_to=0, token=b""):
-    """A long-header packet (ptype: 0 Initial, 2 Handshake), 4-byte pn."""
+def seal_long(keys, ptype, dcid, scid, pn, payload, pad_to=0, token=b"", version=1):
+    """A long-header packet (ptype: the version's type bits; v1: 0 Initial, 2 Handshake; v2:
+    1 Initial), 4-byte pn."""
     first = 0xc0 | (ptype << 4) | 0x03
-    head = bytes([first]) + (1).to_bytes(4, "big") + u8(dcid) + u8(scid)
-    if ptype == 0:
+    head = bytes([first]) + version.to_bytes(4, "big") + u8(dcid) + u8(scid)
+    if (version, ptype) in ((1, 0), (V2, 1)):  # an Initial: its token
         head += varint(len(token)) + token
     if pad_to:
         need = pad_to - (len(head) + 2 + 4 + len(payload) + 16)
@@ -126,6 +127,7 @@ def seal_long(keys, ptype, dcid, scid, pn, payload, pad_to=0, token=b""):
     return bytes(out)
 
 
+V2 = 0x6b3343cf
 SALT_V2 = bytes.fromhex("0dede3def700a6db819381be6e269dcbf9bd2ed9")
 
 
@@ -140,21 +142,7 @@ class PKeysV2(PKeys):
 
 def seal_initial_v2(keys, dcid, scid, pn, payload, pad_to=1200):
     """A QUIC v2 Initial (type bits 01), 4-byte pn."""
-    first = 0xc0 | (1 << 4) | 0x03
-    head = bytes([first]) + (0x6b3343cf).to_bytes(4, "big") + u8(dcid) + u8(scid) + varint(0)
-    need = pad_to - (len(head) + 2 + 4 + len(payload) + 16)
-    if need > 0:
-        payload = payload + b"\x00" * need
-    length = 4 + len(payload) + 16
-    head += (0x4000 | length).to_bytes(2, "big") + pn.to_bytes(4, "big")
-    sealed = keys.aead.encrypt(keys.nonce(pn), payload, head)
-    out = bytearray(head + sealed)
-    pn_at = len(head) - 4
-    m = keys.mask(bytes(out[pn_at + 4:pn_at + 20]))
-    out[0] ^= m[0] & 0x0f
-    for i in range(4):
-        out[pn_at + i] ^= m[1 + i]
-    return bytes(out)
+    return seal_long(keys, 1, dcid, scid, pn, payload, pad_to=pad_to, version=V2)
 
 
 def seal_initial_pn1(keys, dcid, scid, pn, payload, pad_to=1200):

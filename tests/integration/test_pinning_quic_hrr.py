@@ -22,39 +22,18 @@ The client (quic_hrr_client.py) is a QUIC client of its own: gtlsclient cannot b
 hello without key shares. It completes the handshake and checks the server's Finished against
 the transcript of the second hello.
 """
-import subprocess
-
 import pytest
 
 import lab as labmod
-from lab import wait_for
 from test_dns_integrity import attacker, attacker_result
-from test_pinning import HOSTS, V4, V6, learn, policy
+from test_pinning import V4, V6, learn, policy
+from test_pinning_quic import quic_servers  # noqa: F401 (fixture: gtlsserver on 443 of the shared address)
 
 CLIENT = (labmod.HERE / "quic_hrr_client.py").read_text()
 
 
 @pytest.fixture
-def gtls(lab, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-subj", "/CN=allowed.test", "-days", "1"],
-                   check=True, capture_output=True, timeout=30)
-    htdocs = tmp_path / "htdocs"
-    htdocs.mkdir()
-    for addr in (V4, V6):
-        lab.spawn(["gtlsserver", "-q", "-d", htdocs, addr, 443, key, cert], netns=lab.internet,
-                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def bound():
-        out = lab.internet.exec("ss", "-Hlun", "sport = :443").stdout
-        return V4 in out and V6 in out
-    wait_for(bound, 10.0, "gtlsserver to bind port 443")
-    lab.dns.restart(hosts=HOSTS)
-
-
-@pytest.fixture
-def pinned(lab, egressd, gtls):
+def pinned(lab, egressd, quic_servers):  # noqa: F811
     d = egressd(policy())
     learn(lab)
     return d

@@ -288,4 +288,7 @@ def test_a_flow_idle_since_a_switch_is_one_a_restarted_egressd_never_judged(lab,
     d.restart()
     assert_reset(exchange(t), "a flow idle since the switch, after the restart")
     t.close()
-    assert any(line.startswith(FOREIGN) for line in _pin_lines(d)), _pin_lines(d)
+    # Never judged by this egressd; on a slow machine the TLS flow may still have been followed
+    # (its server had not spoken after the handshake yet), which a restarted reader refuses too.
+    followed = "connection followed before egressd restarted"
+    assert any(line.startswith((FOREIGN, followed)) for line in _pin_lines(d)), _pin_lines(d)
