@@ -81,19 +81,16 @@ nlmsghdr* put_ct_tuple(std::uint8_t* buf, std::uint16_t msg, std::uint32_t seq, 
 
 }  // namespace
 
-void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
-  alignas(4) std::uint8_t buf[256];
-  std::memset(buf, 0, sizeof buf);
-  const nlmsghdr* nlh = put_ct_tuple(buf, IPCTNL_MSG_CT_DELETE, seq, IPPROTO_UDP, t.src, t.dst, t.sport, t.dport);
-  out.insert(out.end(), buf, buf + nlh->nlmsg_len);
-}
-
 void append_delete_ct(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,
                       std::uint16_t sport, std::uint16_t dport, std::uint32_t seq) {
   alignas(4) std::uint8_t buf[256];
   std::memset(buf, 0, sizeof buf);
   const nlmsghdr* nlh = put_ct_tuple(buf, IPCTNL_MSG_CT_DELETE, seq, proto, src, dst, sport, dport);
   out.insert(out.end(), buf, buf + nlh->nlmsg_len);
+}
+
+void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
+  append_delete_ct(out, IPPROTO_UDP, t.src, t.dst, t.sport, t.dport, seq);
 }
 
 void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,

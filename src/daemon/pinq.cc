@@ -413,14 +413,11 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     // number and time, or a restart): an Initial on it cannot be judged
     // afresh, since the server may hold part of the connection's stream
     // (a first hello that asked for a second) and take only what extends it.
-    if (initial && seg.passed && !flows_.contains(key)) return refuse_decided(id, key, seg, kQuicForgottenReason, now);
-    // A short-header datagram of a flow the kernel passed under another
-    // phase (the phase chain sends it here) that this reader never admitted.
-    if (!initial && seg.passed && !flows_.contains(key)) {
-      if (auto d = decided_.find(key); d != decided_.end() && !d->second.admitted) {
-        return {{id, PinVerdict::Kind::reset}};
-      }
-      return refuse_decided(id, key, seg, kForeignReason, now);
+    // Without an Initial: a datagram of a flow the kernel passed under
+    // another phase (the phase chain sends it here) this reader never admitted.
+    if (seg.passed && !flows_.contains(key)) {
+      if (refused_already(key, seg)) return {{id, PinVerdict::Kind::reset}};
+      return refuse_decided(id, key, seg, initial ? kQuicForgottenReason : kForeignReason, now);
     }
   }
   // Bytes of a followed connection queued on the first queue before the
@@ -912,6 +909,13 @@ std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key
   return refuse_decided(id, key, seg, why, now);
 }
 
+// Whether the reader refused the flow `seg` belongs to (for TCP, the same
+// conntrack entry; a UDP datagram of a passed flow carries no id).
+bool PinFlows::refused_already(const Key& key, const Segment& seg) const {
+  const auto d = decided_.find(key);
+  return d != decided_.end() && !d->second.admitted && (seg.proto == kUdp || d->second.ct_id == seg.ct_id);
+}
+
 // A packet of a TCP flow that carries another phase's mark (queue
 // kPinForeignQueueNum): the phase in force never judged it. Admitted again
 // (the admit mark gives it this phase's mark) only if this reader admitted
@@ -920,9 +924,7 @@ std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key
 // that passes by address overwrote missed bytes the reader never read.
 std::vector<PinVerdict> PinFlows::foreign_packet(PinPacketId id, const Key& key, const Segment& seg,
                                                  Clock::time_point now) {
-  if (auto d = decided_.find(key); d != decided_.end() && !d->second.admitted && d->second.ct_id == seg.ct_id) {
-    return {{id, PinVerdict::Kind::reset}};  // refused already
-  }
+  if (refused_already(key, seg)) return {{id, PinVerdict::Kind::reset}};
   // (By name, or by its address as another protocol: this phase's chain sent
   // it here from its learned set, so the address is allowed.)
   if (auto a = admitted_.find(key); a != admitted_.end() && a->second.ct_id == seg.ct_id &&
@@ -1397,7 +1399,16 @@ class Queue : public PinQueue {
         ++errors_;
       }
     }
+    // After its reset, each flow's conntrack entry goes. Conntrack took the
+    // held bytes (its hook runs before the queue), so it expects the stream
+    // past them and ignores the reset at its start: the entry would stay
+    // established with that window, and a new connection from the same port
+    // could be left with data conntrack calls invalid, which has no entry and
+    // may not pass (chain pin_untracked). Without the entry, its SYN starts a
+    // new one.
+    std::vector<std::uint8_t> deletes;
     for (const ServerReset& r : resets) {
+      append_delete_ct(deletes, Segment::kTcp, r.src, r.dst, r.sport, r.dport, t_->next_seq());
       const std::vector<std::uint8_t> pkt = server_reset_packet(r);
       sockaddr_storage ss{};
       socklen_t len = 0;
@@ -1419,17 +1430,7 @@ class Queue : public PinQueue {
         ++errors_;
       }
     }
-    // Then the flow's conntrack entry goes. Conntrack took the held bytes
-    // (its hook runs before the queue), so it expects the stream past them
-    // and ignores the reset at its start: the entry would stay established
-    // with that window, and a new connection from the same port could be
-    // left with data conntrack calls invalid, which has no entry and may not
-    // pass (chain pin_untracked). Without the entry, its SYN starts a new one.
-    std::vector<std::uint8_t> batch;
-    for (const ServerReset& r : resets) {
-      append_delete_ct(batch, Segment::kTcp, r.src, r.dst, r.sport, r.dport, t_->next_seq());
-    }
-    if (!batch.empty() && t_->send(batch.data(), batch.size()) != 0) ++errors_;
+    if (!deletes.empty() && t_->send(deletes.data(), deletes.size()) != 0) ++errors_;
   }
 
   void arm() {

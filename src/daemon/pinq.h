@@ -366,6 +366,7 @@ class PinFlows {
   static constexpr std::size_t kMaxRechecks = 64;
   std::vector<PinVerdict> quic_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> foreign_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  bool refused_already(const Key& key, const Segment& seg) const;
   std::vector<PinVerdict> quic_gso(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> refuse_decided(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
                                          Clock::time_point now);

@@ -166,17 +166,23 @@ Chain pin_chain(const CompileOptions& opts) {
 // TCP header length: nft cannot subtract one header field from another).
 // Urgent data goes to the reader whatever it carries: an urgent pointer on a
 // bare ACK takes a later byte out of the server's stream.
+// One rule per family and TCP header length passing a packet that is its
+// headers alone (IPv4 without options, IPv6 without extension headers).
+void push_header_only_passes(Chain& c) {
+  for (const std::uint8_t family : {4, 6}) {
+    for (std::uint8_t doff = 5; doff <= 15; ++doff) {
+      c.rules.push_back({{MatchTcpHeaderOnly{family, doff}, to_pass()}, ""});
+    }
+  }
+}
+
 Chain pin_follow_chain() {
   Chain c{kPinFollowChain, std::nullopt, {}};
   const Rule to_reader{{StmtMetaMarkSetCtId{}, StmtCounter{}, StmtQueue{kPinFollowQueueNum}}, ""};
   Rule urgent = to_reader;
   urgent.stmts.insert(urgent.stmts.begin(), MatchTcpFlagUrg{});
   c.rules.push_back(urgent);
-  for (const std::uint8_t family : {4, 6}) {
-    for (std::uint8_t doff = 5; doff <= 15; ++doff) {
-      c.rules.push_back({{MatchTcpHeaderOnly{family, doff}, to_pass()}, ""});
-    }
-  }
+  push_header_only_passes(c);
   c.rules.push_back(to_reader);
   return c;
 }
@@ -187,11 +193,7 @@ Chain pin_follow_chain() {
 Chain pin_untracked_chain() {
   Chain c{kPinUntrackedChain, std::nullopt, {}};
   c.rules.push_back({{MatchTcpFlagUrg{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
-  for (const std::uint8_t family : {4, 6}) {
-    for (std::uint8_t doff = 5; doff <= 15; ++doff) {
-      c.rules.push_back({{MatchTcpHeaderOnly{family, doff}, to_pass()}, ""});
-    }
-  }
+  push_header_only_passes(c);
   c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   return c;
 }
