@@ -290,7 +290,13 @@ class Core : public std::enable_shared_from_this<Core> {
   void set_forwarder(ForwarderOptions f) {
     if (!serving_) opts_.forwarder = std::move(f);
   }
-  void serve(std::uint32_t own_mark);
+  void serve(std::uint32_t own_mark, std::uint32_t priority);
+  void set_priority(int fd, std::uint32_t priority) {
+    const int v = static_cast<int>(priority);
+    if (::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &v, sizeof v) != 0) {
+      log_->error("event=proxy_priority_failed error=\"{}\"", std::strerror(errno));
+    }
+  }
   void close();
   bool closed() const { return closed_; }
   std::uint16_t port() const { return port_; }
@@ -403,6 +409,7 @@ class Core : public std::enable_shared_from_this<Core> {
   bool serving_ = false;
   bool closed_ = false;
   std::uint32_t own_mark_ = 0;
+  std::uint32_t priority_ = 0;  // SO_PRIORITY of the proxy's own sockets
   LogLimit refuse_log_, fail_log_, bad_log_, relay_log_;
 
   std::vector<Owned> owned_;
@@ -638,11 +645,20 @@ Status Core::bind() {
   return {};
 }
 
-void Core::serve(std::uint32_t own_mark) {
+void Core::serve(std::uint32_t own_mark, std::uint32_t priority) {
   if (serving_ || closed_) return;
   serving_ = true;
   own_mark_ = own_mark;
+  priority_ = priority;
   upstream_->set_mark(own_mark);
+  // What the proxy sends from its address and port must carry the table's
+  // proxy priority (chain output drops the rest: nft::proxy_source_rules).
+  // Connections the kernel accepted before this keep the listener's old
+  // priority until accept_loop sets it on them.
+  if (priority != 0) {
+    for (auto& s : udp_) set_priority(s->native_handle(), priority);
+    for (auto& a : acceptors_) set_priority(a->native_handle(), priority);
+  }
   auto self = shared_from_this();
   for (auto& s : udp_) asio::co_spawn(io_, udp_loop(self, *s), log_exception);
   for (auto& a : acceptors_) asio::co_spawn(io_, accept_loop(self, *a), log_exception);
@@ -887,6 +903,7 @@ awaitable<void> Core::accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc
       sock.close(ec);
       continue;
     }
+    if (priority_ != 0) set_priority(sock.native_handle(), priority_);
     std::make_shared<TcpConn>(self, std::move(sock))->start();
   }
 }
@@ -1431,7 +1448,7 @@ class ProxyImpl final : public Proxy {
   explicit ProxyImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ProxyImpl() override { core_->close(); }
   void set_forwarder(ForwarderOptions forwarder) override { core_->set_forwarder(std::move(forwarder)); }
-  void serve(std::uint32_t own_mark) override { core_->serve(own_mark); }
+  void serve(std::uint32_t own_mark, std::uint32_t priority) override { core_->serve(own_mark, priority); }
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }
@@ -1460,7 +1477,7 @@ Result<std::unique_ptr<Proxy>> Proxy::start(asio::io_context& io, ProxyOptions o
   const std::uint32_t mark = opts.own_mark;
   auto p = bind(io, std::move(opts), hooks);
   if (!p) return p.error();
-  (*p)->serve(mark);
+  (*p)->serve(mark, 0);
   return p;
 }
 

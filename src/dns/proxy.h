@@ -151,15 +151,16 @@ class Proxy {
   // queue in the kernel until serve(). Fails (runtime) naming the address
   // when a socket cannot be bound.
   static Result<std::unique_ptr<Proxy>> bind(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
-  // bind(), then serve(opts.own_mark).
+  // bind(), then serve(opts.own_mark, 0).
   static Result<std::unique_ptr<Proxy>> start(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
   virtual ~Proxy() = default;
   // Replaces ProxyOptions::forwarder (before serve() only): targets an
   // earlier egressd pinned, adopted from the kernel.
   virtual void set_forwarder(ForwarderOptions forwarder) = 0;
-  // Starts answering, with `own_mark` on every upstream socket; runs the
+  // Starts answering, with `own_mark` on every upstream socket and
+  // `priority` (SO_PRIORITY; 0: none) on the proxy's own sockets; runs the
   // forwarder probe when it is needed. Once.
-  virtual void serve(std::uint32_t own_mark) = 0;
+  virtual void serve(std::uint32_t own_mark, std::uint32_t priority) = 0;
   virtual std::uint16_t port() const = 0;
   // True when port() is not the port asked for (it was held by someone else).
   virtual bool port_fell_back() const = 0;

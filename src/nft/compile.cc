@@ -364,6 +364,38 @@ std::vector<Rule> upstream_errors_on_lo(const Stmt& dev) {
   };
 }
 
+// What leaves from the DNS proxy's address and port is the proxy's own: its
+// sockets carry the secret proxy priority (SO_PRIORITY). Without this a
+// sandbox process with NET_RAW that sniffed a query redirected to the proxy —
+// Docker's resolver relaying egressd's own query to its upstream, over `lo` —
+// could write the proxy's answer itself from a raw socket: conntrack takes it
+// as the reply of the redirected flow and undoes the redirect, the resolver
+// hands it to egressd as its upstream's answer, and egressd learns the
+// sandbox's address for an allowed name. The priority is then swapped for
+// the pass signature, which chain lo_replies checks (a frame written to `lo`
+// with AF_PACKET never meets this chain) and clears before any tap on `lo`
+// sees it (SO_RCVPRIORITY would show it); without a netdev table it is
+// cleared here.
+std::vector<Rule> proxy_source_rules(const CompileOptions& opts) {
+  std::vector<Rule> out;
+  const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
+  for (const char* host : {"127.0.0.1", "::1"}) {
+    for (std::uint8_t proto : {kUdp, kTcp}) {
+      out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
+                      MatchMetaPriority{opts.proxy_priority, true}, StmtCounter{}, drop()},
+                     ""});
+    }
+  }
+  if (opts.netdev) {
+    out.push_back({{MatchOifLoopback{}, MatchMetaPriority{opts.proxy_priority}, StmtMetaMarkSet{opts.pass_mark},
+                    StmtMetaPrioritySet{opts.pass_priority}},
+                   ""});
+  } else {
+    out.push_back({{MatchOifLoopback{}, MatchMetaPriority{opts.proxy_priority}, StmtMetaPrioritySet{0}}, ""});
+  }
+  return out;
+}
+
 // The loopback upstreams, single addresses (chain lo_replies matches each).
 std::vector<IpPrefix> loopback_upstreams(const CompileOptions& opts) {
   std::vector<IpPrefix> out;
@@ -431,6 +463,7 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // Ahead of every accept on `lo`: no forged error may reach egressd's
     // upstream sockets (see upstream_errors_on_lo).
     for (auto& r : upstream_errors_on_lo(MatchOifLoopback{})) c.rules.push_back(std::move(r));
+    for (auto& r : proxy_source_rules(opts)) c.rules.push_back(std::move(r));
     // egressd's own upstream queries (SO_MARK), only on a flow egressd itself
     // created (class 3: a sandbox that made the flow first, e.g. from
     // 127.0.0.11:53 to egressd's port, would otherwise receive egressd's
@@ -839,6 +872,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.own_mark = kOwnTrafficMark;
   o.pass_mark = kPassMark;
   o.pass_priority = kPassPriority;
+  o.proxy_priority = kProxyPriority;
   o.mark_salt = kDefaultMarkSalt;
   o.interfaces.clear();
   o.onlink6.clear();
@@ -865,7 +899,8 @@ std::optional<Secrets> secrets_from_table_comment(const std::string& comment) {
   if (p.size() != 11 || p.compare(0, 3, ":0x") != 0 || p.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
     return std::nullopt;
   }
-  return Secrets{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt};
+  return Secrets{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt,
+                 comment_hex(comment, "proxy=0x").value_or(0)};
 }
 
 std::string digest_from_table_comment(const std::string& comment) {
@@ -878,9 +913,10 @@ std::string digest_from_table_comment(const std::string& comment) {
 Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveState& state,
                   const CompileOptions& opts) {
   Table t = staged_table(policy, opts);
-  // 93 bytes of the 127 a comment may have.
+  // 110 bytes of the 127 a comment may have.
   t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + hex8(opts.own_mark) +
-              " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt);
+              " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt) +
+              " proxy=" + hex8(opts.proxy_priority);
   if (inline_phase != nullptr) {
     const std::string chain = inline_chain(state.generation);
     if (inline_phase->mode == Mode::allowlist) {
@@ -927,13 +963,41 @@ std::optional<Table> build_netdev_table(const ActiveState& state, const CompileO
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   for (const auto& n : names) t.chains.push_back(egress_chain(n));
-  if (const auto lo = loopback_upstreams(opts); !lo.empty()) {
+  if (opts.dns_port != 0) {
+    // Every frame leaving `lo`. Signed: a reply chain output vouched for (a
+    // loopback upstream's answer to egressd, the DNS proxy's answer); the
+    // signature goes before any tap sees it. Unsigned, from a loopback
+    // upstream's address, or from the proxy's address and port: written
+    // with AF_PACKET, dropped. The proxy's port is read at fixed offsets, so
+    // an unsigned frame from its address with IPv4 options or IPv6
+    // extension headers (which would move the port) is dropped too, and so
+    // is any frame that is neither IPv4 nor IPv6 (an 802.1Q tag with VLAN
+    // id 0 is stripped on receipt and the frame taken as the IP it carries).
     Chain c{kLoRepliesChain, BaseChain{HookType::filter, 0, false, Hook::egress, "lo"}, {}};
-    for (const auto& a : lo) {
-      c.rules.push_back({{MatchFrameSaddr{a}, MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority},
-                          StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()},
+    const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
+    c.rules.push_back({{MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority}, StmtMetaMarkSet{0},
+                        StmtMetaPrioritySet{0}, accept()},
+                       ""});
+    c.rules.push_back({{MatchFrameBytes{12, {0x08, 0x00}, true}, MatchFrameBytes{12, {0x86, 0xdd}, true},
+                        StmtCounter{}, drop()},
+                       ""});
+    for (const auto& a : loopback_upstreams(opts)) {
+      c.rules.push_back({{MatchFrameSaddr{a}, StmtCounter{}, drop()}, ""});
+    }
+    const std::vector<std::uint8_t> port{static_cast<std::uint8_t>(opts.dns_port >> 8),
+                                         static_cast<std::uint8_t>(opts.dns_port & 0xff)};
+    const IpPrefix host4 = *parse_ip("127.0.0.1"), host6 = *parse_ip("::1");
+    c.rules.push_back({{MatchFrameSaddr{host4}, MatchFrameBytes{14, {0x45}, true}, StmtCounter{}, drop()}, ""});
+    c.rules.push_back({{MatchFrameSaddr{host6}, MatchFrameBytes{20, {kTcp}, true}, MatchFrameBytes{20, {kUdp}, true},
+                        MatchFrameBytes{20, {58}, true}, StmtCounter{}, drop()},
+                       ""});
+    for (std::uint8_t proto : {kUdp, kTcp}) {
+      c.rules.push_back({{MatchFrameSaddr{host4}, MatchFrameBytes{23, {proto}}, MatchFrameBytes{34, port},
+                          StmtCounter{}, drop()},
                          ""});
-      c.rules.push_back({{MatchFrameSaddr{a}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+      c.rules.push_back({{MatchFrameSaddr{host6}, MatchFrameBytes{20, {proto}}, MatchFrameBytes{54, port},
+                          StmtCounter{}, drop()},
+                         ""});
     }
     t.chains.push_back(std::move(c));
   }

@@ -85,9 +85,9 @@ struct MatchOifLoopback {};
 struct MatchIifLoopback { bool negate = false; };
 // meta mark [!=] value
 struct MatchMetaMark { std::uint32_t value; bool negate = false; };
-// meta priority value (a tc handle; nft prints major:minor in hex, 0 as
+// meta priority [!=] value (a tc handle; nft prints major:minor in hex, 0 as
 // "none", 0xffffffff as "root").
-struct MatchMetaPriority { std::uint32_t value; };
+struct MatchMetaPriority { std::uint32_t value; bool negate = false; };
 // meta protocol arp (the frame's ethertype; netdev chains)
 struct MatchMetaProtocolArp {};
 // meta nfproto ipv4|ipv6 (family 4 or 6): the packet's family in an inet
@@ -132,6 +132,8 @@ struct MatchTcpFlagRst {};
 struct MatchL4Proto { std::uint8_t proto; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
 struct MatchDport { std::uint8_t proto; std::uint16_t port; };
+// {tcp|udp} sport <port>  (emits meta l4proto + transport payload)
+struct MatchSport { std::uint8_t proto; std::uint16_t port; };
 // icmpv6 type <type> ip6 hoplimit <hoplimit>: link-local ICMPv6, which the
 // kernel sends for IPv6 to work at all and which is never routed off the link
 // (neighbour discovery with hop limit 255, MLD reports with hop limit 1).
@@ -166,6 +168,10 @@ struct MatchCtOriginalDaddrSet { std::string set; SetType type; };
 // source is `addr` (a single address). skb->protocol is not trusted: an
 // AF_PACKET sender chooses it apart from the frame.
 struct MatchFrameSaddr { IpPrefix addr; };
+// In a netdev chain: the frame's bytes at `offset` (from the start of the
+// link-layer header) are [not] `value` (1 to 16 bytes). nft lists it as a raw
+// payload match, @ll,BITS,BITS.
+struct MatchFrameBytes { std::uint32_t offset; std::vector<std::uint8_t> value; bool negate = false; };
 // exthdr rt exists: an IPv6 routing header (source routing, SRv6).
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
@@ -225,8 +231,8 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
-                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
+                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

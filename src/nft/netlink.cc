@@ -442,7 +442,7 @@ class RuleBuilder {
   }
   void operator()(const MatchMetaPriority& m) {
     meta(NFT_META_PRIORITY);
-    cmp_u32(NFT_CMP_EQ, m.value);
+    cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, m.value);
   }
   void operator()(const MatchMetaProtocolArp&) {
     meta(NFT_META_PROTOCOL);
@@ -507,6 +507,13 @@ class RuleBuilder {
     const std::uint16_t port = htons(m.port);
     cmp(NFT_CMP_EQ, &port, sizeof port);
   }
+  void operator()(const MatchSport& m) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(m.proto);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2);
+    const std::uint16_t port = htons(m.port);
+    cmp(NFT_CMP_EQ, &port, sizeof port);
+  }
   void operator()(const MatchLinkIcmpv6& m) {
     nfproto(6);
     meta(NFT_META_L4PROTO);
@@ -567,6 +574,10 @@ class RuleBuilder {
     cmp(NFT_CMP_EQ, &type, sizeof type);
     payload(NFT_PAYLOAD_LL_HEADER, v4 ? 14 + 12 : 14 + 8, static_cast<std::uint32_t>(m.addr.size()));
     cmp(NFT_CMP_EQ, m.addr.bytes.data(), m.addr.size());
+  }
+  void operator()(const MatchFrameBytes& m) {
+    payload(NFT_PAYLOAD_LL_HEADER, m.offset, static_cast<std::uint32_t>(m.value.size()));
+    cmp(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, m.value.data(), m.value.size());
   }
   void operator()(const MatchIpv6RoutingHeader&) {
     nfproto(6);

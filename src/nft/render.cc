@@ -127,7 +127,9 @@ struct StmtText {
   std::string operator()(const MatchMetaMark& m) const {
     return std::string("meta mark ") + (m.negate ? "!= " : "") + hex32(m.value);
   }
-  std::string operator()(const MatchMetaPriority& m) const { return "meta priority " + priority_text(m.value); }
+  std::string operator()(const MatchMetaPriority& m) const {
+    return std::string("meta priority ") + (m.negate ? "!= " : "") + priority_text(m.value);
+  }
   std::string operator()(const MatchMetaProtocolArp&) const { return "meta protocol arp"; }
   std::string operator()(const MatchMetaNfproto& m) const {
     return m.family == 4 ? "meta nfproto ipv4" : "meta nfproto ipv6";
@@ -155,6 +157,9 @@ struct StmtText {
   std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);
+  }
+  std::string operator()(const MatchSport& m) const {
+    return proto_name(m.proto) + " sport " + std::to_string(m.port);
   }
   std::string operator()(const MatchLinkIcmpv6& m) const {
     return "icmpv6 type " + icmpv6_type_name(m.type) + " ip6 hoplimit " + std::to_string(m.hoplimit);
@@ -189,6 +194,19 @@ struct StmtText {
       hex += b;
     }
     return m.addr.family == 4 ? "@ll,96,16 0x800 @ll,208,32 " + hex : "@ll,96,16 0x86dd @ll,176,128 " + hex;
+  }
+  // As nft lists a raw payload match: the value in hex, no leading zeros.
+  std::string operator()(const MatchFrameBytes& m) const {
+    std::string hex;
+    for (std::uint8_t b : m.value) {
+      char d[3];
+      std::snprintf(d, sizeof d, "%02x", b);
+      hex += d;
+    }
+    const auto first = hex.find_first_not_of('0');
+    hex = first == std::string::npos ? "0" : hex.substr(first);
+    return "@ll," + std::to_string(m.offset * 8) + "," + std::to_string(m.value.size() * 8) +
+           (m.negate ? " != 0x" : " 0x") + hex;
   }
   std::string operator()(const MatchIpv6RoutingHeader&) const { return "exthdr rt exists"; }
   std::string operator()(const MatchTcpOption& m) const {

@@ -113,7 +113,7 @@ class Server:
         log(kind="forward", name=name, transport=transport)
         try:
             if transport == "udp":
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                with socket.socket(socket.AF_INET6 if ":" in a.forward else socket.AF_INET, socket.SOCK_DGRAM) as s:
                     s.settimeout(3)
                     s.sendto(msg, (a.forward, 53))
                     data = s.recv(65535)

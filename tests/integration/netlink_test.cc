@@ -810,8 +810,8 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   REQUIRE_MESSAGE(nd.ok(), (nd.ok() ? "" : nd.error().message));
   REQUIRE(nd->has_value());
   CHECK((*nd)->comment == "egressd v1");
-  CHECK((*nd)->chains == std::vector<std::string>{"egress_check", "eg_lo"});
-  CHECK((*nd)->rules.size() == 4);
+  CHECK((*nd)->chains == std::vector<std::string>{"egress_check", "eg_lo", "lo_replies"});
+  CHECK((*nd)->rules.size() == 12);  // 3 + 1, and 8 on lo for the DNS proxy's answers
   // And the elements of a set (relay targets adopted at a restart).
   Change relay;
   relay.ops.push_back(OpAddElems{kUpstreamSet4, SetType::ipv4_addr, false, make_addr_elems({*parse_ip("198.51.100.53")})});

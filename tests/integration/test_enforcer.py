@@ -604,12 +604,12 @@ def normalize_ruleset(text: str) -> str:
     text = re.sub(r'drop comment "pin-queue (\d+)"', r"queue num \1", text)
     text = re.sub(r"\s*# handle \d+", "", text)
     text = re.sub(r"(meta mark|socket mark) (!= |set )?0x[0-9a-f]{8}", r"\1 \2SECRET", text)
-    text = re.sub(r"meta priority (set )?[0-9a-f]+:[0-9a-f]+", r"meta priority \1SECRET", text)
+    text = re.sub(r"meta priority (!= |set )?[0-9a-f]+:[0-9a-f]+", r"meta priority \1SECRET", text)
     text = re.sub(r"ct mark (set )?0x(?!7ffffff[ef])[0-9a-f]{8}", r"ct mark \1PHASE", text)
     text = re.sub(r"mark=0x[0-9a-f]{8}", "mark=M", text)
     # The table comment: the digest covers the staged rules, secrets excluded.
-    text = re.sub(r"digest=[0-9a-f]{16} mark=M pass=0x[0-9a-f]{8}:0x[0-9a-f]{8} salt=0x[0-9a-f]{8}\"",
-                  'digest=D mark=M pass=P salt=S"', text)
+    text = re.sub(r"digest=[0-9a-f]{16} mark=M pass=0x[0-9a-f]{8}:0x[0-9a-f]{8} salt=0x[0-9a-f]{8} proxy=0x[0-9a-f]{8}\"",
+                  'digest=D mark=M pass=P salt=S proxy=Q"', text)
     text = re.sub(r"counter packets \d+ bytes \d+", "counter packets 0 bytes 0", text)
     text = re.sub(r" expires [0-9hms.]+", "", text)
     # The namespace's on-link IPv6 prefixes (the lab's 2001:db8:1::/64), kept up to date from

@@ -213,7 +213,8 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
     const auto nd = build_netdev_table(named(p, ph, 1), o);
     REQUIRE(nd.has_value());
     CHECK(nd->family == Family::netdev);
-    REQUIRE(nd->chains.size() == 3);
+    REQUIRE(nd->chains.size() == 4);
+    CHECK(nd->chains[3].name == kLoRepliesChain);  // the DNS proxy's answers (see below)
     CHECK(nd->chains[0].name == "egress_check");
     CHECK(nd->chains[1].name == "eg_eth0");
     CHECK(nd->chains[2].name == "eg_veth-x");
@@ -370,9 +371,14 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
       "ct direction reply ct original ip daddr @lo_upstream4 meta mark set 0x22222222 meta priority set 3333:4444";
   const std::string sign6 =
       "ct direction reply ct original ip6 daddr @lo_upstream6 meta mark set 0x22222222 meta priority set 3333:4444";
-  // No loopback upstream: nothing to sign, no chain on lo.
+  // No loopback upstream: nothing to sign, and the chain on lo (there for the DNS proxy's
+  // answers) names no upstream.
   CHECK(answers(o).empty());
-  CHECK(find_chain(*build_netdev_table(named(p, "agent", 1), o), kLoRepliesChain) == nullptr);
+  const auto no_upstream = build_netdev_table(named(p, "agent", 1), o);
+  REQUIRE(find_chain(*no_upstream, kLoRepliesChain) != nullptr);
+  for (const auto& r : find_chain(*no_upstream, kLoRepliesChain)->rules) {
+    CHECK(render_rule(r).find("0x7f00000b") == std::string::npos);
+  }
 
   o.upstreams.push_back(*parse_ip("127.0.0.11"));
   // The resolver's cgroup unknown: every reply from the upstream's address signed (the frame
@@ -428,14 +434,77 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   CHECK(lo->base->device == "lo");
   CHECK(lo->base->hook == Hook::egress);
   CHECK_FALSE(lo->base->policy_drop);  // everything else on lo is the namespace's own business
-  REQUIRE(lo->rules.size() == 2);
+  REQUIRE(lo->rules.size() == 9);
   CHECK(render_rule(lo->rules[0]) ==
-        "@ll,96,16 0x800 @ll,208,32 0x7f00000b meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 "
-        "meta priority set none accept");
-  CHECK(render_rule(lo->rules[1]) == "@ll,96,16 0x800 @ll,208,32 0x7f00000b counter drop");
+        "meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 meta priority set none accept");
+  CHECK(render_rule(lo->rules[2]) == "@ll,96,16 0x800 @ll,208,32 0x7f00000b counter drop");
   // Without the netdev hook neither the chain nor the signature; the cgroup check stays.
   o.netdev = false;
   CHECK(answers(o).size() == 2);
+}
+
+TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's priority, or is dropped") {
+  // A raw socket could write the proxy's answer on a redirected flow (Docker's resolver relaying
+  // egressd's own query): chain output drops it unless it carries the proxy sockets' secret
+  // priority, which it swaps for the pass signature; chain lo_replies drops a frame written to
+  // lo with AF_PACKET from the proxy's address and port unless it is signed.
+  const Policy p = three_phases();
+  CompileOptions o;
+  o.pass_mark = 0x22222222;
+  o.pass_priority = 0x33334444;
+  o.proxy_priority = 0x55556666;
+  o.dns_port = 5353;
+  auto output = [&](const CompileOptions& opts) {
+    std::vector<std::string> out;
+    const Table t = build_table(p, nullptr, named(p, "agent", 1), opts);
+    for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
+    return out;
+  };
+  const std::vector<std::string> text = output(o);
+  const std::vector<std::string> proxy = {
+      "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta priority != 5555:6666 counter drop",
+      "oif \"lo\" ip saddr 127.0.0.1 tcp sport 5353 meta priority != 5555:6666 counter drop",
+      "oif \"lo\" ip6 saddr ::1 udp sport 5353 meta priority != 5555:6666 counter drop",
+      "oif \"lo\" ip6 saddr ::1 tcp sport 5353 meta priority != 5555:6666 counter drop",
+      "oif \"lo\" meta priority 5555:6666 meta mark set 0x22222222 meta priority set 3333:4444",
+  };
+  // Ahead of every accept: right after the fast path and the upstream errors.
+  CHECK(std::vector<std::string>(text.begin() + 5, text.begin() + 10) == proxy);
+  for (std::size_t i = 0; i < 10; ++i) CHECK(text[i].find("accept") == std::string::npos);
+  // Without the netdev hook the priority is cleared (nothing would clear a signature).
+  CompileOptions no_netdev = o;
+  no_netdev.netdev = false;
+  CHECK(output(no_netdev)[9] == "oif \"lo\" meta priority 5555:6666 meta priority set none");
+  // No proxy, no rules.
+  CompileOptions no_proxy = o;
+  no_proxy.dns_port = 0;
+  for (const auto& r : output(no_proxy)) CHECK(r.find("5555:6666") == std::string::npos);
+  CHECK(find_chain(*build_netdev_table(named(p, "agent", 1), no_proxy), kLoRepliesChain) == nullptr);
+
+  const auto nd = build_netdev_table(named(p, "agent", 1), o);
+  REQUIRE(nd.has_value());
+  const Chain* lo = find_chain(*nd, kLoRepliesChain);
+  REQUIRE(lo != nullptr);
+  std::vector<std::string> frames;
+  for (const auto& r : lo->rules) frames.push_back(render_rule(r));
+  CHECK(frames == std::vector<std::string>{
+                      "meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 meta priority set none "
+                      "accept",
+                      "@ll,96,16 != 0x800 @ll,96,16 != 0x86dd counter drop",
+                      "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,112,8 != 0x45 counter drop",
+                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 != 0x6 @ll,160,8 != 0x11 @ll,160,8 != 0x3a "
+                      "counter drop",
+                      "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,184,8 0x11 @ll,272,16 0x14e9 counter drop",
+                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 0x11 @ll,432,16 0x14e9 counter drop",
+                      "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,184,8 0x6 @ll,272,16 0x14e9 counter drop",
+                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 0x6 @ll,432,16 0x14e9 counter drop",
+                  });
+  // The staged digest is the config's: the priority is a secret like the marks.
+  CHECK(staged_digest(p, o) == staged_digest(p, [&] {
+          CompileOptions d = o;
+          d.proxy_priority = kProxyPriority;
+          return d;
+        }()));
 }
 
 TEST_CASE("the table comment carries the secrets and a restart reads them back") {
@@ -445,6 +514,7 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   o.pass_mark = 0x01020304;
   o.pass_priority = 0xa0b0c0d0;
   o.mark_salt = 0x7f000001;
+  o.proxy_priority = 0x0badf00d;
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   CHECK(t.comment.size() < 128);
   const auto s = secrets_from_table_comment(t.comment);
@@ -453,6 +523,12 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   CHECK(s->pass_mark == 0x01020304);
   CHECK(s->pass_priority == 0xa0b0c0d0);
   CHECK(s->mark_salt == 0x7f000001);
+  CHECK(s->proxy_priority == 0x0badf00d);
+  // A table from before the proxy's priority: the rest is read, the priority is 0 (drawn anew).
+  const auto before = secrets_from_table_comment(t.comment.substr(0, t.comment.find(" proxy=")));
+  REQUIRE(before.has_value());
+  CHECK(before->own_mark == 0xdeadbeef);
+  CHECK(before->proxy_priority == 0);
   // An older egressd's table: only the mark.
   CHECK_FALSE(secrets_from_table_comment("egressd v1 digest=0123456789abcdef mark=0x65677264").has_value());
   CHECK_FALSE(secrets_from_table_comment("someone else's table pass=0x1").has_value());

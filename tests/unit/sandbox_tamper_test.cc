@@ -164,5 +164,5 @@ TEST_CASE("an interface that disappears is not tampering; the restore builds for
   const auto& nd = std::get<nft::OpAddTable>(f.kernel->applied.back().ops[5]).table;
   std::vector<std::string> chains;
   for (const auto& c : nd.chains) chains.push_back(c.name);
-  CHECK(chains == std::vector<std::string>{"egress_check", "eg_eth1"});
+  CHECK(chains == std::vector<std::string>{"egress_check", "eg_eth1", "lo_replies"});
 }

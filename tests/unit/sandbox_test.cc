@@ -259,8 +259,9 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
     CHECK(sb.own_mark() == 0x5eed0001u);
     CHECK(sb.compile_options().pass_mark == 0x5eed0002u);
     CHECK(sb.compile_options().pass_priority == 0x5eed0003u);
-    CHECK(sb.compile_options().mark_salt == 0x5eed0004u);
-    CHECK(sb.state().mark == nft::phase_mark(policy(), "environment", 0x5eed0004u));
+    CHECK(sb.proxy_priority() == 0x5eed0004u);
+    CHECK(sb.compile_options().mark_salt == 0x5eed0005u);
+    CHECK(sb.state().mark == nft::phase_mark(policy(), "environment", 0x5eed0005u));
     table = kernel->table;
   }
   auto k = std::make_unique<FakeKernel>();
@@ -274,7 +275,8 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
   CHECK(again.own_mark() == 0x5eed0001u);
   CHECK(again.compile_options().pass_mark == 0x5eed0002u);
   CHECK(again.compile_options().pass_priority == 0x5eed0003u);
-  CHECK(again.compile_options().mark_salt == 0x5eed0004u);  // same config: flows keep their marks
+  CHECK(again.proxy_priority() == 0x5eed0004u);
+  CHECK(again.compile_options().mark_salt == 0x5eed0005u);  // same config: flows keep their marks
   // The inet table is adopted as is; only the netdev table is rebuilt for the
   // interfaces of this namespace.
   REQUIRE(kernel->applied.size() == 1);
@@ -292,7 +294,7 @@ TEST_CASE("class 9: a changed config (phases reordered) gets a new mark salt, so
     o.random = counter(0x5eed0001u);
     Sandbox sb(std::move(o), std::move(k), all_caps());
     REQUIRE(sb.start("agent").ok());
-    for (int i = 0; i < 3; ++i) old_marks[i] = nft::phase_mark(policy(), policy().phases[i].name, 0x5eed0004u);
+    for (int i = 0; i < 3; ++i) old_marks[i] = nft::phase_mark(policy(), policy().phases[i].name, 0x5eed0005u);
     table = kernel->table;
   }
   Policy reordered = policy();
@@ -307,7 +309,7 @@ TEST_CASE("class 9: a changed config (phases reordered) gets a new mark salt, so
   CHECK(again.state().phase == "agent");  // the phase in force and its generation stay
   CHECK(again.own_mark() == 0x5eed0001u);  // the DNS proxy's sockets keep their mark
   const std::uint32_t salt = again.compile_options().mark_salt;
-  CHECK(salt != 0x5eed0004u);
+  CHECK(salt != 0x5eed0005u);
   for (const auto& ph : reordered.phases) {
     const std::uint32_t m = nft::phase_mark(reordered, ph.name, salt);
     for (std::uint32_t old : old_marks) CHECK(m != old);
