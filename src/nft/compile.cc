@@ -662,7 +662,10 @@ std::vector<Rule> egress_check_rules(const ActiveState& st, const CompileOptions
   const bool open = st.mode == Mode::public_;
   // ARP is not IP: the kernel's own requests and replies never meet the
   // inet chains. Outside public it is the one unsigned thing that leaves.
-  if (!open) r.push_back({{MatchMetaProtocolArp{}, accept()}, ""});
+  // ARP by the frame's own Ethernet type as well: an AF_PACKET socket bound
+  // to ETH_P_ARP sets skb->protocol to ARP whatever frame it writes, and the
+  // receiver reads the frame (an IP datagram labelled ARP left unsigned).
+  if (!open) r.push_back({{MatchMetaProtocolArp{}, MatchFrameBytes{12, {0x08, 0x06}}, accept()}, ""});
   r.push_back({{MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority}, StmtMetaMarkSet{0},
                 StmtMetaPrioritySet{0}, accept()},
                ""});

@@ -88,7 +88,9 @@ struct MatchMetaMark { std::uint32_t value; bool negate = false; };
 // meta priority [!=] value (a tc handle; nft prints major:minor in hex, 0 as
 // "none", 0xffffffff as "root").
 struct MatchMetaPriority { std::uint32_t value; bool negate = false; };
-// meta protocol arp (the frame's ethertype; netdev chains)
+// meta protocol arp (skb->protocol; netdev chains). Not the frame's own
+// Ethernet type: an AF_PACKET sender chooses it apart from the frame (pair it
+// with MatchFrameBytes at offset 12).
 struct MatchMetaProtocolArp {};
 // meta nfproto ipv4|ipv6 (family 4 or 6): the packet's family in an inet
 // chain; every packet there is one or the other.

@@ -402,15 +402,19 @@ def test_nobody_but_egressd_reaches_a_loopback_upstream(lab, egressd, docker_res
 
 # --- class 5: raw frames ---------------------------------------------------------------------
 
-# argv: interface, gateway MAC, source, destination, token, [bypass]. One UDP datagram to
-# port 7 of the destination as an Ethernet frame on an AF_PACKET socket.
+# argv: interface, gateway MAC, source, destination, token, [bypass] [proto=0xNNNN]. One UDP
+# datagram to port 7 of the destination as an Ethernet frame on an AF_PACKET socket; with
+# proto=, the socket is opened and bound with that protocol, which the kernel takes as the
+# packet's protocol (skb->protocol) whatever Ethernet type the frame itself says.
 PACKET_FRAME = RAW_PRELUDE + textwrap.dedent(r'''
     ifname, gw_mac, src, dst, tok = sys.argv[1], bytes.fromhex(sys.argv[2].replace(":", "")), sys.argv[3], sys.argv[4], sys.argv[5].encode()
+    opts = sys.argv[6:]
+    proto = next((int(o[6:], 16) for o in opts if o.startswith("proto=")), 0)
     try:
-        ps = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        ps = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(proto))
     except OSError as e:
         print(json.dumps({"packet_socket": e.strerror})); sys.exit(0)
-    ps.bind((ifname, 0))
+    ps.bind((ifname, proto))
     my_mac = ps.getsockname()[4]
     udp = struct.pack("!HHHH", 40001, 7, 8 + len(tok), 0) + tok
     if ":" in dst:
@@ -422,7 +426,7 @@ PACKET_FRAME = RAW_PRELUDE + textwrap.dedent(r'''
         ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0, socket.inet_aton(src), socket.inet_aton(dst))
         ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
         frame = gw_mac + my_mac + b"\x08\x00" + ip + udp
-    if len(sys.argv) > 6:
+    if "bypass" in opts:
         ps.setsockopt(263, 20, 1)  # PACKET_QDISC_BYPASS: straight to the driver
     try:
         ps.send(frame)
@@ -436,15 +440,20 @@ def mac_of(ns, ifname: str) -> str:
     return json.loads(ns.ip("-j", "link", "show", "dev", ifname).stdout)[0]["address"]
 
 
+@pytest.mark.parametrize("label", ["frame", "arp"], ids=["sll-any", "sll-arp"])
 @pytest.mark.parametrize("bypass", [False, True], ids=["qdisc", "qdisc-bypass"])
 @pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, family, bypass):
+def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, family, bypass, label):
+    """sll-arp (found by an attack review): a socket bound to ETH_P_ARP labels every frame it writes
+    ARP (skb->protocol), and chain egress_check let ARP out unsigned; the frame was an IP
+    datagram, which the gateway read as such. ARP is now told by the frame's own type too."""
     egressd(POLICY, phase=MODES[mode])
     cap = Capture(lab)
     tok = token()
     args = [SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX[family], DENIED[family], tok]
-    res = run_as(lab, "docker", PACKET_FRAME, *args, *(["bypass"] if bypass else []))
+    res = run_as(lab, "docker", PACKET_FRAME, *args, *(["bypass"] if bypass else []),
+                 *(["proto=0x0806"] if label == "arp" else []))
     cap.settle()
     print(f"\n{mode} ipv{family} bypass={bypass}: {res}")
     assert res["packet_socket"] == "open", res  # CAP_NET_RAW opens one; the frame is what must not pass

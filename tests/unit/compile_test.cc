@@ -230,7 +230,7 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
     if (std::string(ph) == "environment") {
       CHECK(check == std::vector<std::string>{signed_rule, "accept"});
     } else {
-      CHECK(check == std::vector<std::string>{"meta protocol arp accept", signed_rule, "counter"});
+      CHECK(check == std::vector<std::string>{"meta protocol arp @ll,96,16 0x806 accept", signed_rule, "counter"});
     }
   }
   o.netdev = false;
