@@ -229,6 +229,13 @@ class Agent {
         return Error::invalid(a.netns + " is the agent's own network namespace");
       }
     }
+    // Before anything is installed: a namespace whose owner is another user
+    // namespace is one its creator can rule (netns.h). After a restart such a
+    // sandbox is dropped, not kept for the next start: it fails every time.
+    if (auto owned = check_netns_owner(nsfd.get(), a.netns); !owned) {
+      missing = owned.error().kind == ErrorKind::invalid;
+      return owned;
+    }
     if (expected && !(*expected == *id)) {
       missing = true;
       return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");

@@ -19,6 +19,7 @@
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
 #include "daemon/instance.h"
+#include "daemon/netns.h"
 #include "daemon/sandbox.h"
 #include "egressd/unique_fd.h"
 
@@ -35,6 +36,9 @@ Status join_netns(const RunArgs& a) {
   if (path.empty()) return {};
   const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.ok()) return Error::invalid("cannot open network namespace " + path + ": " + errno_text(errno));
+  // The descriptor checked is the one joined: the process behind a pid may
+  // move again, the namespace it was in when opened stays this one.
+  if (auto owned = check_netns_owner(fd.get(), path); !owned) return owned;
   if (::setns(fd.get(), CLONE_NEWNET) != 0) return errno_error("cannot join network namespace " + path, errno);
   return {};
 }
