@@ -1291,6 +1291,41 @@ class Lab:
         self._procs.append(p)
         return p
 
+    def spawn_decoy_container(self, ns: Netns) -> subprocess.Popen:
+        """A container's init that moved itself out before it is attached (docs/security.md,
+        "Attaching a namespace"): as uid 65534 with no capability it leaves a worker (`sleep 122`)
+        in `ns`, the namespace its runtime made, and execs into a user and network namespace of
+        its own (`unshare -Urn sleep 123`), keeping its pid. Returns once it has moved, with the
+        worker's pid as `.worker`; skips
+        the test when unprivileged user namespaces are not allowed here."""
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                  "--bounding-set=-all", "--"]
+        probe = run([*nobody, "unshare", "-Urn", "true"], check=False)
+        if probe.returncode != 0:
+            import pytest  # here only: the lab runs without pytest too
+            pytest.skip("unprivileged user namespaces are not allowed here: " + probe.stderr.strip())
+        real = os.stat(ns.path).st_ino
+        p = self.spawn([*nobody, "sh", "-c", "sleep 122 & exec unshare -Urn sleep 123"], netns=ns)
+
+        def moved():
+            try:
+                return Path(f"/proc/{p.pid}/cmdline").read_bytes() == b"sleep\x00123\x00" and \
+                    os.stat(f"/proc/{p.pid}/ns/net").st_ino != real
+            except OSError:
+                return False
+        wait_for(moved, 5.0, "the container's init to move itself into a namespace of its own")
+
+        def worker():
+            for pid in ns.pids():
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x00122\x00":
+                        return pid
+                except OSError:
+                    pass
+            return None
+        p.worker = wait_for(worker, 5.0, "the worker to run in the container's namespace")
+        return p
+
     def extra_netns(self, tag: str = "x") -> Netns:
         """A further empty namespace (lo up) that close() removes with the others."""
         ns = Netns(f"{self.tag}-{tag}{next(self._extra)}")

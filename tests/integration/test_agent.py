@@ -505,6 +505,57 @@ def test_a_netns_pid_sandbox_goes_when_its_process_exits(lab, agent):
     assert "its process exited" in agent.log()
 
 
+OWNED_ELSEWHERE = "is owned by another user namespace than egressd's"
+
+
+def decoy_tables(p) -> str:
+    """`nft list tables` in the namespace process p is in (as root, from outside)."""
+    return labmod.run(["nsenter", "-t", str(p.pid), "-n", "nft", "list", "tables"]).stdout.strip()
+
+
+def test_a_process_that_moved_into_a_namespace_of_its_own_is_refused(lab, agent):
+    """Finding D: the container's init (uid 65534, no capability) leaves a worker in the
+    container's namespace and moves itself, keeping its pid, into a user and network namespace
+    of its own, in which it holds CAP_NET_ADMIN. Attached by that pid (or by its
+    /proc/PID/ns/net), the agent would police the decoy and leave the real namespace without a
+    table. The add is refused, naming the pid and why, and installs nothing anywhere; the
+    namespace the runtime made is attached by its path and the worker there is held to it."""
+    ns = lab.extra_netns("c")
+    wire(lab, ns, 1)
+    p = lab.spawn_decoy_container(ns)
+    for how in (("--netns-pid", p.pid), ("--netns", f"/proc/{p.pid}/ns/net")):
+        rc, _, err = agent.ctl("sandbox", "add", "c", *how, "--mode", "no-network")
+        assert rc == 2, (how, rc, err)
+        assert f"/proc/{p.pid}/ns/net {OWNED_ELSEWHERE}" in err, (how, err)
+        assert "attach a namespace the container runtime created" in err, err
+    assert agent.listing() == {}
+    assert decoy_tables(p) == "", "a refused add left rules in the decoy"
+    assert lab.nft(ns, "list", "tables")[1].strip() == ""
+    # The namespace the runtime made, by its path: the worker left there is held to the policy.
+    assert p.worker in ns.pids()
+    assert ns.tcp_connect("198.51.100.11", ECHO_PORT, timeout=2) == "ok"
+    agent.ok("sandbox", "add", "c", "--netns", ns.path, "--mode", "no-network")
+    assert ns.tcp_connect("198.51.100.11", ECHO_PORT, timeout=2) != "ok"
+    assert decoy_tables(p) == ""
+
+
+def test_a_kept_sandbox_in_a_namespace_owned_elsewhere_is_dropped_at_restart(lab, agent):
+    """A state file that names a decoy (written before the agent checked the owner) is not
+    attached again: the restarted agent logs why, drops the file and installs nothing."""
+    ns = lab.extra_netns("c")
+    p = lab.spawn_decoy_container(ns)
+    agent.stop()
+    st = os.stat(f"/proc/{p.pid}/ns/net")
+    kept = agent.state_dir / "c.json"
+    kept.write_text(json.dumps({"request": {"name": "c", "netns_pid": p.pid, "mode": "no-network"},
+                                "ns_dev": st.st_dev, "ns_ino": st.st_ino}))
+    agent.start()
+    assert agent.listing() == {}
+    assert "sandbox=c not attached again, dropped" in agent.log() and OWNED_ELSEWHERE in agent.log(), agent.log()
+    assert not kept.exists()
+    assert decoy_tables(p) == ""
+
+
 def container_with_hosts(lab, text: str):
     """A process in network and mount namespaces of its own with `text` as its /etc/hosts (a
     file bind-mounted over it, as a container runtime does)."""

@@ -22,6 +22,7 @@ import json
 import random
 import re
 import select
+import shlex
 import socket
 import subprocess
 import sys
@@ -298,6 +299,30 @@ def test_a_socket_or_ready_file_egressd_cannot_use_is_refused_before_anything_ch
     assert lab.nft(lab.sandbox, "list", "tables")[1].strip() == "", "a refused start installed a table"
     if bad == "socket-not-a-socket":
         assert d.socket_path.read_text() == "not a socket\n"
+
+
+@pytest.mark.parametrize("how", ["netns-pid", "netns-path"])
+def test_a_namespace_owned_by_another_user_namespace_is_refused_before_anything_changes(lab, egressd, how):
+    """Finding D, the sidecar: the task's init (uid 65534, no capability) leaves a worker in the
+    sandbox and moves itself into a user and network namespace of its own, where it holds
+    CAP_NET_ADMIN. `egressd run --netns-pid PID` (or --netns /proc/PID/ns/net) exits 2 naming
+    the namespace and why, and installs nothing, neither in the decoy nor in the sandbox."""
+    p = lab.spawn_decoy_container(lab.sandbox)
+    path = f"/proc/{p.pid}/ns/net"
+    d = egressd(POLICY, start=False, netns_pid=p.pid if how == "netns-pid" else None)
+    argv = d.argv()
+    if how == "netns-path":
+        argv[argv.index("--netns") + 1] = path  # instead of the lab's sandbox
+    print(shlex.join(argv))
+    cp = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    print(cp.stderr.strip())
+    assert cp.returncode == 2, cp
+    assert f"{path} is owned by another user namespace than egressd's" in cp.stderr, cp.stderr
+    assert "attach a namespace the container runtime created" in cp.stderr, cp.stderr
+    decoy = labmod.run(["nsenter", "-t", str(p.pid), "-n", "nft", "list", "tables"]).stdout
+    assert decoy.strip() == "", "a refused start installed a table in the decoy"
+    assert lab.nft(lab.sandbox, "list", "tables")[1].strip() == "", "a refused start installed a table"
+    assert not d.ready_path.exists() and not d.socket_path.exists()
 
 
 def test_1000_malformed_control_messages(lab, egressd):
