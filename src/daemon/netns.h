@@ -68,6 +68,7 @@ inline Status check_netns_owner(int netns_fd, const std::string& what) {
   if (!owner.ok() && (errno == EMFILE || errno == ENFILE || errno == ENOMEM)) {
     return errno_error("cannot tell which user namespace owns " + what, errno);
   }
+  if (!owner.ok() && errno == ENOTTY) return Error::invalid(what + " is not a namespace");
   if (!owner.ok()) {
     return Error::invalid(what + " is not owned by egressd's user namespace (NS_GET_USERNS: " + errno_text(errno) +
                           "): " + refused);
