@@ -35,6 +35,9 @@ namespace {
 
 std::shared_ptr<spdlog::logger> log() { return module_logger("sandbox"); }
 
+// Pairs quoted in the "not learned" warning; the rest are counted.
+constexpr std::size_t kShownIgnored = 8;
+
 }  // namespace
 
 HostsLoad load_hosts(std::string_view text, std::string_view path) {
@@ -198,21 +201,26 @@ bool Sandbox::read_hosts() {
   } else {
     // Within the snapshot only: what the file gained since start is not taken.
     LearnedStore::HostsPairs kept;
-    std::vector<std::string> ignored;
+    std::size_t ignored = 0;
+    std::vector<std::string> shown;  // the first few: the file may hold thousands
     for (const auto& [name, addrs] : pairs) {
       auto it = hosts_snapshot_->find(name);
+      const std::set<IpPrefix, IpPrefixLess> known =
+          it == hosts_snapshot_->end() ? std::set<IpPrefix, IpPrefixLess>{}
+                                       : std::set<IpPrefix, IpPrefixLess>(it->second.begin(), it->second.end());
       for (const auto& a : addrs) {
-        if (it != hosts_snapshot_->end() && std::find(it->second.begin(), it->second.end(), a) != it->second.end()) {
+        if (known.contains(a)) {
           kept[name].push_back(a);
-        } else {
-          ignored.push_back(name + " " + a.to_string());
+        } else if (++ignored <= kShownIgnored) {
+          shown.push_back(name + " " + a.to_string());
         }
       }
     }
-    if (!ignored.empty()) {
+    if (ignored > 0) {
       log()->warn("hosts file {}: {} pair(s) not in it at start are not learned (a sandbox may be able to write the "
-                  "file; restart egressd, or re-add the sandbox, to take them): {}",
-                  opts_.hosts_path, ignored.size(), fmt::join(ignored, ", "));
+                  "file; docs/pinning.md \"Hosts files\" says how to take them): {}{}",
+                  opts_.hosts_path, ignored, fmt::join(shown, ", "),
+                  ignored > shown.size() ? fmt::format(" and {} more", ignored - shown.size()) : "");
     }
     pairs = std::move(kept);
   }

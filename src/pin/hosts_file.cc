@@ -1,6 +1,6 @@
 #include "pin/hosts_file.h"
 
-#include <algorithm>
+#include <set>
 
 #include "pin/verdict.h"
 
@@ -22,10 +22,24 @@ std::string quoted(std::string_view s) {
 
 }  // namespace
 
-HostsFile parse_hosts(std::string_view text, std::string_view filename) {
+HostsFile parse_hosts(std::string_view text, std::string_view filename, const HostsLimits& limits) {
   HostsFile out;
+  const std::string file(filename);
+  if (text.size() > limits.max_bytes) {
+    out.problems.push_back(file + ": larger than " + std::to_string(limits.max_bytes) + " bytes; not read");
+    return out;
+  }
+  // The addresses each name has so far: a linear search of names[name]
+  // made a file of one name with 80,000 addresses take 9 s.
+  std::map<std::string, std::set<IpPrefix, IpPrefixLess>> seen;
+  std::size_t pairs = 0;
   std::size_t line_no = 0;
   while (!text.empty()) {
+    if (out.problems.size() >= limits.max_problems) {
+      out.problems.push_back(file + ": more than " + std::to_string(limits.max_problems) +
+                             " problems; the rest is not read");
+      break;
+    }
     ++line_no;
     const auto lf = text.find('\n');
     std::string_view line = text.substr(0, lf);
@@ -57,8 +71,14 @@ HostsFile parse_hosts(std::string_view text, std::string_view filename) {
         out.problems.push_back(where + "not a host name: " + quoted(fields[f]) + "; name skipped");
         continue;
       }
-      auto& addrs = out.names[*name];
-      if (std::find(addrs.begin(), addrs.end(), *addr) == addrs.end()) addrs.push_back(*addr);
+      if (!seen[*name].insert(*addr).second) continue;
+      if (++pairs > limits.max_pairs) {
+        out.names.clear();
+        out.problems.push_back(file + ": more than " + std::to_string(limits.max_pairs) +
+                               " (name, address) pairs; not read");
+        return out;
+      }
+      out.names[*name].push_back(*addr);
     }
   }
   return out;

@@ -2,6 +2,8 @@
 // reported by line and skipped.
 #include <doctest/doctest.h>
 
+#include <chrono>
+
 #include "pin/hosts_file.h"
 
 using namespace egressd;
@@ -79,4 +81,87 @@ TEST_CASE("an empty file has no names and no problems") {
   const HostsFile h = parse_hosts("", "hosts");
   CHECK(h.names.empty());
   CHECK(h.problems.empty());
+}
+
+namespace {
+
+// The reviewer's shape: one name, one distinct address a line, up to `bytes`.
+std::string one_name_many_addresses(std::size_t bytes, std::size_t* lines) {
+  std::string text;
+  std::size_t i = 0;
+  while (text.size() < bytes - 64) {
+    text += std::to_string(1 + (i >> 24)) + "." + std::to_string((i >> 16) & 255) + "." +
+            std::to_string((i >> 8) & 255) + "." + std::to_string(i & 255) + " a\n";
+    ++i;
+  }
+  *lines = i;
+  return text;
+}
+
+}  // namespace
+
+TEST_CASE("one name with 80,000 addresses parses in linear time (it took 9 s, on the agent's only loop)") {
+  std::size_t lines = 0;
+  const std::string text = one_name_many_addresses(std::size_t{1} << 20, &lines);
+  REQUIRE(lines > 70000);
+  HostsLimits unbounded;
+  unbounded.max_pairs = lines;
+  const auto t0 = std::chrono::steady_clock::now();
+  const HostsFile h = parse_hosts(text, "hosts", unbounded);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(h.problems.empty());
+  CHECK(addrs(h, "a").size() == lines);
+  // Linear: tens of milliseconds (unoptimized, under a loaded test run); quadratic was seconds.
+  CHECK(took < std::chrono::milliseconds(1500));
+}
+
+TEST_CASE("duplicates are kept once, in file order, across lines and names") {
+  const HostsFile h = parse_hosts(
+      "192.0.2.1 a.test b.test a.test\n"
+      "192.0.2.2 a.test\n"
+      "192.0.2.1 a.test B.test\n"
+      "192.0.2.2 b.test\n",
+      "hosts");
+  CHECK(h.problems.empty());
+  CHECK(addrs(h, "a.test") == std::vector<std::string>{"192.0.2.1", "192.0.2.2"});
+  CHECK(addrs(h, "b.test") == std::vector<std::string>{"192.0.2.1", "192.0.2.2"});
+}
+
+TEST_CASE("more pairs than the limit: nothing, and one problem naming the file and the limit") {
+  std::size_t lines = 0;
+  const std::string text = one_name_many_addresses(std::size_t{1} << 20, &lines);
+  const auto t0 = std::chrono::steady_clock::now();
+  const HostsFile h = parse_hosts(text, "/proc/42/root/etc/hosts");
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1500));
+  CHECK(h.names.empty());
+  REQUIRE(h.problems.size() == 1);
+  CHECK(h.problems[0] == "/proc/42/root/etc/hosts: more than 4096 (name, address) pairs; not read");
+
+  // At the limit: taken. Duplicates do not count.
+  HostsLimits three;
+  three.max_pairs = 3;
+  const HostsFile at = parse_hosts("192.0.2.1 a.test b.test\n192.0.2.1 a.test\n192.0.2.2 a.test\n", "h", three);
+  CHECK(at.problems.empty());
+  CHECK(at.names.size() == 2);
+  const HostsFile over = parse_hosts("192.0.2.1 a.test b.test\n192.0.2.2 a.test b.test\n", "h", three);
+  CHECK(over.names.empty());
+  REQUIRE(over.problems.size() == 1);
+  CHECK(over.problems[0] == "h: more than 3 (name, address) pairs; not read");
+}
+
+TEST_CASE("a text over max_bytes is not parsed; problems stop at max_problems") {
+  HostsLimits small;
+  small.max_bytes = 16;
+  const HostsFile big = parse_hosts("192.0.2.1 a.test\n", "h", small);  // 17 bytes
+  CHECK(big.names.empty());
+  REQUIRE(big.problems.size() == 1);
+  CHECK(big.problems[0] == "h: larger than 16 bytes; not read");
+  CHECK(parse_hosts("192.0.2.1 a.test", "h", small).problems.empty());
+
+  std::string garbage;
+  for (int i = 0; i < 100000; ++i) garbage += "x y\n";
+  const HostsFile g = parse_hosts(garbage, "h");
+  REQUIRE(g.problems.size() == 65);
+  CHECK(g.problems[0] == "h:1: not an IP address: \"x\"; line skipped");
+  CHECK(g.problems[64] == "h: more than 64 problems; the rest is not read");
 }
