@@ -469,8 +469,8 @@ int main(int argc, char** argv) {
   sb_add->add_option("--dns-port", o.sb_dns_port, "DNS proxy port in the sandbox (default 53); 0 = none")
       ->check(CLI::Range(0, 65535));
   sb_add->add_option("--hosts-file", o.sb_hosts_file,
-                     "hosts file (as the agent reads it) whose names are learned like DNS answers (default "
-                     "/proc/PID/root/etc/hosts with --netns-pid, none with --netns)");
+                     "hosts file (as the agent reads it) whose names are learned like DNS answers (default none; "
+                     "/proc/PID/root/etc/hosts names the process's own)");
   sb_add->add_flag("--json", o.json, "print the reply as JSON");
   CLI::App* sb_remove = sandbox->add_subcommand("remove", "detach a sandbox (its policy stays in force)");
   sb_remove->add_option("NAME", o.sb_name, "the sandbox's name")->required();

@@ -262,9 +262,12 @@ class Agent {
       if (!fs::is_directory(dir, ec)) return Error::invalid("socket " + *r.socket + ": no directory " + dir.string());
     }
     // A hosts file named in the request must be there (checked before anything
-    // is installed); the default one (the process's own) may be missing.
-    const std::string hosts_file = hosts_file_for(r.hosts_file.value_or(""), r.netns_pid.value_or(0), "");
-    if (r.hosts_file && !hosts_file.empty()) {
+    // is installed). None by default, not even /proc/PID/root/etc/hosts with
+    // netns_pid: the agent attaches a container that already runs, whose
+    // root may have written its own pairs there before the snapshot is taken
+    // (docs/pinning.md "Hosts files").
+    const std::string hosts_file = r.hosts_file ? hosts_file_for(*r.hosts_file, 0, "") : "";
+    if (!hosts_file.empty()) {
       if (auto s = check_hosts_file(hosts_file); !s) return s;
     }
     Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));

@@ -569,15 +569,31 @@ def container_with_hosts(lab, text: str):
     return p
 
 
-def test_a_netns_pid_sandbox_learns_its_own_hosts_file(lab, agent):
+def test_a_netns_pid_sandbox_learns_its_own_hosts_file_when_named(lab, agent):
     # The process's own /etc/hosts, read by the agent through /proc/PID/root.
     p = container_with_hosts(lab, "127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n")
-    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal")
+    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "host.docker.internal",
+             "--hosts-file", f"/proc/{p.pid}/root/etc/hosts")
     learned = {l["name"]: l["addresses"] for l in agent.json("--sandbox", "pid", "status", "--json")["learned"]}
     assert learned == {"host.docker.internal": [{"address": "203.0.113.10", "expires_in_s": None, "source": "hosts"}]}
     j = agent.json("--sandbox", "pid", "explain", "other.test@203.0.113.10:443", "--json")
     assert j["allowed"] is False and j["pin"] == "tls sni other.test to 203.0.113.10:443; address learned for " \
         "host.docker.internal", j
+    p.kill()
+    p.wait(5)
+
+
+def test_a_netns_pid_sandbox_has_no_hosts_file_unless_named(lab, agent):
+    """The agent attaches a container that already runs: its root may have written a pair of
+    its own into its /etc/hosts before the add, and a snapshot taken then would trust it. So
+    with --netns-pid the agent reads no hosts file unless one is named (the old default was the
+    process's own, and this pair admitted TCP to 203.0.113.10)."""
+    p = container_with_hosts(lab, "127.0.0.1 localhost\n203.0.113.10 a.example.com\n")
+    agent.ok("sandbox", "add", "pid", "--netns-pid", p.pid, "--mode", "allowlist", "--allow", "a.example.com")
+    assert agent.json("--sandbox", "pid", "status", "--json")["learned"] == []
+    j = agent.json("--sandbox", "pid", "explain", "203.0.113.10", "--json")
+    assert j["allowed"] is False, j
+    assert "hosts file" not in agent.log(), agent.log()
     p.kill()
     p.wait(5)
 
