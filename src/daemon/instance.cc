@@ -470,6 +470,9 @@ Status Instance::Impl::build() {
   if (!opts.hosts_file.empty()) {
     so.hosts_path = opts.hosts_file;
     so.read_hosts = [reader = std::make_shared<HostsFileReader>(opts.hosts_file)] { return (*reader)(); };
+    // Beside the state file, keyed and owned as it is (<socket>.state.hosts,
+    // <state-dir>/NAME.state.hosts).
+    if (!opts.state_file.empty()) so.hosts_snapshot_file = opts.state_file + ".hosts";
   }
   so.denied.capacity = opts.denied_records;
   so.names.max_entries = opts.names;

@@ -474,6 +474,10 @@ Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing,
     log()->warn("replaced table inet egressd that carried no egressd state; phase={} gen=1", initial.name);
     return {};
   }
+  // A restart (or a re-add to the agent): the hosts file's snapshot is the one
+  // kept when the table was made, not the file as the sandbox may have
+  // rewritten it since (start_hosts).
+  adopted_ = true;
 
   std::optional<Phase> adopted_inline;
   if (adopted->is_inline) {
@@ -1157,7 +1161,10 @@ Status Sandbox::remove_table() {
     ch.ops.push_back(nft::OpEnsureTable{nft::kTableName, nft::Family::netdev});
     ch.ops.push_back(nft::OpDeleteTable{nft::kTableName, nft::Family::netdev});
   }
-  return kernel_->apply(ch);
+  auto st = kernel_->apply(ch);
+  // The next table made here is a fresh start with a snapshot of its own.
+  if (st && !opts_.hosts_snapshot_file.empty()) ::unlink(opts_.hosts_snapshot_file.c_str());
+  return st;
 }
 
 void Sandbox::save_inline_state() {

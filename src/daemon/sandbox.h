@@ -131,6 +131,10 @@ struct SandboxOptions {
   // naming it. Empty: no hosts file. `hosts_path` names it in messages.
   std::function<Result<std::optional<std::string>>()> read_hosts;
   std::string hosts_path;
+  // Where the pairs of the file at start (the snapshot) are kept for a
+  // restart, which adopts the table and then takes only pairs listed there
+  // (hosts_snapshot_text). "" = kept in memory only.
+  std::string hosts_snapshot_file;
   // How often the file is read for changes (with run_after; none without).
   std::chrono::milliseconds hosts_poll{2000};
 };
@@ -149,6 +153,16 @@ HostsLoad load_hosts(std::string_view text, std::string_view path);
 // naming the file otherwise.
 Result<std::optional<std::string>> read_hosts_file(const std::string& path);
 constexpr std::size_t kMaxHostsFile = 1 << 20;
+
+// The snapshot file (SandboxOptions::hosts_snapshot_file): `pairs` as hosts
+// file lines between a first line kHostsSnapshotHead and a last line "# end"
+// (a file cut short is told from one with fewer pairs). `path` is the hosts
+// file's, for the reader.
+inline constexpr std::string_view kHostsSnapshotHead = "# egressd hosts snapshot v1";
+std::string hosts_snapshot_text(const LearnedStore::HostsPairs& pairs, std::string_view path);
+// Its pairs; an error naming `file` and what is wrong (no head or end line, a
+// line hosts_file.h cannot read).
+Result<LearnedStore::HostsPairs> parse_hosts_snapshot(std::string_view text, std::string_view file);
 
 // read_hosts_file for a sandbox, which reads the file at every switch and
 // every hosts_poll: a stat of the path that shows the file read last,
@@ -224,7 +238,10 @@ class Sandbox : public dns::PolicyHooks {
   // drop pairs, never add them, since a sandbox may be able to write the
   // file), learns those the phase in force allows, and reads it again every
   // hosts_poll. A broken or unreadable file teaches nothing: the error, also
-  // logged. No read_hosts: nothing.
+  // logged. No read_hosts: nothing. With hosts_snapshot_file, a fresh table
+  // writes the snapshot there and an adopted one (a restart, a re-add) reads
+  // it instead of taking the file as it is now; missing or broken, nothing
+  // is learned from the hosts file (logged, audit event hosts_file).
   Status start_hosts();
   // Reads the file again; when its text changed, its pairs (those of the
   // snapshot) replace the previous ones, and those the phase in force
@@ -532,6 +549,10 @@ class Sandbox : public dns::PolicyHooks {
   bool hosts_started_ = false;
   std::optional<std::string> hosts_text_;   // the text last read (nullopt: none or missing)
   std::optional<LearnedStore::HostsPairs> hosts_snapshot_;  // the pairs at start
+  // Sets hosts_snapshot_ from hosts_snapshot_file (an adopted table); empty,
+  // and logged, when it is missing or broken.
+  void load_hosts_snapshot();
+  bool adopted_ = false;  // start() found a table of ours with its state: a restart
   LearnedStore::HostsPairs hosts_;          // the file's pairs now, within the snapshot
   Clock::time_point hosts_refreshed_{};
   std::string hosts_error_;                 // the last read's problem ("" if none)

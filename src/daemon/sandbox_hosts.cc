@@ -168,6 +168,57 @@ Result<std::optional<std::string>> HostsFileReader::operator()() {
   return r;
 }
 
+std::string hosts_snapshot_text(const LearnedStore::HostsPairs& pairs, std::string_view path) {
+  std::string out = fmt::format(
+      "{}\n# The pairs of hosts file {} when egressd made the sandbox's table; after a restart\n"
+      "# only these are learned from it (docs/pinning.md \"Hosts files\"). Keep the last line.\n",
+      kHostsSnapshotHead, path);
+  for (const auto& [name, addrs] : pairs) {
+    for (const auto& a : addrs) out += a.to_string() + " " + name + "\n";
+  }
+  return out + "# end\n";
+}
+
+Result<LearnedStore::HostsPairs> parse_hosts_snapshot(std::string_view text, std::string_view file) {
+  const std::string f(file);
+  if (text.substr(0, text.find('\n')) != kHostsSnapshotHead) {
+    return Error::invalid("hosts snapshot " + f + " does not start with \"" + std::string(kHostsSnapshotHead) + "\"");
+  }
+  constexpr std::string_view kEnd = "\n# end\n";
+  if (text.size() < kEnd.size() || text.substr(text.size() - kEnd.size()) != kEnd) {
+    return Error::invalid("hosts snapshot " + f + " does not end with \"# end\" (cut short?)");
+  }
+  HostsLoad load = load_hosts(text, file);
+  if (!load.problems.empty()) return Error::invalid("hosts snapshot " + load.problems.front());
+  return std::move(load.pairs);
+}
+
+void Sandbox::load_hosts_snapshot() {
+  const std::string& file = opts_.hosts_snapshot_file;
+  auto text = read_hosts_file(file);
+  Result<LearnedStore::HostsPairs> pairs = Error::invalid("");
+  if (!text) {
+    pairs = text.error();
+  } else if (!*text) {
+    pairs = Error::invalid("hosts snapshot " + file + " does not exist");
+  } else {
+    pairs = parse_hosts_snapshot(**text, file);
+  }
+  if (pairs) {
+    hosts_snapshot_ = std::move(*pairs);
+    return;
+  }
+  // Fail closed: without the pairs of the file at the start, the file as it
+  // is now may hold pairs the sandbox wrote.
+  hosts_snapshot_.emplace();
+  const std::string error = fmt::format(
+      "hosts file {}: nothing is learned from it: this table was adopted and {} (remove the sandbox with its "
+      "policy and add it again, or write the pairs to keep into that file; docs/pinning.md \"Hosts files\")",
+      opts_.hosts_path, pairs.error().message);
+  log()->error("{}", error);
+  audit_event("hosts_file", {{"path", opts_.hosts_path}, {"ok", false}, {"error", error}}, spdlog::level::err);
+}
+
 bool Sandbox::read_hosts() {
   auto r = opts_.read_hosts();
   std::optional<std::string> text;
@@ -198,6 +249,14 @@ bool Sandbox::read_hosts() {
   hosts_error_ = error;
   if (!hosts_snapshot_) {
     hosts_snapshot_ = pairs;
+    if (!opts_.hosts_snapshot_file.empty()) {
+      // Written before anything is learned: a restart that finds no
+      // snapshot learns nothing rather than trust the file as it is then.
+      if (auto s = write_atomically(opts_.hosts_snapshot_file, hosts_snapshot_text(pairs, opts_.hosts_path)); !s) {
+        log()->error("hosts file {}: snapshot not kept for a restart (which will learn nothing from the file): {}",
+                     opts_.hosts_path, s.error().message);
+      }
+    }
   } else {
     // Within the snapshot only: what the file gained since start is not taken.
     LearnedStore::HostsPairs kept;
@@ -304,6 +363,7 @@ Status Sandbox::apply_hosts() {
 Status Sandbox::start_hosts() {
   if (!opts_.read_hosts || hosts_started_) return {};
   hosts_started_ = true;
+  if (adopted_ && !opts_.hosts_snapshot_file.empty()) load_hosts_snapshot();
   (void)read_hosts();
   sync_hosts_store();
   Status st = apply_hosts();

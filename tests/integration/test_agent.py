@@ -556,12 +556,14 @@ def test_a_kept_sandbox_in_a_namespace_owned_elsewhere_is_dropped_at_restart(lab
     assert decoy_tables(p) == ""
 
 
-def container_with_hosts(lab, text: str):
-    """A process in network and mount namespaces of its own with `text` as its /etc/hosts (a
-    file bind-mounted over it, as a container runtime does)."""
+def container_with_hosts(lab, text: str, ns: Netns | None = None):
+    """A process in network and mount namespaces of its own (or in `ns`, with a mount namespace
+    of its own) with `text` as its /etc/hosts (a file bind-mounted over it, as a container
+    runtime does)."""
     hosts = lab.tmp / "container-hosts"
     hosts.write_text(text)
-    p = lab.spawn(["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c",
+    into = ["ip", "netns", "exec", ns.name, "unshare"] if ns else ["unshare", "--net"]
+    p = lab.spawn([*into, "--mount", "--propagation", "private", "sh", "-c",
                    f"mount --bind {hosts} /etc/hosts && exec sleep 60"])
     wait_for(lambda: labmod.run(["readlink", f"/proc/{p.pid}/exe"], check=False).stdout.strip().endswith("sleep"),
              5.0, "the namespaced process to exec sleep")
@@ -594,6 +596,61 @@ def test_a_netns_pid_sandbox_has_no_hosts_file_unless_named(lab, agent):
     j = agent.json("--sandbox", "pid", "explain", "203.0.113.10", "--json")
     assert j["allowed"] is False, j
     assert "hosts file" not in agent.log(), agent.log()
+    p.kill()
+    p.wait(5)
+
+
+def test_a_restarted_agent_learns_only_the_hosts_pairs_of_the_snapshot_kept_at_the_add(lab, agent):
+    """The hosts file may be the sandbox's to write (/proc/PID/root/etc/hosts): only the pairs
+    in it at the add are learned. The snapshot was kept in memory only, so a restarted agent
+    read the file afresh and learned a pair the sandbox had added since (TCP to it passed).
+    It is kept in the state directory (NAME.state.hosts) and caps what a restart learns."""
+    ns = lab.extra_netns("c")
+    wire(lab, ns, 1)
+    attack = "198.51.100.11"  # b.example.com's address: not allowed
+    p = container_with_hosts(lab, "127.0.0.1 localhost\n198.51.100.10 a.example.com\n", ns)
+    config = lab.write_config("""\
+initial_phase: agent
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  agent: { network_mode: allowlist, allowed_hosts: ["a.example.com"] }
+""")
+    agent.ok("sandbox", "add", "c", "--netns-pid", p.pid, "--config", config,
+             "--hosts-file", f"/proc/{p.pid}/root/etc/hosts")
+    snapshot = agent.state_dir / "c.state.hosts"
+    assert "198.51.100.10 a.example.com\n" in snapshot.read_text()
+
+    def from_hosts():
+        st = agent.json("--sandbox", "c", "status", "--json")
+        return sorted(a["address"] for l in st["learned"] for a in l["addresses"] if a["source"] == "hosts")
+
+    assert from_hosts() == ["198.51.100.10"]
+    assert ns.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+    # The sandbox's root points the allowed name at an address of its choice.
+    with open(lab.tmp / "container-hosts", "a") as f:
+        f.write(f"{attack} a.example.com\n")
+    wait_for(lambda: "not in it at start are not learned" in agent.log(), 10.0, "the agent to read the new pair")
+    assert ns.tcp_connect(attack, ECHO_PORT, timeout=1) != "ok"
+
+    agent.stop()
+    agent.start()
+    assert from_hosts() == ["198.51.100.10"], "the restart took the sandbox's pair"
+    res = ns.tcp_connect(attack, ECHO_PORT, timeout=1)
+    assert res != "ok", f"TCP to the sandbox's hosts pair passes after the restart: {res}"
+    assert ns.tcp_connect("198.51.100.10", ECHO_PORT) == "ok"
+
+    # Without its snapshot a restart learns nothing from the file (fail closed), and says why.
+    agent.stop()
+    snapshot.unlink()
+    agent.start()
+    assert from_hosts() == []
+    assert f"hosts snapshot {snapshot} does not exist" in agent.log()
+    # Removed with its policy and added again: a fresh snapshot of the file as it is now (the
+    # operator's choice to trust it).
+    agent.ok("sandbox", "remove", "c", "--remove-policy")
+    agent.ok("sandbox", "add", "c", "--netns-pid", p.pid, "--config", config,
+             "--hosts-file", f"/proc/{p.pid}/root/etc/hosts")
+    assert from_hosts() == ["198.51.100.10", attack]
     p.kill()
     p.wait(5)
 

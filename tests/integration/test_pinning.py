@@ -370,6 +370,34 @@ def test_hosts_file_changes_drop_pairs_but_never_add_them(lab, egressd, servers,
     assert j["allowed"] is False, j
 
 
+def test_hosts_file_a_restart_takes_only_the_pairs_of_the_snapshot_kept_at_start(lab, egressd, servers, hosts_file):
+    """The snapshot of the file at start was kept in memory only: a restarted egressd read the
+    file afresh and learned a pair the sandbox had written since. It is kept beside the state
+    file (<socket>.state.hosts) and caps what a restart that adopts the table learns; missing,
+    nothing is learned from the file."""
+    d = egressd(HOSTS_POLICY, extra=["--hosts-file", str(hosts_file)])
+    snapshot = d.socket_path.with_name(d.socket_path.name + ".state.hosts")
+    assert f"{V4} host.docker.internal\n" in snapshot.read_text()
+    with open(hosts_file, "a") as f:
+        f.write("198.51.100.11 host.docker.internal\n")
+    labmod.wait_for(lambda: "not in it at start are not learned" in d.log(), 6.0, "the re-read to be logged")
+    assert explain_json(d, "host.docker.internal@198.51.100.11:443")["allowed"] is False
+    d.restart()
+    j = explain_json(d, "host.docker.internal@198.51.100.11:443")
+    assert j["allowed"] is False, f"the restart learned the pair written after start: {j}"
+    learned = {l["name"]: l["addresses"] for l in d.status()["learned"]}
+    assert sorted(a["address"] for a in learned["host.docker.internal"]) == sorted([V4, V6]), learned
+    assert tls(lab, V4, "host.docker.internal") == ("ok", b"tls:ping")
+    # No snapshot with an adopted table: fail closed, and the log says why.
+    d.stop()
+    snapshot.unlink()
+    d.start()
+    # (The elements the last egressd wrote stay in the adopted sets until their 60 s timeout.)
+    assert [a for l in d.status()["learned"] for a in l["addresses"] if a["source"] == "hosts"] == []
+    assert explain_json(d, "host.docker.internal@198.51.100.11:443")["allowed"] is False
+    assert f"hosts snapshot {snapshot} does not exist" in d.log()
+
+
 def test_hosts_file_named_but_missing_or_broken_refuses_to_start(lab, hosts_file):
     def run_egressd(path):
         return labmod.run([str(labmod.egressd_binary()), "run", "--socket", str(lab.tmp / "h.sock"), "--netns",

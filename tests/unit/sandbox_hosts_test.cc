@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 
 #include "daemon/sandbox.h"
 #include "support/clock.h"
@@ -49,15 +50,18 @@ struct Fixture {
   Result<std::optional<std::string>> file = std::optional<std::string>{};
   std::size_t reads = 0;
 
-  explicit Fixture(std::optional<std::string> text, Policy p = policy()) {
+  explicit Fixture(std::optional<std::string> text, Policy p = policy(),
+                   std::optional<nft::TableInfo> existing = std::nullopt, std::string snapshot_file = "") {
     file = std::move(text);
     auto k = std::make_unique<FakeKernel>();
+    k->table = std::move(existing);
     kernel = k.get();
     SandboxOptions o;
     o.policy = std::move(p);
     o.clock = clock.source();
     o.compile.pin = true;
     o.hosts_path = "/etc/hosts";
+    o.hosts_snapshot_file = std::move(snapshot_file);
     o.read_hosts = [this]() -> Result<std::optional<std::string>> {
       ++reads;
       return file;
@@ -390,4 +394,117 @@ TEST_CASE("HostsFileReader: a stat answers while the file is unchanged; any chan
   std::remove(other.c_str());
   std::remove(file.c_str());
   ::rmdir(dir.c_str());
+}
+
+namespace {
+
+// A file name in a directory of its own, removed with it.
+struct TempPath {
+  std::string dir, path;
+  explicit TempPath(const char* tag) {
+    char d[] = "/tmp/egressd-hosts-snap-XXXXXX";
+    REQUIRE(::mkdtemp(d) != nullptr);
+    dir = d;
+    path = dir + "/" + tag;
+  }
+  ~TempPath() { std::filesystem::remove_all(dir); }
+};
+
+std::string slurp(const std::string& path) {
+  auto r = read_hosts_file(path);
+  REQUIRE(r.ok());
+  REQUIRE(r->has_value());
+  return **r;
+}
+
+}  // namespace
+
+TEST_CASE("hosts snapshot: text and parse agree; a file without its head or end line is refused") {
+  LearnedStore::HostsPairs pairs{{"allowed.test", {ip("203.0.113.10"), ip("2001:db8::10")}},
+                                 {"host.docker.internal", {ip("10.0.0.1")}}};
+  const std::string text = hosts_snapshot_text(pairs, "/proc/7/root/etc/hosts");
+  CHECK(text.rfind(std::string(kHostsSnapshotHead) + "\n", 0) == 0);
+  auto back = parse_hosts_snapshot(text, "s");
+  REQUIRE(back.ok());
+  CHECK(*back == pairs);
+  CHECK(parse_hosts_snapshot(hosts_snapshot_text({}, "h"), "s").ok());
+  CHECK(parse_hosts_snapshot(hosts_snapshot_text({}, "h"), "s")->empty());
+
+  CHECK(parse_hosts_snapshot("", "s").error().message == "hosts snapshot s does not start with \"" +
+                                                             std::string(kHostsSnapshotHead) + "\"");
+  CHECK(parse_hosts_snapshot("203.0.113.10 allowed.test\n# end\n", "s").error().message.find("does not start") !=
+        std::string::npos);
+  const std::string cut = text.substr(0, text.size() - 3);
+  CHECK(parse_hosts_snapshot(cut, "s").error().message == "hosts snapshot s does not end with \"# end\" (cut short?)");
+  std::string bad = text;
+  bad.insert(bad.find("# end"), "203.0.113.11\n");
+  CHECK(parse_hosts_snapshot(bad, "s").error().message.find("without a name") != std::string::npos);
+}
+
+TEST_CASE("hosts file: the snapshot is kept with the state; a restart takes only its pairs, not the file as it is") {
+  const TempPath tmp("egressd.sock.state.hosts");
+  const std::string& snap = tmp.path;
+  std::optional<nft::TableInfo> table;
+  {
+    Fixture f{std::string("203.0.113.10 allowed.test\n"), policy(), std::nullopt, snap};
+    REQUIRE(f.sb->start("agent").ok());
+    REQUIRE(f.sb->start_hosts().ok());
+    CHECK(f.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+    CHECK(slurp(snap) == hosts_snapshot_text({{"allowed.test", {ip("203.0.113.10")}}}, "/etc/hosts"));
+    // The sandbox adds a pair: held while this egressd runs.
+    f.file = std::optional<std::string>("203.0.113.10 allowed.test\n198.51.100.11 allowed.test\n");
+    REQUIRE(f.sb->reload_hosts().ok());
+    CHECK(f.sb->learned_names_for(ip("198.51.100.11")).empty());
+    table = f.kernel->table;
+  }
+  REQUIRE(table.has_value());
+  // The restart adopts the table and reads the file with the sandbox's pair in it: still not taken
+  // (before, the snapshot was the file as read at the restart).
+  Fixture again{std::string("203.0.113.10 allowed.test\n198.51.100.11 allowed.test\n"), policy(), table, snap};
+  REQUIRE(again.sb->start("agent").ok());
+  REQUIRE(again.sb->start_hosts().ok());
+  CHECK(again.sb->learned_names_for(ip("198.51.100.11")).empty());
+  CHECK(again.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  CHECK(again.sb->hosts_pairs() == LearnedStore::HostsPairs{{"allowed.test", {ip("203.0.113.10")}}});
+  // The snapshot file is not rewritten by the restart.
+  CHECK(slurp(snap) == hosts_snapshot_text({{"allowed.test", {ip("203.0.113.10")}}}, "/etc/hosts"));
+  // Removing the table (--remove-policy, --cleanup-on-exit) removes the snapshot: the next table is a fresh start.
+  REQUIRE(again.sb->remove_table().ok());
+  CHECK(::access(snap.c_str(), F_OK) != 0);
+}
+
+TEST_CASE("hosts file: a restart without its snapshot, or with a broken one, learns nothing from the file") {
+  const TempPath tmp("egressd.sock.state.hosts");
+  const std::string& snap = tmp.path;
+  std::optional<nft::TableInfo> table;
+  {
+    Fixture f{std::string("203.0.113.10 allowed.test\n"), policy(), std::nullopt, snap};
+    REQUIRE(f.sb->start("agent").ok());
+    REQUIRE(f.sb->start_hosts().ok());
+    table = f.kernel->table;
+  }
+  const std::string text = slurp(snap);
+  for (const std::string& damage : {std::string("missing"), std::string("cut"), std::string("garbage")}) {
+    CAPTURE(damage);
+    if (damage == "missing") {
+      REQUIRE(::unlink(snap.c_str()) == 0);
+    } else {
+      std::FILE* out = std::fopen(snap.c_str(), "w");
+      REQUIRE(out != nullptr);
+      const std::string t = damage == "cut" ? text.substr(0, text.size() - 4) : "garbage\n";
+      std::fwrite(t.data(), 1, t.size(), out);
+      std::fclose(out);
+    }
+    Fixture again{std::string("203.0.113.10 allowed.test\n"), policy(), table, snap};
+    REQUIRE(again.sb->start("agent").ok());
+    (void)again.sb->start_hosts();
+    CHECK(again.sb->learned_names_for(ip("203.0.113.10")).empty());
+    CHECK(again.sb->hosts_pairs().empty());
+  }
+  // No table at all: a fresh start takes the file as it is and keeps its snapshot again.
+  Fixture fresh{std::string("203.0.113.10 allowed.test\n"), policy(), std::nullopt, snap};
+  REQUIRE(fresh.sb->start("agent").ok());
+  REQUIRE(fresh.sb->start_hosts().ok());
+  CHECK(fresh.sb->learned_names_for(ip("203.0.113.10")) == Names{"allowed.test"});
+  CHECK(slurp(snap) == text);
 }
