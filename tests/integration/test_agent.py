@@ -655,6 +655,51 @@ phases:
     p.wait(5)
 
 
+def test_a_megabyte_hosts_file_is_refused_without_stalling_the_other_sandboxes(lab, agent):
+    """A sandbox whose hosts file the agent reads may write a megabyte of pairs into it: one
+    name with 80,000 addresses took 9 s to parse (a linear search per line), on the loop every
+    sandbox shares, and each rewrite did it again; the warning listed every ignored pair. Such
+    a file now teaches nothing (over 4096 pairs), found in milliseconds, and the warning about
+    pairs added since the start names 8 and counts the rest."""
+    config = lab.write_config("""\
+initial_phase: agent
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  agent: { network_mode: allowlist, allowed_hosts: ["a.example.com"] }
+""")
+    ns = lab.extra_netns("c")
+    wire(lab, ns, 1)
+    p = container_with_hosts(lab, "127.0.0.1 localhost\n", ns)
+    agent.ok("sandbox", "add", "A", "--netns-pid", p.pid, "--config", config,
+             "--hosts-file", f"/proc/{p.pid}/root/etc/hosts")
+    agent.ok("sandbox", "add", "B", "--netns", lab.sandbox.path, "--config", config)
+    assert lab.sandbox.dns_query("a.example.com").rcode == "NOERROR"
+
+    lines, n, i = [], 0, 0
+    while n < (1 << 20) - 64:  # the reviewer's shape: one name, ~80,000 addresses
+        lines.append(f"{1 + (i >> 24)}.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255} a\n")
+        n += len(lines[-1])
+        i += 1
+    (lab.tmp / "container-hosts").write_text("".join(lines))
+    # B keeps asking while the agent reads A's file (every 2 s): each answer comes at once.
+    slow, deadline = [], time.monotonic() + 15
+    while "more than 4096 (name, address) pairs" not in agent.log():
+        assert time.monotonic() < deadline, f"the oversized hosts file was not refused; slow answers: {slow}"
+        t0 = time.monotonic()
+        r = lab.sandbox.dns_query("a.example.com", timeout=2.0)
+        if r.rcode != "NOERROR" or time.monotonic() - t0 >= 1.0:
+            slow.append((r.rcode or str(r.outcome), round(time.monotonic() - t0, 3)))
+    assert not slow, f"B's DNS stalled while A's hosts file was parsed: {slow}"
+
+    # Twenty pairs added since the start: the warning names 8 and counts the rest.
+    size = len(agent.log())
+    (lab.tmp / "container-hosts").write_text("".join(f"203.0.113.{k} b{k}.example.com\n" for k in range(20)))
+    wait_for(lambda: "and 12 more" in agent.log()[size:], 10.0, "the capped warning")
+    assert len(agent.log()) - size < 4096, agent.log()[size:]
+    p.kill()
+    p.wait(5)
+
+
 def test_hosts_file_dev_null_means_none(lab, agent):
     # The documented way to learn nothing from a hosts file: the process's own file names
     # host.docker.internal, and with --hosts-file /dev/null it is not read (a device is never
