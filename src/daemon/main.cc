@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
   d->add_option("--hosts-file", run.hosts_file,
                 "hosts file whose names are learned like DNS answers (default /etc/hosts, or "
                 "/proc/PID/root/etc/hosts with --netns-pid; /dev/null for none); read at start, at every switch and "
-                "when it changes, pairs added after start are not taken");
+                "when it changes; pairs added after start are not taken, across restarts too (the start's pairs are "
+                "kept in <state-file>.hosts)");
   d->add_option("--ready-file", run.ready_file, "created once the initial policy is in the kernel");
   d->add_option("--state-file", run.state_file, "where inline policies are kept for adoption (default <socket>.state)");
   d->add_option("--allow-uid", run.allow_uids, "uid allowed on the control socket besides root (repeatable)");
