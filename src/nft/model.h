@@ -130,8 +130,12 @@ struct MatchTcpFlagSyn {};
 struct MatchTcpFlagUrg {};
 // `tcp flags rst` (loads the protocol itself).
 struct MatchTcpFlagRst {};
-// meta l4proto <proto> (6 tcp, 17 udp)
-struct MatchL4Proto { std::uint8_t proto; };
+// `tcp flags syn / syn,ack`: SYN set and ACK clear, the first packet of a
+// connection (a SYN-ACK or a segment from mid-stream is not). Loads the
+// protocol itself.
+struct MatchTcpSynOnly {};
+// meta l4proto <proto> (6 tcp, 17 udp); negated: `meta l4proto != <proto>`.
+struct MatchL4Proto { std::uint8_t proto; bool negate = false; };
 // {tcp|udp} dport <port>  (emits meta l4proto + transport payload)
 struct MatchDport { std::uint8_t proto; std::uint16_t port; };
 // {tcp|udp} sport <port>  (emits meta l4proto + transport payload)
@@ -233,7 +237,7 @@ struct StmtVerdict { VerdictKind kind; std::string chain; };
 using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
-                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
+                          MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchTcpSynOnly, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
                           MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;

@@ -496,9 +496,18 @@ class RuleBuilder {
   void operator()(const MatchTcpFlagSyn&) { tcp_flag(0x02); }  // SYN
   void operator()(const MatchTcpFlagUrg&) { tcp_flag(0x20); }  // URG
   void operator()(const MatchTcpFlagRst&) { tcp_flag(0x04); }  // RST
+  // [ payload load 1b @ transport header + 13 ] [ bitwise & 0x12 ] [ cmp eq 0x02 ], as nft.
+  void operator()(const MatchTcpSynOnly&) {
+    meta(NFT_META_L4PROTO);
+    cmp_u8(IPPROTO_TCP);
+    payload(NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);  // tcp flags
+    mask_u8(0x12);                                 // SYN | ACK
+    cmp_u8(0x02);                                  // SYN
+  }
   void operator()(const MatchL4Proto& m) {
     meta(NFT_META_L4PROTO);
-    cmp_u8(m.proto);
+    const std::uint8_t proto = m.proto;
+    cmp(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, &proto, sizeof proto);
   }
   void operator()(const MatchDport& m) {
     meta(NFT_META_L4PROTO);

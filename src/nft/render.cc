@@ -154,7 +154,10 @@ struct StmtText {
   std::string operator()(const MatchTcpFlagSyn&) const { return "tcp flags syn"; }
   std::string operator()(const MatchTcpFlagUrg&) const { return "tcp flags urg"; }
   std::string operator()(const MatchTcpFlagRst&) const { return "tcp flags rst"; }
-  std::string operator()(const MatchL4Proto& m) const { return "meta l4proto " + proto_name(m.proto); }
+  std::string operator()(const MatchTcpSynOnly&) const { return "tcp flags syn / syn,ack"; }
+  std::string operator()(const MatchL4Proto& m) const {
+    return std::string("meta l4proto ") + (m.negate ? "!= " : "") + proto_name(m.proto);
+  }
   std::string operator()(const MatchDport& m) const {
     return proto_name(m.proto) + " dport " + std::to_string(m.port);
   }

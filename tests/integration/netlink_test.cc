@@ -468,7 +468,9 @@ TEST_CASE("netlink apply of build_table lists exactly like nft -f of its render"
           {{MatchIifLoopback{}, MatchFibAddrType{false, AddrType::local, true}, StmtVerdict{VerdictKind::drop, ""}}, ""},
           {{MatchSocketMark{0x11223344}, MatchCtDirectionOriginal{}, StmtVerdict{VerdictKind::drop, ""}}, ""},
           {{MatchCtStateInvalid{}, MatchSocketMark{0x11223344}, StmtVerdict{VerdictKind::drop, ""}}, ""},
-          {{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""}}});
+          {{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""},
+          {{MatchIifLoopback{true}, MatchTcpSynOnly{}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""},
+          {{MatchIifLoopback{true}, MatchL4Proto{6, true}, MatchCtStateNew{}, StmtCtMarkSet{0x7fffffff}}, ""}}});
     Table nd;
     nd.name = "egressd";
     nd.family = Family::netdev;

@@ -42,6 +42,7 @@ TEST_CASE("every statement renders as nft lists it") {
   CHECK(one(MatchCtMarkNot{0x0000ff00, 0x00000100}) == "ct mark & 0x0000ff00 != 0x00000100");
   CHECK(one(MatchL4Proto{6}) == "meta l4proto tcp");
   CHECK(one(MatchL4Proto{17}) == "meta l4proto udp");
+  CHECK(one(MatchL4Proto{6, true}) == "meta l4proto != tcp");
   CHECK(one(MatchDport{17, 53}) == "udp dport 53");
   CHECK(one(MatchDport{6, 853}) == "tcp dport 853");
   CHECK(one(MatchLinkIcmpv6{133, 255}) == "icmpv6 type nd-router-solicit ip6 hoplimit 255");
@@ -101,6 +102,8 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchTcpHeaderOnly{6, 5}) == "ip6 length 20 ip6 nexthdr tcp tcp doff 5");
   CHECK(one(MatchTcpFlagUrg{}) == "tcp flags urg");
   CHECK(one(MatchTcpFlagRst{}) == "tcp flags rst");
+  // As nft lists `tcp flags & (syn | ack) == syn`.
+  CHECK(one(MatchTcpSynOnly{}) == "tcp flags syn / syn,ack");
   CHECK(one(MatchCtStateRelated{}) == "ct state related");
   CHECK(one(MatchCtStateInvalid{}) == "ct state invalid");
   CHECK(one(MatchL4Proto{1}) == "meta l4proto icmp");
