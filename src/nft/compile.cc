@@ -565,7 +565,10 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back(count_v4(kCountV4PastSaddrCheck));
   if (policy.enforce.inbound_replies) {
     // Replies on flows that arrived from outside (chain input marks them):
-    // conntrack state the sandbox made itself never counts as inbound.
+    // conntrack state the sandbox made itself never counts as inbound, nor
+    // does a TCP flow conntrack took up mid-stream (no SYN from outside: it
+    // may be the sandbox's own outbound connection, its entry forgotten on a
+    // forged RST and SYN). Those replies go on to the phase's rules below.
     c.rules.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, to_pass()}, ""});
   }
   // Neighbour discovery (hop limit 255: never routed, so never more than the
@@ -652,7 +655,21 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
                        ""});
   }
   if (policy.enforce.inbound_replies) {
-    c.rules.push_back({{MatchIifLoopback{true}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
+    // A TCP flow is inbound only if it began with a SYN from outside. With
+    // nf_conntrack_tcp_loose (the default) conntrack also takes up a segment
+    // from the middle of a connection it has no entry for as `ct state new`,
+    // and a sandbox process can make it forget one of its own outbound flows:
+    // a forged in-window RST and then a SYN on the flow's tuple (raw socket,
+    // CAP_NET_RAW) are denied by chain output, but conntrack (priority -200)
+    // has already closed the entry and dropped it. The server's next segment
+    // would then start a fresh flow here, marked inbound, and the sandbox's
+    // packets on the old connection would leave as replies in any phase. A
+    // flow taken up mid-stream stays unmarked: its replies are judged by the
+    // phase like any other packet. Other protocols have no handshake to tell.
+    c.rules.push_back(
+        {{MatchIifLoopback{true}, MatchTcpSynOnly{}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
+    c.rules.push_back(
+        {{MatchIifLoopback{true}, MatchL4Proto{kTcp, true}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
   }
   return c;
 }

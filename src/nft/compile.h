@@ -33,7 +33,8 @@
 //   input          base chain, hook input: clears the secrets from anything
 //                  delivered locally, drops frames injected on `lo` with a
 //                  foreign source, keeps egressd's upstream sockets for replies,
-//                  and marks flows that arrive from outside INBOUND.
+//                  and marks flows that arrive from outside INBOUND (TCP only
+//                  on a SYN without ACK: not a connection taken up mid-stream).
 //   dns_redirect   nat output, priority -101 (before Docker's DNAT for
 //                  127.0.0.11 at -100): udp/tcp dport 53 to any address -> the
 //                  DNS proxy, except egressd's own marked upstream traffic.
@@ -101,7 +102,9 @@ inline constexpr std::uint32_t kDefaultMarkSalt = 0x45470000;
 inline constexpr std::uint32_t kPhaseMarkSpan = 0x7ffffffb;  // the marks above it are kPinFollowMark...
 inline constexpr std::uint32_t kInlineMarkBit = 0x80000000;
 // Flows that arrived from outside the namespace (input, iif != lo, ct state
-// new): the only ones whose reply direction output accepts as such.
+// new, and for TCP a SYN without ACK: a connection conntrack took up
+// mid-stream may be the sandbox's own): the only ones whose reply direction
+// output accepts as such.
 inline constexpr std::uint32_t kInboundMark = 0x7fffffff;
 // egressd's own upstream flows. To a loopback upstream: their replies
 // (Docker's resolver answering) pass the block on loopback upstreams. To any
