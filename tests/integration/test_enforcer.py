@@ -20,7 +20,9 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -403,6 +405,121 @@ def test_an_outbound_flow_dressed_as_inbound_is_still_cut(lab, egressd, family):
         if canary is not None:
             canary.close()
         srv.close()
+
+
+# The phases of the inbound-revival tests: an allowlist by address and one by name (the flow
+# reaper spares every flow there, a name's addresses being unknown to it).
+REVIVE_POLICY = """\
+initial_phase: environment
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  agent:
+    network_mode: allowlist
+    allowed_hosts: ["198.51.100.10", "2001:db8:2::/64"]
+  verifier: { network_mode: no-network }
+  named:
+    network_mode: allowlist
+    allowed_hosts: ["a.example.com"]
+"""
+REVIVE_PORT = 9000
+DOCKER_CAPS = "-all,+net_raw,+net_bind_service"
+
+
+def _lines_until(p: subprocess.Popen, want: str, timeout: float, what: str) -> list[str]:
+    """p's stdout lines up to and including the first that starts with one of `want`'s
+    |-separated words (LabError after timeout s)."""
+    deadline = time.monotonic() + timeout
+    lines = []
+    while True:
+        line = labmod._read_line(p, max(0.01, deadline - time.monotonic()), what)
+        lines.append(line)
+        if any(line.startswith(w) for w in want.split("|")):
+            return lines
+
+
+def revive(lab, egressd, phase: str, family: int, mode: str, listener: str, inbound: bool = True) -> dict:
+    """inbound_revive_attacker.py against inbound_revive_server.py across a switch from public to
+    `phase`. Returns the attacker's result with "leaked" (the server received the bytes the
+    sandbox sent after the switch) and "server" (what the server printed)."""
+    config = REVIVE_POLICY if inbound else REVIVE_POLICY.replace("phases:", "enforce: { inbound_replies: false }\nphases:")
+    d = egressd(config, phase="environment")
+    remote = SERVERS_V4[2] if family == 4 else SERVERS_V6[2]
+    canary_addr = SERVERS_V4[1] if family == 4 else SERVERS_V6[2]  # cut by every phase here
+    srv = lab.spawn([sys.executable, labmod.HERE / "inbound_revive_server.py", remote, REVIVE_PORT],
+                    netns=lab.internet, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(srv, 10.0, "the revive server") == "READY"
+    token = os.urandom(6).hex()
+    att = lab.spawn(["setpriv", f"--inh-caps={DOCKER_CAPS}", f"--bounding-set={DOCKER_CAPS}", "--",
+                     sys.executable, labmod.HERE / "inbound_revive_attacker.py", remote, REVIVE_PORT, mode, listener,
+                     token],
+                    netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(att, 10.0, "the attacker") == "READY"
+    server = _lines_until(srv, "RX", 5.0, "the revive server to receive the hello")
+    if phase == "named":
+        # An allowlist by name: the reaper aborts nothing (no canary's abort to wait for).
+        assert d.ctl("apply", phase)[0] == 0
+    else:
+        canary = lab.udp_flow(canary_addr)
+        try:
+            labmod.switch_and_wait_for_reaper(d, canary, phase)
+        finally:
+            canary.close()
+    att.stdin.write(b"go\n")
+    att.stdin.flush()
+    assert labmod._read_line(att, 10.0, "the attacker to forge") == "FORGED"
+    # Conntrack has taken the raw segments (sendto returned): the server's next segment now.
+    srv.stdin.write(b"send\n")
+    srv.stdin.flush()
+    server += _lines_until(srv, "SENT|NOCONN|ERR", 5.0, "the revive server to send")
+    out, err = att.communicate(timeout=30)
+    assert att.returncode == 0, err.decode(errors="replace")
+    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    srv.stdin.write(b"quit\n")
+    srv.stdin.flush()
+    rest, _ = srv.communicate(timeout=10)
+    server += (getattr(srv, "_lab_pending", b"") + rest).decode().splitlines()
+    received = b"".join(bytes.fromhex(line[3:]) for line in server if line.startswith("RX "))
+    res["leaked"] = f"SECRET-{token}".encode() in received
+    res["server"] = server
+    # The phase in force refuses a fresh connection to the server.
+    assert lab.tcp_connect(remote, labmod.ECHO_PORT, timeout=1.0) != "ok"
+    return res
+
+
+@pytest.mark.parametrize("phase,family", [("verifier", 4), ("verifier", 6), ("agent", 4), ("named", 4)])
+def test_an_outbound_flow_forgotten_by_conntrack_does_not_come_back_as_inbound(lab, egressd, phase, family):
+    """Found in an attack review (NET_RAW, enforce.inbound_replies): a sandbox process kept a TCP
+    connection it opened under public alive after a switch. Its listener shares the flow's port
+    (SO_REUSEPORT), so the flow reaper takes the flow for an accepted one and spares it (in an
+    allowlist by name it spares every flow). After the switch it sends an in-window RST and a
+    SYN on the flow's tuple from a raw socket: both denied, but conntrack took them first and
+    forgot the flow. The server's next segment then started a new conntrack entry mid-stream,
+    `ct state new` from outside, which chain input marked INBOUND, and every packet of the
+    sandbox on the connection left as a reply to an inbound flow. A TCP flow is inbound now
+    only if it began with a SYN from outside: the sandbox's answer is judged by the phase and
+    refused, and its bytes never reach the server."""
+    listener = "nolistener" if phase == "named" else "listener"
+    res = revive(lab, egressd, phase, family, "rst_syn", listener)
+    assert res["forge_errors"] == ["Operation not permitted"] * 2, res
+    assert any(line == "SENT" for line in res["server"]), res
+    assert not res["leaked"], f"the sandbox's bytes reached the server after the switch to {phase}: {res}"
+    assert "GOT" not in res.get("answer", ""), res
+    # The server's segment reached the socket as before; the socket's answer (its ACK, or the
+    # secret it carries) met the deny, whose reset ended the connection.
+    assert res["got"] == "HB\n", res
+    assert "Connection reset by peer" in (res.get("secret"), res.get("answer")), res
+
+
+@pytest.mark.parametrize("mode,listener,inbound", [("none", "listener", True), ("rst_syn", "nolistener", True),
+                                                   ("rst_syn", "listener", False)])
+def test_revival_controls_hold(lab, egressd, mode, listener, inbound):
+    """The controls of the attack above, which held before its fix too: without the raw
+    segments the flow keeps its entry and the switch cuts it; without the listener the reaper
+    aborts the socket; without enforce.inbound_replies nothing is marked INBOUND."""
+    res = revive(lab, egressd, "verifier", 4, mode, listener, inbound)
+    assert not res["leaked"], res
+    assert "GOT" not in res.get("answer", ""), res
 
 
 def test_switch_keeps_allowed_flows(lab, egressd):
