@@ -666,6 +666,9 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // packets on the old connection would leave as replies in any phase. A
     // flow taken up mid-stream stays unmarked: its replies are judged by the
     // phase like any other packet. Other protocols have no handshake to tell.
+    // The raw segments still reach conntrack: a rule ahead of it (priority
+    // -300) would have to know the phase and tell a raw socket's packet from
+    // the stack's, and nftables sees neither there.
     c.rules.push_back(
         {{MatchIifLoopback{true}, MatchTcpSynOnly{}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
     c.rules.push_back(
