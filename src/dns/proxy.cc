@@ -82,6 +82,13 @@ constexpr unsigned kLogBurst = 50;
 // 3) servers, over UDP and again over TCP when an answer is truncated. A
 // sandbox process that copies egressd's query cannot multiply it further.
 constexpr int kMaxRelaysPerQuery = 8;
+// TCP connections the proxy accepts beyond max_tcp_connections while a
+// forwarder probe is in flight: Docker's forwarded copy of the probe must
+// find room even when the sandbox holds every ordinary slot (issue 14,
+// finding F2: a sandbox that filled the slots had Docker's copy closed at
+// accept and answered the probe alone). A probe that had to close a
+// connection anyway counts nothing.
+constexpr std::size_t kProbeReserve = 8;
 
 // The original destination of a connection the nat table redirected to us
 // (SO_ORIGINAL_DST): where the peer meant to send its query.
@@ -251,6 +258,10 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   // Queues one framed answer; dropped when the connection is closed.
   void send(std::vector<std::uint8_t> msg);
   void close();
+  // Where this connection stands in the order of accepted connections
+  // (Core::tcp_opened): the forwarder probe counts only copies on
+  // connections accepted after it was sent.
+  std::uint64_t seq() const { return seq_; }
   void query_started() { ++pending_; }
   void query_finished();
   int native_handle() { return sock_.native_handle(); }
@@ -278,6 +289,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   bool read_done_ = false;  // the peer half-closed (or sent a broken frame)
   bool closed_ = false;
   std::size_t pending_ = 0;
+  std::uint64_t seq_ = 0;
 };
 
 class Core : public std::enable_shared_from_this<Core> {
@@ -328,8 +340,15 @@ class Core : public std::enable_shared_from_this<Core> {
   spdlog::logger& log() { return *log_; }
   asio::io_context& io() { return io_; }
   const ProxyOptions& opts() const { return opts_; }
-  bool tcp_slot() { return tcp_.size() < opts_.max_tcp_connections; }
-  void tcp_opened(TcpConn* c) { tcp_.insert(c); }
+  // Room for one more accepted connection; beyond max_tcp_connections only
+  // while a probe is in flight (kProbeReserve). A connection closed at
+  // accept during a probe voids it: it may have been Docker's copy.
+  bool tcp_slot();
+  // Returns the connection's place in the order of accepted connections.
+  std::uint64_t tcp_opened(TcpConn* c) {
+    tcp_.insert(c);
+    return ++tcp_accepted_;
+  }
   void tcp_closed(TcpConn* c) { tcp_.erase(c); }
   void inflight_done() { --inflight_; }
   // A query registered in flight (Pending::key) has ended.
@@ -359,6 +378,13 @@ class Core : public std::enable_shared_from_this<Core> {
     int arrivals = 0;       // copies seen at the proxy
     std::optional<Server> dst;  // where the (last) TCP copy was going
     bool answered = false;  // egressd's probe has its answer (or failed)
+    bool failed = false;    // ... and it was an error, not an answer
+    // Connections with a TcpConn::seq() above this were accepted after the
+    // probe was sent: only a copy on one of them can be Docker's.
+    std::uint64_t conns_before = 0;
+    // Why the probe counts nothing (it may have been suppressed or copied
+    // by the sandbox); empty while it may still pin.
+    std::string void_reason;
     std::unique_ptr<Upstream> upstream;
   };
 
@@ -393,6 +419,8 @@ class Core : public std::enable_shared_from_this<Core> {
   void finish_probe();
   void pin(std::vector<Server> targets, const std::string& source);
   void schedule_probe();
+  // Marks the probe in flight as counting nothing (the first reason is kept).
+  void void_probe(std::string reason);
 
   asio::io_context& io_;
   ProxyOptions opts_;
@@ -402,6 +430,7 @@ class Core : public std::enable_shared_from_this<Core> {
   std::vector<std::unique_ptr<udp::socket>> udp_;
   std::vector<std::unique_ptr<tcp::acceptor>> acceptors_;
   std::unordered_set<TcpConn*> tcp_;
+  std::uint64_t tcp_accepted_ = 0;
   ProxyCounters counters_;
   std::size_t inflight_ = 0;
   std::uint16_t port_ = 0;
@@ -442,6 +471,12 @@ class Core : public std::enable_shared_from_this<Core> {
   asio::steady_timer probe_timer_;
   bool probe_scheduled_ = false;
   Clock::time_point last_probe_{};
+  // A probe got its answer and no copy arrived: the local upstream forwards
+  // from outside the namespace (Docker < 25 with the host's resolver on the
+  // host's loopback). A copy of egressd's query can then only be a sandbox
+  // process's (it sniffed loopback), so it must not start a new probe: the
+  // sandbox would answer that one alone and choose the target (finding F3).
+  bool forwards_outside_ = false;
 };
 
 void log_exception(std::exception_ptr e) {
@@ -477,7 +512,7 @@ TcpConn::TcpConn(std::shared_ptr<Core> core, tcp::socket sock)
     : core_(std::move(core)), sock_(std::move(sock)), idle_(core_->io()), wake_(core_->io()) {}
 
 void TcpConn::start() {
-  core_->tcp_opened(this);
+  seq_ = core_->tcp_opened(this);
   touch();
   asio::co_spawn(core_->io(), [self = shared_from_this()] { return self->read_loop(); }, log_exception);
   asio::co_spawn(core_->io(), [self = shared_from_this()] { return self->watchdog(); }, log_exception);
@@ -1089,6 +1124,13 @@ void Core::exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query)
   up->async_exchange(query, false, [p](Answer a) { p->core->on_upstream(p, std::move(a)); });
 }
 
+bool Core::tcp_slot() {
+  if (tcp_.size() < opts_.max_tcp_connections) return true;
+  if (probe_ && tcp_.size() < opts_.max_tcp_connections + kProbeReserve) return true;
+  if (probe_) void_probe("tcp_connection_closed_at_accept");
+  return false;
+}
+
 void Core::unregister(const std::string& key) {
   auto it = inflight_q_.find(key);
   if (it == inflight_q_.end()) return;
@@ -1100,6 +1142,22 @@ void Core::relay(std::span<const std::uint8_t> msg, const ParsedQuery& q, const 
     // The probe is about to say where the forwarder's copies may go (at
     // start-up, pre-resolution's queries come back before it has).
     waiting_relays_.emplace_back(std::vector<std::uint8_t>(msg.begin(), msg.end()), client);
+    return;
+  }
+  if (!relay_ && forwards_outside_) {
+    // Docker's resolver does not forward through this namespace (the probe
+    // saw no copy), so this copy is a sandbox process's: it gets SERVFAIL
+    // and starts no probe, which the sandbox could answer alone.
+    servfail_now(msg, q, client, "relay_refused");
+    unsigned suppressed = 0;
+    if (relay_log_.allow(Clock::now(), suppressed)) {
+      log_->error("event=relay_refused qname={} suppressed={} action=\"SERVFAIL, no probe\" detail=\"a copy of "
+                  "egressd's query arrived, but the probe found that the local upstream forwards from outside the "
+                  "namespace: a process in the namespace is copying egressd's queries\" fix=\"Docker 25+ "
+                  "(ExtServers in resolv.conf), a forwarder target kept in the state directory, or restart egressd "
+                  "to probe again\"",
+                  q.question.name, suppressed);
+    }
     return;
   }
   if (!relay_) {
@@ -1244,15 +1302,20 @@ void Core::start_probe() {
   Probe pr;
   pr.key.assign(reinterpret_cast<const char*>(q.value().data()) + kHeaderSize, qend - kHeaderSize);
   pr.upstream = std::move(up.value());
+  pr.conns_before = tcp_accepted_;
   probe_ = std::move(pr);
   log_->info("event=forwarder_probe upstream={} qname={}", local->to_string(), name);
+  // Slots (nearly) all held when the probe starts: whoever holds them may
+  // be about to take the rest and have Docker's copy closed at accept.
+  if (tcp_.size() >= opts_.max_tcp_connections - opts_.max_tcp_connections / 8) void_probe("tcp_slots_nearly_full");
   // Over TCP: a forwarder relays a TCP query over TCP, and the redirected
   // connection tells (SO_ORIGINAL_DST) where it was going.
   probe_->upstream->async_exchange(
       q.value(), true,
-      [self = shared_from_this()](Answer) {
+      [self = shared_from_this()](Answer a) {
         if (self->closed_ || !self->probe_ || self->probe_->answered) return;
         self->probe_->answered = true;
+        self->probe_->failed = !a;
         // A copy that races egressd's probe has until the grace ends to show.
         self->probe_timer_.expires_after(self->opts_.forwarder.probe_grace);
         self->probe_timer_.async_wait([self](const error_code& ec) {
@@ -1264,6 +1327,9 @@ void Core::start_probe() {
 void Core::probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client) {
   ++probe_->arrivals;
   std::string dst = "-";
+  // A connection the sandbox opened before the probe (one of those that
+  // filled the slots, say) cannot carry Docker's copy of it.
+  if (client.tcp && client.tcp->seq() <= probe_->conns_before) void_probe("copy_on_a_connection_older_than_the_probe");
   if (client.tcp) {
     const int fd = client.tcp->native_handle();
     auto d = opts_.original_dst ? opts_.original_dst(fd, client.tcp->v6()) : socket_original_dst(fd, client.tcp->v6());
@@ -1296,14 +1362,38 @@ void Core::finish_probe() {
   if (!probe_) return;
   const int arrivals = probe_->arrivals;
   const std::optional<Server> dst = probe_->dst;
+  const std::string void_reason = probe_->void_reason;
+  const bool failed = probe_->failed;
   probe_.reset();
+  if (!void_reason.empty()) {
+    // The sandbox may have suppressed Docker's copy or sent one of its own:
+    // whatever arrived, nothing is pinned (fail closed) and a later probe,
+    // with the slots free again, finds the target.
+    flush_waiting(false);
+    log_->error("event=forwarder_probe_race arrivals={} original_dst={} reason={} action=\"no forwarder target "
+                "pinned; retry in {} ms\" detail=\"egressd's probe could have been suppressed or answered by a "
+                "process in the namespace\"",
+                arrivals, dst ? dst->to_string() : "-", void_reason, opts_.forwarder.probe_retry.count());
+    schedule_probe();
+    return;
+  }
+  if (arrivals == 0 && failed) {
+    // No answer at all (the resolver not up yet): says nothing about where
+    // it forwards.
+    flush_waiting(false);
+    log_->info("event=forwarder_probe result=failed action=\"retry in {} ms\"", opts_.forwarder.probe_retry.count());
+    schedule_probe();
+    return;
+  }
   if (arrivals == 0) {
     flush_waiting(false);
     // The upstream answered without sending the name on through this
     // namespace (Docker forwarding from the host's namespace, or not a
-    // forwarder at all): nothing will loop, nothing to relay.
+    // forwarder at all): nothing will loop, nothing to relay, and a copy
+    // of egressd's query that arrives later is a sandbox process's.
+    forwards_outside_ = true;
     log_->info("event=forwarder_probe result=none detail=\"the local upstream does not forward through this "
-               "namespace; nothing to relay\"");
+               "namespace; nothing to relay, and copies of egressd's queries are refused\"");
     return;
   }
   auto local_addr = [this](const IpPrefix& ip) {
@@ -1329,8 +1419,16 @@ void Core::finish_probe() {
   schedule_probe();
 }
 
+void Core::void_probe(std::string reason) {
+  if (!probe_ || !probe_->void_reason.empty()) return;
+  log_->warn("event=forwarder_probe_void reason={}", reason);
+  probe_->void_reason = std::move(reason);
+}
+
 void Core::schedule_probe() {
-  if (closed_ || probe_ || relay_ || probe_scheduled_ || !opts_.forwarder.probe || !serving_) return;
+  if (closed_ || probe_ || relay_ || probe_scheduled_ || forwards_outside_ || !opts_.forwarder.probe || !serving_) {
+    return;
+  }
   probe_scheduled_ = true;
   probe_timer_.expires_at(std::max(Clock::now(), last_probe_ + opts_.forwarder.probe_retry));
   probe_timer_.async_wait([self = shared_from_this()](const error_code& ec) {

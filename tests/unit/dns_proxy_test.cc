@@ -242,7 +242,9 @@ class FakeUpstream {
       if (ec) return;
       Msg q(buf_.begin(), buf_.begin() + static_cast<std::ptrdiff_t>(n));
       ParsedQuery pq = parse_query(q);
-      if (!silent && forward_to && pq.status == QueryStatus::ok && services.count(pq.question.name) == 0) {
+      if (silent_udp && pq.status == QueryStatus::ok) {
+        seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, false, q, peer_.port()});
+      } else if (!silent && forward_to && pq.status == QueryStatus::ok && services.count(pq.question.name) == 0) {
         seen.push_back({pq.question.name, pq.question.qtype, pq.header.id, false, q, peer_.port()});
         relay(std::move(q), peer_);
       } else if (auto a = answer(q, false, peer_.port())) {
@@ -306,6 +308,18 @@ class FakeUpstream {
   // Docker's forwarding of a TCP query: over TCP to `tcp_forward_to`
   // (`copies` times: more than one is a racer's copy), the first answer back.
   void tcp_relay(const std::shared_ptr<Conn>& c) {
+    tcp_queries.push_back(c->body);
+    if (tcp_copies == 0) {
+      // Forwarded from outside the namespace (or the copy suppressed): the
+      // proxy sees nothing, egressd gets an answer all the same.
+      if (auto a = answer(c->body, true)) {
+        auto framed = std::make_shared<Msg>();
+        put16(*framed, static_cast<std::uint16_t>(a->size()));
+        framed->insert(framed->end(), a->begin(), a->end());
+        asio::async_write(c->sock, asio::buffer(*framed), [framed](const boost::system::error_code&, std::size_t) {});
+      }
+      return;
+    }
     for (int i = 0; i < tcp_copies; ++i) {
       ++forwarded;
       auto out = std::make_shared<tcp::socket>(io_);
@@ -315,8 +329,9 @@ class FakeUpstream {
       framed->insert(framed->end(), c->body.begin(), c->body.end());
       asio::write(*out, asio::buffer(*framed));
       auto len = std::make_shared<std::array<std::uint8_t, 2>>();
-      asio::async_read(*out, asio::buffer(*len), [out, len, c, i](const boost::system::error_code& ec, std::size_t) {
+      asio::async_read(*out, asio::buffer(*len), [this, out, len, c, i](const boost::system::error_code& ec, std::size_t) {
         if (ec) return;
+        ++tcp_copies_answered;
         auto body = std::make_shared<Msg>(static_cast<std::size_t>(((*len)[0] << 8) | (*len)[1]));
         asio::async_read(*out, asio::buffer(*body), [out, len, body, c, i](const boost::system::error_code& e2, std::size_t) {
           if (e2 || i != 0) return;
@@ -331,7 +346,10 @@ class FakeUpstream {
 
  public:
   std::optional<tcp::endpoint> tcp_forward_to;
-  int tcp_copies = 1;
+  int tcp_copies = 1;          // 0: answered here, no copy reaches the proxy
+  int tcp_copies_answered = 0; // copies the proxy accepted and answered
+  std::vector<Msg> tcp_queries;  // every TCP query to forward (egressd's probes), as a sniffer sees them
+  bool silent_udp = false;     // UDP queries recorded, never answered nor forwarded
 
  private:
   asio::io_context& io_;
@@ -1364,6 +1382,115 @@ TEST_CASE("the forwarder probe pins the target from the one copy that arrives, a
       CHECK(hooks.relay_calls.empty());
     }
   }
+}
+
+namespace {
+
+// The proxy probing Docker's resolver (`docker`), with short timers: a
+// probe that pins nothing is retried after 300 ms.
+struct ProbeFixture {
+  asio::io_context io;
+  FakeUpstream docker{io};
+  FakeHooks hooks;
+  std::unique_ptr<Proxy> proxy;
+
+  void start(std::size_t max_tcp = 64, int first_copies = 2) {
+    ProxyOptions o;
+    o.upstream = {docker.address()};
+    o.own_local_upstreams = false;
+    o.max_tcp_connections = max_tcp;
+    o.upstream_timeout = 5000ms;
+    o.forwarder.probe = true;
+    o.forwarder.probe_grace = 100ms;
+    o.forwarder.probe_retry = 300ms;
+    o.original_dst = [](int, bool) -> std::optional<Server> { return parse_server("192.0.2.53").value(); };
+    auto b = Proxy::bind(io, o, hooks);
+    REQUIRE(b.ok());
+    proxy = std::move(b.value());
+    docker.tcp_forward_to = tcp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
+    docker.tcp_copies = first_copies;
+    proxy->serve(0);
+  }
+  // A sandbox connection to the proxy, accepted and served (one refused query answered).
+  std::unique_ptr<TcpClient> held_connection(std::uint16_t id) {
+    auto c = std::make_unique<TcpClient>(io, proxy->port());
+    c->send(query(id, "held.example"));
+    REQUIRE(run_until(io, [&] { return !c->got.empty(); }));
+    return c;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the forwarder probe pins nothing from a copy on a connection opened before it") {
+  // Finding F2: the sandbox holds a connection "to" its resolver, keeps
+  // Docker's copy of the probe from arriving, and sends its own copy over
+  // the held connection.
+  ProbeFixture f;
+  f.start();
+  // The first probe races (two copies): nothing pinned, retried.
+  REQUIRE(run_until(f.io, [&] { return f.docker.forwarded == 2; }));
+  auto racer = f.held_connection(1);
+  f.docker.tcp_copies = 0;  // Docker's copy of the next probe never arrives
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 2; }));
+  racer->send(f.docker.tcp_queries[1]);
+  REQUIRE(run_until(f.io, [&] { return racer->got.size() == 2; }));
+  // That probe ends without a pin and the next one starts (with Docker's
+  // copy arriving again it pins the real target).
+  f.docker.tcp_copies = 1;
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 3 || !f.hooks.relay_calls.empty(); }));
+  CHECK(f.docker.tcp_queries.size() == 3);
+  REQUIRE(run_until(f.io, [&] { return !f.hooks.relay_calls.empty(); }));
+  CHECK(f.hooks.relay_calls.size() == 1);
+  CHECK(f.docker.forwarded == 3);
+}
+
+TEST_CASE("a probe while the sandbox holds the TCP slots pins nothing, and Docker's copy still finds room") {
+  ProbeFixture f;
+  f.start(4);
+  REQUIRE(run_until(f.io, [&] { return f.docker.forwarded == 2; }));
+  // Every ordinary slot held.
+  std::vector<std::unique_ptr<TcpClient>> held;
+  for (std::uint16_t i = 0; i < 4; ++i) held.push_back(f.held_connection(i));
+  f.docker.tcp_copies = 1;
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 3 || !f.hooks.relay_calls.empty(); }));
+  // The second probe: Docker's copy was accepted beyond the limit and
+  // answered, but the probe counted nothing; the third started.
+  CHECK(f.hooks.relay_calls.empty());
+  CHECK(f.docker.tcp_copies_answered >= 3);
+  held.clear();
+  REQUIRE(run_until(f.io, [&] { return !f.hooks.relay_calls.empty(); }));
+  CHECK(f.hooks.relay_calls[0].first.at(0).to_string() == "192.0.2.53");
+}
+
+TEST_CASE("after a probe that saw no copy, a copy of egressd's query gets SERVFAIL and starts no probe") {
+  // Finding F3: the resolver forwards from outside the namespace; a
+  // sandbox process that copies egressd's query must not get a new probe
+  // that it would answer alone.
+  ProbeFixture f;
+  f.hooks.allowed = {"pypi.org"};
+  f.start(64, 0);
+  f.docker.silent_udp = true;  // egressd's query stays in flight
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 1; }));
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(1, "pypi.org"));
+  REQUIRE(run_until(f.io, [&] { return f.docker.saw("pypi.org"); }));
+  const Msg copy = f.docker.seen.back().raw;
+  UdpClient racer(f.io, f.proxy->port());
+  // Copies, one after the other, until a new probe starts or 1.5 s (five
+  // probe retries) pass.
+  const auto deadline = Clock::now() + 1500ms;
+  std::size_t sent = 0;
+  while (Clock::now() < deadline && f.docker.tcp_queries.size() == 1) {
+    racer.send(copy);
+    ++sent;
+    REQUIRE(run_until(f.io, [&] { return racer.got.size() == sent; }));
+    CHECK(rcode_of(racer.got.back()) == Rcode::servfail);
+    run_until(f.io, [&] { return f.docker.tcp_queries.size() > 1; }, 50ms);
+  }
+  CHECK(f.docker.tcp_queries.size() == 1);
+  CHECK(f.hooks.relay_calls.empty());
+  CHECK(f.proxy->counters().relayed == 0);
 }
 
 TEST_CASE("resolv.conf's ExtServers comment (Docker >= 25)") {
