@@ -378,7 +378,8 @@ class Core : public std::enable_shared_from_this<Core> {
     int arrivals = 0;       // copies seen at the proxy
     std::optional<Server> dst;  // where the (last) TCP copy was going
     bool answered = false;  // egressd's probe has its answer (or failed)
-    bool failed = false;    // ... and it was an error, not an answer
+    // ... and no answer came at all (timeout, unreachable): this error.
+    std::string failed;
     // Connections with a TcpConn::seq() above this were accepted after the
     // probe was sent: only a copy on one of them can be Docker's.
     std::uint64_t conns_before = 0;
@@ -1315,7 +1316,12 @@ void Core::start_probe() {
       [self = shared_from_this()](Answer a) {
         if (self->closed_ || !self->probe_ || self->probe_->answered) return;
         self->probe_->answered = true;
-        self->probe_->failed = !a;
+        // An answer with an error rcode is an answer: the resolver did not
+        // send the name on through this namespace either.
+        const auto why = self->probe_->upstream->last_failure();
+        if (!a && why != UpstreamFailure::rcode && why != UpstreamFailure::mismatch) {
+          self->probe_->failed = a.error().message;
+        }
         // A copy that races egressd's probe has until the grace ends to show.
         self->probe_timer_.expires_after(self->opts_.forwarder.probe_grace);
         self->probe_timer_.async_wait([self](const error_code& ec) {
@@ -1363,7 +1369,7 @@ void Core::finish_probe() {
   const int arrivals = probe_->arrivals;
   const std::optional<Server> dst = probe_->dst;
   const std::string void_reason = probe_->void_reason;
-  const bool failed = probe_->failed;
+  const std::string failed = probe_->failed;
   probe_.reset();
   if (!void_reason.empty()) {
     // The sandbox may have suppressed Docker's copy or sent one of its own:
@@ -1377,11 +1383,12 @@ void Core::finish_probe() {
     schedule_probe();
     return;
   }
-  if (arrivals == 0 && failed) {
+  if (arrivals == 0 && !failed.empty()) {
     // No answer at all (the resolver not up yet): says nothing about where
     // it forwards.
     flush_waiting(false);
-    log_->info("event=forwarder_probe result=failed action=\"retry in {} ms\"", opts_.forwarder.probe_retry.count());
+    log_->info("event=forwarder_probe result=failed error=\"{}\" action=\"retry in {} ms\"", failed,
+               opts_.forwarder.probe_retry.count());
     schedule_probe();
     return;
   }
