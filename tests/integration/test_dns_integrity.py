@@ -20,7 +20,9 @@ Docker's default NET_RAW and NET_BIND_SERVICE (setpriv), with Docker's
   Docker    allowlisted names and Compose service names resolve through Docker's resolver with
             no loop; no-network refuses and the upstream sees nothing; the forwarder target is
             pinned (probe, or resolv.conf's ExtServers) and survives a restart; a copy of
-            egressd's in-flight query is relayed to that target only.
+            egressd's in-flight query is relayed to that target only; a task that holds the
+            proxy's TCP slots while it answers the probe, or copies egressd's queries after a
+            probe that saw none, gets no target of its own pinned.
 
 Every name carries a random label. Nothing is sent anywhere but documentation addresses.
 """
