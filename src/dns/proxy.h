@@ -76,13 +76,18 @@ struct ForwarderOptions {
   std::string source;  // where `targets` came from (for relay_targets and logs)
   // Without known targets, when an upstream is local to the namespace: ask
   // it once over TCP for a random name under .invalid and pin T from the
-  // original destination of the one forwarded copy that arrives.
+  // original destination of the one forwarded copy that arrives, over a
+  // connection accepted after the probe was sent, with no connection closed
+  // at accept meanwhile and the TCP slots not nearly full at its start
+  // (otherwise the sandbox may have suppressed Docker's copy: nothing is
+  // pinned). A probe answered with no copy is final: later copies of
+  // egressd's queries get SERVFAIL and start no probe.
   bool probe = false;
   // How long after the probe's answer a second arrival still counts as a
   // race (someone copying egressd's probe): then nothing is pinned.
   std::chrono::milliseconds probe_grace{200};
-  // A probe that raced, failed, or a relay that found no target: the next
-  // probe waits this long.
+  // A probe that raced, was voided or got no answer, or a relay that found
+  // no target (before any probe said "none"): the next probe waits this long.
   std::chrono::milliseconds probe_retry{10000};
 };
 
@@ -99,6 +104,7 @@ struct ProxyOptions {
   std::size_t max_inflight = 1024;        // beyond this, new queries get SERVFAIL at once
   std::chrono::seconds tcp_idle{10};
   std::size_t max_tcp_connections = 64;   // beyond this, new TCP connections are closed at once
+                                          // (8 more while a forwarder probe is in flight)
   // Every TTL relayed to the sandbox, and every learned TTL, is capped here (dns.max_ttl).
   std::uint32_t max_ttl = 3600;
   // Upstreams local to the namespace (Docker's 127.0.0.11) on port 53: the
