@@ -328,6 +328,8 @@ class Core : public std::enable_shared_from_this<Core> {
     ProxyCounters c = counters_;
     c.inflight = inflight_;
     if (upstream_) c.stale = upstream_->stale_dropped();
+    if (upstream_) c.upstream_sockets = upstream_->sockets() + (relay_ ? relay_->sockets() : 0);
+    if (opts_.fd_account) c.fd_denied = opts_.fd_account->denied();
     return c;
   }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done);
@@ -630,6 +632,8 @@ Status Core::bind() {
   uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
+  uo.pool_idle = opts_.upstream_pool_idle;
+  uo.fds = opts_.fd_account;
   auto up = Upstream::create(io_, uo);
   if (!up) return up.error().wrap("dns proxy");
   upstream_ = std::move(up.value());
@@ -1298,6 +1302,8 @@ void Core::start_probe() {
   uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
+  uo.pool_idle = opts_.upstream_pool_idle;
+  uo.fds = opts_.fd_account;
   auto up = Upstream::create(io_, uo);
   if (!up) return;
   Probe pr;
@@ -1465,6 +1471,8 @@ void Core::pin(std::vector<Server> targets, const std::string& source) {
     uo.open_socket = self->opts_.open_socket;
     uo.timeout = self->opts_.upstream_timeout;
     uo.forget = self->opts_.forget_flow;
+    uo.pool_idle = self->opts_.upstream_pool_idle;
+    uo.fds = self->opts_.fd_account;
     auto up = Upstream::create(self->io_, uo);
     if (!up) return;
     self->relay_ = std::move(up.value());

@@ -120,6 +120,11 @@ struct ProxyOptions {
   std::function<std::optional<Server>(int fd, bool v6)> original_dst;
   // Told of each upstream flow that has ended (see ForgetFlow). May be empty.
   ForgetFlow forget_flow;
+  // Upstream sockets unused this long are closed (UpstreamOptions::pool_idle).
+  std::chrono::milliseconds upstream_pool_idle{1000};
+  // The agent's descriptor budget for this sandbox (UpstreamOptions::fds);
+  // null in the sidecar.
+  std::shared_ptr<FdAccount> fd_account;
 };
 
 // forwarded: sent upstream; refused: answered REFUSED/NXDOMAIN by policy;
@@ -141,6 +146,11 @@ struct ProxyCounters {
   // duplicate answer, a forger's guess), read and dropped before the
   // socket served another query.
   std::uint64_t stale = 0;
+  // Upstream sockets held now, pooled or in use (a gauge).
+  std::uint64_t upstream_sockets = 0;
+  // Upstream sockets refused by the agent's descriptor budget (each failed
+  // a query with SERVFAIL; also counted in `failed`).
+  std::uint64_t fd_denied = 0;
   std::array<std::uint64_t, kAnswerBucketsUs.size() + 1> answer_buckets{};
   std::uint64_t answer_count = 0, answer_sum_us = 0;
   // Records one answer that took `us` microseconds.

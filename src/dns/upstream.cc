@@ -131,7 +131,7 @@ Result<Server> parse_server(std::string_view text) {
 struct Exchange;
 
 struct Upstream::Impl : std::enable_shared_from_this<Impl> {
-  explicit Impl(asio::io_context& io_) : io(io_), timer(io_) {}
+  explicit Impl(asio::io_context& io_) : io(io_), timer(io_), trim_timer(io_) {}
 
   asio::io_context& io;
   std::vector<Server> servers;
@@ -219,12 +219,40 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   // disconnect did not name (or named and found drained) is empty. `polls`
   // counts such waits; a socket taken from the pool before one happened
   // makes one, once for all sockets disconnected before it.
+  //
+  // Pooled sockets are held descriptors: in an agent, one sandbox's burst
+  // once left 256 per family pooled for good, and with them the agent's
+  // last descriptors (attack review). A socket unused for a whole tick of
+  // trim_timer is closed (trim()); the timer runs only while the pool holds
+  // any, so nothing is paid per query and an idle upstream never wakes.
   static constexpr std::size_t kPoolMax = 256;
   struct Pooled {
     int fd;
-    std::uint64_t at;  // `polls` when it was disconnected
+    std::uint64_t at;    // `polls` when it was disconnected
+    std::uint64_t tick;  // `ticks` when it was pooled
   };
+  // Pushed and taken at the back: each pool is in `tick` order, the
+  // longest unused at the front.
   std::vector<Pooled> pool4, pool6;
+  asio::steady_timer trim_timer;
+  std::chrono::milliseconds pool_idle{1000};
+  bool trim_armed = false;
+  std::uint64_t ticks = 0;  // trim_timer's expiries
+  void arm_trim();
+  void trim();
+  // The budget's account (UpstreamOptions::fds), charged for every socket
+  // made and credited for every socket closed; `nsockets` counts them.
+  std::shared_ptr<FdAccount> fds;
+  std::size_t nsockets = 0;
+  bool charge() {
+    if (fds && !fds->take()) return false;
+    ++nsockets;
+    return true;
+  }
+  void uncharge() {
+    --nsockets;
+    if (fds) fds->give();
+  }
   std::uint64_t polls = 1;
   std::uint64_t stale = 0;  // datagrams drain() read
   std::vector<bool> dirty;  // by descriptor: pooled, and not drained empty
@@ -361,7 +389,10 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     ufd = -1;
     local.reset();
     reusable = false;
-    if (tsock) tsock->close(ec);
+    if (tsock) {
+      if (tsock->is_open()) impl->uncharge();
+      tsock->close(ec);
+    }
     tsock.reset();
   }
 
@@ -427,6 +458,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     error_code ec;
     const auto addr = impl->addrs[server];
     if (tcp_try) {
+      if (!impl->charge()) return out_of_descriptors(EMFILE);
       tsock.emplace(impl->io);
       if (const int tfd = impl->open_socket(addr.is_v4() ? AF_INET : AF_INET6, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
           tfd < 0) {
@@ -435,7 +467,12 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
         tsock->assign(addr.is_v4() ? tcp::v4() : tcp::v6(), tfd, ec);
         if (ec) ::close(tfd);
       }
-      if (ec) return fail_now(UpstreamFailure::unreachable, ec, "socket");
+      if (ec) {
+        impl->uncharge();
+        tsock.reset();
+        if (ec.value() == EMFILE || ec.value() == ENFILE) return out_of_descriptors(ec.value());
+        return fail_now(UpstreamFailure::unreachable, ec, "socket");
+      }
       impl->apply_mark(tsock->native_handle());
       impl->link(this, round_no);
       tsock->async_connect(tcp::endpoint(addr, srv.port),
@@ -451,7 +488,9 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
       // Made by hand (non-blocking from the start, close-on-exec).
       fd = impl->open_udp(v4);
       if (fd < 0) {
-        return fail_now(UpstreamFailure::unreachable, error_code(errno, boost::system::system_category()), "socket");
+        const int err = errno;
+        if (err == EMFILE || err == ENFILE) return out_of_descriptors(err);
+        return fail_now(UpstreamFailure::unreachable, error_code(err, boost::system::system_category()), "socket");
       }
     }
     ufd = fd;
@@ -463,6 +502,21 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     }
     impl->link(this, round_no);
     impl->arm_udp();
+  }
+
+  // No descriptor for this try's socket: the account's share is held (the
+  // agent's budget; EMFILE), or the process has none (EMFILE, ENFILE). No
+  // other server or round would fare better now: the query fails at once
+  // (SERVFAIL to the client) rather than queueing for a descriptor.
+  void out_of_descriptors(int err) {
+    failure = UpstreamFailure::descriptors;
+    if (err == EMFILE && impl->fds && impl->fds->held() > 0) {
+      error = "upstream: no descriptor for a socket: sandbox " + impl->fds->name() + " holds its share (" +
+              std::to_string(impl->fds->held()) + ") of the agent's";
+    } else {
+      error = std::string("upstream: socket: ") + errno_text(err);
+    }
+    finish(Error::runtime(error));
   }
 
   // The socket of this try has something to read (Impl::on_udp_ready):
@@ -641,7 +695,31 @@ void Upstream::Impl::recycle(int fd, bool v4) {
     return;
   }
   dirty[static_cast<std::size_t>(fd)] = false;
-  pool.push_back({fd, polls});
+  pool.push_back({fd, polls, ticks});
+  arm_trim();
+}
+
+void Upstream::Impl::arm_trim() {
+  if (trim_armed || closed) return;
+  trim_armed = true;
+  trim_timer.expires_after(pool_idle);
+  trim_timer.async_wait([self = shared_from_this()](const error_code& ec) {
+    self->trim_armed = false;
+    if (ec || self->closed) return;
+    self->trim();
+  });
+}
+
+void Upstream::Impl::trim() {
+  // Pooled before the last expiry and not taken since: unused for a whole
+  // tick at least.
+  for (auto* pool : {&pool4, &pool6}) {
+    const auto keep = std::find_if(pool->begin(), pool->end(), [this](const Pooled& p) { return p.tick >= ticks; });
+    for (auto it = pool->begin(); it != keep; ++it) close_udp(it->fd);
+    pool->erase(pool->begin(), keep);
+  }
+  ++ticks;
+  if (!pool4.empty() || !pool6.empty()) arm_trim();
 }
 
 void Upstream::Impl::release_later(const FlowTuple& t, int fd, bool v4) {
@@ -714,8 +792,17 @@ int Upstream::Impl::reuse(bool v4) {
 }
 
 int Upstream::Impl::open_udp(bool v4) {
+  if (!charge()) {
+    errno = EMFILE;  // this account's share of the budget
+    return -1;
+  }
   const int fd = open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
-  if (fd < 0) return -1;
+  if (fd < 0) {
+    const int err = errno;
+    uncharge();
+    errno = err;
+    return -1;
+  }
   apply_mark(fd);
   // Each answer names its destination, this socket's address and port
   // (what close_sockets hands to forget); without it, a getsockname.
@@ -727,6 +814,7 @@ int Upstream::Impl::open_udp(bool v4) {
   if (::epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
     const int err = errno;
     ::close(fd);
+    uncharge();
     errno = err;
     return -1;
   }
@@ -743,6 +831,7 @@ void Upstream::Impl::close_udp(int fd) {
   // Closing the last reference takes it out of the epoll set.
   ours[static_cast<std::size_t>(fd)] = false;
   ::close(fd);
+  uncharge();
 }
 
 void Upstream::Impl::watch(int fd, std::shared_ptr<Exchange> x) {
@@ -826,6 +915,7 @@ void Upstream::Impl::close() {
   release();  // flows forgotten, then their sockets closed
   error_code ec;
   timer.cancel();
+  trim_timer.cancel();
   for (auto* pool : {&pool4, &pool6}) {
     for (const Pooled& p : *pool) close_udp(p.fd);
     pool->clear();
@@ -857,6 +947,8 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
   impl->mark = opts.mark;
   impl->socket_opener = opts.open_socket;
   impl->forget = opts.forget;
+  impl->pool_idle = opts.pool_idle;
+  impl->fds = opts.fds;
   impl->first = first_try(opts.timeout, impl->servers.size());
   impl->ep = ::epoll_create1(EPOLL_CLOEXEC);
   if (impl->ep < 0) return Error::runtime(std::string("upstream: epoll_create1: ") + errno_text(errno));
@@ -926,6 +1018,8 @@ void Upstream::random_case(std::span<std::uint8_t, kCaseBits> out) { impl_->rand
 std::size_t Upstream::pending() const { return impl_->pending; }
 
 std::uint64_t Upstream::stale_dropped() const { return impl_->stale; }
+
+std::size_t Upstream::sockets() const { return impl_->nsockets; }
 
 const std::vector<Server>& Upstream::servers() const { return impl_->servers; }
 

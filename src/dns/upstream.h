@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dns/fd_budget.h"
 #include "dns/message.h"
 #include "egressd/async_callback.h"
 #include "egressd/policy.h"
@@ -91,6 +92,15 @@ struct UpstreamOptions {
   // the calling thread's namespace. egressd agent uses it to open them in a
   // sandbox's namespace (dns.upstream_netns: sandbox).
   std::function<int(int domain, int type)> open_socket;
+  // A pooled socket unused for this long (up to twice it) is closed: a
+  // burst's sockets go back to the process once it is over. Checked on a
+  // timer armed only while the pool holds any.
+  std::chrono::milliseconds pool_idle{1000};
+  // Charged for every socket this upstream holds, pooled or in use (the
+  // agent's budget shared by its sandboxes, fd_budget.h); a socket refused
+  // fails its query at once (UpstreamFailure::descriptors). Null: no budget
+  // (the sidecar: its descriptors are its own).
+  std::shared_ptr<FdAccount> fds;
 };
 
 // An exchange's outcome: the answer's bytes (owned: a coroutine reads them
@@ -106,6 +116,7 @@ enum class UpstreamFailure {
   rcode,         // every server answered SERVFAIL, REFUSED or NOTIMP
   mismatch,      // an answer with the query's ID did not echo its question exactly (0x20 check)
   unavailable,   // no server may be used now (every one held by someone else)
+  descriptors,   // no descriptor for a socket: the budget's share is held (UpstreamOptions::fds), or EMFILE
   closed,
 };
 
@@ -167,6 +178,8 @@ class Upstream {
   // Datagrams read and dropped from pooled sockets (queued before the
   // disconnect that ended their query) so the next query never sees them.
   std::uint64_t stale_dropped() const;
+  // Sockets held now (UDP pooled or in use, TCP).
+  std::size_t sockets() const;
   const std::vector<Server>& servers() const;
 
   // The local port of every socket an unfinished query holds right now.

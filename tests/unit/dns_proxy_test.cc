@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "dns/fd_budget.h"
 #include "dns/message.h"
 #include "dns/proxy.h"
 
@@ -879,6 +881,101 @@ TEST_CASE("beyond max_inflight, new queries get SERVFAIL at once") {
   c.send(query(4, "c.test"));
   REQUIRE(run_until(f.io, [&] { return c.got.size() == 4; }));
   CHECK(rcode_of(c.got[3]) == Rcode::noerror);
+}
+
+// Descriptors this process holds now.
+std::size_t open_fds() {
+  std::size_t n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+TEST_CASE("a burst's upstream sockets are closed once they have been idle") {
+  // Attack review: 256 pooled sockets per family stayed after a burst, for
+  // good; an agent's sandboxes then had no descriptors left.
+  Fixture f;
+  for (int i = 0; i < 64; ++i) f.hooks.allowed.insert("b" + std::to_string(i) + ".test");
+  ProxyOptions o;
+  o.upstream_pool_idle = 100ms;
+  f.start(o);
+  UdpClient c(f.io, f.proxy->port());
+  const std::size_t before = open_fds();
+  f.upstream.silent = true;  // all 64 in flight at once, each on a socket of its own
+  for (int i = 0; i < 64; ++i) c.send(query(static_cast<std::uint16_t>(i), "b" + std::to_string(i) + ".test"));
+  REQUIRE(run_until(f.io, [&] { return f.upstream.seen.size() == 64; }));
+  CHECK(f.proxy->counters().upstream_sockets == 64);
+  CHECK(open_fds() >= before + 64);
+  SUBCASE("answered: pooled, then closed") {
+    // Answered late (the second try, each query's own new socket) ...
+    f.upstream.silent = false;
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == 64; }, 5000ms));
+    for (const Msg& m : c.got) CHECK(rcode_of(m) == Rcode::noerror);
+  }
+  SUBCASE("unanswered: closed when they time out") {
+    REQUIRE(run_until(f.io, [&] { return c.got.size() == 64; }, 5000ms));
+  }
+  // ... and every socket is closed a tick or two after its last use.
+  CHECK(run_until(f.io, [&] { return f.proxy->counters().upstream_sockets == 0; }, 2000ms));
+  CHECK(open_fds() <= before);
+  // The proxy still answers, from a new socket.
+  f.upstream.silent = false;
+  c.send(query(100, "b1.test"));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 65; }));
+  CHECK(rcode_of(c.got.back()) == Rcode::noerror);
+}
+
+TEST_CASE("a sandbox at its descriptor share gets SERVFAIL at once; the others keep theirs") {
+  // Two sandboxes' proxies sharing one budget: a pool of 8, a share of 4 each.
+  asio::io_context io;
+  FakeUpstream upstream{io};
+  auto budget = FdBudget::create(8, FdSizing{0, 0, 1});
+  struct One {
+    FakeHooks hooks;
+    std::unique_ptr<Proxy> proxy;
+    std::shared_ptr<FdAccount> account;
+  };
+  One a, b;
+  for (One* s : {&a, &b}) {
+    for (int i = 0; i < 8; ++i) s->hooks.allowed.insert("n" + std::to_string(i) + ".test");
+    s->account = budget->open(s == &a ? "A" : "B");
+    ProxyOptions o;
+    o.upstream = {upstream.address()};
+    o.own_local_upstreams = false;
+    o.fd_account = s->account;
+    auto p = Proxy::start(io, o, s->hooks);
+    REQUIRE(p.ok());
+    s->proxy = std::move(p.value());
+  }
+  CHECK(budget->share() == 4);
+  upstream.silent = true;
+  UdpClient ca(io, a.proxy->port());
+  for (int i = 0; i < 6; ++i) ca.send(query(static_cast<std::uint16_t>(i), "n" + std::to_string(i) + ".test"));
+  // Four go upstream; two are refused a socket and answered SERVFAIL at once.
+  REQUIRE(run_until(io, [&] { return ca.got.size() == 2 && upstream.seen.size() == 4; }, 1000ms));
+  for (const Msg& m : ca.got) CHECK(rcode_of(m) == Rcode::servfail);
+  CHECK(a.account->held() == 4);
+  CHECK(a.proxy->counters().fd_denied == 2);
+  CHECK(a.proxy->counters().upstream_sockets == 4);
+  // B still gets its share: answered while A's four wait.
+  upstream.silent = false;
+  UdpClient cb(io, b.proxy->port());
+  cb.send(query(7, "n7.test"));
+  REQUIRE(run_until(io, [&] { return !cb.got.empty(); }));
+  CHECK(rcode_of(cb.got[0]) == Rcode::noerror);
+  CHECK(b.proxy->counters().fd_denied == 0);
+  CHECK(budget->used() <= 8);
+  // A's queries end; its sockets come back, and so does its service.
+  REQUIRE(run_until(io, [&] { return ca.got.size() == 6; }, 5000ms));
+  ca.send(query(9, "n0.test"));
+  REQUIRE(run_until(io, [&] { return ca.got.size() == 7; }));
+  CHECK(rcode_of(ca.got.back()) == Rcode::noerror);
+  a.proxy->close();
+  b.proxy->close();
+  drain(io);
 }
 
 TEST_CASE("an answer too big for the client's UDP size is truncated; TCP gets it whole") {
