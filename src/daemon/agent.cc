@@ -57,9 +57,22 @@ Result<NsId> ns_id(int fd) {
   return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
+// The soft RLIMIT_NOFILE (after prepare_descriptors).
+std::size_t descriptor_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return std::size_t{1} << 20;
+  return static_cast<std::size_t>(rl.rlim_cur);
+}
+
 class Agent {
  public:
-  Agent(boost::asio::io_context& io, const AgentArgs& args) : io_(io), args_(args), trim_(io), reap_timer_(io) {
+  Agent(boost::asio::io_context& io, const AgentArgs& args)
+      : io_(io), args_(args), fds_(dns::FdBudget::create(descriptor_limit())), trim_(io), reap_timer_(io) {
+    const dns::FdSizing z;
+    log_->info("descriptors: limit {}: {} kept for the control socket and sandbox add, {} for each sandbox, the "
+               "rest for upstream DNS sockets and DNS-over-TCP clients, shared by the sandboxes (at least {} each "
+               "while it lasts)",
+               fds_->limit(), z.reserve, z.fixed, z.floor);
     if (args.events == "shared") {
       hub_ = open_hub(io, nftables_events(), "nftables events");
       link_hub_ = open_hub(io, link_events(), "interface changes");
@@ -295,6 +308,7 @@ class Agent {
     o.after_switch = [this] { trim_(); };
     o.nft_events = hub_.get();
     o.link_events = link_hub_.get();
+    o.fd_budget = fds_;
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
     // Here, not inside the namespace: other sandboxes' restores may run.
     // (The link hub needs no settling: a stale notification handed to the
@@ -404,6 +418,9 @@ class Agent {
   const AgentArgs& args_;
   std::shared_ptr<spdlog::logger> log_ = spdlog::get("egressd");
   const std::string resolv_conf_ = read_resolv_conf();  // the agent's: upstream DNS is asked from here
+  // Shared by every sandbox's DNS proxy: no sandbox takes the descriptors
+  // the others, or the control socket, need (attack review).
+  std::shared_ptr<dns::FdBudget> fds_;
   TrimWhenIdle trim_;
   std::unique_ptr<control::Server> server_;
   // Probed with the first sandbox, then known (see InstanceOptions::capabilities).
@@ -418,8 +435,9 @@ class Agent {
   boost::asio::steady_timer reap_timer_;
 };
 
-// Every attached sandbox holds about a dozen descriptors (its netlink
-// sockets, DNS proxy sockets, control socket, queue and timers). A shell or
+// Every attached sandbox holds 15 to 17 descriptors (its netlink sockets,
+// DNS proxy listeners, control socket, queue and timers), and its share of
+// the upstream DNS budget (dns/fd_budget.h) on top. A shell or
 // service manager starts a process with a soft limit of 1024 out of a far
 // larger hard one: held to it, the agent would refuse `sandbox add` with
 // EMFILE near the 80th sandbox. Raised to the hard limit, as a server that
@@ -436,11 +454,11 @@ void prepare_descriptors() {
     const rlim_t was = rl.rlim_cur;
     rl.rlim_cur = rl.rlim_max;
     if (::setrlimit(RLIMIT_NOFILE, &rl) == 0) {
-      log->info("descriptors: soft limit raised from {} to {} (a dozen per sandbox)", was, rl.rlim_max);
+      log->info("descriptors: soft limit raised from {} to {} (64 + 32 per sandbox)", was, rl.rlim_max);
     } else {
       rl.rlim_cur = was;
-      log->warn("descriptors: soft limit {} cannot be raised ({}): about {} sandboxes fit", was, errno_text(errno),
-                was / 12);
+      log->warn("descriptors: soft limit {} cannot be raised ({}): about {} sandboxes fit (64 + 32 each)", was,
+                errno_text(errno), was > 64 ? (was - 64) / 32 : 0);
     }
   }
   const rlim_t room = std::min<rlim_t>(rl.rlim_cur, kTableRoom);

@@ -518,6 +518,7 @@ Status Instance::Impl::build() {
     popts.upstream = upstream;
     popts.max_ttl = policy.dns.max_ttl_s;
     popts.forwarder = forwarder;
+    if (opts.fd_budget) popts.fd_account = opts.fd_budget->open(opts.name);
     if (opts.upstream_netns.ok()) {
       popts.open_socket = [ns = opts.upstream_netns.get()](int domain, int type) {
         auto scope = NetnsScope::enter(ns);

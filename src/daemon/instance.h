@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "daemon/event_hub.h"
+#include "dns/fd_budget.h"
 #include "daemon/sandbox.h"
 #include "egressd/policy.h"
 #include "egressd/result.h"
@@ -61,6 +62,11 @@ struct InstanceOptions {
   EventHub* nft_events = nullptr;
   // The same for link and IPv6 route changes (the interface watch).
   EventHub* link_events = nullptr;
+  // The agent's descriptors for upstream DNS sockets, shared by every
+  // sandbox (fd_budget.h): the proxy opens an account named `name` and
+  // charges its upstream sockets and TCP clients to it. Null (the sidecar):
+  // no budget.
+  std::shared_ptr<dns::FdBudget> fd_budget;
   // Called once the namespace and the socket path are this egressd's (a
   // second egressd stops before it), before anything is installed: the
   // sidecar removes a ready file a killed egressd left there.

@@ -133,6 +133,13 @@ std::string Sandbox::metrics_text_from(const Traffic& t) {
     w.sample("egressd_dns_queries_total", c.relayed, "result=\"relayed\"");
     w.family("egressd_dns_inflight", "gauge", "Forwarded queries waiting for their answer.");
     w.sample("egressd_dns_inflight", c.inflight);
+    w.family("egressd_dns_upstream_sockets", "gauge",
+             "Upstream sockets the DNS proxy holds, in use or kept for reuse (closed after a second or two unused).");
+    w.sample("egressd_dns_upstream_sockets", c.upstream_sockets);
+    w.family("egressd_dns_descriptor_denied_total", "counter",
+             "Upstream sockets and DNS-over-TCP clients refused because the sandbox held its share of the agent's "
+             "descriptors (each refused query got SERVFAIL).");
+    w.sample("egressd_dns_descriptor_denied_total", c.fd_denied);
     w.family("egressd_dns_answer_duration_seconds", "histogram",
              "From a forwarded query's arrival to its answer's release (learned addresses in the kernel) or SERVFAIL.");
     std::uint64_t cumulative = 0;

@@ -329,7 +329,6 @@ class Core : public std::enable_shared_from_this<Core> {
     c.inflight = inflight_;
     if (upstream_) c.stale = upstream_->stale_dropped();
     if (upstream_) c.upstream_sockets = upstream_->sockets() + (relay_ ? relay_->sockets() : 0);
-    if (opts_.fd_account) c.fd_denied = opts_.fd_account->denied();
     return c;
   }
   void resolve(const std::string& name, std::function<void(Result<std::vector<Learned>>)> done);
@@ -347,11 +346,15 @@ class Core : public std::enable_shared_from_this<Core> {
   // accept during a probe voids it: it may have been Docker's copy.
   bool tcp_slot();
   // Returns the connection's place in the order of accepted connections.
+  // An accepted connection is a descriptor of the agent's too: charged to
+  // the sandbox's account (accept_loop) and credited when it closes.
   std::uint64_t tcp_opened(TcpConn* c) {
     tcp_.insert(c);
     return ++tcp_accepted_;
   }
-  void tcp_closed(TcpConn* c) { tcp_.erase(c); }
+  void tcp_closed(TcpConn* c) {
+    if (tcp_.erase(c) != 0 && opts_.fd_account) opts_.fd_account->give();
+  }
   void inflight_done() { --inflight_; }
   // A query registered in flight (Pending::key) has ended.
   void unregister(const std::string& key);
@@ -935,7 +938,17 @@ awaitable<void> Core::accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc
       co_await backoff.async_wait(asio::redirect_error(use_awaitable, ec));
       continue;
     }
-    if (!tcp_slot()) {
+    const bool slot = tcp_slot();
+    if (slot && opts_.fd_account && !opts_.fd_account->take()) {
+      // The sandbox holds its share of the agent's descriptors (logged by
+      // the account, once per burst). Closed at accept: during a probe it
+      // may have been Docker's copy, as with a full set of slots.
+      ++counters_.fd_denied;
+      if (probe_) void_probe("tcp_connection_closed_at_accept");
+      sock.close(ec);
+      continue;
+    }
+    if (!slot) {
       unsigned suppressed = 0;
       if (bad_log_.allow(Clock::now(), suppressed)) {
         log_->warn("event=tcp_limit max={} suppressed={}", opts_.max_tcp_connections, suppressed);
@@ -1220,7 +1233,12 @@ Result<std::vector<std::uint8_t>> Core::client_view(const Pending& p, std::vecto
 
 void Core::on_upstream(const std::shared_ptr<Pending>& p, Answer r) {
   if (closed_) return;
-  if (!r) return fail(p, r.error().message);
+  if (!r) {
+    // last_failure() is this exchange's while its completion runs.
+    const Upstream* up = p->relay ? relay_.get() : upstream_.get();
+    if (up != nullptr && up->last_failure() == UpstreamFailure::descriptors) ++counters_.fd_denied;
+    return fail(p, r.error().message);
+  }
   std::vector<std::uint8_t>& answer = *r;
   if (p->relay) {
     // Docker's forwarder gets the target's answer; egressd learns from it

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -1070,3 +1071,114 @@ def test_a_switch_waiting_for_pre_resolution_when_its_sandbox_is_removed_changes
              "the agent to let go of the removed sandbox")
     assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT) == "ok", "the removed sandbox's switch was made"
     assert "switch from=setup to=agent" not in agent.log()
+
+
+# A sandbox process's burst of random names: `rounds` rounds of `n` queries from 8 sockets,
+# each round's answers read for 1.5 s; then it stops (attack review, finding B).
+BURST = r'''
+import socket, struct, sys, time, random, json
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+def q(name, qid):
+    h = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+    return h + b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
+socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(8)]
+for s in socks: s.connect(("192.0.2.1", 53)); s.setblocking(False)
+print("READY", flush=True)
+got = sent = 0
+for r in range(rounds):
+    for i in range(n):
+        try:
+            socks[i % len(socks)].send(q("x%08x.wild.example.org" % random.getrandbits(32), random.getrandbits(16)))
+            sent += 1
+        except BlockingIOError:
+            pass
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        for s in socks:
+            try:
+                while True: s.recv(2048); got += 1
+            except BlockingIOError:
+                pass
+        time.sleep(0.01)  # pacing of the reads, not synchronisation
+print(json.dumps({"sent": sent, "answers": got}))
+'''
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_one_sandboxs_dns_burst_leaves_the_others_and_the_control_socket_their_descriptors(lab, agent):
+    """Attack review, finding B: with the descriptor limit the README once gave for 18
+    sandboxes (16 each: 288), a uid-65534 process in sandbox A (phase public) sent 3 bursts of
+    600 random names; the agent's upstream socket pool kept 256 of them after A went idle, the
+    agent held 288/288, sandbox B's queries got SERVFAIL and `apply` on B hung (the control
+    socket could not accept). Now A's upstream sockets are charged to its share of the agent's
+    descriptors (its excess queries get SERVFAIL, logged once per burst naming A), and the
+    unused ones are closed: during and after the burst B answers and switches, and once A is
+    idle the agent is back near where it started."""
+    from test_dns_integrity import attacker, attacker_result
+
+    nofile = 16 * 18
+    agent.stop()
+    agent.start(prefix=("prlimit", f"--nofile={nofile}:{nofile}", "--"))
+    sb = lab.extra_netns("b")
+    wire(lab, sb, 1)
+    public = "initial_phase: setup\ndns: { upstream: [\"192.0.2.1\"] }\nphases:\n  setup: public\n"
+    agent.ok("sandbox", "add", "A", "--netns", lab.sandbox.path, "--config", lab.write_config(public, "a.yaml"))
+    agent.ok("sandbox", "add", "B", "--netns", sb.path, "--config", lab.write_config(POLICY, "b.yaml"))
+    assert sb.dns_query("a.example.com", server=GATEWAY_V4).rcode == "NOERROR"
+    base = fd_count(agent.proc.pid)
+
+    during, switches, peak = [], [], [base]
+    p = attacker(lab, BURST, 600, 3, uid=True)
+
+    def probe():
+        for i in range(6):
+            during.append(sb.dns_query("a.example.com", server=GATEWAY_V4, timeout=1.0).rcode)
+            peak.append(fd_count(agent.proc.pid))
+            if i % 2 == 0:
+                switches.append(agent.ctl("--sandbox", "B", "apply", "agent", timeout=5)[0])
+    t = threading.Thread(target=probe)
+    t.start()
+    res = attacker_result(p, 60)
+    t.join(30)
+    assert not t.is_alive()
+    print(f"\nagent fds: {base} with 2 sandboxes (limit {nofile}), at most {max(peak)} seen during A's "
+          f"burst {res}; B during it: {during}, switches {switches}")
+    assert res["sent"] >= 1000, res
+    assert during == ["NOERROR"] * 6, during
+    assert switches == [0, 0, 0], switches
+
+    # A is idle: its sockets are given back within a few seconds (unused ones close after 1-2 s).
+    t0 = time.monotonic()
+    wait_for(lambda: fd_count(agent.proc.pid) <= base + 4, 10.0,
+             f"the agent's descriptors back near {base} (now {fd_count(agent.proc.pid)})")
+    print(f"agent fds back to {fd_count(agent.proc.pid)} after {time.monotonic() - t0:.1f} s")
+    assert metric(agent, "A", "egressd_dns_upstream_sockets") <= 4
+
+    # B: glibc's A and AAAA at once, four times, and a switch.
+    s = sb.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with s:
+        s.connect((GATEWAY_V4, 53))
+        s.settimeout(3)
+        for qid in range(1, 5):
+            s.send(labmod.dns_build_query("a.example.com", "A", qid))
+        rcodes = {}
+        for _ in range(4):
+            rid, rcode, _ = labmod.dns_parse_reply(s.recv(4096))
+            rcodes[rid] = rcode
+    assert sorted(rcodes.items()) == [(i, "NOERROR") for i in range(1, 5)], rcodes
+    rc, out, err = agent.ctl("--sandbox", "B", "apply", "verifier", timeout=5)
+    assert rc == 0, err
+    assert sb.dns_query("a.example.com", server=GATEWAY_V4).rcode != "NOERROR"
+
+    log = agent.log()
+    assert "Too many open files" not in log, log[-2000:]
+    # A is named; whenever it hit its share, once per burst (3 bursts) at most.
+    exhausted = re.findall(r"event=descriptor_share_exhausted sandbox=(\S+)", log)
+    denied = metric(agent, "A", "egressd_dns_descriptor_denied_total")
+    print(f"A: {denied} upstream sockets refused; share exhausted logged {len(exhausted)} times")
+    assert set(exhausted) <= {"A"} and len(exhausted) <= 3, exhausted
+    assert (denied > 0) == (len(exhausted) > 0), (denied, exhausted)
+    assert metric(agent, "B", "egressd_dns_descriptor_denied_total") == 0

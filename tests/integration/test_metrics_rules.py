@@ -66,6 +66,8 @@ def test_metrics_move_with_switches_traffic_dns_and_requests(lab, egressd):
                        "egressd_generation": "gauge", "egressd_phase_info": "gauge",
                        "egressd_packets": "counter", "egressd_bytes": "counter",
                        "egressd_dns_queries": "counter", "egressd_dns_inflight": "gauge",
+                       "egressd_dns_upstream_sockets": "gauge",
+                       "egressd_dns_descriptor_denied": "counter",
                        "egressd_dns_answer_duration_seconds": "histogram",
                        "egressd_learned_addresses": "gauge", "egressd_tamper_detected": "counter",
                        "egressd_tamper_restores": "counter", "egressd_control_requests": "counter",

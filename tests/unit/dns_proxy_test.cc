@@ -734,6 +734,32 @@ TEST_CASE("TCP: connections beyond the limit are closed at once") {
   CHECK(c3.got.empty());
 }
 
+TEST_CASE("TCP: a connection beyond the sandbox's descriptor share is closed at once, and counted") {
+  Fixture f;
+  f.hooks.allowed = {"a.test"};
+  auto budget = FdBudget::create(3, FdSizing{0, 0, 1});
+  auto account = budget->open("A");
+  ProxyOptions o;
+  o.fd_account = account;
+  f.start(o);
+  // Two connections and the upstream socket of their queries: the share of 3.
+  TcpClient c1(f.io, f.proxy->port());
+  TcpClient c2(f.io, f.proxy->port());
+  c1.send(query(1, "a.test"));
+  REQUIRE(run_until(f.io, [&] { return c1.got.size() == 1; }));
+  c2.send(query(2, "a.test"));
+  REQUIRE(run_until(f.io, [&] { return c2.got.size() == 1; }));
+  CHECK(account->held() == 3);  // the upstream socket is pooled
+  TcpClient c3(f.io, f.proxy->port());
+  REQUIRE(run_until(f.io, [&] { return c3.eof; }));
+  CHECK(c3.got.empty());
+  CHECK(f.proxy->counters().fd_denied == 1);
+  // A connection closed gives its descriptor back.
+  f.proxy->close();
+  drain(f.io);
+  CHECK(account->held() == 0);
+}
+
 TEST_CASE("a dead upstream gives SERVFAIL within 2 s") {
   SUBCASE("silent (packets vanish)") {
     Fixture f;
