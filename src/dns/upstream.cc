@@ -244,8 +244,10 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   // made and credited for every socket closed; `nsockets` counts them.
   std::shared_ptr<FdAccount> fds;
   std::size_t nsockets = 0;
+  bool refused = false;  // the last charge() was refused by the budget
   bool charge() {
-    if (fds && !fds->take()) return false;
+    refused = fds && !fds->take();
+    if (refused) return false;
     ++nsockets;
     return true;
   }
@@ -510,9 +512,9 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   // (SERVFAIL to the client) rather than queueing for a descriptor.
   void out_of_descriptors(int err) {
     failure = UpstreamFailure::descriptors;
-    if (err == EMFILE && impl->fds && impl->fds->held() > 0) {
-      error = "upstream: no descriptor for a socket: sandbox " + impl->fds->name() + " holds its share (" +
-              std::to_string(impl->fds->held()) + ") of the agent's";
+    if (impl->refused) {
+      error = "upstream: no descriptor for a socket: sandbox " + impl->fds->name() + " holds " +
+              std::to_string(impl->fds->held()) + ", its share of the agent's (or the sandboxes together hold all)";
     } else {
       error = std::string("upstream: socket: ") + errno_text(err);
     }
