@@ -1532,7 +1532,7 @@ struct ProbeFixture {
     proxy = std::move(b.value());
     docker.tcp_forward_to = tcp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
     docker.tcp_copies = first_copies;
-    proxy->serve(0);
+    proxy->serve(0, 0);
   }
   // A sandbox connection to the proxy, accepted and served (one refused query answered).
   std::unique_ptr<TcpClient> held_connection(std::uint16_t id) {
