@@ -282,7 +282,7 @@ void Sandbox::draw_secrets() {
   c.own_mark = draw(opts_.random, {0, nft::kOwnTrafficMark});
   c.pass_mark = draw(opts_.random, {0, nft::kPassMark, c.own_mark});
   c.pass_priority = draw(opts_.random, {0, 0xffffffffu, nft::kPassPriority});
-  c.proxy_priority = draw(opts_.random, {0, 0xffffffffu, nft::kProxyPriority, c.pass_priority});
+  c.proxy_mark = draw(opts_.random, {0, nft::kOwnTrafficMark, nft::kPassMark, nft::kProxyMark, c.own_mark, c.pass_mark});
   draw_salt();
 }
 
@@ -427,9 +427,9 @@ Status Sandbox::start(const std::string& initial_phase) {
     opts_.compile.own_mark = secrets->own_mark;
     opts_.compile.pass_mark = secrets->pass_mark;
     opts_.compile.pass_priority = secrets->pass_priority;
-    // A table from before the proxy had a priority keeps the one just drawn
+    // A table from before the proxy had a mark keeps the one just drawn
     // (its digest differs, so it is staged anew with it).
-    if (secrets->proxy_priority != 0) opts_.compile.proxy_priority = secrets->proxy_priority;
+    if (secrets->proxy_mark != 0) opts_.compile.proxy_mark = secrets->proxy_mark;
   } else if (kept_mark != 0) {
     opts_.compile.own_mark = kept_mark;
   }

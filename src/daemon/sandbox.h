@@ -275,8 +275,8 @@ class Sandbox : public dns::PolicyHooks {
   const nft::ActiveState& state() const { return state_; }
   // The SO_MARK egressd's own upstream sockets must carry (valid after start).
   std::uint32_t own_mark() const { return opts_.compile.own_mark; }
-  // SO_PRIORITY the DNS proxy's own sockets must carry (nft::kProxyPriority).
-  std::uint32_t proxy_priority() const { return opts_.compile.proxy_priority; }
+  // SO_MARK the DNS proxy's own sockets must carry (nft::kProxyMark).
+  std::uint32_t proxy_mark() const { return opts_.compile.proxy_mark; }
   // The secrets and salt in force (valid after start).
   const nft::CompileOptions& compile_options() const { return opts_.compile; }
 

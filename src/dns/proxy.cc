@@ -302,11 +302,10 @@ class Core : public std::enable_shared_from_this<Core> {
   void set_forwarder(ForwarderOptions f) {
     if (!serving_) opts_.forwarder = std::move(f);
   }
-  void serve(std::uint32_t own_mark, std::uint32_t priority);
-  void set_priority(int fd, std::uint32_t priority) {
-    const int v = static_cast<int>(priority);
-    if (::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &v, sizeof v) != 0) {
-      log_->error("event=proxy_priority_failed error=\"{}\"", std::strerror(errno));
+  void serve(std::uint32_t own_mark, std::uint32_t proxy_mark);
+  void set_mark(int fd, std::uint32_t mark) {
+    if (::setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark) != 0) {
+      log_->error("event=proxy_mark_failed error=\"{}\"", std::strerror(errno));
     }
   }
   void close();
@@ -444,7 +443,7 @@ class Core : public std::enable_shared_from_this<Core> {
   bool serving_ = false;
   bool closed_ = false;
   std::uint32_t own_mark_ = 0;
-  std::uint32_t priority_ = 0;  // SO_PRIORITY of the proxy's own sockets
+  std::uint32_t proxy_mark_ = 0;  // SO_MARK of the proxy's own sockets
   LogLimit refuse_log_, fail_log_, bad_log_, relay_log_;
 
   std::vector<Owned> owned_;
@@ -688,19 +687,19 @@ Status Core::bind() {
   return {};
 }
 
-void Core::serve(std::uint32_t own_mark, std::uint32_t priority) {
+void Core::serve(std::uint32_t own_mark, std::uint32_t proxy_mark) {
   if (serving_ || closed_) return;
   serving_ = true;
   own_mark_ = own_mark;
-  priority_ = priority;
+  proxy_mark_ = proxy_mark;
   upstream_->set_mark(own_mark);
   // What the proxy sends from its address and port must carry the table's
-  // proxy priority (chain output drops the rest: nft::proxy_source_rules).
-  // Connections the kernel accepted before this keep the listener's old
-  // priority until accept_loop sets it on them.
-  if (priority != 0) {
-    for (auto& s : udp_) set_priority(s->native_handle(), priority);
-    for (auto& a : acceptors_) set_priority(a->native_handle(), priority);
+  // proxy mark (chain output drops the rest: nft::proxy_source_rules). An
+  // accepted TCP socket takes its listener's; one the kernel accepted
+  // before this gets it in accept_loop.
+  if (proxy_mark != 0) {
+    for (auto& s : udp_) set_mark(s->native_handle(), proxy_mark);
+    for (auto& a : acceptors_) set_mark(a->native_handle(), proxy_mark);
   }
   auto self = shared_from_this();
   for (auto& s : udp_) asio::co_spawn(io_, udp_loop(self, *s), log_exception);
@@ -938,6 +937,7 @@ awaitable<void> Core::accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc
       co_await backoff.async_wait(asio::redirect_error(use_awaitable, ec));
       continue;
     }
+    if (proxy_mark_ != 0) set_mark(sock.native_handle(), proxy_mark_);
     const bool slot = tcp_slot();
     if (slot && opts_.fd_account && !opts_.fd_account->take()) {
       // The sandbox holds its share of the agent's descriptors (logged by
@@ -956,7 +956,6 @@ awaitable<void> Core::accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc
       sock.close(ec);
       continue;
     }
-    if (priority_ != 0) set_priority(sock.native_handle(), priority_);
     std::make_shared<TcpConn>(self, std::move(sock))->start();
   }
 }
@@ -1579,7 +1578,7 @@ class ProxyImpl final : public Proxy {
   explicit ProxyImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ProxyImpl() override { core_->close(); }
   void set_forwarder(ForwarderOptions forwarder) override { core_->set_forwarder(std::move(forwarder)); }
-  void serve(std::uint32_t own_mark, std::uint32_t priority) override { core_->serve(own_mark, priority); }
+  void serve(std::uint32_t own_mark, std::uint32_t proxy_mark) override { core_->serve(own_mark, proxy_mark); }
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }

@@ -174,9 +174,9 @@ class Proxy {
   // earlier egressd pinned, adopted from the kernel.
   virtual void set_forwarder(ForwarderOptions forwarder) = 0;
   // Starts answering, with `own_mark` on every upstream socket and
-  // `priority` (SO_PRIORITY; 0: none) on the proxy's own sockets; runs the
+  // `proxy_mark` (SO_MARK; 0: none) on the proxy's own sockets; runs the
   // forwarder probe when it is needed. Once.
-  virtual void serve(std::uint32_t own_mark, std::uint32_t priority) = 0;
+  virtual void serve(std::uint32_t own_mark, std::uint32_t proxy_mark) = 0;
   virtual std::uint16_t port() const = 0;
   // True when port() is not the port asked for (it was held by someone else).
   virtual bool port_fell_back() const = 0;

@@ -365,33 +365,34 @@ std::vector<Rule> upstream_errors_on_lo(const Stmt& dev) {
 }
 
 // What leaves from the DNS proxy's address and port is the proxy's own: its
-// sockets carry the secret proxy priority (SO_PRIORITY). Without this a
+// sockets carry the secret proxy mark (SO_MARK; accepted TCP sockets take
+// the listener's). Without this a
 // sandbox process with NET_RAW that sniffed a query redirected to the proxy —
 // Docker's resolver relaying egressd's own query to its upstream, over `lo` —
 // could write the proxy's answer itself from a raw socket: conntrack takes it
 // as the reply of the redirected flow and undoes the redirect, the resolver
 // hands it to egressd as its upstream's answer, and egressd learns the
-// sandbox's address for an allowed name. The priority is then swapped for
-// the pass signature, which chain lo_replies checks (a frame written to `lo`
+// sandbox's address for an allowed name. The mark is then swapped for the
+// pass signature, which chain lo_replies checks (a frame written to `lo`
 // with AF_PACKET never meets this chain) and clears before any tap on `lo`
-// sees it (SO_RCVPRIORITY would show it); without a netdev table it is
-// cleared here.
+// sees it (SO_RCVMARK would show it); without a netdev table it is cleared
+// here.
 std::vector<Rule> proxy_source_rules(const CompileOptions& opts) {
   std::vector<Rule> out;
   const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
   for (const char* host : {"127.0.0.1", "::1"}) {
     for (std::uint8_t proto : {kUdp, kTcp}) {
       out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
-                      MatchMetaPriority{opts.proxy_priority, true}, StmtCounter{}, drop()},
+                      MatchMetaMark{opts.proxy_mark, true}, StmtCounter{}, drop()},
                      ""});
     }
   }
   if (opts.netdev) {
-    out.push_back({{MatchOifLoopback{}, MatchMetaPriority{opts.proxy_priority}, StmtMetaMarkSet{opts.pass_mark},
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{opts.pass_mark},
                     StmtMetaPrioritySet{opts.pass_priority}},
                    ""});
   } else {
-    out.push_back({{MatchOifLoopback{}, MatchMetaPriority{opts.proxy_priority}, StmtMetaPrioritySet{0}}, ""});
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{0}}, ""});
   }
   return out;
 }
@@ -895,7 +896,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.own_mark = kOwnTrafficMark;
   o.pass_mark = kPassMark;
   o.pass_priority = kPassPriority;
-  o.proxy_priority = kProxyPriority;
+  o.proxy_mark = kProxyMark;
   o.mark_salt = kDefaultMarkSalt;
   o.interfaces.clear();
   o.onlink6.clear();
@@ -939,7 +940,7 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
   // 110 bytes of the 127 a comment may have.
   t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + hex8(opts.own_mark) +
               " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt) +
-              " proxy=" + hex8(opts.proxy_priority);
+              " proxy=" + hex8(opts.proxy_mark);
   if (inline_phase != nullptr) {
     const std::string chain = inline_chain(state.generation);
     if (inline_phase->mode == Mode::allowlist) {

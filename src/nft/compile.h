@@ -88,12 +88,14 @@ inline constexpr std::uint32_t kOwnTrafficMark = 0x65677264;  // "egrd"
 // egress chains.
 inline constexpr std::uint32_t kPassMark = 0x70617373;      // "pass"
 inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:7264
-// SO_PRIORITY of the DNS proxy's own sockets: what the proxy sends from its
+// SO_MARK of the DNS proxy's own sockets: what the proxy sends from its
 // loopback address and port must carry it (a raw socket could write the
-// proxy's answer on a redirected flow). A priority, not a mark: both leave
-// with the packet over `lo`, and chain output turns it into the pass
-// signature or clears it before any tap there sees it.
-inline constexpr std::uint32_t kProxyPriority = 0x70727879;  // "prxy", prints as 7072:7879
+// proxy's answer on a redirected flow). Chain output turns it into the pass
+// signature, or clears it, before any tap on `lo` sees it. (Not SO_PRIORITY:
+// an accepted TCP socket does not take its listener's priority, and the
+// kernel's FIN or ACK of a socket the proxy has not configured yet would lack
+// it; it takes the listener's mark.)
+inline constexpr std::uint32_t kProxyMark = 0x70727879;  // "prxy"
 // ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
 // [1, 0x7ffffffb]; inline policies get kInlineMarkBit | (generation + salt -
 // kDefaultMarkSalt). With the default salt these are 0x45470001... and
@@ -255,7 +257,7 @@ struct CompileOptions {
   std::uint32_t own_mark = kOwnTrafficMark;
   std::uint32_t pass_mark = kPassMark;
   std::uint32_t pass_priority = kPassPriority;
-  std::uint32_t proxy_priority = kProxyPriority;
+  std::uint32_t proxy_mark = kProxyMark;
   std::uint32_t mark_salt = kDefaultMarkSalt;
   // The kernel has the netdev egress hook: build table netdev egressd.
   bool netdev = true;
@@ -287,7 +289,7 @@ struct CompileOptions {
 // The secrets of a table, as its comment carries them.
 struct Secrets {
   std::uint32_t own_mark = 0, pass_mark = 0, pass_priority = 0, mark_salt = 0;
-  std::uint32_t proxy_priority = 0;  // 0: a table from before the proxy had one
+  std::uint32_t proxy_mark = 0;  // 0: a table from before the proxy had one
 };
 // Parses "mark=0x... pass=0x...:0x... salt=0x... proxy=0x..." out of an
 // egressd table comment; nullopt unless the first four are there (an older

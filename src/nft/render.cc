@@ -196,6 +196,9 @@ struct StmtText {
       std::snprintf(b, sizeof b, "%02x", m.addr.bytes[i]);
       hex += b;
     }
+    // nft prints the value without leading zeros (::1 is 0x1).
+    const auto first = hex.find_first_not_of('0', 2);
+    hex = "0x" + (first == std::string::npos ? std::string("0") : hex.substr(first));
     return m.addr.family == 4 ? "@ll,96,16 0x800 @ll,208,32 " + hex : "@ll,96,16 0x86dd @ll,176,128 " + hex;
   }
   // As nft lists a raw payload match: the value in hex, no leading zeros.

@@ -1529,7 +1529,7 @@ PROXY_FORGER = textwrap.dedent(r"""
 def test_a_sandbox_cannot_write_the_proxys_answer_to_dockers_forwarded_copy(lab, egressd, how):
     """Found by an attack review: with Docker's default capabilities a sandbox process made egressd
     learn its own address for an allowed name, any time, 5 times out of 5. Chain output now drops
-    what leaves from the proxy's address and port without the proxy sockets' secret priority, and
+    what leaves from the proxy's address and port without the proxy sockets' secret mark, and
     chain lo_replies drops such a frame written to `lo` unless chain output signed it. Docker's
     copy travels over IPv6 when its upstream is an IPv6 address. (An IPv4 frame from 127.0.0.1
     written to `lo` is a martian on receipt: no packet variant for IPv4.)"""

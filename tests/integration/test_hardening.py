@@ -864,7 +864,9 @@ def test_dns_answers_into_loopback_link_local_or_metadata_are_not_learned(lab, e
         assert learned.get(name) == want[name], learned
     for name in ("meta.wild.example.org", "ll.wild.example.org", "mapped.wild.example.org"):
         assert name not in learned, learned
-    _, listing, _ = lab.nft(lab.sandbox, "list table inet egressd")
+    # Every set's elements (the rules name 127.0.0.1 and ::1 themselves: the DNS proxy's address).
+    _, listing, _ = lab.nft(lab.sandbox, "list sets inet")
+    assert "set ph_agent_d4" in listing, listing
     for bad in ("169.254.169.254", "169.254.1.1", "127.0.0.1", "0.0.0.0", "fd00:ec2::254", "fe80::1", "::ffff:127"):
         assert bad not in listing, bad
     assert "198.51.100.11" in listing and "2001:db8:2::11" in listing

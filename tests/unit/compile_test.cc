@@ -447,16 +447,16 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   CHECK(answers(o).size() == 2);
 }
 
-TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's priority, or is dropped") {
+TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's mark, or is dropped") {
   // A raw socket could write the proxy's answer on a redirected flow (Docker's resolver relaying
   // egressd's own query): chain output drops it unless it carries the proxy sockets' secret
-  // priority, which it swaps for the pass signature; chain lo_replies drops a frame written to
+  // mark, which it swaps for the pass signature; chain lo_replies drops a frame written to
   // lo with AF_PACKET from the proxy's address and port unless it is signed.
   const Policy p = three_phases();
   CompileOptions o;
   o.pass_mark = 0x22222222;
   o.pass_priority = 0x33334444;
-  o.proxy_priority = 0x55556666;
+  o.proxy_mark = 0x55556666;
   o.dns_port = 5353;
   auto output = [&](const CompileOptions& opts) {
     std::vector<std::string> out;
@@ -466,23 +466,23 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
   };
   const std::vector<std::string> text = output(o);
   const std::vector<std::string> proxy = {
-      "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta priority != 5555:6666 counter drop",
-      "oif \"lo\" ip saddr 127.0.0.1 tcp sport 5353 meta priority != 5555:6666 counter drop",
-      "oif \"lo\" ip6 saddr ::1 udp sport 5353 meta priority != 5555:6666 counter drop",
-      "oif \"lo\" ip6 saddr ::1 tcp sport 5353 meta priority != 5555:6666 counter drop",
-      "oif \"lo\" meta priority 5555:6666 meta mark set 0x22222222 meta priority set 3333:4444",
+      "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta mark != 0x55556666 counter drop",
+      "oif \"lo\" ip saddr 127.0.0.1 tcp sport 5353 meta mark != 0x55556666 counter drop",
+      "oif \"lo\" ip6 saddr ::1 udp sport 5353 meta mark != 0x55556666 counter drop",
+      "oif \"lo\" ip6 saddr ::1 tcp sport 5353 meta mark != 0x55556666 counter drop",
+      "oif \"lo\" meta mark 0x55556666 meta mark set 0x22222222 meta priority set 3333:4444",
   };
   // Ahead of every accept: right after the fast path and the upstream errors.
   CHECK(std::vector<std::string>(text.begin() + 5, text.begin() + 10) == proxy);
   for (std::size_t i = 0; i < 10; ++i) CHECK(text[i].find("accept") == std::string::npos);
-  // Without the netdev hook the priority is cleared (nothing would clear a signature).
+  // Without the netdev hook the mark is cleared (nothing would clear a signature).
   CompileOptions no_netdev = o;
   no_netdev.netdev = false;
-  CHECK(output(no_netdev)[9] == "oif \"lo\" meta priority 5555:6666 meta priority set none");
+  CHECK(output(no_netdev)[9] == "oif \"lo\" meta mark 0x55556666 meta mark set 0x00000000");
   // No proxy, no rules.
   CompileOptions no_proxy = o;
   no_proxy.dns_port = 0;
-  for (const auto& r : output(no_proxy)) CHECK(r.find("5555:6666") == std::string::npos);
+  for (const auto& r : output(no_proxy)) CHECK(r.find("0x55556666") == std::string::npos);
   CHECK(find_chain(*build_netdev_table(named(p, "agent", 1), no_proxy), kLoRepliesChain) == nullptr);
 
   const auto nd = build_netdev_table(named(p, "agent", 1), o);
@@ -496,17 +496,17 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
                       "accept",
                       "@ll,96,16 != 0x800 @ll,96,16 != 0x86dd counter drop",
                       "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,112,8 != 0x45 counter drop",
-                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 != 0x6 @ll,160,8 != 0x11 @ll,160,8 != 0x3a "
+                      "@ll,96,16 0x86dd @ll,176,128 0x1 @ll,160,8 != 0x6 @ll,160,8 != 0x11 @ll,160,8 != 0x3a "
                       "counter drop",
                       "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,184,8 0x11 @ll,272,16 0x14e9 counter drop",
-                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 0x11 @ll,432,16 0x14e9 counter drop",
+                      "@ll,96,16 0x86dd @ll,176,128 0x1 @ll,160,8 0x11 @ll,432,16 0x14e9 counter drop",
                       "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,184,8 0x6 @ll,272,16 0x14e9 counter drop",
-                      "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001 @ll,160,8 0x6 @ll,432,16 0x14e9 counter drop",
+                      "@ll,96,16 0x86dd @ll,176,128 0x1 @ll,160,8 0x6 @ll,432,16 0x14e9 counter drop",
                   });
-  // The staged digest is the config's: the priority is a secret like the marks.
+  // The staged digest is the config's: the proxy mark is a secret like the others.
   CHECK(staged_digest(p, o) == staged_digest(p, [&] {
           CompileOptions d = o;
-          d.proxy_priority = kProxyPriority;
+          d.proxy_mark = kProxyMark;
           return d;
         }()));
 }
@@ -518,7 +518,7 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   o.pass_mark = 0x01020304;
   o.pass_priority = 0xa0b0c0d0;
   o.mark_salt = 0x7f000001;
-  o.proxy_priority = 0x0badf00d;
+  o.proxy_mark = 0x0badf00d;
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   CHECK(t.comment.size() < 128);
   const auto s = secrets_from_table_comment(t.comment);
@@ -527,12 +527,12 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   CHECK(s->pass_mark == 0x01020304);
   CHECK(s->pass_priority == 0xa0b0c0d0);
   CHECK(s->mark_salt == 0x7f000001);
-  CHECK(s->proxy_priority == 0x0badf00d);
-  // A table from before the proxy's priority: the rest is read, the priority is 0 (drawn anew).
+  CHECK(s->proxy_mark == 0x0badf00d);
+  // A table from before the proxy's mark: the rest is read, the proxy mark is 0 (drawn anew).
   const auto before = secrets_from_table_comment(t.comment.substr(0, t.comment.find(" proxy=")));
   REQUIRE(before.has_value());
   CHECK(before->own_mark == 0xdeadbeef);
-  CHECK(before->proxy_priority == 0);
+  CHECK(before->proxy_mark == 0);
   // An older egressd's table: only the mark.
   CHECK_FALSE(secrets_from_table_comment("egressd v1 digest=0123456789abcdef mark=0x65677264").has_value());
   CHECK_FALSE(secrets_from_table_comment("someone else's table pass=0x1").has_value());

@@ -92,7 +92,7 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchSocketCgroupv2{2, 0, true}) == "socket cgroupv2 level 2 != 0");
   CHECK(one(MatchSaddrSet{"lo_upstream6", SetType::ipv6_addr}) == "ip6 saddr @lo_upstream6");
   CHECK(one(MatchCtOriginalDaddrSet{"lo_upstream4", SetType::ipv4_addr}) == "ct original ip daddr @lo_upstream4");
-  CHECK(one(MatchFrameSaddr{*parse_ip("::1")}) == "@ll,96,16 0x86dd @ll,176,128 0x00000000000000000000000000000001");
+  CHECK(one(MatchFrameSaddr{*parse_ip("::1")}) == "@ll,96,16 0x86dd @ll,176,128 0x1");
   CHECK(one(MatchIpv6RoutingHeader{}) == "exthdr rt exists");
   CHECK(one(MatchIpv4SourceRoute{false}) == "ip option lsrr exists");
   CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");

@@ -259,7 +259,7 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
     CHECK(sb.own_mark() == 0x5eed0001u);
     CHECK(sb.compile_options().pass_mark == 0x5eed0002u);
     CHECK(sb.compile_options().pass_priority == 0x5eed0003u);
-    CHECK(sb.proxy_priority() == 0x5eed0004u);
+    CHECK(sb.proxy_mark() == 0x5eed0004u);
     CHECK(sb.compile_options().mark_salt == 0x5eed0005u);
     CHECK(sb.state().mark == nft::phase_mark(policy(), "environment", 0x5eed0005u));
     table = kernel->table;
@@ -275,7 +275,7 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
   CHECK(again.own_mark() == 0x5eed0001u);
   CHECK(again.compile_options().pass_mark == 0x5eed0002u);
   CHECK(again.compile_options().pass_priority == 0x5eed0003u);
-  CHECK(again.proxy_priority() == 0x5eed0004u);
+  CHECK(again.proxy_mark() == 0x5eed0004u);
   CHECK(again.compile_options().mark_salt == 0x5eed0005u);  // same config: flows keep their marks
   // The inet table is adopted as is; only the netdev table is rebuilt for the
   // interfaces of this namespace.
