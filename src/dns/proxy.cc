@@ -382,6 +382,9 @@ class Core : public std::enable_shared_from_this<Core> {
     int arrivals = 0;       // copies seen at the proxy
     std::optional<Server> dst;  // where the (last) TCP copy was going
     bool answered = false;  // egressd's probe has its answer (or failed)
+    // ... and it is the proxy's own NXDOMAIN, come back through the
+    // resolver: the copy that arrived is the one the resolver sent.
+    bool nxdomain = false;
     // ... and no answer came at all (timeout, unreachable): this error.
     std::string failed;
     // Connections with a TcpConn::seq() above this were accepted after the
@@ -1345,6 +1348,9 @@ void Core::start_probe() {
         if (!a && why != UpstreamFailure::rcode && why != UpstreamFailure::mismatch) {
           self->probe_->failed = a.error().message;
         }
+        if (a && a.value().size() >= kHeaderSize && (a.value()[3] & 0x0F) == static_cast<std::uint8_t>(Rcode::nxdomain)) {
+          self->probe_->nxdomain = true;
+        }
         // A copy that races egressd's probe has until the grace ends to show.
         self->probe_timer_.expires_after(self->opts_.forwarder.probe_grace);
         self->probe_timer_.async_wait([self](const error_code& ec) {
@@ -1393,6 +1399,7 @@ void Core::finish_probe() {
   const std::optional<Server> dst = probe_->dst;
   const std::string void_reason = probe_->void_reason;
   const std::string failed = probe_->failed;
+  const bool nxdomain = probe_->nxdomain;
   probe_.reset();
   if (!void_reason.empty()) {
     // The sandbox may have suppressed Docker's copy or sent one of its own:
@@ -1433,6 +1440,19 @@ void Core::finish_probe() {
     if (!ec) s.bind(udp::endpoint(to_address(ip), 0), ec);
     return !ec;
   };
+  if (arrivals == 1 && !nxdomain) {
+    // One copy, but egressd's probe did not get the proxy's answer back: the
+    // resolver's own copy never reached the proxy (a sandbox process can use
+    // up the namespace's ports to the target, so the resolver cannot
+    // connect) and the one that did was someone else's.
+    flush_waiting(false);
+    log_->error("event=forwarder_probe_race arrivals=1 original_dst={} reason=answer_not_the_proxys action=\"no "
+                "forwarder target pinned; retry in {} ms\" detail=\"egressd's probe was not answered with the "
+                "proxy's answer to the copy: the copy that arrived may not be the resolver's\"",
+                dst ? dst->to_string() : "-", opts_.forwarder.probe_retry.count());
+    schedule_probe();
+    return;
+  }
   if (arrivals == 1 && dst && dst->port == 53 && !is_loopback(dst->ip) && !local_addr(dst->ip)) {
     pin({*dst}, "probe");
     return;

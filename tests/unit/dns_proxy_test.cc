@@ -1574,6 +1574,32 @@ TEST_CASE("the forwarder probe pins nothing from a copy on a connection opened b
   CHECK(f.docker.forwarded == 3);
 }
 
+TEST_CASE("a lone copy on a fresh connection pins nothing unless egressd's probe gets the proxy's answer back") {
+  // Found by a second review: the sandbox uses up the namespace's ports to
+  // the target (TIME_WAIT), so Docker's resolver cannot connect and its copy
+  // never exists; the sandbox sends the only copy, over a new connection,
+  // to its own resolver. Docker answers egressd's probe itself (not the
+  // proxy's NXDOMAIN): nothing is pinned.
+  ProbeFixture f;
+  f.start();
+  REQUIRE(run_until(f.io, [&] { return f.docker.forwarded == 2; }));  // the first probe races
+  f.docker.tcp_copies = 0;  // Docker's copy of the next probe never arrives
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 2; }));
+  TcpClient racer(f.io, f.proxy->port());  // opened after the probe
+  racer.send(f.docker.tcp_queries[1]);
+  REQUIRE(run_until(f.io, [&] { return racer.got.size() == 1; }));
+  CHECK(rcode_of(racer.got[0]) == Rcode::nxdomain);
+  // Past that probe's grace the next one starts, and nothing was pinned
+  // (a pin comes a grace after its probe, so none can be the next one's
+  // yet). With Docker's copy arriving again, that one pins the real target.
+  f.docker.tcp_copies = 1;
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 3 || !f.hooks.relay_calls.empty(); }));
+  CHECK(f.hooks.relay_calls.empty());
+  REQUIRE(run_until(f.io, [&] { return !f.hooks.relay_calls.empty(); }));
+  CHECK(f.hooks.relay_calls[0].first.at(0).to_string() == "192.0.2.53");
+  racer.close();
+}
+
 TEST_CASE("a probe while the sandbox holds the TCP slots pins nothing, and Docker's copy still finds room") {
   ProbeFixture f;
   f.start(4);
