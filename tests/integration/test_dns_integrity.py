@@ -1407,15 +1407,22 @@ RACER = textwrap.dedent(r'''
 ROGUE = "203.0.113.53"
 
 
+def rogue_resolver(lab) -> Path:
+    """A resolver of the attacker's at ROGUE:53 in the internet namespace, answering every name with
+    FORGED_V4; returns its query log."""
+    log = lab.tmp / "rogue.jsonl"
+    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
+    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
+                    "--answer", FORGED_V4, "--log", str(log)], netns=lab.internet,
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    return log
+
+
 def test_a_racing_copy_of_egressds_query_is_relayed_only_to_the_target(lab, egressd):
     serve(lab)
     lab.add_servers([FORGED_V4])
-    rogue_log = lab.tmp / "rogue.jsonl"
-    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
-    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53, "--answer", FORGED_V4,
-                    "--log", str(rogue_log)], netns=lab.internet, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE)
-    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    rogue_log = rogue_resolver(lab)
     # Docker's resolver takes 400 ms to forward names starting with "slow": the copy arrives
     # while egressd's own query is still in flight.
     DockerResolver(lab, slow={"slow": 400})
@@ -1633,11 +1640,7 @@ def probe_slots_attack(lab, egressd, hosts):
     """Runs PROBE_SLOTS_ATTACK against an egressd started after it; returns the daemon once the
     attacker's copy of the retried probe has been judged (a pin, or the probe's end without one)
     and the attacker has let its connections go."""
-    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
-    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
-                    "--answer", FORGED_V4, "--log", str(lab.tmp / "rogue.jsonl")], netns=lab.internet,
-                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    rogue_resolver(lab)
     DockerResolver(lab)
     p = attacker(lab, PROBE_SLOTS_ATTACK, ROGUE, caps=DOCKER_CAPS)
     d = egressd(policy("127.0.0.11", hosts=hosts), extra=["--log-format", "json"])
@@ -1762,12 +1765,7 @@ def test_a_copy_after_a_probe_that_saw_none_starts_no_probe(lab, egressd):
     Now a copy after a probe that saw none is answered SERVFAIL (`relay_refused`) and no probe
     runs; names still resolve through the resolver."""
     serve(lab)
-    rogue_log = lab.tmp / "rogue.jsonl"
-    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
-    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
-                    "--answer", FORGED_V4, "--log", str(rogue_log)], netns=lab.internet,
-                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    rogue_log = rogue_resolver(lab)
     HostSideResolver(lab)
     d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"])
     labmod.wait_for(lambda: [e for e in dns_events(d, "forwarder_probe") if e.get("result") == "none"], 5.0,
@@ -1890,11 +1888,7 @@ def test_a_probe_whose_docker_copy_was_suppressed_by_port_exhaustion_pins_nothin
     serve(lab)
     lab.add_servers([FORGED_V4], tcp=(80,))
     lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40499")
-    lab.internet.ip("addr", "add", f"{ROGUE}/32", "dev", "lo")
-    rp = lab.spawn([sys.executable, str(HERE / "dnsserver.py"), "record", "--addr", ROGUE, "--port", 53,
-                    "--answer", FORGED_V4, "--log", str(lab.tmp / "rogue.jsonl")], netns=lab.internet,
-                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert labmod._read_line(rp, 10.0, "the rogue resolver").startswith("READY")
+    rogue_resolver(lab)
     DockerResolver(lab)
     p = attacker(lab, PORT_EXHAUSTER, ROGUE, DNS_V4, 40.0, caps=DOCKER_CAPS)
     d = egressd(policy("127.0.0.11", hosts=["a.example.com", "*.wild.example.org"]), extra=["--log-format", "json"])
