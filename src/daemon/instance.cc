@@ -580,7 +580,8 @@ Status Instance::Impl::build() {
     // From the agent's namespace the upstream sockets carry no mark: the
     // sandbox's own-traffic mark means nothing there (and could meet the
     // host's own mark-based routing).
-    proxy->serve(upstream_inside ? sandbox->own_mark() : 0, sandbox->proxy_mark());
+    const dns::SocketSignature own{sandbox->own_mark(), sandbox->sock_priority()};
+    proxy->serve(upstream_inside ? own : dns::SocketSignature{}, {sandbox->proxy_mark(), sandbox->sock_priority()});
     sandbox->attach_proxy(proxy.get());
     // The agent's thread is in the sandbox's namespace here, and an upstream
     // socket belongs to the namespace it is made in: the agent asks once it

@@ -283,6 +283,11 @@ void Sandbox::draw_secrets() {
   c.pass_mark = draw(opts_.random, {0, nft::kPassMark, c.own_mark});
   c.pass_priority = draw(opts_.random, {0, 0xffffffffu, nft::kPassPriority});
   c.proxy_mark = draw(opts_.random, {0, nft::kOwnTrafficMark, nft::kPassMark, nft::kProxyMark, c.own_mark, c.pass_mark});
+  // Not one a process may set without a capability (0..6) nor the pass
+  // priority.
+  do {
+    c.sock_priority = draw(opts_.random, {nft::kSockPriority, c.pass_priority, 0xffffffffu});
+  } while (c.sock_priority < 16);
   draw_salt();
 }
 
@@ -430,6 +435,7 @@ Status Sandbox::start(const std::string& initial_phase) {
     // A table from before the proxy had a mark keeps the one just drawn
     // (its digest differs, so it is staged anew with it).
     if (secrets->proxy_mark != 0) opts_.compile.proxy_mark = secrets->proxy_mark;
+    if (secrets->sock_priority != 0) opts_.compile.sock_priority = secrets->sock_priority;
   } else if (kept_mark != 0) {
     opts_.compile.own_mark = kept_mark;
   }

@@ -380,19 +380,26 @@ std::vector<Rule> upstream_errors_on_lo(const Stmt& dev) {
 std::vector<Rule> proxy_source_rules(const CompileOptions& opts) {
   std::vector<Rule> out;
   const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
+  // Mark and priority both (64 bits): a wrong mark and a right mark with a
+  // wrong priority fail the same way, so a guess of one half learns nothing.
   for (const char* host : {"127.0.0.1", "::1"}) {
     for (std::uint8_t proto : {kUdp, kTcp}) {
       out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
                       MatchMetaMark{opts.proxy_mark, true}, StmtCounter{}, drop()},
                      ""});
+      out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
+                      MatchMetaPriority{opts.sock_priority, true}, StmtCounter{}, drop()},
+                     ""});
     }
   }
   if (opts.netdev) {
-    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{opts.pass_mark},
-                    StmtMetaPrioritySet{opts.pass_priority}},
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, MatchMetaPriority{opts.sock_priority},
+                    StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}},
                    ""});
   } else {
-    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{0}}, ""});
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, MatchMetaPriority{opts.sock_priority},
+                    StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}},
+                   ""});
   }
   return out;
 }
@@ -475,8 +482,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // egressd's TCP exchange (AF_PACKET) cannot aim one at its socket.
     for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
-        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
-                            MatchDport{proto, 53}, StmtCtMarkSet{kOwnFlowMark}, to_pass()},
+        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchMetaPriority{opts.sock_priority},
+                            MatchCtDirectionOriginal{}, MatchDaddrSet{set, type}, MatchDport{proto, 53},
+                            StmtCtMarkSet{kOwnFlowMark}, to_pass()},
                            ""});
       }
     }
@@ -486,8 +494,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     const std::pair<const char*, SetType> lo_sets[] = {{kLoUpstreamSet4, SetType::ipv4_addr},
                                                        {kLoUpstreamSet6, SetType::ipv6_addr}};
     for (const auto& [set, type] : lo_sets) {
-      c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
-                          StmtCtMarkSet{kOwnFlowMark}, StmtMetaMarkSet{0}, accept()},
+      c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchMetaPriority{opts.sock_priority},
+                          MatchCtDirectionOriginal{}, MatchDaddrSet{set, type}, StmtCtMarkSet{kOwnFlowMark},
+                          StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()},
                          ""});
     }
     for (const auto& [set, type] : lo_sets) {
@@ -600,7 +609,7 @@ Chain pass_chain(const CompileOptions& opts) {
   Chain c{"pass", std::nullopt, {}};
   // Own traffic to an upstream that is a local address routes over `lo`:
   // taps there must not see the signature.
-  c.rules.push_back({{MatchOifLoopback{}, StmtMetaMarkSet{0}, accept()}, ""});
+  c.rules.push_back({{MatchOifLoopback{}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()}, ""});
   c.rules.push_back({{StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}, accept()}, ""});
   return c;
 }
@@ -728,8 +737,13 @@ Chain redirect_chain(const CompileOptions& opts) {
   // -101: ahead of Docker's DNAT of 127.0.0.11:53 (iptables-nft, -100), so
   // queries to the embedded resolver are intercepted too.
   Chain c{"dns_redirect", BaseChain{HookType::nat, -101, false}, {}};
+  // Only egressd's own queries (mark and priority both) skip the proxy: a
+  // right mark with a wrong priority is redirected like any query, so a
+  // guessed mark alone changes nothing a sandbox can see.
   for (std::uint8_t proto : {kUdp, kTcp}) {
     c.rules.push_back({{MatchMetaMark{opts.own_mark, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}}, ""});
+    c.rules.push_back({{MatchMetaPriority{opts.sock_priority, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}},
+                       ""});
   }
   return c;
 }
@@ -897,6 +911,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.pass_mark = kPassMark;
   o.pass_priority = kPassPriority;
   o.proxy_mark = kProxyMark;
+  o.sock_priority = kSockPriority;
   o.mark_salt = kDefaultMarkSalt;
   o.interfaces.clear();
   o.onlink6.clear();
@@ -923,8 +938,17 @@ std::optional<Secrets> secrets_from_table_comment(const std::string& comment) {
   if (p.size() != 11 || p.compare(0, 3, ":0x") != 0 || p.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
     return std::nullopt;
   }
-  return Secrets{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt,
-                 comment_hex(comment, "proxy=0x").value_or(0)};
+  Secrets s{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt,
+            comment_hex(comment, "proxy=0x").value_or(0), 0};
+  // "proxy=0xMMMMMMMM:0xPPPPPPPP": the socket priority follows the proxy mark
+  // (absent from a table an older egressd made).
+  if (const auto at = comment.find(" proxy=0x"); at != std::string::npos && s.proxy_mark != 0) {
+    const std::string q = comment.substr(at + 9 + 8, 11);
+    if (q.size() == 11 && q.compare(0, 3, ":0x") == 0 && q.find_first_not_of("0123456789abcdef", 3) == std::string::npos) {
+      s.sock_priority = static_cast<std::uint32_t>(std::stoul(q.substr(3), nullptr, 16));
+    }
+  }
+  return s;
 }
 
 std::string digest_from_table_comment(const std::string& comment) {
@@ -937,10 +961,10 @@ std::string digest_from_table_comment(const std::string& comment) {
 Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveState& state,
                   const CompileOptions& opts) {
   Table t = staged_table(policy, opts);
-  // 110 bytes of the 127 a comment may have.
+  // 121 bytes of the 127 a comment may have.
   t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + hex8(opts.own_mark) +
               " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt) +
-              " proxy=" + hex8(opts.proxy_mark);
+              " proxy=" + hex8(opts.proxy_mark) + ":" + hex8(opts.sock_priority);
   if (inline_phase != nullptr) {
     const std::string chain = inline_chain(state.generation);
     if (inline_phase->mode == Mode::allowlist) {
