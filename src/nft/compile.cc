@@ -695,11 +695,19 @@ std::vector<Rule> egress_check_rules(const ActiveState& st, const CompileOptions
   // ARP by the frame's own Ethernet type as well: an AF_PACKET socket bound
   // to ETH_P_ARP sets skb->protocol to ARP whatever frame it writes, and the
   // receiver reads the frame (an IP datagram labelled ARP left unsigned).
-  if (!open) r.push_back({{MatchMetaProtocolArp{}, MatchFrameBytes{12, {0x08, 0x06}}, accept()}, ""});
+  r.push_back({{MatchMetaProtocolArp{}, MatchFrameBytes{12, {0x08, 0x06}}, accept()}, ""});
   r.push_back({{MatchMetaMark{opts.pass_mark}, MatchMetaPriority{opts.pass_priority}, StmtMetaMarkSet{0},
                 StmtMetaPrioritySet{0}, accept()},
                ""});
   if (open) {
+    // In public too, no frame a process wrote with AF_PACKET leaves (the
+    // stack's own packets are signed; what the namespace forwards has no
+    // socket and leaves). Conntrack never sees such a frame: the answer to
+    // one (to a spoofed source that the gateway sent back, or simply the
+    // peer's reply) would come in as a new flow from outside, be marked
+    // inbound, and after a switch the sandbox's packets on it would pass as
+    // replies in any phase.
+    r.push_back({{MatchMetaHasSocket{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
     r.push_back({{accept()}, ""});
   } else {
     // Counted, then back to the base chain and its policy: drop.

@@ -88,6 +88,11 @@ struct MatchMetaMark { std::uint32_t value; bool negate = false; };
 // meta priority [!=] value (a tc handle; nft prints major:minor in hex, 0 as
 // "none", 0xffffffff as "root").
 struct MatchMetaPriority { std::uint32_t value; bool negate = false; };
+// The packet comes from a process's socket (meta skuid loads, and no uid is
+// (uid_t)-1): "meta skuid != 4294967295". In a netdev egress chain an
+// unsigned packet with a socket is a frame written with AF_PACKET (what the
+// stack sends met the inet chains and is signed; what it forwards has none).
+struct MatchMetaHasSocket {};
 // meta protocol arp (skb->protocol; netdev chains). Not the frame's own
 // Ethernet type: an AF_PACKET sender chooses it apart from the frame (pair it
 // with MatchFrameBytes at offset 12).
@@ -234,7 +239,7 @@ struct StmtQueue { std::uint16_t num; };
 enum class VerdictKind { accept, drop, jump, goto_, return_ };
 struct StmtVerdict { VerdictKind kind; std::string chain; };
 
-using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaProtocolArp,
+using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, MatchMetaPriority, MatchMetaHasSocket, MatchMetaProtocolArp,
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchTcpSynOnly, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,

@@ -444,6 +444,10 @@ class RuleBuilder {
     meta(NFT_META_PRIORITY);
     cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, m.value);
   }
+  void operator()(const MatchMetaHasSocket&) {
+    meta(NFT_META_SKUID);
+    cmp_u32(NFT_CMP_NEQ, 0xffffffffu);
+  }
   void operator()(const MatchMetaProtocolArp&) {
     meta(NFT_META_PROTOCOL);
     const std::uint16_t arp = htons(0x0806);  // ETH_P_ARP, in the frame's byte order

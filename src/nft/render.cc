@@ -127,6 +127,7 @@ struct StmtText {
   std::string operator()(const MatchMetaMark& m) const {
     return std::string("meta mark ") + (m.negate ? "!= " : "") + hex32(m.value);
   }
+  std::string operator()(const MatchMetaHasSocket&) const { return "meta skuid != 4294967295"; }
   std::string operator()(const MatchMetaPriority& m) const {
     return std::string("meta priority ") + (m.negate ? "!= " : "") + priority_text(m.value);
   }

