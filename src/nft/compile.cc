@@ -291,7 +291,7 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
   return c;
 }
 
-std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
+std::vector<Rule> active_rules(const ActiveState& st, bool pin, bool inbound) {
   const std::string target = st.is_inline ? inline_chain(st.generation) : phase_chain(st.phase);
   const bool guarded = st.mode != Mode::public_;
   std::vector<Rule> r;
@@ -301,11 +301,17 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin) {
   if (guarded) {
     // Per packet, ahead of the fast path: a flow to an allowed first hop may
     // carry a denied final destination in a routing header (segment routing
-    // needs no capability) or an IPv4 source route.
+    // needs no capability) or an IPv4 source route. Any IPv4 option at all:
+    // nft's option lookup misses a source route whose pointer or length a
+    // router still takes (found by an attack review), and nothing a sandbox
+    // needs carries options.
     r.push_back({{MatchIpv6RoutingHeader{}, to_deny()}, ""});
-    r.push_back({{MatchIpv4SourceRoute{false}, to_deny()}, ""});
-    r.push_back({{MatchIpv4SourceRoute{true}, to_deny()}, ""});
+    r.push_back({{MatchIpv4Options{}, to_deny()}, ""});
   }
+  // Replies on flows that arrived from outside, after the guards (chain
+  // output sends them here): a reply may carry a routing header too, whose
+  // first hop is the peer (found by an attack review).
+  if (inbound) r.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, to_pass()}, ""});
   // QUIC's long-header packets (a handshake's) to UDP 443, and packets
   // longer than one datagram (a GSO batch, which can hide one after a short
   // header), walk the phase chain even on a decided flow, where pinning sees
@@ -566,7 +572,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   c.rules.push_back(related_reset_on_lo(MatchOifLoopback{}));
   // IPv6 duplicate address detection: a neighbour solicitation from the
   // unspecified address, before the address is the namespace's own.
-  c.rules.push_back({{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255}, MatchDaddr{mc6}, to_pass()}, ""});
+  // ICMPv6 right after the IPv6 header, here and below: with a routing
+  // header the first hop would send the message on (found by an attack
+  // review); such a packet goes on to chain active, which denies it.
+  c.rules.push_back(
+      {{MatchSaddr{any6}, MatchLinkIcmpv6{kNdNeighborSolicit, 255, true}, MatchDaddr{mc6}, to_pass()}, ""});
   // Class 1: nothing leaves with a source address that is not the namespace's.
   // The IPv4 packets it denies are the difference of the two counters around
   // it (it has one lookup for both families; status splits its count).
@@ -579,7 +589,9 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // does a TCP flow conntrack took up mid-stream (no SYN from outside: it
     // may be the sandbox's own outbound connection, its entry forgotten on a
     // forged RST and SYN). Those replies go on to the phase's rules below.
-    c.rules.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, to_pass()}, ""});
+    // Accepted in chain active, after its per-packet guards.
+    c.rules.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, StmtVerdict{VerdictKind::goto_, "active"}},
+                       ""});
   }
   // Neighbour discovery (hop limit 255: never routed, so never more than the
   // link) to link-local and multicast destinations, and solicitations and
@@ -588,11 +600,12 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   // to anything else: a router forwards an NS/NA to an off-link address like
   // any packet, options and all.
   for (std::uint8_t t : {kNdRouterSolicit, kNdNeighborSolicit, kNdNeighborAdvert}) {
-    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddr{ll6}, to_pass()}, ""});
-    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddr{mc6}, to_pass()}, ""});
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255, true}, MatchDaddr{ll6}, to_pass()}, ""});
+    c.rules.push_back({{MatchLinkIcmpv6{t, 255, true}, MatchDaddr{mc6}, to_pass()}, ""});
   }
   for (std::uint8_t t : {kNdNeighborSolicit, kNdNeighborAdvert}) {
-    c.rules.push_back({{MatchLinkIcmpv6{t, 255}, MatchDaddrSet{kOnlinkSet6, SetType::ipv6_addr}, to_pass()}, ""});
+    c.rules.push_back(
+        {{MatchLinkIcmpv6{t, 255, true}, MatchDaddrSet{kOnlinkSet6, SetType::ipv6_addr}, to_pass()}, ""});
   }
   // Every packet the policy decides passes here once and is then either
   // accepted or sent to `deny`: allowed = the counters of this chain - deny's
@@ -663,6 +676,20 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark}, StmtCounter{},
                         StmtVerdict{VerdictKind::drop, ""}},
                        ""});
+    // Nor does anything start a flow from an upstream's DNS port to any
+    // other port: an upstream's late or repeated answer, after egressd has
+    // given up its socket and forgotten the flow, would start a new one here,
+    // marked inbound below, and a sandbox process that took the port (one
+    // datagram from each port finds it) could then send the upstream any
+    // query as a reply on that flow, past the proxy (found by an attack
+    // review). A resolver never opens a flow from its port 53.
+    for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
+      for (std::uint8_t proto : {kUdp, kTcp}) {
+        c.rules.push_back({{MatchCtStateNew{}, MatchSaddrSet{set, type}, MatchSport{proto, 53}, StmtCounter{},
+                            StmtVerdict{VerdictKind::drop, ""}},
+                           ""});
+      }
+    }
   }
   if (policy.enforce.inbound_replies) {
     // A TCP flow is inbound only if it began with a SYN from outside. With
@@ -981,7 +1008,7 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
     t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pass_mark));
   }
   for (auto& c : t.chains) {
-    if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts));
+    if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies);
   }
   return t;
 }
@@ -1072,7 +1099,9 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
     ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pass_mark)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
-  for (auto& r : active_rules(next, pinning(policy, opts))) ch.ops.push_back(OpAddRule{"active", std::move(r)});
+  for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies)) {
+    ch.ops.push_back(OpAddRule{"active", std::move(r)});
+  }
   if (opts.netdev) {
     // Same batch: raw frames are blocked exactly when the inet policy says
     // so (class 5), never a moment apart. Between two phases for which the

@@ -148,7 +148,10 @@ struct MatchSport { std::uint8_t proto; std::uint16_t port; };
 // icmpv6 type <type> ip6 hoplimit <hoplimit>: link-local ICMPv6, which the
 // kernel sends for IPv6 to work at all and which is never routed off the link
 // (neighbour discovery with hop limit 255, MLD reports with hop limit 1).
-struct MatchLinkIcmpv6 { std::uint8_t type; std::uint8_t hoplimit; };
+// `bare`: ICMPv6 follows the IPv6 header directly (no extension header: a
+// routing header would carry the message past the link), as nft lists it,
+// "ip6 nexthdr ipv6-icmp ip6 hoplimit H icmpv6 type T" (one 2-byte load).
+struct MatchLinkIcmpv6 { std::uint8_t type; std::uint8_t hoplimit; bool bare = false; };
 // ip daddr @set / ip6 daddr @set (family from the set type)
 struct MatchDaddrSet { std::string set; SetType type; };
 // ip daddr <addr> / ip6 daddr <addr>: a single address or a prefix
@@ -187,6 +190,10 @@ struct MatchFrameBytes { std::uint32_t offset; std::vector<std::uint8_t> value; 
 struct MatchIpv6RoutingHeader {};
 // ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
 struct MatchIpv4SourceRoute { bool strict; };
+// An IPv4 header with options: "ip hdrlength != 5". (nft's `ip option lsrr
+// exists` parses the options without the packet and misses a source route
+// whose pointer or length a router still takes.)
+struct MatchIpv4Options {};
 // `tcp option fastopen exists` (kind 34) / `tcp option 254 exists` (the
 // experimental TCP Fast Open option).
 struct MatchTcpOption { std::uint8_t kind; };
@@ -243,7 +250,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchTcpSynOnly, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchIpv4Options, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

@@ -529,6 +529,15 @@ class RuleBuilder {
   }
   void operator()(const MatchLinkIcmpv6& m) {
     nfproto(6);
+    if (m.bare) {
+      // ip6 nexthdr ipv6-icmp ip6 hoplimit H: one 2-byte load, as nft.
+      payload(NFT_PAYLOAD_NETWORK_HEADER, 6, 2);
+      const std::uint8_t nh_hl[2] = {IPPROTO_ICMPV6, m.hoplimit};
+      cmp(NFT_CMP_EQ, nh_hl, sizeof nh_hl);
+      payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1);  // icmpv6 type
+      cmp_u8(m.type);
+      return;
+    }
     meta(NFT_META_L4PROTO);
     cmp_u8(IPPROTO_ICMPV6);
     payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 1);  // icmpv6 type
@@ -599,6 +608,14 @@ class RuleBuilder {
   void operator()(const MatchIpv4SourceRoute& m) {
     nfproto(4);
     exthdr_present(m.strict ? IPOPT_SSRR : IPOPT_LSRR, NFT_EXTHDR_OP_IPV4);
+  }
+  void operator()(const MatchIpv4Options&) {
+    nfproto(4);
+    // [ payload load 1b @ network header + 0 ] [ bitwise & 0x0f ] [ cmp neq 5 ], as nft.
+    payload(NFT_PAYLOAD_NETWORK_HEADER, 0, 1);
+    mask_u8(0x0f);
+    const std::uint8_t five = 5;
+    cmp(NFT_CMP_NEQ, &five, sizeof five);
   }
   void operator()(const MatchTcpOption& m) { exthdr_present(m.kind, NFT_EXTHDR_OP_TCPOPT); }
   void operator()(const MatchUdpLongHeader&) {

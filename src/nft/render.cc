@@ -166,6 +166,10 @@ struct StmtText {
     return proto_name(m.proto) + " sport " + std::to_string(m.port);
   }
   std::string operator()(const MatchLinkIcmpv6& m) const {
+    if (m.bare) {
+      return "ip6 nexthdr ipv6-icmp ip6 hoplimit " + std::to_string(m.hoplimit) + " icmpv6 type " +
+             icmpv6_type_name(m.type);
+    }
     return "icmpv6 type " + icmpv6_type_name(m.type) + " ip6 hoplimit " + std::to_string(m.hoplimit);
   }
   std::string operator()(const MatchDaddrSet& m) const { return family_kw(m.type) + " daddr @" + m.set; }
@@ -226,6 +230,7 @@ struct StmtText {
     if (m.family == 4) return "ip hdrlength 5 ip length " + std::to_string(20 + 4 * m.doff) + doff;
     return "ip6 length " + std::to_string(4 * m.doff) + " ip6 nexthdr tcp" + doff;
   }
+  std::string operator()(const MatchIpv4Options&) const { return "ip hdrlength != 5"; }
   std::string operator()(const MatchIpv4SourceRoute& m) const {
     return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
   }

@@ -513,6 +513,54 @@ def test_the_own_mark_alone_buys_nothing_without_the_socket_priority(lab, egress
     assert secrets["sock_priority"] >= 16, secrets
 
 
+# argv: upstream, port, denied name. Bound to `port`, one query for the name to the upstream's
+# port 53 (an unprivileged process: no capability).
+QUERY_FROM_PORT = r"""
+import json, socket, struct, sys
+up, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+q = struct.pack("!HHHHHH", 0x1d1d, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", port))
+s.settimeout(2.0)
+try:
+    s.sendto(q, (up, 53))
+    print(json.dumps({"rcode": s.recv(512)[3] & 0xF}))
+except OSError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def test_a_late_answer_from_the_upstream_opens_no_way_past_the_proxy(lab, egressd):
+    """Found by an attack review: an upstream's late or repeated answer, arriving after egressd has
+    given up the query's socket and deleted its flow, started a new flow from upstream:53 to that
+    port, which chain input marked inbound. A sandbox process that bound the port (one datagram
+    from each port finds it) could then send the upstream any query as a reply on that flow, not
+    redirected to the proxy: a denied name reached the upstream. Chain input now drops a new flow
+    from an upstream's port 53. Here the upstream's datagram is written from its address with a
+    raw socket, to a port the test picks."""
+    serve(lab)
+    egressd(policy())
+    port = 45671
+    raw = lab.internet.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    with raw:
+        raw.bind((DNS_V4, 0))
+        late = b"late answer"
+        raw.sendto(struct.pack("!HHHH", 53, port, 8 + len(late), 0) + late, (labmod.SANDBOX_V4, 0))
+    # The ping follows the datagram on the veth: its answer means the datagram went through the
+    # sandbox's input chain (nothing listens on the port).
+    assert lab.internet.ping(labmod.SANDBOX_V4, timeout=3.0) == "ok"
+    t = tok()
+    cp = lab.sandbox.exec("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                          "--bounding-set=-all", sys.executable, "-c", QUERY_FROM_PORT, DNS_V4, str(port),
+                          f"{t}.denied.example.net", check=False)
+    assert cp.returncode == 0, cp.stderr
+    out = json.loads(cp.stdout)
+    print(f"\n{out}")
+    assert not asked(lab, t), f"a query from the port of a late upstream answer reached the upstream: {out}"
+    assert out == {"rcode": 5}, out  # redirected to the proxy like any query: REFUSED
+
+
 # --- no race between the answer and the set -------------------------------------------------------
 
 

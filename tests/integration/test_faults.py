@@ -64,6 +64,7 @@ def table_json(lab) -> dict:
 
 PIN_CUT_MARK = 0x7ffffffd  # nft::kPinCutMark
 PIN_FOLLOW_MARK = 0x7ffffffc  # nft::kPinFollowMark
+INBOUND_MARK = 0x7fffffff  # nft::kInboundMark
 
 
 def active_policy(t: dict) -> tuple[int, str]:
@@ -85,8 +86,9 @@ def active_policy(t: dict) -> tuple[int, str]:
     ct_mark = {"ct": {"key": "mark"}}
     matched = [e["match"]["right"] for r in rules for e in r["expr"]
                if "match" in e and e["match"]["left"] == ct_mark]
-    # Hostname pinning's cut flows (ct mark 0x7ffffffd) go to deny first, in every phase.
-    matched = [m for m in matched if m != PIN_CUT_MARK]
+    # Hostname pinning's cut flows (ct mark 0x7ffffffd) go to deny first, in every phase, and
+    # replies on inbound flows (0x7fffffff) pass after the guards.
+    matched = [m for m in matched if m not in (PIN_CUT_MARK, INBOUND_MARK)]
     assert matched == [mark], f"state rule matches ct mark {matched}, its comment says {mark:#x}"
     target = [r for r in t["rules"] if r["chain"] == gotos[0]]
     set_marks = {e["mangle"]["value"] for r in target for e in r["expr"] if "mangle" in e}

@@ -734,6 +734,111 @@ def test_neighbour_discovery_only_to_link_local_multicast_and_on_link(lab, egres
         assert not cap.seen(spec.split("|")[2]), f"neighbour discovery left for an off-link host: {spec} {res}"
 
 
+# argv: [type|first hop|final destination|token[|source]]... Neighbour discovery messages (RS 133,
+# NS 135, NA 136) on a raw socket, hop limit 255, each with a segment routing header whose
+# first segment is the message's link-local or on-link destination and whose last is the final
+# destination; the token rides in an ND option.
+ND_ROUTED = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    out = {}
+    for spec in sys.argv[1:]:
+        typ, first, final, tok, src = (spec.split("|") + [""])[:5]
+        s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+        if src:
+            s.bind((src, 0))
+        segs = [socket.inet_pton(socket.AF_INET6, a) for a in (final, first)]
+        s.setsockopt(socket.IPPROTO_IPV6, 57, struct.pack("!BBBBBBH", 0, 4, 4, 1, 1, 0, 0) + b"".join(segs))
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, 255)
+        body = tok.encode() + b"\0" * ((-len(tok) - 2) % 8)
+        msg = struct.pack("!BBHI", int(typ), 0, 0, 0)
+        if int(typ) != 133:
+            msg += socket.inet_pton(socket.AF_INET6, first)
+        msg += bytes([254, (len(body) + 2) // 8]) + body
+        try:
+            s.sendto(msg, (first, 0, 0, socket.if_nametoindex("eth0")))
+            out[spec] = "sent"
+        except OSError as e:
+            out[spec] = e.strerror
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_neighbour_discovery_with_a_routing_header_never_leaves(lab, egressd, mode):
+    """Found by an attack review: the neighbour discovery exemption (link-local, multicast and
+    on-link destinations, hop limit 255) came before chain active and its routing-header guard,
+    so an NS, NA or RS with a segment routing header left for the gateway, which would forward
+    it to the final segment, a host the phase denies (NET_RAW). The exemption now holds only for
+    ICMPv6 right after the IPv6 header; anything else is judged as traffic."""
+    egressd(POLICY, phase=MODES[mode])
+    gw_ll = next(a["local"] for a in json.loads(lab.internet.ip("-j", "-6", "addr", "show", "dev", INTERNET_IF).stdout)[0]
+                 ["addr_info"] if a["local"].startswith("fe80"))
+    specs = [f"{t}|{GATEWAY_V6}|{DENIED[6]}|{token()[:14]}" for t in (135, 136)]
+    specs += [f"{t}|{gw_ll}|{DENIED[6]}|{token()[:14]}|{SANDBOX_V6}" for t in (133, 135, 136)]
+    cap = Capture(lab)
+    res = run_as(lab, "docker", ND_ROUTED, *specs)
+    cap.settle()
+    print(f"\n{mode}: {res}")
+    for spec in specs:
+        assert not cap.seen(spec.split("|")[3]), f"neighbour discovery with a routing header left: {spec} {res}"
+    # The plain messages still leave (test_neighbour_discovery_only_to_link_local_multicast_and_on_link).
+
+
+# argv: final destination, token. Waits for one datagram on port 7777 from a peer, then sends the
+# token back on that flow (to the peer's address and port, a reply to an inbound flow) with a
+# routing header (IPv6, no capability) or an IPv4 loose source route (IP_OPTIONS, NET_RAW) that
+# names the peer as the first hop and `final` as the destination.
+INBOUND_ROUTED_REPLY = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    final, tok = sys.argv[1], sys.argv[2].encode()
+    v6 = ":" in final
+    s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("::" if v6 else "0.0.0.0", 7777))
+    print("READY", flush=True)
+    s.settimeout(10)
+    _, peer = s.recvfrom(100)
+    out = {}
+    try:
+        if v6:
+            segs = [socket.inet_pton(socket.AF_INET6, a) for a in (final, peer[0])]
+            s.setsockopt(socket.IPPROTO_IPV6, 57, struct.pack("!BBBBBBH", 0, 4, 4, 1, 1, 0, 0) + b"".join(segs))
+            dst = peer[0]
+        else:
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_OPTIONS, bytes([131, 7, 4]) + socket.inet_aton(peer[0]) + b"\x01")
+            dst = final
+        s.sendto(tok, (dst, peer[1]))
+        out["send"] = "sent"
+    except OSError as e:
+        out["send"] = e.strerror
+    print(json.dumps(out), flush=True)
+''')
+
+
+@pytest.mark.parametrize("who,family", [("nobody", 6), ("docker", 6), ("docker", 4)])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_reply_on_an_inbound_flow_carries_no_source_route(lab, egressd, mode, who, family):
+    """Found by an attack review: replies on inbound flows were accepted in chain output before
+    chain active's per-packet guards, so a reply could carry a routing header (IPv6: no capability)
+    or a loose source route (IPv4: NET_RAW) whose first hop is the peer, to any final destination.
+    The replies are now accepted in chain active, after the guards."""
+    egressd(POLICY, phase=MODES[mode])
+    tok = token()
+    p = lab.spawn([*WHO[who], sys.executable, "-c", INBOUND_ROUTED_REPLY, DENIED[family], tok], netns=lab.sandbox,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the sandbox's server") == "READY"
+    cap = Capture(lab)
+    peer = lab.internet.socket(socket.AF_INET6 if family == 6 else socket.AF_INET, socket.SOCK_DGRAM)
+    with peer:
+        peer.bind((GATEWAY[family], 5555))
+        peer.sendto(b"hello", (SANDBOX[family], 7777))
+        out, err = p.communicate(timeout=15)
+    assert p.returncode == 0, err.decode()
+    res = json.loads((getattr(p, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    cap.settle()
+    print(f"\n{mode} {who} ipv{family}: {res}")
+    assert not cap.seen(tok), f"a reply on an inbound flow left with a route to {DENIED[family]}: {res}"
+
+
 # argv: destination, token. A UDP datagram to port 7 with SO_BINDTODEVICE eth0 (no capability
 # needed for a socket's first binding).
 BIND_TO_DEVICE = textwrap.dedent(r'''
@@ -802,6 +907,53 @@ def test_source_routes_to_an_allowed_first_hop_are_denied_outside_public(lab, eg
     res = run_as(lab, who, SOURCE_ROUTED, ALLOWED[family], DENIED[family], tok)
     if res["send"] == "sent":
         assert cap.wait_seen(tok), res
+
+
+# argv: source, first hop, final destination, token, variant. A UDP datagram to the first hop
+# written whole (IP_HDRINCL, NET_RAW) with an IPv4 option: a loose or strict source route as a
+# router reads it but nft's option lookup does not (pointer 8 past the first hop's address, or a
+# length that is not 3 + 4n), or a timestamp (no route at all).
+IPV4_OPTIONS = RAW_PRELUDE + textwrap.dedent(r'''
+    me, first, final, tok, variant = sys.argv[1:6]
+    kind = 137 if variant.startswith("ssrr") else 131
+    if variant.endswith("ptr8"):
+        opts = b"\x01" + bytes([kind, 11, 8]) + socket.inet_aton(first) + socket.inet_aton(final)
+    elif variant.endswith("len8"):
+        opts = bytes([kind, 8, 4]) + socket.inet_aton(final) + b"\0"
+    else:  # timestamp, room for one
+        opts = bytes([68, 8, 5, 0]) + bytes(4)
+    opts += b"\0" * (-len(opts) % 4)
+    payload = tok.encode()
+    udp = struct.pack("!HHHH", 40000, 9999, 8 + len(payload), 0) + payload
+    ihl = 5 + len(opts) // 4
+    ip = struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, ihl * 4 + len(udp), 0, 0, 64, 17, 0,
+                     socket.inet_aton(me), socket.inet_aton(first)) + opts
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    try:
+        s.sendto(ip + udp, (first, 0)); print(json.dumps({"send": "sent"}))
+    except OSError as e:
+        print(json.dumps({"send": e.strerror}))
+''')
+
+
+@pytest.mark.parametrize("variant", ["lsrr-ptr8", "ssrr-ptr8", "lsrr-len8", "timestamp"])
+def test_ipv4_options_to_an_allowed_first_hop_are_denied_outside_public(lab, egressd, variant):
+    """Found by an attack review: nft's `ip option lsrr exists` parses the options without the
+    packet, so a source route with pointer 8 or length 8 (which a router takes) was not seen and
+    the datagram left for the allowed first hop, to be routed on to a denied host. Outside
+    public every IPv4 packet with options is now denied."""
+    egressd(POLICY, phase="agent")
+    cap = Capture(lab)
+    tok = token()
+    res = run_as(lab, "docker", IPV4_OPTIONS, SANDBOX_V4, ALLOWED[4], DENIED[4], tok, variant)
+    cap.settle()
+    print(f"\n{variant}: {res}")
+    assert not cap.seen(tok), f"an IPv4 datagram with options ({variant}) left: {res}"
+    # The same datagram without options is allowed (the first hop is).
+    plain = token()
+    res = run_as(lab, "docker", IPV4_OPTIONS.replace("opts += ", "opts = b'' #"), SANDBOX_V4, ALLOWED[4], DENIED[4],
+                 plain, "timestamp")
+    assert res == {"send": "sent"} and cap.wait_seen(plain), res
 
 
 # argv: first hop, final destination, token1, token2, token3. One flow from one source port:
