@@ -385,9 +385,14 @@ class Core : public std::enable_shared_from_this<Core> {
     int arrivals = 0;       // copies seen at the proxy
     std::optional<Server> dst;  // where the (last) TCP copy was going
     bool answered = false;  // egressd's probe has its answer (or failed)
-    // ... and it is the proxy's own NXDOMAIN, come back through the
-    // resolver: the copy that arrived is the one the resolver sent.
-    bool nxdomain = false;
+    // The token the proxy put in its answer to each copy (kProbeTokenLabel).
+    std::vector<std::string> tokens;
+    // ... and egressd's probe got one of them back: it is the proxy's own
+    // answer, come back through the resolver, so the copy that arrived is
+    // the one the resolver sent. (An NXDOMAIN alone proves nothing: a
+    // resolver that forwards from outside the namespace gets one from its
+    // upstream for the same name.)
+    bool token_back = false;
     // ... and no answer came at all (timeout, unreachable): this error.
     std::string failed;
     // Connections with a TcpConn::seq() above this were accepted after the
@@ -1298,6 +1303,41 @@ void Core::release(const std::shared_ptr<Pending>& p, std::vector<std::uint8_t> 
 
 // ---------------------------------------------------------------- Docker's forwarder
 
+// The proxy's answer to a copy of the forwarder probe: NXDOMAIN, and in the
+// authority section an SOA for "invalid." whose primary server is
+// "<token>.invalid." A forwarder relays an answer whole; egressd looks for
+// the token in the answer to its own probe.
+std::vector<std::uint8_t> probe_answer(std::span<const std::uint8_t> msg, const ParsedQuery& q,
+                                       const std::string& token) {
+  std::vector<std::uint8_t> out = make_local_answer(msg, q.header, q.question_end, Rcode::nxdomain);
+  if (out.size() < kHeaderSize || token.size() > 63) return out;
+  static constexpr std::uint8_t kInvalid[] = {7, 'i', 'n', 'v', 'a', 'l', 'i', 'd', 0};
+  const auto put16 = [&](std::uint16_t v) {
+    out.push_back(static_cast<std::uint8_t>(v >> 8));
+    out.push_back(static_cast<std::uint8_t>(v & 0xFF));
+  };
+  out.insert(out.end(), std::begin(kInvalid), std::end(kInvalid));  // owner
+  put16(6);                                                          // SOA
+  put16(1);                                                          // IN
+  put16(0);
+  put16(0);  // TTL 0
+  const std::size_t rdlength = 1 + token.size() + sizeof kInvalid + sizeof kInvalid + 20;
+  put16(static_cast<std::uint16_t>(rdlength));
+  out.push_back(static_cast<std::uint8_t>(token.size()));  // mname: <token>.invalid.
+  out.insert(out.end(), token.begin(), token.end());
+  out.insert(out.end(), std::begin(kInvalid), std::end(kInvalid));
+  out.insert(out.end(), std::begin(kInvalid), std::end(kInvalid));  // rname: invalid.
+  out.insert(out.end(), 20, 0);  // serial, refresh, retry, expire, minimum
+  out[8] = 0;
+  out[9] = 1;  // NSCOUNT
+  return out;
+}
+
+bool contains(std::span<const std::uint8_t> msg, const std::string& token) {
+  const std::string_view hay(reinterpret_cast<const char*>(msg.data()), msg.size());
+  return !token.empty() && hay.find(token) != std::string_view::npos;
+}
+
 void Core::start_probe() {
   if (closed_ || probe_ || relay_ || !serving_) return;
   // The first upstream that is local to the namespace and ours to use.
@@ -1358,7 +1398,9 @@ void Core::start_probe() {
           self->probe_->failed = a.error().message;
         }
         if (a && a.value().size() >= kHeaderSize && (a.value()[3] & 0x0F) == static_cast<std::uint8_t>(Rcode::nxdomain)) {
-          self->probe_->nxdomain = true;
+          for (const std::string& t : self->probe_->tokens) {
+            if (contains(a.value(), t)) self->probe_->token_back = true;
+          }
         }
         // A copy that races egressd's probe has until the grace ends to show.
         self->probe_timer_.expires_after(self->opts_.forwarder.probe_grace);
@@ -1384,8 +1426,18 @@ void Core::probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q
   }
   log_->info("event=forwarder_probe_arrival transport={} original_dst={} arrivals={}", client.tcp ? "tcp" : "udp", dst,
              probe_->arrivals);
-  // The probe's name is under .invalid: its answer is ours to give.
-  answer_local(msg, q, client, Rcode::nxdomain);
+  // The probe's name is under .invalid: its answer is ours to give, with a
+  // token of this copy's that egressd's own answer must bring back.
+  std::array<std::uint8_t, kCaseBits> rnd;
+  upstream_->random_case(rnd);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token = "egressd-copy-";
+  for (std::size_t i = 0; i < 12 && i < rnd.size(); ++i) {
+    token += kHex[rnd[i] >> 4];
+    token += kHex[rnd[i] & 0xF];
+  }
+  probe_->tokens.push_back(token);
+  reply(client, probe_answer(msg, q, token));
 }
 
 void Core::flush_waiting(bool pinned) {
@@ -1408,7 +1460,7 @@ void Core::finish_probe() {
   const std::optional<Server> dst = probe_->dst;
   const std::string void_reason = probe_->void_reason;
   const std::string failed = probe_->failed;
-  const bool nxdomain = probe_->nxdomain;
+  const bool token_back = probe_->token_back;
   probe_.reset();
   if (!void_reason.empty()) {
     // The sandbox may have suppressed Docker's copy or sent one of its own:
@@ -1449,11 +1501,13 @@ void Core::finish_probe() {
     if (!ec) s.bind(udp::endpoint(to_address(ip), 0), ec);
     return !ec;
   };
-  if (arrivals == 1 && !nxdomain) {
-    // One copy, but egressd's probe did not get the proxy's answer back: the
-    // resolver's own copy never reached the proxy (a sandbox process can use
-    // up the namespace's ports to the target, so the resolver cannot
-    // connect) and the one that did was someone else's.
+  if (arrivals == 1 && !token_back) {
+    // One copy, but egressd's probe did not get the proxy's answer to it
+    // back (its token): the resolver's own copy never reached the proxy (a
+    // sandbox process can use up the namespace's ports to the target, so
+    // the resolver cannot connect; or the resolver forwards from outside the
+    // namespace and answered from there) and the one that did was someone
+    // else's.
     flush_waiting(false);
     log_->error("event=forwarder_probe_race arrivals=1 original_dst={} reason=answer_not_the_proxys action=\"no "
                 "forwarder target pinned; retry in {} ms\" detail=\"egressd's probe was not answered with the "

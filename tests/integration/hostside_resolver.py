@@ -4,7 +4,8 @@ Docker < 25), for test_dns_integrity.py's probe tests: it listens on 127.0.0.11:
 sandbox namespace behind Docker's DNAT, and forwards every query, as received, to the lab's dnsmasq
 from the internet namespace, so no copy of egressd's query ever comes back through the sandbox's
 redirect. Names whose first label starts with "slow" are
-forwarded after `slow` seconds (a slow resolver: egressd's query stays in flight meanwhile)."""
+forwarded after `slow` seconds (a slow resolver: egressd's query stays in flight meanwhile).
+Names under .invalid get NXDOMAIN, as from a real host resolver (RFC 6761 6.4)."""
 import socket
 import struct
 import threading
@@ -21,6 +22,26 @@ def _recv_exact(s, n):
             raise EOFError
         b += c
     return b
+
+
+def _under_invalid(msg) -> bool:
+    labels, i = [], 12
+    try:
+        while msg[i]:
+            labels.append(msg[i + 1:i + 1 + msg[i]].decode("ascii", "replace").lower())
+            i += 1 + msg[i]
+    except IndexError:
+        return False
+    return bool(labels) and labels[-1] == "invalid"
+
+
+def _nxdomain(msg):
+    """Header and question of `msg`, QR RD RA set, rcode NXDOMAIN, no records."""
+    i = 12
+    while i < len(msg) and msg[i]:
+        i += 1 + msg[i]
+    q = msg[12:i + 5]
+    return msg[:2] + struct.pack("!HHHHH", 0x8183 | (msg[2] & 1) << 8, 1, 0, 0, 0) + q
 
 
 def _first_label(msg):
@@ -62,6 +83,8 @@ table ip dockerlike {{
 
     def _fwd(self, msg, tcp):
         self.log.append((tcp, msg))
+        if _under_invalid(msg):
+            return _nxdomain(msg)
         if _first_label(msg).startswith("slow"):
             time.sleep(self.slow)
         try:

