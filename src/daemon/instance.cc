@@ -46,7 +46,7 @@ class SandboxPinJudge : public PinJudge, private pin::PinFacts {
  public:
   explicit SandboxPinJudge(Sandbox& sb) : sb_(sb) {}
   const pin::PinFacts& pin_facts() const override { return *this; }
-  std::uint32_t pass_mark() const override { return sb_.compile_options().pass_mark; }
+  std::uint32_t pin_mark() const override { return sb_.compile_options().pin_mark; }
   void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) override {
     if (d.kind == pin::Decision::Kind::reset) {
       spdlog::get("egressd")->info("pin reset: {}", d.reason);
@@ -580,8 +580,7 @@ Status Instance::Impl::build() {
     // From the agent's namespace the upstream sockets carry no mark: the
     // sandbox's own-traffic mark means nothing there (and could meet the
     // host's own mark-based routing).
-    const dns::SocketSignature own{sandbox->own_mark(), sandbox->sock_priority()};
-    proxy->serve(upstream_inside ? own : dns::SocketSignature{}, {sandbox->proxy_mark(), sandbox->sock_priority()});
+    proxy->serve(upstream_inside ? sandbox->own_mark() : 0, sandbox->proxy_mark());
     sandbox->attach_proxy(proxy.get());
     // The agent's thread is in the sandbox's namespace here, and an upstream
     // socket belongs to the namespace it is made in: the agent asks once it

@@ -1340,7 +1340,7 @@ class Queue : public PinQueue {
       if (used != 0 && t_->send(buf.data(), used) != 0) ++errors_;
       used = 0;
     };
-    const std::uint32_t pass_mark = judge_.pass_mark();
+    const std::uint32_t pin_mark = judge_.pin_mark();
     for (const PinVerdict& v : pending_) {
       // The bytes judged go back with every verdict that lets the packet
       // leave; a packet dropped or reset needs none.
@@ -1373,29 +1373,29 @@ class Queue : public PinQueue {
         remember_reinjection(std::move(judged));
       }
       switch (drop ? PinVerdict::Kind::drop : v.kind) {
-        case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pass_mark))); break;
+        case PinVerdict::Kind::admit: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_admit_mark(pin_mark))); break;
         case PinVerdict::Kind::reset: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::kPinResetMark)); break;
-        case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pass_mark)); break;
+        case PinVerdict::Kind::pass: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(pin_mark)); break;
         case PinVerdict::Kind::recheck: mnl_attr_put_u32(nlh, NFQA_MARK, 0); break;
-        case PinVerdict::Kind::follow: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_follow_mark(pass_mark))); break;
+        case PinVerdict::Kind::follow: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_follow_mark(pin_mark))); break;
         case PinVerdict::Kind::drop: break;
       }
       used += NLMSG_ALIGN(nlh->nlmsg_len);
     }
     send();
     pending_.clear();
-    reset_servers(pass_mark);
+    reset_servers(pin_mark);
     arm();
   }
 
   // After the client's reset: the server's end of each refused TCP flow. The
-  // RST carries the pass mark, so it leaves as the reader's own "pass"
+  // RST carries the pin mark, so it leaves as the reader's own "pass"
   // verdicts do; the sockets are send-only (IPPROTO_RAW receives nothing).
-  void reset_servers(std::uint32_t pass_mark) {
+  void reset_servers(std::uint32_t pin_mark) {
     const std::vector<ServerReset> resets = flows_.take_server_resets();
     if (resets.empty()) return;
     for (const UniqueFd* fd : {&raw4_, &raw6_}) {
-      if (fd->get() >= 0 && ::setsockopt(fd->get(), SOL_SOCKET, SO_MARK, &pass_mark, sizeof pass_mark) != 0) {
+      if (fd->get() >= 0 && ::setsockopt(fd->get(), SOL_SOCKET, SO_MARK, &pin_mark, sizeof pin_mark) != 0) {
         ++errors_;
       }
     }

@@ -59,8 +59,9 @@ class PinJudge {
   virtual ~PinJudge() = default;
   // The learned names and the phase in force.
   virtual const pin::PinFacts& pin_facts() const = 0;
-  // The table's pass mark (a secret; chain pin lets a packet carrying it go).
-  virtual std::uint32_t pass_mark() const = 0;
+  // The table's pin mark (a secret; chain pin lets a packet carrying it go,
+  // and the admit and follow marks derive from it: nft::pin_admit_mark).
+  virtual std::uint32_t pin_mark() const = 0;
   // Every admit and reset, for `denied`, status and logs.
   virtual void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) = 0;
 };

@@ -283,11 +283,12 @@ void Sandbox::draw_secrets() {
   c.pass_mark = draw(opts_.random, {0, nft::kPassMark, c.own_mark});
   c.pass_priority = draw(opts_.random, {0, 0xffffffffu, nft::kPassPriority});
   c.proxy_mark = draw(opts_.random, {0, nft::kOwnTrafficMark, nft::kPassMark, nft::kProxyMark, c.own_mark, c.pass_mark});
-  // Not one a process may set without a capability (0..6) nor the pass
-  // priority.
+  // Neither it nor the marks derived from it (~m, ~m ^ 1) may be another secret.
   do {
-    c.sock_priority = draw(opts_.random, {nft::kSockPriority, c.pass_priority, 0xffffffffu});
-  } while (c.sock_priority < 16);
+    c.pin_mark = draw(opts_.random, {0, nft::kPinMark, c.own_mark, c.pass_mark, c.proxy_mark});
+  } while (nft::pin_admit_mark(c.pin_mark) == c.own_mark || nft::pin_admit_mark(c.pin_mark) == c.pass_mark ||
+           nft::pin_admit_mark(c.pin_mark) == c.proxy_mark || nft::pin_follow_mark(c.pin_mark) == c.own_mark ||
+           nft::pin_follow_mark(c.pin_mark) == c.pass_mark || nft::pin_follow_mark(c.pin_mark) == c.proxy_mark);
   draw_salt();
 }
 
@@ -435,7 +436,9 @@ Status Sandbox::start(const std::string& initial_phase) {
     // A table from before the proxy had a mark keeps the one just drawn
     // (its digest differs, so it is staged anew with it).
     if (secrets->proxy_mark != 0) opts_.compile.proxy_mark = secrets->proxy_mark;
-    if (secrets->sock_priority != 0) opts_.compile.sock_priority = secrets->sock_priority;
+    // A table from before the pin mark: its pin rules use marks derived from
+    // the pass mark, which is what they were.
+    opts_.compile.pin_mark = secrets->pin_mark != 0 ? secrets->pin_mark : secrets->pass_mark;
   } else if (kept_mark != 0) {
     opts_.compile.own_mark = kept_mark;
   }

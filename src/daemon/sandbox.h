@@ -277,8 +277,6 @@ class Sandbox : public dns::PolicyHooks {
   std::uint32_t own_mark() const { return opts_.compile.own_mark; }
   // SO_MARK the DNS proxy's own sockets must carry (nft::kProxyMark).
   std::uint32_t proxy_mark() const { return opts_.compile.proxy_mark; }
-  // SO_PRIORITY both must carry with their mark (nft::kSockPriority).
-  std::uint32_t sock_priority() const { return opts_.compile.sock_priority; }
   // The secrets and salt in force (valid after start).
   const nft::CompileOptions& compile_options() const { return opts_.compile; }
 

@@ -302,13 +302,10 @@ class Core : public std::enable_shared_from_this<Core> {
   void set_forwarder(ForwarderOptions f) {
     if (!serving_) opts_.forwarder = std::move(f);
   }
-  void serve(SocketSignature own, SocketSignature proxy);
-  void set_mark(int fd, SocketSignature s) {
-    if (s.mark != 0 && ::setsockopt(fd, SOL_SOCKET, SO_MARK, &s.mark, sizeof s.mark) != 0) {
+  void serve(std::uint32_t own_mark, std::uint32_t proxy_mark);
+  void set_mark(int fd, std::uint32_t mark) {
+    if (::setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof mark) != 0) {
       log_->error("event=proxy_mark_failed error=\"{}\"", std::strerror(errno));
-    }
-    if (s.priority != 0 && ::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &s.priority, sizeof s.priority) != 0) {
-      log_->error("event=proxy_priority_failed error=\"{}\"", std::strerror(errno));
     }
   }
   void close();
@@ -453,8 +450,8 @@ class Core : public std::enable_shared_from_this<Core> {
   bool port_fell_back_ = false;
   bool serving_ = false;
   bool closed_ = false;
-  SocketSignature own_;    // of the upstream sockets
-  SocketSignature proxy_;  // of the proxy's own sockets
+  std::uint32_t own_mark_ = 0;
+  std::uint32_t proxy_mark_ = 0;  // SO_MARK of the proxy's own sockets
   LogLimit refuse_log_, fail_log_, bad_log_, relay_log_;
 
   std::vector<Owned> owned_;
@@ -642,7 +639,6 @@ Status Core::bind() {
   UpstreamOptions uo;
   uo.servers = opts_.upstream;
   uo.mark = opts_.own_mark;
-  uo.priority = opts_.own_priority;
   uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
@@ -699,19 +695,19 @@ Status Core::bind() {
   return {};
 }
 
-void Core::serve(SocketSignature own, SocketSignature proxy) {
+void Core::serve(std::uint32_t own_mark, std::uint32_t proxy_mark) {
   if (serving_ || closed_) return;
   serving_ = true;
-  own_ = own;
-  proxy_ = proxy;
-  upstream_->set_mark(own.mark, own.priority);
+  own_mark_ = own_mark;
+  proxy_mark_ = proxy_mark;
+  upstream_->set_mark(own_mark);
   // What the proxy sends from its address and port must carry the table's
-  // proxy mark and socket priority (chain output drops the rest:
-  // nft::proxy_source_rules). An accepted TCP socket takes its listener's
-  // mark but not its priority: accept_loop sets both on each.
-  if (proxy != SocketSignature{}) {
-    for (auto& s : udp_) set_mark(s->native_handle(), proxy);
-    for (auto& a : acceptors_) set_mark(a->native_handle(), proxy);
+  // proxy mark (chain output drops the rest: nft::proxy_source_rules). An
+  // accepted TCP socket takes its listener's; one the kernel accepted
+  // before this gets it in accept_loop.
+  if (proxy_mark != 0) {
+    for (auto& s : udp_) set_mark(s->native_handle(), proxy_mark);
+    for (auto& a : acceptors_) set_mark(a->native_handle(), proxy_mark);
   }
   auto self = shared_from_this();
   for (auto& s : udp_) asio::co_spawn(io_, udp_loop(self, *s), log_exception);
@@ -719,7 +715,7 @@ void Core::serve(SocketSignature own, SocketSignature proxy) {
   std::string servers;
   for (const Server& s : upstream_->servers()) servers += (servers.empty() ? "" : ",") + s.to_string();
   log_->info("event=proxy_started port={} ipv6={} upstream={} mark={:#x} inflight_max={} owned={}", port_,
-             udp_.size() > 1, servers, own.mark, opts_.max_inflight, owned_.size());
+             udp_.size() > 1, servers, own_mark, opts_.max_inflight, owned_.size());
 
   const ForwarderOptions& f = opts_.forwarder;
   if (!f.targets.empty()) {
@@ -949,11 +945,7 @@ awaitable<void> Core::accept_loop(std::shared_ptr<Core> self, tcp::acceptor& acc
       co_await backoff.async_wait(asio::redirect_error(use_awaitable, ec));
       continue;
     }
-    // Before anything else, so that even the FIN of a connection closed here
-    // carries the signature (the kernel's ACKs of what the client sent
-    // before this are dropped: the client's retransmission, or the proxy's
-    // answer, acknowledges it).
-    if (proxy_ != SocketSignature{}) set_mark(sock.native_handle(), proxy_);
+    if (proxy_mark_ != 0) set_mark(sock.native_handle(), proxy_mark_);
     const bool slot = tcp_slot();
     if (slot && opts_.fd_account && !opts_.fd_account->take()) {
       // The sandbox holds its share of the agent's descriptors (logged by
@@ -1366,8 +1358,7 @@ void Core::start_probe() {
   const std::size_t qend = question_end(q.value());
   UpstreamOptions uo;
   uo.servers = {local->to_string()};
-  uo.mark = own_.mark;
-  uo.priority = own_.priority;
+  uo.mark = own_mark_;
   uo.open_socket = opts_.open_socket;
   uo.timeout = opts_.upstream_timeout;
   uo.forget = opts_.forget_flow;
@@ -1567,8 +1558,7 @@ void Core::pin(std::vector<Server> targets, const std::string& source) {
     }
     UpstreamOptions uo;
     for (const Server& t : targets) uo.servers.push_back(t.to_string());
-    uo.mark = self->own_.mark;
-    uo.priority = self->own_.priority;
+    uo.mark = self->own_mark_;
     uo.open_socket = self->opts_.open_socket;
     uo.timeout = self->opts_.upstream_timeout;
     uo.forget = self->opts_.forget_flow;
@@ -1662,7 +1652,7 @@ class ProxyImpl final : public Proxy {
   explicit ProxyImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
   ~ProxyImpl() override { core_->close(); }
   void set_forwarder(ForwarderOptions forwarder) override { core_->set_forwarder(std::move(forwarder)); }
-  void serve(SocketSignature own, SocketSignature proxy) override { core_->serve(own, proxy); }
+  void serve(std::uint32_t own_mark, std::uint32_t proxy_mark) override { core_->serve(own_mark, proxy_mark); }
   std::uint16_t port() const override { return core_->port(); }
   bool port_fell_back() const override { return core_->port_fell_back(); }
   ProxyCounters counters() const override { return core_->counters(); }
@@ -1688,10 +1678,10 @@ Result<std::unique_ptr<Proxy>> Proxy::bind(asio::io_context& io, ProxyOptions op
 }
 
 Result<std::unique_ptr<Proxy>> Proxy::start(asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks) {
-  const SocketSignature own{opts.own_mark, opts.own_priority};
+  const std::uint32_t mark = opts.own_mark;
   auto p = bind(io, std::move(opts), hooks);
   if (!p) return p.error();
-  (*p)->serve(own, {});
+  (*p)->serve(mark, 0);
   return p;
 }
 

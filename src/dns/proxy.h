@@ -99,7 +99,6 @@ struct ProxyOptions {
   std::vector<std::string> upstream;      // IP addresses ("192.0.2.1", "2001:db8::1", "192.0.2.1:5353", "[::1]:5353");
                                           // the word "resolv.conf" must be expanded first (nameservers_from_resolv_conf)
   std::uint32_t own_mark = 0;             // SO_MARK on every upstream socket
-  std::uint32_t own_priority = 0;         // and SO_PRIORITY (0: none)
   std::function<int(int domain, int type)> open_socket;  // opens upstream sockets (UpstreamOptions::open_socket)
   std::chrono::milliseconds upstream_timeout{1500};  // SERVFAIL after this (dead upstream)
   std::size_t max_inflight = 1024;        // beyond this, new queries get SERVFAIL at once
@@ -168,16 +167,16 @@ class Proxy {
   // queue in the kernel until serve(). Fails (runtime) naming the address
   // when a socket cannot be bound.
   static Result<std::unique_ptr<Proxy>> bind(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
-  // bind(), then serve({opts.own_mark, opts.own_priority}, {}).
+  // bind(), then serve(opts.own_mark, 0).
   static Result<std::unique_ptr<Proxy>> start(boost::asio::io_context& io, ProxyOptions opts, PolicyHooks& hooks);
   virtual ~Proxy() = default;
   // Replaces ProxyOptions::forwarder (before serve() only): targets an
   // earlier egressd pinned, adopted from the kernel.
   virtual void set_forwarder(ForwarderOptions forwarder) = 0;
-  // Starts answering, with `own` on every upstream socket and `proxy` on the
-  // proxy's own sockets (SO_MARK and SO_PRIORITY; 0: none); runs the
+  // Starts answering, with `own_mark` on every upstream socket and
+  // `proxy_mark` (SO_MARK; 0: none) on the proxy's own sockets; runs the
   // forwarder probe when it is needed. Once.
-  virtual void serve(SocketSignature own, SocketSignature proxy) = 0;
+  virtual void serve(std::uint32_t own_mark, std::uint32_t proxy_mark) = 0;
   virtual std::uint16_t port() const = 0;
   // True when port() is not the port asked for (it was held by someone else).
   virtual bool port_fell_back() const = 0;

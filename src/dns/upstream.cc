@@ -139,7 +139,7 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
   std::vector<bool> usable;
   std::vector<std::string> unusable_why;
   std::chrono::milliseconds first{500};
-  std::uint32_t mark = 0, priority = 0;
+  std::uint32_t mark = 0;
   bool mark_warned = false;
   ForgetFlow forget;
   std::function<int(int, int)> socket_opener;  // UpstreamOptions::open_socket
@@ -315,12 +315,6 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
       // sandbox's. Still send: the ruleset decides. Needs CAP_NET_ADMIN.
       const int err = errno;
       log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", mark, errno_text(err));
-      mark_warned = true;
-    }
-    // The priority is the other half of the signature chain output checks
-    // (a sandbox with NET_RAW that guessed the mark still lacks it).
-    if (priority != 0 && ::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &priority, sizeof priority) != 0 && !mark_warned) {
-      log->warn("event=upstream_mark_failed priority={:#x} error=\"{}\"", priority, errno_text(errno));
       mark_warned = true;
     }
   }
@@ -953,7 +947,6 @@ Result<std::unique_ptr<Upstream>> Upstream::create(asio::io_context& io, const U
   impl->usable.assign(impl->servers.size(), true);
   impl->unusable_why.assign(impl->servers.size(), "");
   impl->mark = opts.mark;
-  impl->priority = opts.priority;
   impl->socket_opener = opts.open_socket;
   impl->forget = opts.forget;
   impl->pool_idle = opts.pool_idle;
@@ -1006,10 +999,9 @@ void Upstream::set_usable(std::size_t i, bool usable, std::string why) {
 
 bool Upstream::usable(std::size_t i) const { return i < impl_->usable.size() && impl_->usable[i]; }
 
-void Upstream::set_mark(std::uint32_t mark, std::uint32_t priority) {
-  if (mark == impl_->mark && priority == impl_->priority) return;
+void Upstream::set_mark(std::uint32_t mark) {
+  if (mark == impl_->mark) return;
   impl_->mark = mark;
-  impl_->priority = priority;
   // Pooled sockets carry the old mark.
   for (auto* pool : {&impl_->pool4, &impl_->pool6}) {
     for (const auto& p : *pool) impl_->close_udp(p.fd);

@@ -80,19 +80,9 @@ struct FlowTuple {
 // the destructor too: it must outlive the Upstream. May be empty.
 using ForgetFlow = std::function<void(std::span<const FlowTuple>)>;
 
-// What one of egressd's own sockets carries for the ruleset to know it:
-// SO_MARK and SO_PRIORITY, both secret (0: not set). Chain output wants both:
-// a sandbox with NET_RAW may set either on its own sockets, and must guess 64
-// bits at once.
-struct SocketSignature {
-  std::uint32_t mark = 0, priority = 0;
-  bool operator==(const SocketSignature&) const = default;
-};
-
 struct UpstreamOptions {
   std::vector<std::string> servers;  // as parse_server reads them, in order of preference
   std::uint32_t mark = 0;            // SO_MARK on every upstream socket (0 = none)
-  std::uint32_t priority = 0;        // and SO_PRIORITY, with the mark (0 = none)
   ForgetFlow forget;                 // see ForgetFlow
   // Budget for one query across every server and retry: a dead upstream
   // fails the query after about this long.
@@ -175,8 +165,8 @@ class Upstream {
   void set_usable(std::size_t i, bool usable, std::string why = {});
   bool usable(std::size_t i) const;
 
-  // The SO_MARK and SO_PRIORITY (0: none) of sockets opened from now on.
-  void set_mark(std::uint32_t mark, std::uint32_t priority);
+  // The SO_MARK of sockets opened from now on.
+  void set_mark(std::uint32_t mark);
 
   // A query ID from the kernel's CSPRNG, so the IDs the upstream sees cannot
   // be predicted (or chosen) by the sandbox.

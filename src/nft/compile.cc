@@ -119,9 +119,10 @@ Chain lo_answers_chain(const CompileOptions::ResolverCgroup& r) {
 Chain pin_chain(const CompileOptions& opts) {
   Chain c{kPinChain, std::nullopt, {}};
   // The reader let a payload-less packet (an ACK, a FIN) go: it re-enters
-  // the hook (NF_REPEAT) carrying the pass mark, a secret the sandbox cannot
-  // set on its own packets (other than by guessing 32 bits).
-  c.rules.push_back({{MatchMetaMark{opts.pass_mark}, to_pass()}, ""});
+  // the hook (NF_REPEAT) carrying the pin mark, a secret the sandbox cannot
+  // set on its own packets (other than by guessing 32 bits, which buys it
+  // the name check only).
+  c.rules.push_back({{MatchMetaMark{opts.pin_mark}, to_pass()}, ""});
   // The reader refused the flow: the client gets a TCP reset at once.
   c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kTcp}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
   // ... or a QUIC flow (UDP 443): ICMP administratively prohibited, so the
@@ -199,7 +200,7 @@ Chain pin_untracked_chain() {
 }
 
 Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_t mark, bool pin = false,
-                      std::uint32_t pass_mark = kPassMark) {
+                      std::uint32_t pin_mark = kPinMark) {
   Chain c{chain, std::nullopt, {}};
   switch (phase.mode) {
     case Mode::public_:
@@ -225,13 +226,13 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         // flow that settled (its server answered after the handshake, so no
         // retransmission of judged bytes can reach it any more), or a flow
         // admitted by name under an earlier phase and kept by the switch.
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchMetaMark{pin_admit_mark(pass_mark)},
+        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchMetaMark{pin_admit_mark(pin_mark)},
                             StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
         // An HTTP flow the reader admitted stays followed: its own ct mark,
         // and every later packet back to chain pin (compile.h kPinFollowMark).
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
-                            MatchMetaMark{pin_follow_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{kPinFollowMark},
+                            MatchMetaMark{pin_follow_mark(pin_mark)}, StmtCounter{}, StmtCtMarkSet{kPinFollowMark},
                             to_pass()},
                            ""});
         // Every other TCP packet of a tracked flow to such an address goes to
@@ -262,7 +263,7 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         // is judged too. The reader's admit re-runs them with the admit mark,
         // whatever the flow's ct mark.
         c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
-                            MatchMetaMark{pin_admit_mark(pass_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
+                            MatchMetaMark{pin_admit_mark(pin_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
                            ""});
         // Every other UDP 443 packet to such an address goes to chain pin:
         // an undecided flow's, a decided one's long-header packets and those
@@ -386,26 +387,19 @@ std::vector<Rule> upstream_errors_on_lo(const Stmt& dev) {
 std::vector<Rule> proxy_source_rules(const CompileOptions& opts) {
   std::vector<Rule> out;
   const auto drop = [] { return StmtVerdict{VerdictKind::drop, ""}; };
-  // Mark and priority both (64 bits): a wrong mark and a right mark with a
-  // wrong priority fail the same way, so a guess of one half learns nothing.
   for (const char* host : {"127.0.0.1", "::1"}) {
     for (std::uint8_t proto : {kUdp, kTcp}) {
       out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
                       MatchMetaMark{opts.proxy_mark, true}, StmtCounter{}, drop()},
                      ""});
-      out.push_back({{MatchOifLoopback{}, MatchSaddr{*parse_ip(host)}, MatchSport{proto, opts.dns_port},
-                      MatchMetaPriority{opts.sock_priority, true}, StmtCounter{}, drop()},
-                     ""});
     }
   }
   if (opts.netdev) {
-    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, MatchMetaPriority{opts.sock_priority},
-                    StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}},
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{opts.pass_mark},
+                    StmtMetaPrioritySet{opts.pass_priority}},
                    ""});
   } else {
-    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, MatchMetaPriority{opts.sock_priority},
-                    StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}},
-                   ""});
+    out.push_back({{MatchOifLoopback{}, MatchMetaMark{opts.proxy_mark}, StmtMetaMarkSet{0}}, ""});
   }
   return out;
 }
@@ -488,9 +482,8 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // egressd's TCP exchange (AF_PACKET) cannot aim one at its socket.
     for (const auto& [set, type] : {std::pair{kUpstreamSet4, SetType::ipv4_addr}, {kUpstreamSet6, SetType::ipv6_addr}}) {
       for (std::uint8_t proto : {kUdp, kTcp}) {
-        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchMetaPriority{opts.sock_priority},
-                            MatchCtDirectionOriginal{}, MatchDaddrSet{set, type}, MatchDport{proto, 53},
-                            StmtCtMarkSet{kOwnFlowMark}, to_pass()},
+        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
+                            MatchDport{proto, 53}, StmtCtMarkSet{kOwnFlowMark}, to_pass()},
                            ""});
       }
     }
@@ -500,9 +493,8 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     const std::pair<const char*, SetType> lo_sets[] = {{kLoUpstreamSet4, SetType::ipv4_addr},
                                                        {kLoUpstreamSet6, SetType::ipv6_addr}};
     for (const auto& [set, type] : lo_sets) {
-      c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchMetaPriority{opts.sock_priority},
-                          MatchCtDirectionOriginal{}, MatchDaddrSet{set, type}, StmtCtMarkSet{kOwnFlowMark},
-                          StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()},
+      c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchCtDirectionOriginal{}, MatchDaddrSet{set, type},
+                          StmtCtMarkSet{kOwnFlowMark}, StmtMetaMarkSet{0}, accept()},
                          ""});
     }
     for (const auto& [set, type] : lo_sets) {
@@ -622,17 +614,33 @@ Chain pass_chain(const CompileOptions& opts) {
   Chain c{"pass", std::nullopt, {}};
   // Own traffic to an upstream that is a local address routes over `lo`:
   // taps there must not see the signature.
-  c.rules.push_back({{MatchOifLoopback{}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}, accept()}, ""});
+  c.rules.push_back({{MatchOifLoopback{}, StmtMetaMarkSet{0}, accept()}, ""});
   c.rules.push_back({{StmtMetaMarkSet{opts.pass_mark}, StmtMetaPrioritySet{opts.pass_priority}, accept()}, ""});
+  return c;
+}
+
+// Nothing that arrived on `lo` is forwarded. A frame a process writes to
+// `lo` with AF_PACKET arrives there without its socket; a namespace that
+// forwards (a Docker container inherits the host's ip_forward) would route
+// one for another address out of eth0 as a forwarded packet, which public's
+// egress chains let out and conntrack never saw leave as the sandbox's: a
+// spoofed source there opened an inbound flow through the gateway's DNAT
+// (found by an attack review). The stack never forwards what it sent on
+// `lo` itself.
+Chain forward_chain() {
+  Chain c{"forward", BaseChain{HookType::filter, 0, false, Hook::forward, ""}, {}};
+  c.rules.push_back({{MatchIifLoopback{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   return c;
 }
 
 Chain input_chain(const Policy& policy, const CompileOptions& opts) {
   Chain c{"input", BaseChain{HookType::filter, 0, false, Hook::input, ""}, {}};
-  // Nothing delivered locally carries a secret (SO_RCVMARK reports the mark
-  // of every packet a socket receives, without any capability).
-  c.rules.push_back({{MatchMetaMark{opts.pass_mark}, StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""});
-  c.rules.push_back({{MatchMetaMark{opts.own_mark}, StmtMetaMarkSet{0}}, ""});
+  // Nothing delivered locally carries a mark or a priority, secret or not
+  // (SO_RCVMARK and SO_RCVPRIORITY report them for every packet a socket
+  // receives, without any capability). Cleared whatever they are: a clear of
+  // the secret values only would tell a process which of its own marks was
+  // a secret (found by an attack review).
+  c.rules.push_back({{StmtMetaMarkSet{0}, StmtMetaPrioritySet{0}}, ""});
   // Frames written to `lo` with AF_PACKET (CAP_NET_RAW), and datagrams from
   // FREEBIND/transparent sockets that take a remote host's address (a forged
   // DNS answer to egressd), enter here with a foreign source: dropped. The
@@ -772,13 +780,8 @@ Chain redirect_chain(const CompileOptions& opts) {
   // -101: ahead of Docker's DNAT of 127.0.0.11:53 (iptables-nft, -100), so
   // queries to the embedded resolver are intercepted too.
   Chain c{"dns_redirect", BaseChain{HookType::nat, -101, false}, {}};
-  // Only egressd's own queries (mark and priority both) skip the proxy: a
-  // right mark with a wrong priority is redirected like any query, so a
-  // guessed mark alone changes nothing a sandbox can see.
   for (std::uint8_t proto : {kUdp, kTcp}) {
     c.rules.push_back({{MatchMetaMark{opts.own_mark, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}}, ""});
-    c.rules.push_back({{MatchMetaPriority{opts.sock_priority, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}},
-                       ""});
   }
   return c;
 }
@@ -821,9 +824,10 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,
-                                      opts.pass_mark));
+                                      opts.pin_mark));
   }
   t.chains.push_back(input_chain(policy, opts));
+  t.chains.push_back(forward_chain());
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
   if (opts.dns_port != 0 && opts.lo_resolver) t.chains.push_back(lo_answers_chain(*opts.lo_resolver));
   return t;
@@ -946,7 +950,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.pass_mark = kPassMark;
   o.pass_priority = kPassPriority;
   o.proxy_mark = kProxyMark;
-  o.sock_priority = kSockPriority;
+  o.pin_mark = kPinMark;
   o.mark_salt = kDefaultMarkSalt;
   o.interfaces.clear();
   o.onlink6.clear();
@@ -973,17 +977,8 @@ std::optional<Secrets> secrets_from_table_comment(const std::string& comment) {
   if (p.size() != 11 || p.compare(0, 3, ":0x") != 0 || p.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
     return std::nullopt;
   }
-  Secrets s{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt,
-            comment_hex(comment, "proxy=0x").value_or(0), 0};
-  // "proxy=0xMMMMMMMM:0xPPPPPPPP": the socket priority follows the proxy mark
-  // (absent from a table an older egressd made).
-  if (const auto at = comment.find(" proxy=0x"); at != std::string::npos && s.proxy_mark != 0) {
-    const std::string q = comment.substr(at + 9 + 8, 11);
-    if (q.size() == 11 && q.compare(0, 3, ":0x") == 0 && q.find_first_not_of("0123456789abcdef", 3) == std::string::npos) {
-      s.sock_priority = static_cast<std::uint32_t>(std::stoul(q.substr(3), nullptr, 16));
-    }
-  }
-  return s;
+  return Secrets{*own, *pass, static_cast<std::uint32_t>(std::stoul(p.substr(3), nullptr, 16)), *salt,
+                 comment_hex(comment, "proxy=0x").value_or(0), comment_hex(comment, "pin=0x").value_or(0)};
 }
 
 std::string digest_from_table_comment(const std::string& comment) {
@@ -996,16 +991,16 @@ std::string digest_from_table_comment(const std::string& comment) {
 Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveState& state,
                   const CompileOptions& opts) {
   Table t = staged_table(policy, opts);
-  // 121 bytes of the 127 a comment may have.
+  // 125 bytes of the 127 a comment may have.
   t.comment = "egressd v1 digest=" + staged_digest(policy, opts) + " mark=" + hex8(opts.own_mark) +
               " pass=" + hex8(opts.pass_mark) + ":" + hex8(opts.pass_priority) + " salt=" + hex8(opts.mark_salt) +
-              " proxy=" + hex8(opts.proxy_mark) + ":" + hex8(opts.sock_priority);
+              " proxy=" + hex8(opts.proxy_mark) + " pin=" + hex8(opts.pin_mark);
   if (inline_phase != nullptr) {
     const std::string chain = inline_chain(state.generation);
     if (inline_phase->mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, *inline_phase)) t.sets.push_back(std::move(s));
     }
-    t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pass_mark));
+    t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pin_mark));
   }
   for (auto& c : t.chains) {
     if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies);
@@ -1096,7 +1091,7 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
     if (target.mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, target)) ch.ops.push_back(OpAddSet{std::move(s)});
     }
-    ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pass_mark)});
+    ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pin_mark)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
   for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies)) {

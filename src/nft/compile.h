@@ -78,8 +78,7 @@ inline constexpr std::uint32_t kLogRate = 100, kLogBurst = 50;
 // is ever seen by a local socket or a packet tap (the chains clear them before
 // a packet reaches `lo` or leaves a device). A sandbox with CAP_NET_RAW (Docker's
 // default) may set SO_MARK and SO_PRIORITY on any socket, AF_PACKET included,
-// so it has to guess: 64 bits for each — own mark or proxy mark with the
-// socket priority, the pass signature — and every wrong guess fails alike.
+// so it has to guess: 32 bits for the own mark, 64 for the pass signature.
 // `render` prints the fixed defaults below so goldens stay readable.
 //
 // SO_MARK of egressd's own upstream DNS sockets.
@@ -97,13 +96,8 @@ inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:72
 // kernel's FIN or ACK of a socket the proxy has not configured yet would lack
 // it; it takes the listener's mark.)
 inline constexpr std::uint32_t kProxyMark = 0x70727879;  // "prxy"
-// SO_PRIORITY of egressd's own sockets, upstream and proxy alike: chain output
-// knows them by mark and priority together. (The kernel does not copy an
-// accepted TCP socket's priority from its listener: the proxy sets it on each
-// at accept; the kernel's ACK of a query that came before that is dropped.)
-// Cleared with the mark before any socket or tap sees a packet (SO_RCVPRIORITY
-// would show it).
-inline constexpr std::uint32_t kSockPriority = 0x736f636b;  // "sock", prints as 736f:636b
+// The skb mark of what hostname pinning's reader lets go (see pin_admit_mark).
+inline constexpr std::uint32_t kPinMark = 0x70696e21;  // "pin!"
 // ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
 // [1, 0x7ffffffb]; inline policies get kInlineMarkBit | (generation + salt -
 // kDefaultMarkSalt). With the default salt these are 0x45470001... and
@@ -208,11 +202,14 @@ inline constexpr const char* kPinUntrackedChain = "pin_untracked";
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"
-// The skb mark of a packet the reader admitted: derived from the pass mark,
-// so as secret as it (a sandbox guessing it would skip only the name check,
-// never the address check before it).
-constexpr std::uint32_t pin_admit_mark(std::uint32_t pass_mark) { return ~pass_mark; }
-constexpr std::uint32_t pin_follow_mark(std::uint32_t pass_mark) { return ~pass_mark ^ 1u; }
+// The skb marks of the reader's verdicts: let go (the pin mark itself),
+// admitted, followed. Derived from the pin mark, a secret of their own: a
+// sandbox that guesses one skips only the name check, never the address
+// check before it, and learns nothing of the pass signature (until
+// 2026-12-06 they derived from the pass mark, and chain pin's pass on the
+// mark alone told a guess of it apart: found by an attack review).
+constexpr std::uint32_t pin_admit_mark(std::uint32_t pin_mark) { return ~pin_mark; }
+constexpr std::uint32_t pin_follow_mark(std::uint32_t pin_mark) { return ~pin_mark ^ 1u; }
 
 // The port egressd's DNS proxy listens on (127.0.0.1 and ::1 in the sandbox).
 inline constexpr std::uint16_t kDefaultDnsPort = 53;
@@ -266,7 +263,7 @@ struct CompileOptions {
   std::uint32_t pass_mark = kPassMark;
   std::uint32_t pass_priority = kPassPriority;
   std::uint32_t proxy_mark = kProxyMark;
-  std::uint32_t sock_priority = kSockPriority;
+  std::uint32_t pin_mark = kPinMark;
   std::uint32_t mark_salt = kDefaultMarkSalt;
   // The kernel has the netdev egress hook: build table netdev egressd.
   bool netdev = true;
@@ -298,8 +295,8 @@ struct CompileOptions {
 // The secrets of a table, as its comment carries them.
 struct Secrets {
   std::uint32_t own_mark = 0, pass_mark = 0, pass_priority = 0, mark_salt = 0;
-  std::uint32_t proxy_mark = 0;     // 0: a table from before the proxy had one
-  std::uint32_t sock_priority = 0;  // 0: a table from before the sockets had one
+  std::uint32_t proxy_mark = 0;  // 0: a table from before the proxy had one
+  std::uint32_t pin_mark = 0;    // 0: a table from before the pin mark (its pin marks derive from the pass mark)
 };
 // Parses "mark=0x... pass=0x...:0x... salt=0x... proxy=0x..." out of an
 // egressd table comment; nullopt unless the first four are there (an older

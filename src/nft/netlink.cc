@@ -266,6 +266,7 @@ std::uint32_t hooknum(Hook h) {
   switch (h) {
     case Hook::output: return NF_INET_LOCAL_OUT;
     case Hook::input: return NF_INET_LOCAL_IN;
+    case Hook::forward: return NF_INET_FORWARD;
     case Hook::egress: return NF_NETDEV_EGRESS;
   }
   return NF_INET_LOCAL_OUT;

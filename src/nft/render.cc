@@ -294,6 +294,7 @@ void render_chain(std::ostringstream& out, const Chain& chain) {
     switch (b.hook) {
       case Hook::output: out << "output"; break;
       case Hook::input: out << "input"; break;
+      case Hook::forward: out << "forward"; break;
       case Hook::egress: out << "egress device \"" << b.device << "\""; break;
     }
     out << " priority ";

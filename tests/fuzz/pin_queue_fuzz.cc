@@ -30,7 +30,7 @@ namespace {
 struct Judge : PinJudge, pin::PinFacts {
   Entry entry;
   const pin::PinFacts& pin_facts() const override { return *this; }
-  std::uint32_t pass_mark() const override { return 0x70617373; }
+  std::uint32_t pin_mark() const override { return 0x70696e21; }
   void pin_decided(const pin::Decision& d, const IpPrefix&, std::uint16_t) override {
     FUZZ_CHECK(d.kind != pin::Decision::Kind::need_more);
     FUZZ_CHECK(!d.reason.empty() && d.reason.size() < 1024);

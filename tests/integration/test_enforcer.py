@@ -725,8 +725,8 @@ def normalize_ruleset(text: str) -> str:
     text = re.sub(r"ct mark (set )?0x(?!7ffffff[ef])[0-9a-f]{8}", r"ct mark \1PHASE", text)
     text = re.sub(r"mark=0x[0-9a-f]{8}", "mark=M", text)
     # The table comment: the digest covers the staged rules, secrets excluded.
-    text = re.sub(r"digest=[0-9a-f]{16} mark=M pass=0x[0-9a-f]{8}:0x[0-9a-f]{8} salt=0x[0-9a-f]{8} proxy=0x[0-9a-f]{8}:0x[0-9a-f]{8}\"",
-                  'digest=D mark=M pass=P salt=S proxy=Q"', text)
+    text = re.sub(r"digest=[0-9a-f]{16} mark=M pass=0x[0-9a-f]{8}:0x[0-9a-f]{8} salt=0x[0-9a-f]{8} proxy=0x[0-9a-f]{8} pin=0x[0-9a-f]{8}\"",
+                  'digest=D mark=M pass=P salt=S proxy=Q pin=N"', text)
     text = re.sub(r"counter packets \d+ bytes \d+", "counter packets 0 bytes 0", text)
     text = re.sub(r" expires [0-9hms.]+", "", text)
     # The namespace's on-link IPv6 prefixes (the lab's 2001:db8:1::/64), kept up to date from
@@ -766,7 +766,7 @@ def test_render_equals_kernel(lab, egressd, phase):
     assert normalize_ruleset(live) == normalize_ruleset(loaded)
     # The daemon's secrets are its own, not the defaults render prints.
     assert "0x65677264" not in live and "0x70617373" not in live and "6567:7264" not in live
-    assert "0x70727879" not in live and "736f:636b" not in live
+    assert "0x70727879" not in live and "0x70696e21" not in live
 
 
 def _golden_policies():

@@ -30,6 +30,7 @@ the attack is over, and the frames before the echo reply are everything the atta
 """
 import json
 import os
+import re
 import select
 import socket
 import subprocess
@@ -589,13 +590,8 @@ REFLECTOR = RAW_PRELUDE + textwrap.dedent(r'''
 ''')
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, egressd, mode):
-    """Found by an attack review: in public a frame written with AF_PACKET left unsigned. One from
-    a spoofed source S to the sandbox's own address, sent to the gateway (a Docker host: forwarding
-    on, loose reverse-path filter), came back in; conntrack had never seen it leave, so chain
-    input marked its flow inbound, and after a switch the sandbox's datagrams on that flow passed
-    to S as replies, in every phase. Now the frame never leaves (the send fails: ENOBUFS)."""
+def far_echo(lab):
+    """S behind the internet end, with its UDP echo; the internet end routes like a Docker host."""
     far = lab.extra_netns("far")
     lab.internet.ip("link", "add", "veth-far", "type", "veth", "peer", "name", "eth0", "netns", far.name)
     lab.internet.ip_batch([f"addr add {FAR_LINK_IN}/30 dev veth-far", "link set veth-far up",
@@ -609,6 +605,16 @@ def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, eg
     echo = lab.spawn([sys.executable, "-c", FAR_ECHO, FAR, FAR_PORT], netns=far, stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE)
     assert labmod._read_line(echo, 10.0, "far echo") == "READY"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, egressd, mode):
+    """Found by an attack review: in public a frame written with AF_PACKET left unsigned. One from
+    a spoofed source S to the sandbox's own address, sent to the gateway (a Docker host: forwarding
+    on, loose reverse-path filter), came back in; conntrack had never seen it leave, so chain
+    input marked its flow inbound, and after a switch the sandbox's datagrams on that flow passed
+    to S as replies, in every phase. Now the frame never leaves (the send fails: ENOBUFS)."""
+    far_echo(lab)
     # Addresses only: the switch's reaper runs at once (no name to resolve first).
     d = egressd(POLICY.replace(', "a.example.com"', ""), phase="environment")
     tok = token()
@@ -632,6 +638,90 @@ def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, eg
     assert not res["after_control"].startswith("ECHO"), res
     assert not res["after_trick"].startswith("ECHO"), f"the reflected flow passed after the switch to {mode}: {res}"
     assert res["frame"] != "sent", f"a frame written with AF_PACKET left in public: {res}"
+
+
+# The gateway's published port (docker run -p): DNAT to the sandbox's port of the same number.
+PUBLISHED, PUBLISHED_PORT = "203.0.113.99", 5000
+
+# argv: S, port, token, published address, published port. As REFLECTOR, but the frame (from
+# S:port to the published address and port) is written to `lo`: it arrives there without its
+# socket, and a namespace that forwards routes it out of eth0 like a forwarded packet.
+LO_REFLECTOR = RAW_PRELUDE + textwrap.dedent(r'''
+    far, port, tok, pub, pport = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+    q = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); q.bind(("0.0.0.0", pport)); q.settimeout(2)
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.bind(("0.0.0.0", 0)); c.settimeout(2)
+    pk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    pk.bind(("lo", 0))
+    body = b"REFLECTED"
+    udp = struct.pack("!HHHH", port, pport, 8 + len(body), 0) + body
+    ck = csum(socket.inet_aton(far) + socket.inet_aton(pub) + struct.pack("!xBH", 17, len(udp)) + udp)
+    udp = udp[:6] + struct.pack("!H", ck or 0xffff) + udp[8:]
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0x1234, 0x4000, 64, 17, 0,
+                     socket.inet_aton(far), socket.inet_aton(pub))
+    ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+    out = {}
+    try:
+        pk.send(b"\0" * 12 + b"\x08\x00" + ip + udp)
+        out["frame"] = "sent"
+        out["reflected"] = q.recvfrom(100)[0].decode()
+    except OSError as e:
+        out.setdefault("frame", e.strerror)
+        out.setdefault("reflected", str(e))
+    for name, s in (("trick", q), ("control", c)):
+        s.sendto(b"HELLO", (far, port))
+        try:
+            out["public_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["public_" + name] = str(e)
+    print("ARMED", flush=True)
+    sys.stdin.readline()
+    for name, s in (("trick", q), ("control", c)):
+        try:
+            s.sendto(("%s-%s" % (tok, name)).encode(), (far, port))
+            out["after_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
+    print(json.dumps(out), flush=True)
+''')
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_frame_written_to_lo_in_public_is_not_forwarded_into_an_inbound_flow(lab, egressd, mode):
+    """Found by an attack review of the fix above: a frame written to `lo` with AF_PACKET arrives
+    there without its socket, and a namespace that forwards (a Docker container inherits the
+    host's ip_forward) routed it out of eth0 as a forwarded packet, which public lets out. From S
+    to a port the gateway publishes (DNAT to the sandbox) it came back in as a new flow from S,
+    marked inbound, and after a switch the sandbox's datagrams on it passed to S. Now nothing
+    that arrived on `lo` is forwarded."""
+    far_echo(lab)
+    rc, _, err = lab.nft(lab.internet, "-f", "-", input=f"""table ip published {{
+        chain pre {{ type nat hook prerouting priority -100; ip daddr {PUBLISHED} udp dport {PUBLISHED_PORT} dnat to {SANDBOX_V4}:{PUBLISHED_PORT}; }}
+    }}""")
+    assert rc == 0, err
+    lab.sandbox.sysctl("net.ipv4.ip_forward", 1)
+    for dev in ("all", "lo"):
+        lab.sandbox.sysctl(f"net.ipv4.conf.{dev}.rp_filter", 2)
+    d = egressd(POLICY.replace(', "a.example.com"', ""), phase="environment")
+    tok = token()
+    att = lab.spawn([*WHO["docker"], sys.executable, "-c", LO_REFLECTOR, FAR, FAR_PORT, tok, PUBLISHED,
+                     PUBLISHED_PORT], netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+    assert labmod._read_line(att, 15.0, "attacker") == "ARMED"
+    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
+    try:
+        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
+    finally:
+        canary.close()
+    att.stdin.write(b"go\n")
+    att.stdin.flush()
+    out, err = att.communicate(timeout=30)
+    assert att.returncode == 0, err.decode()
+    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    print(f"\n{mode}: {res}")
+    assert res["public_trick"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
+    assert not res["after_control"].startswith("ECHO"), res
+    assert not res["after_trick"].startswith("ECHO"), f"the reflected flow passed after the switch to {mode}: {res}"
+    assert not res["reflected"].startswith("REFLECTED"), f"the frame written to lo was forwarded: {res}"
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -681,6 +771,48 @@ def test_an_interface_moved_in_after_start_is_covered(lab, egressd):
                     "the chain of the interface that went")
     assert '"event":"tamper"' not in d.log(), d.log()
     assert '"event":"monitor_overrun"' not in d.log(), d.log()
+
+
+# argv: mark... One datagram per mark over `lo` (IPv4 and IPv6), each from a socket with that
+# SO_MARK (NET_RAW), to a socket of the same process that reads every datagram's mark and
+# priority (SO_RCVMARK, SO_RCVPRIORITY: no capability needed). Prints {mark: [marks seen]}.
+MARK_ECHO = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    SO_RCVMARK, SO_RCVPRIORITY = 75, 82
+    out = {}
+    for fam, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        rx = socket.socket(fam, socket.SOCK_DGRAM)
+        rx.bind((host, 0))
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVMARK, 1)
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVPRIORITY, 1)
+        rx.settimeout(2)
+        for m in sys.argv[1:]:
+            tx = socket.socket(fam, socket.SOCK_DGRAM)
+            tx.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", int(m, 0)))
+            tx.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, struct.pack("I", 3))
+            tx.sendto(b"x", rx.getsockname()[:2])
+            _, anc, _, _ = rx.recvmsg(16, 256)
+            seen = {t: struct.unpack("I", d[:4])[0] for lvl, t, d in anc if lvl == socket.SOL_SOCKET}
+            out.setdefault(m, []).append([seen.get(socket.SO_MARK, 0), seen.get(socket.SO_PRIORITY, 0)])
+    print(json.dumps(out))
+''')
+
+
+def test_no_secret_is_told_apart_by_what_reaches_a_local_socket(lab, egressd):
+    """Found by an attack review: chain input cleared a delivered packet's mark only when it was
+    the own mark or the pass mark, so a NET_RAW process that sent itself one datagram per guess
+    over `lo` and read each one's mark (SO_RCVMARK, no capability) saw which guess was a secret:
+    32 bits a half, hours of guessing. Every delivered packet's mark and priority is now
+    cleared, whatever they are."""
+    egressd(POLICY, phase="agent")
+    rc, text, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert rc == 0, err
+    own, pass_mark = (re.search(rf"{k}=(0x[0-9a-f]{{8}})", text)[1] for k in ("mark", "pass"))
+    other = "0x12345678"
+    res = run_as(lab, "docker", MARK_ECHO, own, pass_mark, other)
+    print(f"\n{res}")
+    assert res[own] == res[pass_mark] == res[other], f"a secret mark arrived unlike any other mark: {res}"
+    assert res[other] == [[0, 0], [0, 0]], res
 
 
 # --- class 6: exemptions bound to their device and scope -----------------------------------

@@ -8,6 +8,7 @@ Chain pin hands the reader each packet's conntrack id, and a new connection has 
 """
 import errno
 import json
+import re
 import socket
 import ssl
 import struct
@@ -53,6 +54,40 @@ def test_a_new_connection_on_the_four_tuple_of_an_admitted_one_is_judged_afresh(
     for _ in range(3):
         assert_reset(tls_from_port(lab, V4, "same-ip.test", sport), "tls with sni same-ip.test on a reused 4-tuple")
         assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
+
+
+def tls_with_mark(lab, addr, sni, mark):
+    """TLS from a socket carrying SO_MARK `mark` (a sandbox process with NET_RAW may set any)."""
+    def run():
+        s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
+        s.settimeout(3.0)
+        s.connect((addr, TLS_PORT))
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with ctx.wrap_socket(s, server_hostname=sni) as t:
+            t.sendall(b"ping")
+            return t.recv(100)
+    return outcome(run)
+
+
+@pytest.mark.parametrize("which", ["pass", "own", "proxy"])
+def test_no_other_secret_mark_lets_a_hello_past_the_reader(lab, pinned, which):  # noqa: F811
+    """Found by an attack review: the reader's verdict marks derived from the pass mark, and chain
+    pin let a packet carrying the pass mark go on that mark alone. So a NET_RAW process could
+    search the pass mark through pinning (one datagram or segment per guess, the reader's reset
+    telling a wrong one), then the pass priority through AF_PACKET sends, and with both write
+    frames to any host. The reader's marks now derive from a pin mark of their own: the other
+    secrets, read here from the table as if guessed, open nothing."""
+    rc, text, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert rc == 0, err
+    key = {"pass": "pass", "own": "mark", "proxy": "proxy"}[which]
+    mark = int(re.search(rf" {key}=(0x[0-9a-f]{{8}})", text)[1], 16)
+    assert_reset(tls_with_mark(lab, V4, "same-ip.test", mark), f"tls naming same-ip.test with the {which} mark")
+    assert_reset(tls_with_mark(lab, V4, "same-ip.test", ~mark & 0xffffffff),
+                 f"tls naming same-ip.test with the complement of the {which} mark")
+    assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
 
 
 ABORT_PORT, TFO_PORT = 8445, 8444

@@ -29,7 +29,7 @@ class FakeProxy : public dns::Proxy {
   dns::ProxyCounters stats{};
 
   void set_forwarder(dns::ForwarderOptions) override {}
-  void serve(dns::SocketSignature, dns::SocketSignature) override {}
+  void serve(std::uint32_t, std::uint32_t) override {}
   std::uint16_t port() const override { return 53; }
   bool port_fell_back() const override { return false; }
   dns::ProxyCounters counters() const override { return stats; }

@@ -188,8 +188,16 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
   const Chain* pass = find_chain(t, "pass");
   REQUIRE(pass != nullptr);
   REQUIRE(pass->rules.size() == 2);
-  CHECK(render_rule(pass->rules[0]) == "oif \"lo\" meta mark set 0x00000000 meta priority set none accept");
+  CHECK(render_rule(pass->rules[0]) == "oif \"lo\" meta mark set 0x00000000 accept");
   CHECK(render_rule(pass->rules[1]) == "meta mark set 0x22222222 meta priority set 3333:4444 accept");
+  // Nothing that arrived on lo is forwarded (a frame written there loses its socket).
+  const Chain* fwd = find_chain(t, "forward");
+  REQUIRE(fwd != nullptr);
+  REQUIRE(fwd->base.has_value());
+  CHECK(fwd->base->hook == Hook::forward);
+  CHECK_FALSE(fwd->base->policy_drop);
+  REQUIRE(fwd->rules.size() == 1);
+  CHECK(render_rule(fwd->rules[0]) == "iif \"lo\" counter drop");
   const Chain* in = find_chain(t, "input");
   REQUIRE(in != nullptr);
   REQUIRE(in->base.has_value());
@@ -198,8 +206,9 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
   std::vector<std::string> text;
   for (const auto& r : in->rules) text.push_back(render_rule(r));
   CHECK(text == std::vector<std::string>{
-                    "meta mark 0x22222222 meta mark set 0x00000000 meta priority set none",
-                    "meta mark 0x11111111 meta mark set 0x00000000",
+                    // Every delivered packet's mark and priority, not just the secrets' (a
+                    // clear of only those would tell a guess apart: SO_RCVMARK).
+                    "meta mark set 0x00000000 meta priority set none",
                     "iif \"lo\" ct state related ct mark 0x7ffffffe counter drop",
                     "iif \"lo\" meta l4proto icmp ct state invalid counter drop",
                     "iif \"lo\" meta l4proto ipv6-icmp ct state invalid counter drop",
@@ -314,7 +323,7 @@ TEST_CASE("reject: TCP gets a reset, everything else admin-prohibited") {
   CHECK(render_rule(deny->rules[6]) == "counter reject with icmpx admin-prohibited");
 }
 
-TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd's own mark and priority") {
+TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd's own mark") {
   const Policy p = three_phases();
   CompileOptions none;
   none.dns_port = 0;
@@ -322,22 +331,14 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
   CompileOptions o;
   o.dns_port = 5353;
   o.own_mark = 0x1234abcd;
-  o.sock_priority = 0x0bad0bad;
   o.upstreams = {*parse_ip("192.0.2.1"), *parse_ip("2001:db8::53")};
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* nat = find_chain(t, "dns_redirect");
   REQUIRE(nat != nullptr);
   REQUIRE(nat->base.has_value());
   CHECK(nat->base->priority == -101);  // ahead of Docker's DNAT for 127.0.0.11
-  // Either half wrong is redirected: a guessed mark alone reaches the proxy like any query.
-  std::vector<std::string> redirects;
-  for (const auto& r : nat->rules) redirects.push_back(render_rule(r));
-  CHECK(redirects == std::vector<std::string>{
-                         "meta mark != 0x1234abcd udp dport 53 redirect to :5353",
-                         "meta priority != bad:bad udp dport 53 redirect to :5353",
-                         "meta mark != 0x1234abcd tcp dport 53 redirect to :5353",
-                         "meta priority != bad:bad tcp dport 53 redirect to :5353",
-                     });
+  CHECK(render_rule(nat->rules[0]) == "meta mark != 0x1234abcd udp dport 53 redirect to :5353");
+  CHECK(render_rule(nat->rules[1]) == "meta mark != 0x1234abcd tcp dport 53 redirect to :5353");
   // egressd's own upstream traffic reaches the upstream sets' port 53 only, on flows it
   // created itself, which it marks as its own (never ct mark 0: with pinning, TCP replies of
   // ct mark 0 flows pass over lo); a loopback upstream (Docker's 127.0.0.11) on any port, and
@@ -348,18 +349,14 @@ TEST_CASE("DNS redirect exists only with a proxy port, and exempts only egressd'
     if (text.find("upstream") != std::string::npos) marked.push_back(text);
   }
   CHECK(marked == std::vector<std::string>{
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip daddr @upstream4 udp dport 53 "
-                      "ct mark set 0x7ffffffe goto pass",
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip daddr @upstream4 tcp dport 53 "
-                      "ct mark set 0x7ffffffe goto pass",
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip6 daddr @upstream6 udp dport 53 "
-                      "ct mark set 0x7ffffffe goto pass",
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip6 daddr @upstream6 tcp dport 53 "
-                      "ct mark set 0x7ffffffe goto pass",
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip daddr @lo_upstream4 "
-                      "ct mark set 0x7ffffffe meta mark set 0x00000000 meta priority set none accept",
-                      "meta mark 0x1234abcd meta priority bad:bad ct direction original ip6 daddr @lo_upstream6 "
-                      "ct mark set 0x7ffffffe meta mark set 0x00000000 meta priority set none accept",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 udp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @upstream4 tcp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 udp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @upstream6 tcp dport 53 ct mark set 0x7ffffffe goto pass",
+                      "meta mark 0x1234abcd ct direction original ip daddr @lo_upstream4 ct mark set 0x7ffffffe "
+                      "meta mark set 0x00000000 accept",
+                      "meta mark 0x1234abcd ct direction original ip6 daddr @lo_upstream6 ct mark set 0x7ffffffe "
+                      "meta mark set 0x00000000 accept",
                       "ip daddr @lo_upstream4 ct direction reply ct mark 0x7ffffffe accept",
                       "ip6 daddr @lo_upstream6 ct direction reply ct mark 0x7ffffffe accept",
                       "ip daddr @lo_upstream4 counter goto deny comment \"ipv4 to loopback upstream\"",
@@ -475,7 +472,7 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   CHECK(answers(o).size() == 2);
 }
 
-TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's mark and priority, or is dropped") {
+TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's mark, or is dropped") {
   // A raw socket could write the proxy's answer on a redirected flow (Docker's resolver relaying
   // egressd's own query): chain output drops it unless it carries the proxy sockets' secret
   // mark, which it swaps for the pass signature; chain lo_replies drops a frame written to
@@ -485,7 +482,6 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
   o.pass_mark = 0x22222222;
   o.pass_priority = 0x33334444;
   o.proxy_mark = 0x55556666;
-  o.sock_priority = 0x77778888;
   o.dns_port = 5353;
   auto output = [&](const CompileOptions& opts) {
     std::vector<std::string> out;
@@ -494,27 +490,20 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
     return out;
   };
   const std::vector<std::string> text = output(o);
-  // Mark and priority, 64 bits, and a wrong half of either fails the same way.
   const std::vector<std::string> proxy = {
       "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta mark != 0x55556666 counter drop",
-      "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta priority != 7777:8888 counter drop",
       "oif \"lo\" ip saddr 127.0.0.1 tcp sport 5353 meta mark != 0x55556666 counter drop",
-      "oif \"lo\" ip saddr 127.0.0.1 tcp sport 5353 meta priority != 7777:8888 counter drop",
       "oif \"lo\" ip6 saddr ::1 udp sport 5353 meta mark != 0x55556666 counter drop",
-      "oif \"lo\" ip6 saddr ::1 udp sport 5353 meta priority != 7777:8888 counter drop",
       "oif \"lo\" ip6 saddr ::1 tcp sport 5353 meta mark != 0x55556666 counter drop",
-      "oif \"lo\" ip6 saddr ::1 tcp sport 5353 meta priority != 7777:8888 counter drop",
-      "oif \"lo\" meta mark 0x55556666 meta priority 7777:8888 meta mark set 0x22222222 meta priority set 3333:4444",
+      "oif \"lo\" meta mark 0x55556666 meta mark set 0x22222222 meta priority set 3333:4444",
   };
   // Ahead of every accept: right after the fast path and the upstream errors.
-  CHECK(std::vector<std::string>(text.begin() + 5, text.begin() + 14) == proxy);
-  for (std::size_t i = 0; i < 14; ++i) CHECK(text[i].find("accept") == std::string::npos);
-  // Without the netdev hook mark and priority are cleared (nothing would clear a signature,
-  // and SO_RCVPRIORITY would show the priority to the sandbox's socket).
+  CHECK(std::vector<std::string>(text.begin() + 5, text.begin() + 10) == proxy);
+  for (std::size_t i = 0; i < 10; ++i) CHECK(text[i].find("accept") == std::string::npos);
+  // Without the netdev hook the mark is cleared (nothing would clear a signature).
   CompileOptions no_netdev = o;
   no_netdev.netdev = false;
-  CHECK(output(no_netdev)[13] ==
-        "oif \"lo\" meta mark 0x55556666 meta priority 7777:8888 meta mark set 0x00000000 meta priority set none");
+  CHECK(output(no_netdev)[9] == "oif \"lo\" meta mark 0x55556666 meta mark set 0x00000000");
   // No proxy, no rules.
   CompileOptions no_proxy = o;
   no_proxy.dns_port = 0;
@@ -543,7 +532,6 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
   CHECK(staged_digest(p, o) == staged_digest(p, [&] {
           CompileOptions d = o;
           d.proxy_mark = kProxyMark;
-          d.sock_priority = kSockPriority;
           return d;
         }()));
 }
@@ -556,7 +544,7 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   o.pass_priority = 0xa0b0c0d0;
   o.mark_salt = 0x7f000001;
   o.proxy_mark = 0x0badf00d;
-  o.sock_priority = 0x50c0ffee;
+  o.pin_mark = 0x5ec7e7a1;
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   CHECK(t.comment.size() < 128);
   const auto s = secrets_from_table_comment(t.comment);
@@ -566,18 +554,18 @@ TEST_CASE("the table comment carries the secrets and a restart reads them back")
   CHECK(s->pass_priority == 0xa0b0c0d0);
   CHECK(s->mark_salt == 0x7f000001);
   CHECK(s->proxy_mark == 0x0badf00d);
-  CHECK(s->sock_priority == 0x50c0ffee);
-  // A table from before the socket priority: the proxy mark is read, the priority is 0 (drawn anew).
-  const auto no_prio = secrets_from_table_comment(t.comment.substr(0, t.comment.rfind(':')));
-  REQUIRE(no_prio.has_value());
-  CHECK(no_prio->proxy_mark == 0x0badf00d);
-  CHECK(no_prio->sock_priority == 0);
+  CHECK(s->pin_mark == 0x5ec7e7a1);
+  // A table from before the pin mark: the rest is read, the pin mark is 0 (the sandbox then
+  // takes the pass mark, from which that table's pin marks derive).
+  const auto no_pin = secrets_from_table_comment(t.comment.substr(0, t.comment.find(" pin=")));
+  REQUIRE(no_pin.has_value());
+  CHECK(no_pin->proxy_mark == 0x0badf00d);
+  CHECK(no_pin->pin_mark == 0);
   // A table from before the proxy's mark: the rest is read, the proxy mark is 0 (drawn anew).
   const auto before = secrets_from_table_comment(t.comment.substr(0, t.comment.find(" proxy=")));
   REQUIRE(before.has_value());
   CHECK(before->own_mark == 0xdeadbeef);
   CHECK(before->proxy_mark == 0);
-  CHECK(before->sock_priority == 0);
   // An older egressd's table: only the mark.
   CHECK_FALSE(secrets_from_table_comment("egressd v1 digest=0123456789abcdef mark=0x65677264").has_value());
   CHECK_FALSE(secrets_from_table_comment("someone else's table pass=0x1").has_value());
@@ -740,7 +728,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
   REQUIRE(pin->rules.size() == 11);
-  CHECK(render_rule(pin->rules[0]) == "meta mark 0x70617373 goto pass");
+  CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
   CHECK(render_rule(pin->rules[2]) ==
@@ -799,10 +787,10 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // The reader's admit, whatever the flow's ct mark: undecided, a followed TLS flow whose
   // server answered, or a flow admitted by name under another phase and kept by the switch.
   CHECK(rules[2] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 meta l4proto tcp meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
   // An HTTP flow the reader admits stays followed (its own ct mark, back to chain pin).
   CHECK(rules[3] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9e8c8d counter ct mark set "
+        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9691df counter ct mark set "
         "0x7ffffffc goto pass");
   // Every other TCP packet of a tracked flow: undecided, followed, urgent data on this phase's
   // own (the server would take a byte out), or a flow another phase marked (this phase never
@@ -817,11 +805,11 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // sends a decided flow's long-header packets and those longer than one datagram here,
   // another phase's flows come here whole, and so do datagrams without a conntrack entry).
   CHECK(rules[7] ==
-        "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
   CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 goto pin");
   CHECK(rules[9] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[12] ==
-        "ip6 daddr @ph_agent_d6 meta l4proto tcp meta mark 0x8f9e8c8c counter ct mark set 0x45470002 goto pass");
+        "ip6 daddr @ph_agent_d6 meta l4proto tcp meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
   CHECK(rules[15] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark != 0x00000000 goto pin");
   CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp goto pin_untracked");
   CHECK(rules[18] == "ip6 daddr @ph_agent_d6 udp dport 443 goto pin");
@@ -833,8 +821,8 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   CHECK(render_rule(untracked->rules[22]) == "ip6 length 60 ip6 nexthdr tcp tcp doff 15 goto pass");
   CHECK(render_rule(untracked->rules[23]) == "counter drop");
   CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin_untracked") == nullptr);
-  CHECK(pin_admit_mark(o.pass_mark) == 0x8f9e8c8c);
-  CHECK(pin_follow_mark(o.pass_mark) == 0x8f9e8c8d);
+  CHECK(pin_admit_mark(o.pin_mark) == 0x8f9691de);
+  CHECK(pin_follow_mark(o.pin_mark) == 0x8f9691df);
   // A flow a switch cut for its name (ct mark set by the daemon) is denied before the fast path.
   const Chain* active = find_chain(t, "active");
   REQUIRE(!active->rules.empty());

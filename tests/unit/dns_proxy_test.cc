@@ -1498,7 +1498,7 @@ TEST_CASE("the forwarder probe pins the target from the one copy that arrives, a
     auto proxy = std::move(b.value());
     docker.tcp_forward_to = tcp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
     docker.tcp_copies = copies;
-    proxy->serve({}, {});
+    proxy->serve(0, 0);
     REQUIRE(run_until(io, [&] { return docker.forwarded == copies; }));
     // The probe's name is under .invalid and answered by the proxy.
     if (copies == 1) {
@@ -1539,7 +1539,7 @@ struct ProbeFixture {
     proxy = std::move(b.value());
     docker.tcp_forward_to = tcp::endpoint(asio::ip::make_address("127.0.0.1"), proxy->port());
     docker.tcp_copies = first_copies;
-    proxy->serve({}, {});
+    proxy->serve(0, 0);
   }
   // A sandbox connection to the proxy, accepted and served (one refused query answered).
   std::unique_ptr<TcpClient> held_connection(std::uint16_t id) {

@@ -21,7 +21,7 @@ struct Judge : PinJudge, pin::PinFacts {
   Entry entry;
   std::vector<std::string> reasons;
   const pin::PinFacts& pin_facts() const override { return *this; }
-  std::uint32_t pass_mark() const override { return 1; }
+  std::uint32_t pin_mark() const override { return 1; }
   void pin_decided(const pin::Decision& d, const IpPrefix&, std::uint16_t) override { reasons.push_back(d.reason); }
   std::vector<std::string> names_for(const IpPrefix&) const override { return learned; }
   const Entry* allowed(std::string_view name) const override { return name == allows ? &entry : nullptr; }

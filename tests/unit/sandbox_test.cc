@@ -260,7 +260,7 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
     CHECK(sb.compile_options().pass_mark == 0x5eed0002u);
     CHECK(sb.compile_options().pass_priority == 0x5eed0003u);
     CHECK(sb.proxy_mark() == 0x5eed0004u);
-    CHECK(sb.sock_priority() == 0x5eed0005u);
+    CHECK(sb.compile_options().pin_mark == 0x5eed0005u);
     CHECK(sb.compile_options().mark_salt == 0x5eed0006u);
     CHECK(sb.state().mark == nft::phase_mark(policy(), "environment", 0x5eed0006u));
     table = kernel->table;
@@ -277,7 +277,7 @@ TEST_CASE("a fresh table gets newly drawn secrets; a restart with the same confi
   CHECK(again.compile_options().pass_mark == 0x5eed0002u);
   CHECK(again.compile_options().pass_priority == 0x5eed0003u);
   CHECK(again.proxy_mark() == 0x5eed0004u);
-  CHECK(again.sock_priority() == 0x5eed0005u);
+  CHECK(again.compile_options().pin_mark == 0x5eed0005u);
   CHECK(again.compile_options().mark_salt == 0x5eed0006u);  // same config: flows keep their marks
   // The inet table is adopted as is; only the netdev table is rebuilt for the
   // interfaces of this namespace.
