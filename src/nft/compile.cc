@@ -716,10 +716,27 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // the stack's, and nftables sees neither there.
     c.rules.push_back(
         {{MatchIifLoopback{true}, MatchTcpSynOnly{}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
-    c.rules.push_back(
-        {{MatchIifLoopback{true}, MatchL4Proto{kTcp, true}, MatchCtStateNew{}, StmtCtMarkSet{kInboundMark}}, ""});
+    // Other protocols: chain inbound_new, rewritten with the phase, marks
+    // them outside public only.
+    c.rules.push_back({{MatchIifLoopback{true}, MatchL4Proto{kTcp, true}, MatchCtStateNew{},
+                        StmtVerdict{VerdictKind::jump, kInboundNewChain}},
+                       ""});
   }
   return c;
+}
+
+// Chain inbound_new: a flow of another protocol than TCP that arrives from
+// outside is inbound, outside public. In public it stays unmarked: its
+// replies pass as everything does and take public's mark, which no later
+// phase accepts. Otherwise a datagram the sandbox sent in public to a
+// broadcast or multicast address (which any host on the segment answers from
+// its own address, a flow conntrack has not seen), to a first hop with a
+// route on to another host, or to a peer that answers from another port,
+// opened an inbound flow that a later phase still let the sandbox use
+// (found by an attack review; no capability needed).
+std::vector<Rule> inbound_new_rules(const ActiveState& st) {
+  if (st.mode == Mode::public_) return {};
+  return {{{StmtCtMarkSet{kInboundMark}}, ""}};
 }
 
 std::vector<Rule> egress_check_rules(const ActiveState& st, const CompileOptions& opts) {
@@ -815,6 +832,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   t.chains.push_back(output_chain(policy, opts));
   t.chains.push_back(pass_chain(opts));
   t.chains.push_back(Chain{"active", std::nullopt, {}});
+  if (policy.enforce.inbound_replies) t.chains.push_back(Chain{kInboundNewChain, std::nullopt, {}});
   t.chains.push_back(deny_chain(policy));
   const bool pin = pinning(policy, opts);
   if (pin) {
@@ -1004,6 +1022,7 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
   }
   for (auto& c : t.chains) {
     if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies);
+    if (c.name == kInboundNewChain) c.rules = inbound_new_rules(state);
   }
   return t;
 }
@@ -1096,6 +1115,11 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
   ch.ops.push_back(OpFlushChain{"active"});
   for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies)) {
     ch.ops.push_back(OpAddRule{"active", std::move(r)});
+  }
+  if (policy.enforce.inbound_replies && inbound_new_rules(next).size() != inbound_new_rules(prev).size()) {
+    // To or from public only, in the same batch.
+    ch.ops.push_back(OpFlushChain{kInboundNewChain});
+    for (auto& r : inbound_new_rules(next)) ch.ops.push_back(OpAddRule{kInboundNewChain, std::move(r)});
   }
   if (opts.netdev) {
     // Same batch: raw frames are blocked exactly when the inet policy says

@@ -225,6 +225,9 @@ inline constexpr const char* kLoUpstreamSet6 = "lo_upstream6";
 inline constexpr const char* kOnlinkSet6 = "onlink6";
 // The netdev chain every egress base chain jumps to.
 inline constexpr const char* kEgressCheckChain = "egress_check";
+// Marks flows of other protocols than TCP that arrive from outside as
+// inbound, outside public (rewritten by a switch to or from public).
+inline constexpr const char* kInboundNewChain = "inbound_new";
 // The netdev egress chain of `lo`, there only with a loopback upstream:
 // frames from a loopback upstream's address leave `lo` only when chain output
 // signed them as replies on egressd's own flows (an AF_PACKET frame written

@@ -640,6 +640,101 @@ def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, eg
     assert res["frame"] != "sent", f"a frame written with AF_PACKET left in public: {res}"
 
 
+# A UDP service on the segment bound to the wildcard address (as most are): it answers every
+# datagram from the address routing picks, its own unicast one. argv: port.
+SEGMENT_ECHO = textwrap.dedent(r'''
+    import socket, sys, select
+    u4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u4.bind(("0.0.0.0", int(sys.argv[1])))
+    u6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    u6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); u6.bind(("::", int(sys.argv[1])))
+    print("READY", flush=True)
+    while True:
+        for u in select.select([u4, u6], [], [])[0]:
+            d, peer = u.recvfrom(65535)
+            u.sendto(b"ECHO:" + d, peer)
+''')
+
+# argv: family, port, token, interface, the sandbox's IPv6 address. In public: one datagram to
+# 255.255.255.255 or ff02::1 (no capability), whose answer comes from a host's unicast address D,
+# and a control socket that talks to D directly. "ARMED"; after a line on stdin (the switch is
+# done) both send the token to D.
+BROADCAST_ASKER = textwrap.dedent(r'''
+    import json, socket, sys
+    fam, port, tok, ifname, me6 = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    out = {}
+    if fam == "4":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        s.bind(("0.0.0.0", 0))
+        dst = ("255.255.255.255", port)
+        c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.bind(("0.0.0.0", 0))
+    else:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        s.bind((me6, 0))
+        dst = ("ff02::1", port, 0, socket.if_nametoindex(ifname))
+        c = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); c.bind((me6, 0))
+    s.settimeout(2); c.settimeout(2)
+    s.sendto(b"HELLO", dst)
+    d, peer = s.recvfrom(100)
+    out["public_answer"], out["peer"] = d.decode(), peer[0]
+    c.sendto(b"HELLO", peer[:2])
+    try:
+        out["public_control"] = c.recvfrom(100)[0].decode()
+    except OSError as e:
+        out["public_control"] = str(e)
+    print("ARMED", flush=True)
+    sys.stdin.readline()
+    for name, so in (("trick", s), ("control", c)):
+        try:
+            so.sendto(("%s-%s" % (tok, name)).encode(), peer[:2])
+            out["after_" + name] = so.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
+    print(json.dumps(out), flush=True)
+''')
+
+
+@pytest.mark.parametrize("via", ["gateway", "denied-host"])
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_answer_to_a_broadcast_in_public_opens_no_inbound_flow_for_later(lab, egressd, mode, family, via):
+    """Found by an attack review (no capability): in public, a datagram to 255.255.255.255 or
+    ff02::1 is answered by a host on the segment from its own unicast address D, a flow conntrack
+    never saw leave, so chain input marked it inbound, and after a switch the sandbox's datagrams
+    to D on that flow passed as replies. In public, flows of other protocols than TCP that arrive
+    from outside are no longer marked inbound (chain inbound_new is empty there): their replies
+    take public's mark, which no later phase accepts. denied-host: the answering host's address
+    is one the phases deny."""
+    if via == "denied-host":
+        lab.internet.ip("route", "replace", "192.0.2.0/24", "dev", INTERNET_IF, "src", DENIED[4])
+        lab.internet.ip("-6", "route", "replace", "2001:db8:1::/64", "dev", INTERNET_IF, "src", DENIED[6])
+    srv = lab.spawn([sys.executable, "-c", SEGMENT_ECHO, 9999], netns=lab.internet, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+    assert labmod._read_line(srv, 10.0, "the segment's echo") == "READY"
+    d = egressd(POLICY.replace(', "a.example.com"', ""), phase="environment")
+    tok = token()
+    att = lab.spawn([*WHO["nobody"], sys.executable, "-c", BROADCAST_ASKER, family, 9999, tok, SANDBOX_IF,
+                     SANDBOX_V6], netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+    assert labmod._read_line(att, 15.0, "the asker") == "ARMED"
+    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
+    try:
+        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
+    finally:
+        canary.close()
+    att.stdin.write(b"go\n")
+    att.stdin.flush()
+    out, err = att.communicate(timeout=30)
+    assert att.returncode == 0, err.decode()
+    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    print(f"\n{mode} ipv{family} {via}: {res}")
+    assert res["public_answer"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
+    if via == "denied-host" and family == 4:
+        assert res["peer"] == DENIED[4], res
+    assert not res["after_control"].startswith("ECHO"), res
+    assert not res["after_trick"].startswith("ECHO"), f"the broadcast's answer passed after the switch to {mode}: {res}"
+
+
 # The gateway's published port (docker run -p): DNAT to the sandbox's port of the same number.
 PUBLISHED, PUBLISHED_PORT = "203.0.113.99", 5000
 

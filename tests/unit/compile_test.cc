@@ -226,7 +226,8 @@ TEST_CASE("pass signs, input clears, and the netdev egress chains check and clea
                     // A TCP flow is inbound only from a SYN: a segment conntrack takes up
                     // mid-stream may be of the sandbox's own flow, its entry forgotten.
                     "iif != \"lo\" tcp flags syn / syn,ack ct state new ct mark set 0x7fffffff",
-                    "iif != \"lo\" meta l4proto != tcp ct state new ct mark set 0x7fffffff",
+                    // Other protocols: chain inbound_new marks them, outside public only.
+                    "iif != \"lo\" meta l4proto != tcp ct state new jump inbound_new",
                 });
 
   for (const char* ph : {"agent", "verifier", "environment"}) {
@@ -600,24 +601,29 @@ TEST_CASE("a switch between named phases is a constant-size batch whatever the a
   p.phases.push_back(phase("big", Mode::allowlist, many));
   const ActiveState from = named(p, "environment", 3);
   const Change ch = build_switch(p, *p.find("big"), named(p, "big", 4), from, CompileOptions{});
-  // inet: flush active + its 7 rules; netdev, same batch: flush egress_check + its 3 rules.
-  REQUIRE(ch.ops.size() == 12);
+  // inet: flush active + its 7 rules, flush inbound_new + its rule (out of public: flows of
+  // other protocols from outside are inbound again); netdev, same batch: flush egress_check +
+  // its 3 rules.
+  REQUIRE(ch.ops.size() == 14);
   CHECK(std::holds_alternative<OpFlushChain>(ch.ops[0]));
   CHECK(std::get<OpFlushChain>(ch.ops[0]).name == "active");
   CHECK(std::get<OpAddRule>(ch.ops[4]).rule.comment == "egressd gen=4 phase=big mode=allowlist mark=0x45470004");
   CHECK(render_rule(std::get<OpAddRule>(ch.ops[7]).rule) == "goto ph_big");
-  CHECK(std::get<OpFlushChain>(ch.ops[8]).name == "egress_check");
-  CHECK(std::get<OpFlushChain>(ch.ops[8]).family == Family::netdev);
-  for (std::size_t i = 9; i < 12; ++i) CHECK(std::get<OpAddRule>(ch.ops[i]).family == Family::netdev);
+  CHECK(std::get<OpFlushChain>(ch.ops[8]).name == "inbound_new");
+  CHECK(render_rule(std::get<OpAddRule>(ch.ops[9]).rule) == "ct mark set 0x7fffffff");
+  CHECK(std::get<OpFlushChain>(ch.ops[10]).name == "egress_check");
+  CHECK(std::get<OpFlushChain>(ch.ops[10]).family == Family::netdev);
+  for (std::size_t i = 11; i < 14; ++i) CHECK(std::get<OpAddRule>(ch.ops[i]).family == Family::netdev);
   // The same size for a one-entry phase, and whatever the number of interfaces.
   CompileOptions many_ifs;
   for (int i = 0; i < 50; ++i) many_ifs.interfaces.push_back("veth" + std::to_string(i));
-  CHECK(build_switch(p, *p.find("agent"), named(p, "agent", 4), from, many_ifs).ops.size() == 12);
-  // To public: no guards in active; still one batch over both tables.
+  CHECK(build_switch(p, *p.find("agent"), named(p, "agent", 4), from, many_ifs).ops.size() == 14);
+  // To public: no guards in active, inbound_new emptied; still one batch over both tables.
   const Change to_pub = build_switch(p, *p.find("environment"), named(p, "environment", 5), named(p, "big", 4),
                                      CompileOptions{});
-  CHECK(to_pub.ops.size() == 9);
-  CHECK(std::get<OpFlushChain>(to_pub.ops[4]).family == Family::netdev);
+  CHECK(to_pub.ops.size() == 10);
+  CHECK(std::get<OpFlushChain>(to_pub.ops[4]).name == "inbound_new");
+  CHECK(std::get<OpFlushChain>(to_pub.ops[5]).family == Family::netdev);
   // Between two phases that are not public, egress_check says the same: chain active only.
   const Change to_verifier =
       build_switch(p, *p.find("verifier"), named(p, "verifier", 5), named(p, "big", 4), CompileOptions{});
