@@ -544,6 +544,44 @@ FAR_ECHO = textwrap.dedent(r'''
         u.sendto(b"ECHO:" + d, peer)
 ''')
 
+# The end of the attack scripts below: sockets q (the trick) and c (the control) each talk to
+# S (far:port) once, in public; "ARMED"; after a line on stdin (the switch is done) each sends
+# the token to S and waits for the echo. Prints `out` as JSON.
+TALK_THEN_WAIT = textwrap.dedent(r'''
+    for name, s in (("trick", q), ("control", c)):
+        s.sendto(b"HELLO", (far, port))
+        try:
+            out["public_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["public_" + name] = str(e)
+    print("ARMED", flush=True)
+    sys.stdin.readline()
+    for name, s in (("trick", q), ("control", c)):
+        try:
+            s.sendto(("%s-%s" % (tok, name)).encode(), (far, port))
+            out["after_" + name] = s.recvfrom(100)[0].decode()
+        except OSError as e:
+            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
+    print(json.dumps(out), flush=True)
+''')
+
+
+def result_after_switch(lab, d, att, mode) -> dict:
+    """Switches `d` from public to MODES[mode] once the attacker `att` printed ARMED, waits for
+    the reaper, lets the attacker go on, and returns its JSON line."""
+    assert labmod._read_line(att, 15.0, "the attacker") == "ARMED"
+    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
+    try:
+        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
+    finally:
+        canary.close()
+    att.stdin.write(b"go\n")
+    att.stdin.flush()
+    out, err = att.communicate(timeout=30)
+    assert att.returncode == 0, err.decode()
+    return json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+
+
 # argv: S, port, token. In public: one AF_PACKET frame to the gateway, from S:port to the
 # sandbox's own address and port Q (the gateway routes it back in: a new flow from outside,
 # marked inbound), then the same UDP socket on Q and a control socket on another port each talk
@@ -572,22 +610,7 @@ REFLECTOR = RAW_PRELUDE + textwrap.dedent(r'''
     except OSError as e:
         out.setdefault("frame", e.strerror)
         out.setdefault("reflected", str(e))
-    for name, s in (("trick", q), ("control", c)):
-        s.sendto(b"HELLO", (far, port))
-        try:
-            out["public_" + name] = s.recvfrom(100)[0].decode()
-        except OSError as e:
-            out["public_" + name] = str(e)
-    print("ARMED", flush=True)
-    sys.stdin.readline()
-    for name, s in (("trick", q), ("control", c)):
-        try:
-            s.sendto(("%s-%s" % (tok, name)).encode(), (far, port))
-            out["after_" + name] = s.recvfrom(100)[0].decode()
-        except OSError as e:
-            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
-    print(json.dumps(out), flush=True)
-''')
+''') + TALK_THEN_WAIT
 
 
 def far_echo(lab):
@@ -621,17 +644,7 @@ def test_a_frame_written_in_public_cannot_open_an_inbound_flow_for_later(lab, eg
     att = lab.spawn([*WHO["docker"], sys.executable, "-c", REFLECTOR, FAR, FAR_PORT, tok,
                      mac_of(lab.internet, INTERNET_IF)],
                     netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert labmod._read_line(att, 15.0, "attacker") == "ARMED"
-    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
-    try:
-        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
-    finally:
-        canary.close()
-    att.stdin.write(b"go\n")
-    att.stdin.flush()
-    out, err = att.communicate(timeout=30)
-    assert att.returncode == 0, err.decode()
-    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    res = result_after_switch(lab, d, att, mode)
     print(f"\n{mode}: {res}")
     # The control: both sockets talked to S in public; after the switch the control is denied.
     assert res["public_trick"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
@@ -716,17 +729,7 @@ def test_an_answer_to_a_broadcast_in_public_opens_no_inbound_flow_for_later(lab,
     att = lab.spawn([*WHO["nobody"], sys.executable, "-c", BROADCAST_ASKER, family, 9999, tok, SANDBOX_IF,
                      SANDBOX_V6], netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE)
-    assert labmod._read_line(att, 15.0, "the asker") == "ARMED"
-    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
-    try:
-        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
-    finally:
-        canary.close()
-    att.stdin.write(b"go\n")
-    att.stdin.flush()
-    out, err = att.communicate(timeout=30)
-    assert att.returncode == 0, err.decode()
-    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    res = result_after_switch(lab, d, att, mode)
     print(f"\n{mode} ipv{family} {via}: {res}")
     assert res["public_answer"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
     if via == "denied-host" and family == 4:
@@ -762,22 +765,7 @@ LO_REFLECTOR = RAW_PRELUDE + textwrap.dedent(r'''
     except OSError as e:
         out.setdefault("frame", e.strerror)
         out.setdefault("reflected", str(e))
-    for name, s in (("trick", q), ("control", c)):
-        s.sendto(b"HELLO", (far, port))
-        try:
-            out["public_" + name] = s.recvfrom(100)[0].decode()
-        except OSError as e:
-            out["public_" + name] = str(e)
-    print("ARMED", flush=True)
-    sys.stdin.readline()
-    for name, s in (("trick", q), ("control", c)):
-        try:
-            s.sendto(("%s-%s" % (tok, name)).encode(), (far, port))
-            out["after_" + name] = s.recvfrom(100)[0].decode()
-        except OSError as e:
-            out["after_" + name] = "%s: %s" % (type(e).__name__, e)
-    print(json.dumps(out), flush=True)
-''')
+''') + TALK_THEN_WAIT
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -801,17 +789,7 @@ def test_a_frame_written_to_lo_in_public_is_not_forwarded_into_an_inbound_flow(l
     att = lab.spawn([*WHO["docker"], sys.executable, "-c", LO_REFLECTOR, FAR, FAR_PORT, tok, PUBLISHED,
                      PUBLISHED_PORT], netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE)
-    assert labmod._read_line(att, 15.0, "attacker") == "ARMED"
-    canary = lab.udp_flow(DENIED[4])  # denied in both phases: its abort says the switch is complete
-    try:
-        labmod.switch_and_wait_for_reaper(d, canary, MODES[mode])
-    finally:
-        canary.close()
-    att.stdin.write(b"go\n")
-    att.stdin.flush()
-    out, err = att.communicate(timeout=30)
-    assert att.returncode == 0, err.decode()
-    res = json.loads((getattr(att, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])
+    res = result_after_switch(lab, d, att, mode)
     print(f"\n{mode}: {res}")
     assert res["public_trick"] == "ECHO:HELLO" and res["public_control"] == "ECHO:HELLO", res
     assert not res["after_control"].startswith("ECHO"), res

@@ -19,6 +19,7 @@ import json
 import re
 import socket
 import ssl
+import struct
 import subprocess
 import time
 
@@ -69,8 +70,11 @@ def learn(lab, name="allowed.test"):
         assert r.addresses, f"{name} {qtype} did not resolve through egressd: {r}"
 
 
-def connect(lab, addr, port, timeout=3.0) -> socket.socket:
+def connect(lab, addr, port, timeout=3.0, mark=None) -> socket.socket:
+    """A TCP connection from the sandbox; `mark`: its SO_MARK (a process with NET_RAW may set any)."""
     s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    if mark is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
     s.settimeout(timeout)
     s.connect((addr, port))
     return s
@@ -96,9 +100,9 @@ def outcome(fn):
         return "error", str(e)
 
 
-def tls(lab, addr, sni, port=TLS_PORT):
+def tls(lab, addr, sni, port=TLS_PORT, mark=None):
     def run():
-        s = connect(lab, addr, port)
+        s = connect(lab, addr, port, mark=mark)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE

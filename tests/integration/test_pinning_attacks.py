@@ -56,22 +56,6 @@ def test_a_new_connection_on_the_four_tuple_of_an_admitted_one_is_judged_afresh(
         assert tls_from_port(lab, V4, "allowed.test", sport) == ("ok", b"tls:ping")
 
 
-def tls_with_mark(lab, addr, sni, mark):
-    """TLS from a socket carrying SO_MARK `mark` (a sandbox process with NET_RAW may set any)."""
-    def run():
-        s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
-        s.settimeout(3.0)
-        s.connect((addr, TLS_PORT))
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        with ctx.wrap_socket(s, server_hostname=sni) as t:
-            t.sendall(b"ping")
-            return t.recv(100)
-    return outcome(run)
-
-
 @pytest.mark.parametrize("which", ["pass", "own", "proxy"])
 def test_no_other_secret_mark_lets_a_hello_past_the_reader(lab, pinned, which):  # noqa: F811
     """Found by an attack review: the reader's verdict marks derived from the pass mark, and chain
@@ -84,8 +68,8 @@ def test_no_other_secret_mark_lets_a_hello_past_the_reader(lab, pinned, which): 
     assert rc == 0, err
     key = {"pass": "pass", "own": "mark", "proxy": "proxy"}[which]
     mark = int(re.search(rf" {key}=(0x[0-9a-f]{{8}})", text)[1], 16)
-    assert_reset(tls_with_mark(lab, V4, "same-ip.test", mark), f"tls naming same-ip.test with the {which} mark")
-    assert_reset(tls_with_mark(lab, V4, "same-ip.test", ~mark & 0xffffffff),
+    assert_reset(tls(lab, V4, "same-ip.test", mark=mark), f"tls naming same-ip.test with the {which} mark")
+    assert_reset(tls(lab, V4, "same-ip.test", mark=~mark & 0xffffffff),
                  f"tls naming same-ip.test with the complement of the {which} mark")
     assert tls(lab, V4, "allowed.test") == ("ok", b"tls:ping")
 
