@@ -284,11 +284,10 @@ void Sandbox::draw_secrets() {
   c.pass_priority = draw(opts_.random, {0, 0xffffffffu, nft::kPassPriority});
   c.proxy_mark = draw(opts_.random, {0, nft::kOwnTrafficMark, nft::kPassMark, nft::kProxyMark, c.own_mark, c.pass_mark});
   // Neither it nor the marks derived from it (~m, ~m ^ 1) may be another secret.
+  const auto taken = [&c](std::uint32_t m) { return m == c.own_mark || m == c.pass_mark || m == c.proxy_mark; };
   do {
     c.pin_mark = draw(opts_.random, {0, nft::kPinMark, c.own_mark, c.pass_mark, c.proxy_mark});
-  } while (nft::pin_admit_mark(c.pin_mark) == c.own_mark || nft::pin_admit_mark(c.pin_mark) == c.pass_mark ||
-           nft::pin_admit_mark(c.pin_mark) == c.proxy_mark || nft::pin_follow_mark(c.pin_mark) == c.own_mark ||
-           nft::pin_follow_mark(c.pin_mark) == c.pass_mark || nft::pin_follow_mark(c.pin_mark) == c.proxy_mark);
+  } while (taken(nft::pin_admit_mark(c.pin_mark)) || taken(nft::pin_follow_mark(c.pin_mark)));
   draw_salt();
 }
 

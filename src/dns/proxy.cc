@@ -382,7 +382,7 @@ class Core : public std::enable_shared_from_this<Core> {
     int arrivals = 0;       // copies seen at the proxy
     std::optional<Server> dst;  // where the (last) TCP copy was going
     bool answered = false;  // egressd's probe has its answer (or failed)
-    // The token the proxy put in its answer to each copy (kProbeTokenLabel).
+    // The token the proxy put in its answer to each copy (probe_answer).
     std::vector<std::string> tokens;
     // ... and egressd's probe got one of them back: it is the proxy's own
     // answer, come back through the resolver, so the copy that arrived is
@@ -429,6 +429,8 @@ class Core : public std::enable_shared_from_this<Core> {
   // Docker's forwarder.
   void start_probe();
   void probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q, const Client& client);
+  // `prefix` and `bytes` random bytes (the upstream's CSPRNG) in hex: probe names and tokens.
+  std::string random_label(std::string_view prefix, std::size_t bytes);
   void finish_probe();
   void pin(std::vector<Server> targets, const std::string& source);
   void schedule_probe();
@@ -1330,6 +1332,18 @@ bool contains(std::span<const std::uint8_t> msg, const std::string& token) {
   return !token.empty() && hay.find(token) != std::string_view::npos;
 }
 
+std::string Core::random_label(std::string_view prefix, std::size_t bytes) {
+  std::array<std::uint8_t, kCaseBits> rnd;
+  upstream_->random_case(rnd);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(prefix);
+  for (std::size_t i = 0; i < bytes && i < rnd.size(); ++i) {
+    out += kHex[rnd[i] >> 4];
+    out += kHex[rnd[i] & 0xF];
+  }
+  return out;
+}
+
 void Core::start_probe() {
   if (closed_ || probe_ || relay_ || !serving_) return;
   // The first upstream that is local to the namespace and ours to use.
@@ -1342,17 +1356,10 @@ void Core::start_probe() {
   }
   if (!local) return;
   last_probe_ = Clock::now();
-  std::array<std::uint8_t, kCaseBits> rnd;
-  upstream_->random_case(rnd);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string name = "egressd-probe-";
-  for (int i = 0; i < 8; ++i) {
-    name += kHex[rnd[static_cast<std::size_t>(i)] >> 4];
-    name += kHex[rnd[static_cast<std::size_t>(i)] & 0xF];
-  }
-  name += ".invalid";
+  const std::string name = random_label("egressd-probe-", 8) + ".invalid";
   auto q = build_query(upstream_->random_id(), name, qtype::A);
   if (!q) return;
+  std::array<std::uint8_t, kCaseBits> rnd;
   upstream_->random_case(rnd);
   apply_0x20(std::span(q.value()).subspan(kHeaderSize), rnd);
   const std::size_t qend = question_end(q.value());
@@ -1419,14 +1426,7 @@ void Core::probe_arrival(std::span<const std::uint8_t> msg, const ParsedQuery& q
              probe_->arrivals);
   // The probe's name is under .invalid: its answer is ours to give, with a
   // token of this copy's that egressd's own answer must bring back.
-  std::array<std::uint8_t, kCaseBits> rnd;
-  upstream_->random_case(rnd);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string token = "egressd-copy-";
-  for (std::size_t i = 0; i < 12 && i < rnd.size(); ++i) {
-    token += kHex[rnd[i] >> 4];
-    token += kHex[rnd[i] & 0xF];
-  }
+  const std::string token = random_label("egressd-copy-", 12);
   probe_->tokens.push_back(token);
   reply(client, probe_answer(msg, q, token));
 }

@@ -188,8 +188,6 @@ struct MatchFrameSaddr { IpPrefix addr; };
 struct MatchFrameBytes { std::uint32_t offset; std::vector<std::uint8_t> value; bool negate = false; };
 // exthdr rt exists: an IPv6 routing header (source routing, SRv6).
 struct MatchIpv6RoutingHeader {};
-// ip option lsrr|ssrr exists: IPv4 loose/strict source routing (131, 137).
-struct MatchIpv4SourceRoute { bool strict; };
 // An IPv4 header with options: "ip hdrlength != 5". (nft's `ip option lsrr
 // exists` parses the options without the packet and misses a source route
 // whose pointer or length a router still takes.)
@@ -250,7 +248,7 @@ using Stmt = std::variant<MatchOifLoopback, MatchIifLoopback, MatchMetaMark, Mat
                           MatchMetaNfproto,
                           MatchCtDirectionReply, MatchCtDirectionOriginal, MatchCtStateNew, MatchCtStateNewOrEstablished, MatchCtStateRelated, MatchCtStateInvalid, MatchCtStatus,
                           MatchCtMark, MatchCtMarkNot, MatchTcpFlagSyn, MatchTcpFlagUrg, MatchTcpFlagRst, MatchTcpSynOnly, MatchL4Proto, MatchDport, MatchSport, MatchLinkIcmpv6, MatchDaddrSet, MatchDaddr, MatchSaddr,
-                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4SourceRoute, MatchIpv4Options, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
+                          MatchFibAddrType, MatchSocketMark, MatchSocketCgroupv2, MatchSaddrSet, MatchCtOriginalDaddrSet, MatchFrameSaddr, MatchFrameBytes, MatchIpv6RoutingHeader, MatchIpv4Options, MatchTcpOption, MatchUdpLongHeader, MatchMetaLengthOver, MatchTcpHeaderOnly, StmtCounter,
                           StmtLimit, StmtLog, StmtCtMarkSet, StmtMetaMarkSet, StmtMetaPrioritySet, StmtMetaMarkSetCtId, StmtRedirect,
                           StmtRejectTcpReset, StmtRejectAdminProhibited, StmtQueue, StmtVerdict>;
 

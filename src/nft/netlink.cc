@@ -606,10 +606,6 @@ class RuleBuilder {
     nfproto(6);
     exthdr_present(IPPROTO_ROUTING, NFT_EXTHDR_OP_IPV6);
   }
-  void operator()(const MatchIpv4SourceRoute& m) {
-    nfproto(4);
-    exthdr_present(m.strict ? IPOPT_SSRR : IPOPT_LSRR, NFT_EXTHDR_OP_IPV4);
-  }
   void operator()(const MatchIpv4Options&) {
     nfproto(4);
     // [ payload load 1b @ network header + 0 ] [ bitwise & 0x0f ] [ cmp neq 5 ], as nft.

@@ -231,9 +231,6 @@ struct StmtText {
     return "ip6 length " + std::to_string(4 * m.doff) + " ip6 nexthdr tcp" + doff;
   }
   std::string operator()(const MatchIpv4Options&) const { return "ip hdrlength != 5"; }
-  std::string operator()(const MatchIpv4SourceRoute& m) const {
-    return std::string("ip option ") + (m.strict ? "ssrr" : "lsrr") + " exists";
-  }
   std::string operator()(const StmtCounter& c) const {
     if (!c.listed) return "counter";
     return "counter packets " + std::to_string(c.packets) + " bytes " + std::to_string(c.bytes);

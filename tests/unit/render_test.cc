@@ -94,8 +94,9 @@ TEST_CASE("the statements of the enforcement-integrity ruleset render as nft 1.0
   CHECK(one(MatchCtOriginalDaddrSet{"lo_upstream4", SetType::ipv4_addr}) == "ct original ip daddr @lo_upstream4");
   CHECK(one(MatchFrameSaddr{*parse_ip("::1")}) == "@ll,96,16 0x86dd @ll,176,128 0x1");
   CHECK(one(MatchIpv6RoutingHeader{}) == "exthdr rt exists");
-  CHECK(one(MatchIpv4SourceRoute{false}) == "ip option lsrr exists");
-  CHECK(one(MatchIpv4SourceRoute{true}) == "ip option ssrr exists");
+  CHECK(one(MatchIpv4Options{}) == "ip hdrlength != 5");
+  CHECK(one(MatchLinkIcmpv6{135, 255, true}) == "ip6 nexthdr ipv6-icmp ip6 hoplimit 255 icmpv6 type nd-neighbor-solicit");
+  CHECK(one(MatchMetaHasSocket{}) == "meta skuid != 4294967295");
   CHECK(one(MatchUdpLongHeader{}) == "@th,64,8 & 0x80 == 0x80");
   CHECK(one(MatchMetaLengthOver{1500}) == "meta length > 1500");
   CHECK(one(MatchTcpHeaderOnly{4, 8}) == "ip hdrlength 5 ip length 52 tcp doff 8");
