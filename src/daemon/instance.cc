@@ -314,6 +314,37 @@ struct Instance::Impl {
                             "sniffs egressd's queries can answer them from a raw socket",
                             prefix(), where, why));
   }
+  // egressd's own sockets (upstream queries with the own mark, the proxy's
+  // answers with the proxy mark) are told from the sandbox's by their
+  // cgroup too: chain own_sockets drops a packet with either mark from any
+  // other socket. When the cgroup cannot be known, the marks hold alone and
+  // egressd says so.
+  void find_own_cgroup(nft::CompileOptions& c) {
+    nlohmann::json f;
+    if (!opts.name.empty()) f["sandbox"] = opts.name;
+    std::string why;
+    auto id = own_cgroup();
+    if (!id) {
+      why = "its sockets' cgroup cannot be read: " + id.error().message;
+    } else if (*id == kCgroup2RootId && !cgroup2_root_in_sight()) {
+      why = "it is in the root of the cgroup v2 hierarchy, where every process of a cgroup v1 host is, and egressd "
+            "cannot see that hierarchy to tell (run egressd with the host's cgroup v2 mount)";
+    } else {
+      c.own_cgroup = *id;
+      f["cgroup_id"] = *id;
+      audit_event("own_cgroup", f, spdlog::level::info,
+                  fmt::format("{}egressd's sockets are in cgroup id {}: the own and proxy marks from any other "
+                              "socket are dropped", prefix(), *id));
+      return;
+    }
+    f["reason"] = why;
+    f["risk"] = "a sandbox process with NET_RAW that guesses egressd's own mark (32 bits) can query the upstream "
+                "past the proxy";
+    audit_event("own_cgroup_unverified", f, spdlog::level::warn,
+                fmt::format("{}egressd's own cgroup is unknown ({}); a sandbox process with NET_RAW that guesses "
+                            "egressd's own mark (32 bits) can query the upstream past the proxy",
+                            prefix(), why));
+  }
   Status build();
   // Runs `fn` on the loop after the handler running now, unless the
   // instance closed meanwhile (counted in `queued`).
@@ -405,6 +436,7 @@ Status Instance::Impl::build() {
   }
   so.compile = compile_options(upstream, opts.dns_port);
   if (upstream_inside && opts.dns_port != 0) find_resolver_cgroup(so.compile);
+  if (opts.dns_port != 0) find_own_cgroup(so.compile);
   // A fresh table gets secrets nobody can predict (see nft/compile.h).
   so.random = random32;
   so.policy = policy;

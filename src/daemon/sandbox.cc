@@ -506,8 +506,15 @@ Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing,
     nft::Change ch;
     ch.table = nft::kTableName;
     rebuild_netdev(ch);
+    // The cgroup ladders name the cgroups of now: a restarted sidecar
+    // container (or dockerd) is in a new one, and the old one's id is
+    // never reused (egressd's own sockets were dropped until this batch).
+    for (auto& chain : nft::cgroup_chains(opts_.compile)) {
+      ch.ops.push_back(nft::OpFlushChain{chain.name});
+      for (auto& r : chain.rules) ch.ops.push_back(nft::OpAddRule{chain.name, std::move(r)});
+    }
     if (!ch.ops.empty()) {
-      if (auto s = kernel_->apply(ch); !s) return s.error().wrap("table netdev egressd");
+      if (auto s = kernel_->apply(ch); !s) return s.error().wrap("cannot refresh the adopted table");
     }
     audit_event("adoption",
                 {{"phase", state_.phase}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},

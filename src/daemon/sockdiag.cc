@@ -326,6 +326,46 @@ bool flow_may_survive(const Phase& phase, const FlowInfo& f, bool inbound_replie
   return false;
 }
 
+namespace {
+
+// Dumps one family's sockets of one protocol in the calling thread's
+// namespace and gives `take` each one's message and cgroup v2 id (sock_diag
+// INET_DIAG_CGROUP_ID; 0 when the kernel gave none). Retries a dump the
+// kernel interrupted (EINTR: the hash changed under it), up to 3 times.
+Status dump_cgroups(nft::Transport& t, int family, int proto, std::uint32_t states,
+                    const std::function<void(const inet_diag_msg&, std::uint64_t)>& take) {
+  int err = EINTR;
+  std::vector<std::pair<inet_diag_msg, std::uint64_t>> got;
+  for (int attempt = 0; attempt < 3 && err == EINTR; ++attempt) {
+    got.clear();
+    Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 0, family, proto, states);
+    err = t.request(&r.nlh, [&](const nlmsghdr* h) {
+      if (h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) return;
+      const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+      std::uint64_t id = 0;
+      // The attributes follow the message, each 4-byte aligned.
+      const auto* a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(m) + NLMSG_ALIGN(sizeof *m));
+      std::size_t left = h->nlmsg_len - NLMSG_LENGTH(NLMSG_ALIGN(sizeof *m));
+      while (left >= sizeof(nlattr) && a->nla_len >= sizeof(nlattr) && a->nla_len <= left) {
+        if ((a->nla_type & NLA_TYPE_MASK) == INET_DIAG_CGROUP_ID && a->nla_len >= NLA_HDRLEN + sizeof(std::uint64_t)) {
+          std::memcpy(&id, reinterpret_cast<const char*>(a) + NLA_HDRLEN, sizeof id);
+        }
+        const std::size_t step = NLA_ALIGN(a->nla_len);
+        if (step >= left) break;
+        left -= step;
+        a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(a) + step);
+      }
+      got.emplace_back(*m, id);
+    }, std::chrono::milliseconds(2000));
+  }
+  if (err == ETIMEDOUT) return Error::runtime("sock_diag dump: no answer within 2 s");
+  if (err != 0) return errno_error("sock_diag dump", err);
+  for (const auto& [m, id] : got) take(m, id);
+  return {};
+}
+
+}  // namespace
+
 Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs) {
   auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
   if (!t) return t.error();
@@ -341,40 +381,41 @@ Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& a
   std::vector<std::uint64_t> out;
   for (int family : {AF_INET, AF_INET6}) {
     for (const auto& [proto, states] : {std::pair{IPPROTO_UDP, ~0u}, {IPPROTO_TCP, state_bit(TCP_LISTEN)}}) {
-      int err = EINTR;
-      std::vector<std::uint64_t> got;
-      for (int attempt = 0; attempt < 3 && err == EINTR; ++attempt) {
-        got.clear();
-        Request r = make_request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 0, family, proto, states);
-        err = (*t)->request(&r.nlh, [&](const nlmsghdr* h) {
-          if (h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) return;
-          const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
-          const IpPrefix local = to_prefix(m->idiag_family, m->id.idiag_src);
-          if (std::find(addrs.begin(), addrs.end(), local) == addrs.end() || own.count(m->idiag_inode) != 0) return;
-          // The attributes follow the message, each 4-byte aligned.
-          const auto* a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(m) + NLMSG_ALIGN(sizeof *m));
-          std::size_t left = h->nlmsg_len - NLMSG_LENGTH(NLMSG_ALIGN(sizeof *m));
-          while (left >= sizeof(nlattr) && a->nla_len >= sizeof(nlattr) && a->nla_len <= left) {
-            if ((a->nla_type & NLA_TYPE_MASK) == INET_DIAG_CGROUP_ID && a->nla_len >= NLA_HDRLEN + sizeof(std::uint64_t)) {
-              std::uint64_t id = 0;
-              std::memcpy(&id, reinterpret_cast<const char*>(a) + NLA_HDRLEN, sizeof id);
-              got.push_back(id);
-            }
-            const std::size_t step = NLA_ALIGN(a->nla_len);
-            if (step >= left) break;
-            left -= step;
-            a = reinterpret_cast<const nlattr*>(reinterpret_cast<const char*>(a) + step);
-          }
-        }, std::chrono::milliseconds(2000));
-      }
-      if (err == ETIMEDOUT) return Error::runtime("sock_diag dump: no answer within 2 s");
-      if (err != 0) return errno_error("sock_diag dump", err);
-      for (auto id : got) {
+      auto s = dump_cgroups(**t, family, proto, states, [&](const inet_diag_msg& m, std::uint64_t id) {
+        const IpPrefix local = to_prefix(m.idiag_family, m.id.idiag_src);
+        if (id == 0 || std::find(addrs.begin(), addrs.end(), local) == addrs.end() || own.count(m.idiag_inode) != 0) {
+          return;
+        }
         if (std::find(out.begin(), out.end(), id) == out.end()) out.push_back(id);
-      }
+      });
+      if (!s) return s.error();
     }
   }
   return out;
+}
+
+Result<std::uint64_t> own_cgroup() {
+  // A socket's cgroup is its maker's, taken when it is made: one made now,
+  // bound so that the UDP hash (what the dump walks) holds it, tells
+  // egressd's, by the kernel's id.
+  UniqueFd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!fd.ok()) return errno_error("own cgroup: socket", errno);
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&any), sizeof any) != 0) {
+    return errno_error("own cgroup: bind", errno);
+  }
+  struct stat st{};
+  if (::fstat(fd.get(), &st) != 0) return errno_error("own cgroup: fstat", errno);
+  auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
+  if (!t) return t.error();
+  std::uint64_t found = 0;
+  auto s = dump_cgroups(**t, AF_INET, IPPROTO_UDP, ~0u, [&](const inet_diag_msg& m, std::uint64_t id) {
+    if (m.idiag_inode == st.st_ino) found = id;
+  });
+  if (!s) return s.error();
+  if (found == 0) return Error::runtime("own cgroup: sock_diag gave no cgroup id for egressd's own socket");
+  return found;
 }
 
 bool cgroup2_root_in_sight() {

@@ -57,6 +57,11 @@ Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep, c
 // really listens. Fails when sock_diag is unavailable.
 Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs);
 
+// The cgroup v2 id of egressd's own sockets (those it makes now), by
+// sock_diag on a socket made for the purpose. Fails when sock_diag is
+// unavailable or gives no id.
+Result<std::uint64_t> own_cgroup();
+
 // The id of the cgroup v2 hierarchy's root (kernfs' first node, on 64-bit
 // kernels), where every socket of a cgroup v1 host is.
 inline constexpr std::uint64_t kCgroup2RootId = 1;

@@ -95,20 +95,21 @@ std::vector<Set> phase_sets(const std::string& chain, const Phase& phase) {
   return out;
 }
 
-// Chain lo_answers (see compile.h). The socket's cgroup at level L is the
-// resolver's (`socket cgroupv2 level L ID`) for exactly one L, the level of
-// the resolver's cgroup, whichever it is: a socket there returns, one in a
-// cgroup below it (it has a level L+1) is dropped. A full socket anywhere
-// else has a root cgroup (level 0, id != 0) and meets the last rule. A packet
-// without a full socket (a SYN-ACK of a request socket) matches no
-// `socket cgroupv2` and returns: no process sends those.
-Chain lo_answers_chain(const CompileOptions::ResolverCgroup& r) {
-  Chain c{kLoAnswersChain, std::nullopt, {}};
+// Chains lo_answers and own_sockets (see compile.h): a ladder over the
+// cgroup levels. The socket's cgroup at level L is `id` (`socket cgroupv2
+// level L ID`) for exactly one L, the level of that cgroup, whichever it is:
+// a socket there returns, one in a cgroup below it (it has a level L+1) is
+// dropped. A full socket anywhere else has a root cgroup (level 0, id != 0)
+// and meets the last rule. A packet without a full socket (a SYN-ACK of a
+// request socket, a time-wait socket's ACK) matches no `socket cgroupv2` and
+// returns: no process writes those.
+Chain cgroup_ladder_chain(const char* name, std::uint64_t id) {
+  Chain c{name, std::nullopt, {}};
   for (std::uint32_t level = 0; level < kResolverLevels; ++level) {
-    c.rules.push_back({{MatchSocketCgroupv2{level, r.id, false}, MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{},
+    c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{},
                         StmtVerdict{VerdictKind::drop, ""}},
                        ""});
-    c.rules.push_back({{MatchSocketCgroupv2{level, r.id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
+    c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
   }
   c.rules.push_back({{MatchSocketCgroupv2{0, 0, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   return c;
@@ -468,6 +469,15 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
   const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {
+    // A packet that carries the own or the proxy mark leaves only from one of
+    // egressd's own sockets, told by its cgroup (chain own_sockets): a
+    // sandbox process that guessed either mark (NET_RAW sets any SO_MARK)
+    // gets nothing for it, the oracles that tell a right guess included.
+    if (opts.own_cgroup) {
+      for (std::uint32_t mark : {opts.own_mark, opts.proxy_mark}) {
+        c.rules.push_back({{MatchMetaMark{mark}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
+      }
+    }
     // Ahead of every accept on `lo`: no forged error may reach egressd's
     // upstream sockets (see upstream_errors_on_lo).
     for (auto& r : upstream_errors_on_lo(MatchOifLoopback{})) c.rules.push_back(std::move(r));
@@ -847,7 +857,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   t.chains.push_back(input_chain(policy, opts));
   t.chains.push_back(forward_chain());
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
-  if (opts.dns_port != 0 && opts.lo_resolver) t.chains.push_back(lo_answers_chain(*opts.lo_resolver));
+  for (auto& chain : cgroup_chains(opts)) t.chains.push_back(std::move(chain));
   return t;
 }
 
@@ -952,6 +962,14 @@ ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t g
   return st;
 }
 
+std::vector<Chain> cgroup_chains(const CompileOptions& opts) {
+  std::vector<Chain> out;
+  if (opts.dns_port == 0) return out;
+  if (opts.lo_resolver) out.push_back(cgroup_ladder_chain(kLoAnswersChain, opts.lo_resolver->id));
+  if (opts.own_cgroup) out.push_back(cgroup_ladder_chain(kOwnSocketsChain, *opts.own_cgroup));
+  return out;
+}
+
 std::string phase_chain(std::string_view phase) { return "ph_" + std::string(phase); }
 std::string inline_chain(std::uint64_t generation) { return "il" + std::to_string(generation); }
 
@@ -973,7 +991,10 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.interfaces.clear();
   o.onlink6.clear();
   o.extra_upstreams.clear();
-  o.lo_resolver.reset();
+  // Whether each cgroup chain is there, not the cgroup: a restart re-fills
+  // them (cgroup_chains) for the cgroups of now.
+  if (o.lo_resolver) o.lo_resolver->id = 0;
+  if (o.own_cgroup) o.own_cgroup = 0;
   std::string text = render_table(staged_table(policy, o));
   if (o.netdev) text += "netdev";
   char buf[17];

@@ -240,6 +240,11 @@ inline constexpr const char* kLoRepliesChain = "lo_replies";
 // hierarchy; every other full socket's packet is dropped.
 inline constexpr const char* kLoAnswersChain = "lo_answers";
 inline constexpr std::uint32_t kResolverLevels = 16;
+// Chain inet own_sockets, there only with egressd's own cgroup known
+// (CompileOptions::own_cgroup): chain output jumps to it with every packet
+// that carries the own or the proxy mark, which returns only when its socket
+// is in exactly egressd's cgroup (the same ladder as lo_answers).
+inline constexpr const char* kOwnSocketsChain = "own_sockets";
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source
@@ -293,6 +298,13 @@ struct CompileOptions {
     bool operator==(const ResolverCgroup&) const = default;
   };
   std::optional<ResolverCgroup> lo_resolver;
+  // The cgroup (v2) id of egressd's own sockets (the upstream sockets' own
+  // mark, the proxy's proxy mark): a packet with either mark from a socket
+  // in any other cgroup is dropped, so the marks are no secrets a sandbox
+  // process could use once guessed. It tells egressd from the sandbox where
+  // they run in different cgroups (a sidecar container, the agent). Unknown:
+  // the marks alone (egressd says so).
+  std::optional<std::uint64_t> own_cgroup;
 };
 
 // The secrets of a table, as its comment carries them.
@@ -344,6 +356,10 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
                   const CompileOptions& opts);
 // Table netdev egressd for `state`'s mode and opts.interfaces (empty when
 // !opts.netdev: nothing to build).
+// The cgroup ladders of the options (lo_answers, own_sockets), each with its
+// rules: a table has them; an adopted one gets them re-filled, since the
+// cgroups may be others now (a restarted container, a restarted dockerd).
+std::vector<Chain> cgroup_chains(const CompileOptions& opts);
 std::optional<Table> build_netdev_table(const ActiveState& state, const CompileOptions& opts);
 // The egress base chain for interface `ifname` and its chain name.
 Chain egress_chain(const std::string& ifname);

@@ -2,6 +2,7 @@
 
 `lab`     a started Lab (sandbox + internet namespaces, echo servers, dnsmasq); closed after
           the test whatever happened.
+`cgroups` a factory: cgroups(tag) -> a new cgroup (v2) below the test's own, removed after.
 `egressd` a factory: egressd(config_text, phase=None, extra=()) -> lab.Egressd, started; it
           fails the test (never skips) when the binaries are missing.
 
@@ -9,6 +10,7 @@ With CI=true a skipped test is reported as a failure: CI installs everything, so
 means something is broken.
 """
 import os
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,32 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"skipped, and nothing may be skipped in CI (CI=true): {reason}"
+
+
+@pytest.fixture
+def cgroups():
+    """child(tag): a new cgroup (v2) below the test's own; every one is removed afterwards, the
+    processes still in it moved back to the test's cgroup first."""
+    mount = labmod.cgroup2_mount()
+    if mount is None:
+        raise labmod.LabError("no cgroup2 mount: the lab needs the cgroup v2 hierarchy (unified or hybrid)")
+    parent = mount / labmod.cgroup_of().lstrip("/")
+    made = []
+
+    def child(tag: str) -> Path:
+        cg = parent / f"egt-{tag}-{os.urandom(5).hex()}"
+        cg.mkdir()
+        made.append(cg)
+        return cg
+
+    yield child
+    for cg in reversed(made):
+        def emptied():
+            for pid in (cg / "cgroup.procs").read_text().split():
+                try:
+                    (parent / "cgroup.procs").write_text(pid)
+                except ProcessLookupError:
+                    pass
+            return not (cg / "cgroup.procs").read_text().strip() or None
+        labmod.wait_for(emptied, 10.0, f"cgroup {cg.name} to empty")
+        cg.rmdir()

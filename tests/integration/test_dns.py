@@ -19,6 +19,8 @@ Every name a test asks about carries a random label of its own, so what the upst
 query log shows (or must not show) is exact.
 """
 import json
+import os
+import re
 import random
 import subprocess
 import socket
@@ -419,7 +421,7 @@ q = struct.pack("!HHHHHH", 0x4d4b, 0x0100, 1, 0, 0, 0)
 q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack("!HH", 1, 1)
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 try:
-    u.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+    u.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
     out["mark_set"] = True
 except OSError as e:
     out["mark_set"] = str(e)
@@ -430,7 +432,7 @@ try:
 except OSError as e:
     out["udp"] = str(e)
 t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-t.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+t.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
 t.settimeout(1.0)
 try:
     t.connect((tcp_addr, 53))
@@ -464,6 +466,105 @@ def test_forged_upstream_mark_does_not_bypass_the_proxy(lab, egressd):
                         f"udp/tcp dport 53 accept` and dns_redirect's `meta mark != {OWN_MARK:#x}` trust a mark the "
                         f"sandbox can forge")
     assert out["tcp"] != "echo", f"a forged mark opened a TCP tunnel to 203.0.113.53:53 ({out})"
+
+
+# argv: the DNS proxy's port, mark. A raw socket with the mark (SO_MARK: NET_RAW) writes a UDP
+# datagram from the proxy's address and port on `lo` to a socket of the script's own, as a forged
+# proxy answer would go to Docker's resolver relaying egressd's query.
+FORGED_PROXY_ANSWER = r"""
+import json, socket, struct, sys
+port, mark = int(sys.argv[1]), int(sys.argv[2], 16)
+rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+rx.bind(("127.0.0.1", 0))
+rx.settimeout(1.0)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
+raw.bind(("127.0.0.1", 0))
+body = b"forged answer"
+out = {}
+try:
+    raw.sendto(struct.pack("!HHHH", port, rx.getsockname()[1], 8 + len(body), 0) + body, ("127.0.0.1", 0))
+    out["sent"] = True
+except OSError as e:
+    out["sent"] = e.strerror
+try:
+    out["delivered"] = rx.recv(64) == body
+except OSError as e:
+    out["delivered"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("which", ["own", "proxy"])
+def test_a_guessed_secret_mark_buys_nothing_outside_egressds_cgroup(lab, egressd, cgroups, which):
+    """The own mark (egressd's upstream sockets) and the proxy mark (its DNS proxy's) are 32-bit
+    secrets, and a NET_RAW process can set any SO_MARK and tell a right guess from a wrong one
+    (the upstream answers rather than the proxy; the proxy's address and port pass `lo`): an
+    attack review searched at 0.4 M guesses a second. Here the sandbox process has guessed right
+    (the test reads the mark from the table). From a cgroup other than egressd's, as a sandbox's
+    processes run beside a sidecar or the agent, a packet with either mark is dropped in chain
+    own_sockets: the query for a denied name never reaches the upstream, the forged answer never
+    arrives. egressd's own queries and answers still pass (the allowed name resolves)."""
+    serve(lab)
+    lab.add_servers(["203.0.113.53"], tcp=(53,))  # an echo server on port 53: a would-be tunnel
+    d = egressd(policy(), extra=["--log-format", "json"])
+    rc, text, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert rc == 0, err
+    own, proxy = (re.search(rf" {k}=(0x[0-9a-f]{{8}})", text)[1] for k in ("mark", "proxy"))
+    port = re.search(r'oif "lo" ip saddr 127\.0\.0\.1 udp sport (\d+) meta mark !=', text)[1]
+    assert f"meta mark {own} jump own_sockets" in text and f"meta mark {proxy} jump own_sockets" in text, text
+    seen = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and '"own_cgroup"' in line]
+    assert [e.get("cgroup_id") for e in seen] == [os.stat(labmod.cgroup2_mount() / labmod.cgroup_of().lstrip("/")).st_ino], d.log()
+    cg = cgroups("atk")
+    t = tok()
+    script, args = ((FORGED_MARK_CLIENT, [f"{t}.denied.example.net", own, DNS_V4, "203.0.113.53"]) if which == "own"
+                    else (FORGED_PROXY_ANSWER, [port, proxy]))
+    caps = "-all,+net_raw,+net_bind_service"
+    # Into the cgroup first: `ip netns exec` mounts a sysfs of the namespace's own, without it.
+    cp = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), "ip", "netns", "exec",
+                         lab.sandbox.name, "setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", sys.executable,
+                         "-c", script, *args], capture_output=True, text=True, timeout=20)
+    assert cp.returncode == 0, cp.stderr
+    out = json.loads(cp.stdout)
+    print(f"\n{which} mark from cgroup {cg.name}: {out}")
+    if which == "own":
+        assert out["mark_set"] is True, out
+        assert not asked(lab, t), f"a sandbox process with egressd's own mark reached the upstream: {out}"
+        assert out["tcp"] != "echo", f"egressd's own mark opened a TCP tunnel to 203.0.113.53:53 ({out})"
+    else:
+        assert out["delivered"] is not True, f"a datagram with the proxy's mark left the proxy's port on lo: {out}"
+        assert out["sent"] == "Operation not permitted", out
+    # The ladder dropped it, and egressd's own marked traffic still passes.
+    dropped = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)",
+                         lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_sockets")[1])
+    assert sum(map(int, dropped)) >= 1
+    assert resolve(lab, f"ok.{t}.wild.example.org") == [WILD_V4]
+
+
+def test_egressd_restarted_in_another_cgroup_adopts_the_table_and_still_resolves(lab, egressd, cgroups):
+    """A sidecar container that restarts comes back in a new cgroup (a new id, even at the same
+    path). Its restart adopts the table unchanged (same config, no window) and re-fills chain
+    own_sockets with the new cgroup in the same batch: its own upstream queries pass again, and
+    the old cgroup's id is gone from the rules."""
+    serve(lab)
+
+    def in_cgroup(cg):
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), str(labmod.egressd_binary())]
+
+    first, second = cgroups("first"), cgroups("second")
+    d = egressd(policy(), binary=in_cgroup(first), extra=["--log-format", "json"])
+    t = tok()
+    assert resolve(lab, f"a.{t}.wild.example.org") == [WILD_V4]
+
+    def ladder():
+        return lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_sockets")[1]
+    assert f"socket cgroupv2 level 1 {first.stat().st_ino} return" in ladder()
+    d.restart(binary=in_cgroup(second))
+    adopted = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and '"adoption"' in line]
+    assert [e.get("restaged") for e in adopted] == [False], d.log()
+    assert f"socket cgroupv2 level 1 {second.stat().st_ino} return" in ladder()
+    assert str(first.stat().st_ino) not in ladder()
+    assert resolve(lab, f"b.{t}.wild.example.org") == [WILD_V4]
 
 
 # argv: upstream, port, denied name. Bound to `port`, one query for the name to the upstream's

@@ -1078,32 +1078,6 @@ def cgroup2_mount() -> Path:
     return mount
 
 
-@pytest.fixture
-def cgroups():
-    """child(tag): a new cgroup (v2) below the test's own; every one is removed afterwards, the
-    processes still in it moved back to the test's cgroup first."""
-    parent = cgroup2_mount() / labmod.cgroup_of().lstrip("/")
-    made = []
-
-    def child(tag: str) -> Path:
-        cg = parent / f"egt-{tag}-{tok()}"
-        cg.mkdir()
-        made.append(cg)
-        return cg
-
-    yield child
-    for cg in reversed(made):
-        def emptied():
-            for pid in (cg / "cgroup.procs").read_text().split():
-                try:
-                    (parent / "cgroup.procs").write_text(pid)
-                except ProcessLookupError:
-                    pass
-            return not (cg / "cgroup.procs").read_text().strip() or None
-        labmod.wait_for(emptied, 10.0, f"cgroup {cg.name} to empty")
-        cg.rmdir()
-
-
 def hidden_cgroups(lab) -> list[str]:
     """An egressd command line that runs it without the cgroup v2 hierarchy in sight, as in a
     container whose cgroup mounts are its own."""

@@ -450,10 +450,15 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   const auto first_lo = std::find(out.begin(), out.end(), "oif \"lo\" fib saddr type local accept");
   REQUIRE(first_lo != out.end());
   CHECK(std::find(out.begin(), first_lo, sign6) != first_lo);
-  // Where the resolver listens is not config: the digest stays.
+  // Which cgroup the resolver is in is not config: the digest stays, and a restart re-fills
+  // the chain for the cgroup of now (cgroup_chains). Whether the chain is there is the
+  // table's shape: a table without it is restaged, not adopted with a jump to nowhere.
+  CompileOptions elsewhere = o;
+  elsewhere.lo_resolver->id = 4343;
+  CHECK(staged_digest(p, o) == staged_digest(p, elsewhere));
   CompileOptions unknown = o;
   unknown.lo_resolver.reset();
-  CHECK(staged_digest(p, o) == staged_digest(p, unknown));
+  CHECK(staged_digest(p, o) != staged_digest(p, unknown));
 
   // lo's egress hook: frames from the upstream's address leave only signed, and unsigned.
   const auto nd = build_netdev_table(named(p, "agent", 1), o);
@@ -471,6 +476,65 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   // Without the netdev hook neither the chain nor the signature; the cgroup check stays.
   o.netdev = false;
   CHECK(answers(o).size() == 2);
+}
+
+TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in egressd's cgroup") {
+  // A sandbox process with NET_RAW sets any SO_MARK: a guessed own mark would take its
+  // query to the upstream past the proxy, a guessed proxy mark its forged answer onto lo.
+  // Both marks send the packet through chain own_sockets first, which returns only for a
+  // socket in exactly egressd's cgroup, at whatever level (the ladder of lo_answers).
+  const Policy p = three_phases();
+  CompileOptions o;
+  o.own_mark = 0x11112222;
+  o.proxy_mark = 0x55556666;
+  o.dns_port = 5353;
+  o.own_cgroup = 777;
+  auto output = [&](const CompileOptions& opts) {
+    std::vector<std::string> out;
+    const Table t = build_table(p, nullptr, named(p, "agent", 1), opts);
+    for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
+    return out;
+  };
+  const auto text = output(o);
+  const auto own = std::find(text.begin(), text.end(), "meta mark 0x11112222 jump own_sockets");
+  const auto proxy = std::find(text.begin(), text.end(), "meta mark 0x55556666 jump own_sockets");
+  REQUIRE(own != text.end());
+  REQUIRE(proxy != text.end());
+  // Ahead of every rule that reads either mark, and of every accept.
+  for (auto it = text.begin(); it != own; ++it) {
+    CHECK(it->find("0x11112222") == std::string::npos);
+    CHECK(it->find("0x55556666") == std::string::npos);
+    CHECK(it->find("accept") == std::string::npos);
+  }
+  CHECK(proxy == own + 1);
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
+  const Chain* ch = find_chain(t, kOwnSocketsChain);
+  REQUIRE(ch != nullptr);
+  CHECK_FALSE(ch->base.has_value());
+  REQUIRE(ch->rules.size() == 2 * kResolverLevels + 1);
+  CHECK(render_rule(ch->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 counter drop");
+  CHECK(render_rule(ch->rules[3]) == "socket cgroupv2 level 1 777 return");
+  CHECK(render_rule(ch->rules.back()) == "socket cgroupv2 level 0 != 0 counter drop");
+  // cgroup_chains gives what an adopted table is re-filled with.
+  const auto chains = cgroup_chains(o);
+  REQUIRE(chains.size() == 1);
+  CHECK(chains[0].name == kOwnSocketsChain);
+  CHECK(chains[0].rules.size() == ch->rules.size());
+  // The id is not config; whether the chain is there is.
+  CompileOptions moved = o;
+  moved.own_cgroup = 778;
+  CHECK(staged_digest(p, o) == staged_digest(p, moved));
+  CompileOptions unknown = o;
+  unknown.own_cgroup.reset();
+  CHECK(staged_digest(p, o) != staged_digest(p, unknown));
+  // Unknown: the marks alone, as before.
+  for (const auto& r : output(unknown)) CHECK(r.find("own_sockets") == std::string::npos);
+  CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), unknown), kOwnSocketsChain) == nullptr);
+  // No proxy: no marks to check.
+  CompileOptions no_proxy = o;
+  no_proxy.dns_port = 0;
+  CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), no_proxy), kOwnSocketsChain) == nullptr);
+  CHECK(cgroup_chains(no_proxy).empty());
 }
 
 TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's mark, or is dropped") {
