@@ -205,6 +205,18 @@ def cmd_query(args):
     out(dns_query(name, server, port, tcp=tcp))
 
 
+def cmd_marked_query(args):
+    """A query for args[0] to args[1]:53 from a UDP socket with SO_MARK args[2] (NET_RAW)."""
+    s = socket.socket(family_of(args[1]), socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", int(args[2], 16)))
+    except OSError as e:
+        s.close()
+        return out({"outcome": "mark: " + err_name(e), "rcode": None, "addresses": []})
+    with s:
+        out(dns_query(args[0], args[1], sock=s))
+
+
 def cmd_resolver_ports(args):
     name = args[0]
     udp, tcp = resolver_ports()
@@ -557,6 +569,7 @@ def cmd_zerocopy_http(args):
 COMMANDS = {
     "zerocopy-http": cmd_zerocopy_http,
     "query": cmd_query,
+    "marked-query": cmd_marked_query,
     "resolver-ports": cmd_resolver_ports,
     "bind": cmd_bind,
     "squat": cmd_squat,

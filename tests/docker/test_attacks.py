@@ -66,6 +66,32 @@ def test_dockers_resolver_is_not_reachable_on_its_real_port(sandboxes, session, 
     assert secret not in session.dns_log()
 
 
+@pytest.mark.parametrize("topology", NET_RAW_TOPOLOGIES)
+def test_a_guessed_own_mark_takes_no_query_past_the_proxy(sandboxes, session, topology):
+    """egressd's own mark (SO_MARK of its upstream sockets) is a 32-bit secret, and a task
+    process with Docker's default NET_RAW can set any mark and tell a right guess from a wrong
+    one: hours of searching. Here it has found it (the test reads it from the table) and asks
+    Docker's resolver for a denied name with it, past the proxy's redirect. egressd (a sidecar
+    container, or on the host with --netns-pid) is in a cgroup of its own, the task in its
+    container's: the packet is dropped (EPERM), the name never reaches the upstream, and
+    egressd's own queries still pass."""
+    sb = sandboxes(topology, "allowlist", ["*.wild.example.org"])
+    logs = sb.logs()
+    assert "egressd's sockets are in cgroup id" in logs or '"own_cgroup"' in logs, logs
+    assert "own cgroup is unknown" not in logs and "own_cgroup_unverified" not in logs, logs
+    table = dockerlab.labmod.run(["nsenter", "-t", str(sb.task.pid), "-n", "nft", "list", "table", "inet",
+                                  "egressd"]).stdout
+    own = re.search(r" mark=(0x[0-9a-f]{8})", table)[1]
+    assert f"meta mark {own} jump own_sockets" in table, table
+    secret = secret_name("own-mark")
+    r = sb.probe("marked-query", secret, DOCKER_DNS, own)
+    print(f"\n{topology}: a query with egressd's own mark {own}: {r}")
+    assert r["outcome"] == "EPERM", r
+    assert secret not in session.dns_log()
+    ok = sb.probe("query", f"ok-{os.getpid()}.wild.example.org", DOCKER_DNS)
+    assert ok["outcome"] == "ok" and ok["rcode"] == "NOERROR", ok
+
+
 # --- class 3 ---------------------------------------------------------------------------------
 
 
