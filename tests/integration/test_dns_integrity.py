@@ -1152,6 +1152,32 @@ def test_loopback_upstream_sniffed_answers_from_the_resolvers_own_port(lab, egre
     assert events(d, "tamper") == [], d.log()  # the new rules are egressd's own, as it expects them
 
 
+def test_a_restart_after_dockerds_takes_the_resolvers_new_cgroup(lab, egressd, cgroups):
+    """dockerd restarts (its cgroup is made anew: a new id) and so does egressd, with the same
+    config: the table is adopted unchanged, and chain lo_answers is re-filled with the cgroup
+    the resolver is in now, in the adoption's batch. Until 2026-12-06 the adopted chain kept the
+    old id: every answer of the resolver was dropped, and names no longer resolved."""
+    serve(lab)
+    first, second = cgroups("dockerd1"), cgroups("dockerd2")
+    resolver = DockerResolver(lab, cgroup=first)
+    d = docker_egressd(lab, egressd)
+    assert [e["cgroup_id"] for e in events(d, "resolver_cgroup")] == [first.stat().st_ino], d.log()
+    t = tok()
+    assert ask(lab, [f"a.{t}.wild.example.org"]) == [("NOERROR", [WILD_V4])]
+    d.stop()
+    resolver.proc.kill()
+    resolver.proc.wait(5)
+    lab.nft(lab.sandbox, "delete", "table", "ip", "dockerlike", check=True)
+    DockerResolver(lab, cgroup=second)
+    d.restart()
+    assert [e["cgroup_id"] for e in events(d, "resolver_cgroup")] == [first.stat().st_ino, second.stat().st_ino]
+    assert [e.get("restaged") for e in events(d, "adoption")] == [False], d.log()
+    ladder = lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "lo_answers")[1]
+    assert f"socket cgroupv2 level 1 {second.stat().st_ino} return" in ladder, ladder
+    assert str(first.stat().st_ino) not in ladder, ladder
+    assert ask(lab, [f"b.{t}.wild.example.org"]) == [("NOERROR", [WILD_V4])]
+
+
 @pytest.mark.parametrize("caps,where", [(DOCKER_CAPS, "root-hidden"), ("-all,+net_bind_service", "root-hidden"),
                                         (DOCKER_CAPS, "root-seen"), (DOCKER_CAPS, "child-hidden")],
                          ids=["docker-default", "net-raw-dropped", "resolver-cgroup-seen", "resolver-cgroup-hidden"])
