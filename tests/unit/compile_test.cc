@@ -35,6 +35,14 @@ const Chain* find_chain(const Table& t, const std::string& name) {
   return nullptr;
 }
 
+// Chain output's rules as nft text, with `p`'s agent phase in force.
+std::vector<std::string> output_rules(const Policy& p, const CompileOptions& opts) {
+  std::vector<std::string> out;
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), opts);
+  for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
+  return out;
+}
+
 const Set* find_set(const Table& t, const std::string& name) {
   for (const auto& s : t.sets)
     if (s.name == name) return &s;
@@ -444,9 +452,7 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
     CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), none), kLoAnswersChain) == nullptr);
   }
   // Ahead of the loopback accept that would otherwise take them.
-  const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
-  std::vector<std::string> out;
-  for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
+  const std::vector<std::string> out = output_rules(p, o);
   const auto first_lo = std::find(out.begin(), out.end(), "oif \"lo\" fib saddr type local accept");
   REQUIRE(first_lo != out.end());
   CHECK(std::find(out.begin(), first_lo, sign6) != first_lo);
@@ -489,12 +495,7 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   o.proxy_mark = 0x55556666;
   o.dns_port = 5353;
   o.own_cgroup = 777;
-  auto output = [&](const CompileOptions& opts) {
-    std::vector<std::string> out;
-    const Table t = build_table(p, nullptr, named(p, "agent", 1), opts);
-    for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
-    return out;
-  };
+  auto output = [&](const CompileOptions& opts) { return output_rules(p, opts); };
   const auto text = output(o);
   const auto own = std::find(text.begin(), text.end(), "meta mark 0x11112222 jump own_sockets");
   const auto proxy = std::find(text.begin(), text.end(), "meta mark 0x55556666 jump own_sockets");
@@ -548,12 +549,7 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
   o.pass_priority = 0x33334444;
   o.proxy_mark = 0x55556666;
   o.dns_port = 5353;
-  auto output = [&](const CompileOptions& opts) {
-    std::vector<std::string> out;
-    const Table t = build_table(p, nullptr, named(p, "agent", 1), opts);
-    for (const auto& r : find_chain(t, "output")->rules) out.push_back(render_rule(r));
-    return out;
-  };
+  auto output = [&](const CompileOptions& opts) { return output_rules(p, opts); };
   const std::vector<std::string> text = output(o);
   const std::vector<std::string> proxy = {
       "oif \"lo\" ip saddr 127.0.0.1 udp sport 5353 meta mark != 0x55556666 counter drop",
