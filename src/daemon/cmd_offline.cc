@@ -95,14 +95,7 @@ int cmd_render(const RenderArgs& args) {
   // --interface (`run` makes one per interface of its namespace).
   nft::CompileOptions opts = compile_options(dns::expand_upstreams(policy->dns, read_resolv_conf()), args.dns_port);
   opts.interfaces = args.interfaces;
-  std::cout << nft::render_table(nft::build_table(*policy, nullptr, st, opts));
-  if (auto nd = nft::build_netdev_table(st, opts)) std::cout << nft::render_table(*nd);
-  if (opts.dns_port != 0) {
-    // nft -f names a cgroup by its path only; the daemon learns its own
-    // cgroup's id when it starts.
-    std::cout << "# Not printed: chain own_sockets and output's two jumps to it (`meta mark OWN jump own_sockets`,\n"
-                 "# the same for the proxy mark), which egressd adds with the id of its own cgroup (event own_cgroup).\n";
-  }
+  std::cout << render_script(*policy, st, opts);
   return 0;
 }
 

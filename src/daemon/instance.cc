@@ -47,6 +47,7 @@ class SandboxPinJudge : public PinJudge, private pin::PinFacts {
   explicit SandboxPinJudge(Sandbox& sb) : sb_(sb) {}
   const pin::PinFacts& pin_facts() const override { return *this; }
   std::uint32_t pin_mark() const override { return sb_.compile_options().pin_mark; }
+  std::uint32_t pin_priority() const override { return sb_.compile_options().pin_priority; }
   void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) override {
     if (d.kind == pin::Decision::Kind::reset) {
       spdlog::get("egressd")->info("pin reset: {}", d.reason);

@@ -1341,6 +1341,7 @@ class Queue : public PinQueue {
       used = 0;
     };
     const std::uint32_t pin_mark = judge_.pin_mark();
+    const std::uint32_t pin_priority = judge_.pin_priority();
     for (const PinVerdict& v : pending_) {
       // The bytes judged go back with every verdict that lets the packet
       // leave; a packet dropped or reset needs none.
@@ -1380,22 +1381,31 @@ class Queue : public PinQueue {
         case PinVerdict::Kind::follow: mnl_attr_put_u32(nlh, NFQA_MARK, htonl(nft::pin_follow_mark(pin_mark))); break;
         case PinVerdict::Kind::drop: break;
       }
+      // The second half of the verdict's signature: the rules that take the
+      // pass, admit and follow marks ask for it too.
+      const bool signed_verdict = !drop && (v.kind == PinVerdict::Kind::admit || v.kind == PinVerdict::Kind::pass ||
+                                  v.kind == PinVerdict::Kind::follow);
+      if (signed_verdict && pin_priority != 0) mnl_attr_put_u32(nlh, NFQA_PRIORITY, htonl(pin_priority));
       used += NLMSG_ALIGN(nlh->nlmsg_len);
     }
     send();
     pending_.clear();
-    reset_servers(pin_mark);
+    reset_servers(pin_mark, pin_priority);
     arm();
   }
 
   // After the client's reset: the server's end of each refused TCP flow. The
   // RST carries the pin mark, so it leaves as the reader's own "pass"
   // verdicts do; the sockets are send-only (IPPROTO_RAW receives nothing).
-  void reset_servers(std::uint32_t pin_mark) {
+  void reset_servers(std::uint32_t pin_mark, std::uint32_t pin_priority) {
     const std::vector<ServerReset> resets = flows_.take_server_resets();
     if (resets.empty()) return;
     for (const UniqueFd* fd : {&raw4_, &raw6_}) {
       if (fd->get() >= 0 && ::setsockopt(fd->get(), SOL_SOCKET, SO_MARK, &pin_mark, sizeof pin_mark) != 0) {
+        ++errors_;
+      }
+      if (fd->get() >= 0 && pin_priority != 0 &&
+          ::setsockopt(fd->get(), SOL_SOCKET, SO_PRIORITY, &pin_priority, sizeof pin_priority) != 0) {
         ++errors_;
       }
     }

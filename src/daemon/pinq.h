@@ -5,7 +5,9 @@
 // 443 of such an address (QUIC); the reader holds the flow's payload packets
 // (no verdict) until the classifier and parser of src/pin/ can judge the
 // first bytes, asks pin::decide, and answers every held packet at once:
-//   admit: NF_REPEAT with the skb mark nft::pin_admit_mark: the phase chain
+//   admit: NF_REPEAT with the skb mark nft::pin_admit_mark (and, as every
+//          verdict that lets a packet go, the skb priority nft::kPinPriority's
+//          secret value): the phase chain
 //          gives the flow the phase's ct mark, and every later packet of the
 //          flow never leaves the kernel (the fast path). A TLS flow is first
 //          followed (`follow`, as HTTP) through its handshake: every later
@@ -62,6 +64,9 @@ class PinJudge {
   // The table's pin mark (a secret; chain pin lets a packet carrying it go,
   // and the admit and follow marks derive from it: nft::pin_admit_mark).
   virtual std::uint32_t pin_mark() const = 0;
+  // The table's pin priority (nft::kPinPriority), set with each of those
+  // marks (NFQA_PRIORITY); 0: none, the mark alone.
+  virtual std::uint32_t pin_priority() const { return 0; }
   // Every admit and reset, for `denied`, status and logs.
   virtual void pin_decided(const pin::Decision& d, const IpPrefix& dst, std::uint16_t port) = 0;
 };

@@ -12,7 +12,9 @@
 
 #include <spdlog/spdlog.h>
 #include <set>
+#include <nettle/sha2.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -96,6 +98,18 @@ nft::CompileOptions compile_options(const std::vector<std::string>& upstream, in
   // enforce.pin_names decides whether allowlist phases use it.
   o.pin = true;
   return o;
+}
+
+std::string render_script(const Policy& policy, const nft::ActiveState& st, const nft::CompileOptions& opts) {
+  std::string out = nft::render_table(nft::build_table(policy, nullptr, st, opts));
+  if (auto nd = nft::build_netdev_table(st, opts)) out += nft::render_table(*nd);
+  if (opts.dns_port != 0) {
+    // nft -f names a cgroup by its path only; the daemon learns its own
+    // cgroup's id when it starts.
+    out += "# Not printed: chain own_sockets and output's two jumps to it (`meta mark OWN jump own_sockets`,\n"
+           "# the same for the proxy mark), which egressd adds with the id of its own cgroup (event own_cgroup).\n";
+  }
+  return out;
 }
 
 json Capabilities::to_json() const {
@@ -276,6 +290,47 @@ std::uint32_t draw(const std::function<std::uint32_t()>& random, std::initialize
 
 }  // namespace
 
+namespace {
+
+// The kernel sets an skb's priority from a queue verdict (NFQA_PRIORITY,
+// Linux >= 5.18); an older one ignores the attribute, and a rule that asked
+// for it would send every verdict back to the reader.
+bool queue_verdict_sets_priority() {
+  utsname u{};
+  if (::uname(&u) != 0) return false;
+  unsigned major = 0, minor = 0;
+  if (std::sscanf(u.release, "%u.%u", &major, &minor) != 2) return false;
+  return major > 5 || (major == 5 && minor >= 18);
+}
+
+// The pin priority (nft/compile.h kPinPriority) follows from the table's other
+// secrets, so a restart adopts it with them and the table comment (127 bytes,
+// full) needs no room for it: the first 32 bits of a SHA-256 over them that
+// are none of the values anybody sets or another secret holds.
+std::uint32_t pin_priority_of(const nft::CompileOptions& c) {
+  for (std::uint8_t round = 0;; ++round) {
+    sha256_ctx ctx;
+    sha256_init(&ctx);
+    static constexpr char kLabel[] = "egressd pin priority";
+    sha256_update(&ctx, sizeof kLabel - 1, reinterpret_cast<const std::uint8_t*>(kLabel));
+    for (std::uint32_t v : {c.own_mark, c.pass_mark, c.pass_priority, c.proxy_mark, c.pin_mark}) {
+      const std::uint8_t b[4] = {static_cast<std::uint8_t>(v >> 24), static_cast<std::uint8_t>(v >> 16),
+                                 static_cast<std::uint8_t>(v >> 8), static_cast<std::uint8_t>(v)};
+      sha256_update(&ctx, sizeof b, b);
+    }
+    sha256_update(&ctx, 1, &round);
+    std::uint8_t digest[SHA256_DIGEST_SIZE];
+    sha256_digest(&ctx, sizeof digest, digest);
+    const std::uint32_t p = (std::uint32_t{digest[0]} << 24) | (std::uint32_t{digest[1]} << 16) |
+                            (std::uint32_t{digest[2]} << 8) | digest[3];
+    if (p != 0 && p != 0xffffffffu && p != nft::kPinPriority && p != nft::kPassPriority && p != c.pass_priority) {
+      return p;
+    }
+  }
+}
+
+}  // namespace
+
 void Sandbox::draw_secrets() {
   if (!opts_.random) return;
   auto& c = opts_.compile;
@@ -441,6 +496,9 @@ Status Sandbox::start(const std::string& initial_phase) {
   } else if (kept_mark != 0) {
     opts_.compile.own_mark = kept_mark;
   }
+  // A table made before the pin priority asks for the mark alone: its digest
+  // differs, so it is staged anew with both.
+  opts_.compile.pin_priority = queue_verdict_sets_priority() ? pin_priority_of(opts_.compile) : 0;
   const bool same_config =
       existing->has_value() && nft::digest_from_table_comment(comment) == nft::staged_digest(opts_.policy, opts_.compile);
   // Class 9: the phase marks derive from the salt. The same config keeps it

@@ -66,6 +66,9 @@ Status write_atomically(const std::string& path, const std::string& text);
 // Compile options for the DNS proxy on `dns_port` with these upstreams (as
 // dns::expand_upstreams gives them): what `run` and `render` both use.
 nft::CompileOptions compile_options(const std::vector<std::string>& upstream, int dns_port);
+// What `egressd render` prints for a policy with `st` in force: both tables
+// as nft text, and a note on what the daemon adds at run time.
+std::string render_script(const Policy& policy, const nft::ActiveState& st, const nft::CompileOptions& opts);
 
 // Probes by creating and deleting a throwaway table in one batch (nothing stays).
 Capabilities probe_capabilities(nft::Kernel& kernel);

@@ -115,15 +115,30 @@ Chain cgroup_ladder_chain(const char* name, std::uint64_t id) {
   return c;
 }
 
+// A rule that asks for one of the reader's verdict marks asks for the pin
+// priority too, right after it, when the table has one (compile.h
+// kPinPriority).
+Rule with_pin_priority(Rule r, std::uint32_t pin_priority) {
+  if (pin_priority == 0) return r;
+  for (auto it = r.stmts.begin(); it != r.stmts.end(); ++it) {
+    if (std::holds_alternative<MatchMetaMark>(*it)) {
+      r.stmts.insert(it + 1, MatchMetaPriority{pin_priority});
+      break;
+    }
+  }
+  return r;
+}
+
 // Chain `pin` (see compile.h): TCP packets of undecided flows to addresses
 // allowed only through learned names.
 Chain pin_chain(const CompileOptions& opts) {
   Chain c{kPinChain, std::nullopt, {}};
   // The reader let a payload-less packet (an ACK, a FIN) go: it re-enters
-  // the hook (NF_REPEAT) carrying the pin mark, a secret the sandbox cannot
-  // set on its own packets (other than by guessing 32 bits, which buys it
-  // the name check only).
-  c.rules.push_back({{MatchMetaMark{opts.pin_mark}, to_pass()}, ""});
+  // the hook (NF_REPEAT) carrying the pin mark and the pin priority,
+  // secrets the sandbox cannot set on its own packets other than by guessing
+  // them, 64 bits together with no answer for either half alone (which would
+  // buy it the name check only).
+  c.rules.push_back(with_pin_priority({{MatchMetaMark{opts.pin_mark}, to_pass()}, ""}, opts.pin_priority));
   // The reader refused the flow: the client gets a TCP reset at once.
   c.rules.push_back({{MatchMetaMark{kPinResetMark}, MatchL4Proto{kTcp}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
   // ... or a QUIC flow (UDP 443): ICMP administratively prohibited, so the
@@ -201,7 +216,7 @@ Chain pin_untracked_chain() {
 }
 
 Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_t mark, bool pin = false,
-                      std::uint32_t pin_mark = kPinMark) {
+                      std::uint32_t pin_mark = kPinMark, std::uint32_t pin_priority = kPinPriority) {
   Chain c{chain, std::nullopt, {}};
   switch (phase.mode) {
     case Mode::public_:
@@ -227,15 +242,18 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         // flow that settled (its server answered after the handshake, so no
         // retransmission of judged bytes can reach it any more), or a flow
         // admitted by name under an earlier phase and kept by the switch.
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchMetaMark{pin_admit_mark(pin_mark)},
-                            StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
-                           ""});
+        c.rules.push_back(with_pin_priority({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp},
+                                               MatchMetaMark{pin_admit_mark(pin_mark)}, StmtCounter{},
+                                               StmtCtMarkSet{mark}, to_pass()},
+                                              ""},
+                                             pin_priority));
         // An HTTP flow the reader admitted stays followed: its own ct mark,
         // and every later packet back to chain pin (compile.h kPinFollowMark).
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
-                            MatchMetaMark{pin_follow_mark(pin_mark)}, StmtCounter{}, StmtCtMarkSet{kPinFollowMark},
-                            to_pass()},
-                           ""});
+        c.rules.push_back(with_pin_priority({{MatchDaddrSet{set, type}, MatchL4Proto{kTcp}, MatchCtMark{0},
+                                               MatchMetaMark{pin_follow_mark(pin_mark)}, StmtCounter{},
+                                               StmtCtMarkSet{kPinFollowMark}, to_pass()},
+                                              ""},
+                                             pin_priority));
         // Every other TCP packet of a tracked flow to such an address goes to
         // chain pin: an undecided flow's (ct mark 0), a followed one's
         // (kPinFollowMark), urgent data on this phase's own (chain active
@@ -263,9 +281,11 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
         // four-tuple, or an Initial resent after one the server never got,
         // is judged too. The reader's admit re-runs them with the admit mark,
         // whatever the flow's ct mark.
-        c.rules.push_back({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
-                            MatchMetaMark{pin_admit_mark(pin_mark)}, StmtCounter{}, StmtCtMarkSet{mark}, to_pass()},
-                           ""});
+        c.rules.push_back(with_pin_priority({{MatchDaddrSet{set, type}, MatchDport{kUdp, kQuicPort},
+                                               MatchMetaMark{pin_admit_mark(pin_mark)}, StmtCounter{},
+                                               StmtCtMarkSet{mark}, to_pass()},
+                                              ""},
+                                             pin_priority));
         // Every other UDP 443 packet to such an address goes to chain pin:
         // an undecided flow's, a decided one's long-header packets and those
         // longer than one datagram (chain active sends both here: a GSO batch
@@ -852,7 +872,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,
-                                      opts.pin_mark));
+                                      opts.pin_mark, opts.pin_priority));
   }
   t.chains.push_back(input_chain(policy, opts));
   t.chains.push_back(forward_chain());
@@ -987,6 +1007,7 @@ std::string staged_digest(const Policy& policy, const CompileOptions& opts) {
   o.pass_priority = kPassPriority;
   o.proxy_mark = kProxyMark;
   o.pin_mark = kPinMark;
+  o.pin_priority = o.pin_priority != 0 ? kPinPriority : 0;  // whether the rules ask for it is the table's shape
   o.mark_salt = kDefaultMarkSalt;
   o.interfaces.clear();
   o.onlink6.clear();
@@ -1039,7 +1060,8 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
     if (inline_phase->mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, *inline_phase)) t.sets.push_back(std::move(s));
     }
-    t.chains.push_back(phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pin_mark));
+    t.chains.push_back(
+        phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pin_mark, opts.pin_priority));
   }
   for (auto& c : t.chains) {
     if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies);
@@ -1131,7 +1153,8 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
     if (target.mode == Mode::allowlist) {
       for (auto& s : phase_sets(chain, target)) ch.ops.push_back(OpAddSet{std::move(s)});
     }
-    ch.ops.push_back(OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pin_mark)});
+    ch.ops.push_back(
+        OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pin_mark, opts.pin_priority)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
   for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies)) {

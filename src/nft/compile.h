@@ -98,6 +98,13 @@ inline constexpr std::uint32_t kPassPriority = 0x65677264;  // prints as 6567:72
 inline constexpr std::uint32_t kProxyMark = 0x70727879;  // "prxy"
 // The skb mark of what hostname pinning's reader lets go (see pin_admit_mark).
 inline constexpr std::uint32_t kPinMark = 0x70696e21;  // "pin!"
+// ... and its skb priority, which the reader's verdict sets too
+// (NFQA_PRIORITY, Linux >= 5.18): the pin rules ask for both, so a sandbox
+// that found the mark (the reader's reset tells a right guess of the mark
+// alone from a wrong one) still has 32 bits to guess, and no answer tells a
+// right guess of one half from a wrong one. 0: the mark alone (a kernel
+// that cannot set it, or a table from before it).
+inline constexpr std::uint32_t kPinPriority = 0x70726921;  // "pri!"
 // ct marks: named phase i gets 1 + (salt + i) mod kPhaseMarkSpan, in
 // [1, 0x7ffffffb]; inline policies get kInlineMarkBit | (generation + salt -
 // kDefaultMarkSalt). With the default salt these are 0x45470001... and
@@ -272,6 +279,7 @@ struct CompileOptions {
   std::uint32_t pass_priority = kPassPriority;
   std::uint32_t proxy_mark = kProxyMark;
   std::uint32_t pin_mark = kPinMark;
+  std::uint32_t pin_priority = kPinPriority;  // 0: the pin rules ask for the mark alone
   std::uint32_t mark_salt = kDefaultMarkSalt;
   // The kernel has the netdev egress hook: build table netdev egressd.
   bool netdev = true;
@@ -312,6 +320,7 @@ struct Secrets {
   std::uint32_t own_mark = 0, pass_mark = 0, pass_priority = 0, mark_salt = 0;
   std::uint32_t proxy_mark = 0;  // 0: a table from before the proxy had one
   std::uint32_t pin_mark = 0;    // 0: a table from before the pin mark (its pin marks derive from the pass mark)
+  std::uint32_t pin_priority = 0;  // 0: none (the mark alone: a table from before it, or a kernel without it)
 };
 // Parses "mark=0x... pass=0x...:0x... salt=0x... proxy=0x..." out of an
 // egressd table comment; nullopt unless the first four are there (an older

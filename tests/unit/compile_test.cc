@@ -794,7 +794,9 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
   REQUIRE(pin->rules.size() == 11);
-  CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 goto pass");
+  // The reader's pass: its mark and its priority, 64 bits a sandbox would have to guess at
+  // once (no answer tells a right half from a wrong one).
+  CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 meta priority 7072:6921 goto pass");
   CHECK(render_rule(pin->rules[1]) == "meta mark 0x72737421 meta l4proto tcp counter reject with tcp reset");
   // A refused QUIC flow learns at once, so the client falls back to TCP.
   CHECK(render_rule(pin->rules[2]) ==
@@ -853,11 +855,12 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // The reader's admit, whatever the flow's ct mark: undecided, a followed TLS flow whose
   // server answered, or a flow admitted by name under another phase and kept by the switch.
   CHECK(rules[2] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 meta l4proto tcp meta mark 0x8f9691de meta priority 7072:6921 counter ct mark set "
+        "0x45470002 goto pass");
   // An HTTP flow the reader admits stays followed (its own ct mark, back to chain pin).
   CHECK(rules[3] ==
-        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9691df counter ct mark set "
-        "0x7ffffffc goto pass");
+        "ip daddr @ph_agent_d4 meta l4proto tcp ct mark 0x00000000 meta mark 0x8f9691df meta priority 7072:6921 "
+        "counter ct mark set 0x7ffffffc goto pass");
   // Every other TCP packet of a tracked flow: undecided, followed, urgent data on this phase's
   // own (the server would take a byte out), or a flow another phase marked (this phase never
   // judged it by name).
@@ -871,11 +874,13 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // sends a decided flow's long-header packets and those longer than one datagram here,
   // another phase's flows come here whole, and so do datagrams without a conntrack entry).
   CHECK(rules[7] ==
-        "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
+        "ip daddr @ph_agent_d4 udp dport 443 meta mark 0x8f9691de meta priority 7072:6921 counter ct mark set "
+        "0x45470002 goto pass");
   CHECK(rules[8] == "ip daddr @ph_agent_d4 udp dport 443 goto pin");
   CHECK(rules[9] == "ip daddr @ph_agent_d4 counter ct mark set 0x45470002 goto pass");
   CHECK(rules[12] ==
-        "ip6 daddr @ph_agent_d6 meta l4proto tcp meta mark 0x8f9691de counter ct mark set 0x45470002 goto pass");
+        "ip6 daddr @ph_agent_d6 meta l4proto tcp meta mark 0x8f9691de meta priority 7072:6921 counter ct mark set "
+        "0x45470002 goto pass");
   CHECK(rules[15] == "ip6 daddr @ph_agent_d6 meta l4proto tcp ct mark != 0x00000000 goto pin");
   CHECK(rules[16] == "ip6 daddr @ph_agent_d6 meta l4proto tcp goto pin_untracked");
   CHECK(rules[18] == "ip6 daddr @ph_agent_d6 udp dport 443 goto pin");
@@ -932,4 +937,25 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
     }
   }
   CHECK(queued);
+}
+
+TEST_CASE("hostname pinning without the pin priority asks for the verdict marks alone, and says so in its digest") {
+  // A kernel before 5.18 cannot set a queued packet's priority from a verdict: there the rules
+  // ask for the mark alone (else every verdict would come back to the reader). A table made
+  // before the priority has those rules too: its digest differs, so a restart stages it anew.
+  Policy p = three_phases();
+  CompileOptions o;
+  o.pin = true;
+  CompileOptions mark_only = o;
+  mark_only.pin_priority = 0;
+  const Table t = build_table(p, nullptr, named(p, "agent", 1), mark_only);
+  CHECK(render_rule(find_chain(t, "pin")->rules[0]) == "meta mark 0x70696e21 goto pass");
+  for (const auto& c : t.chains) {
+    for (const auto& r : c.rules) CHECK(render_rule(r).find("7072:6921") == std::string::npos);
+  }
+  CHECK(staged_digest(p, o) != staged_digest(p, mark_only));
+  // Which priority is not config (a secret, like the marks).
+  CompileOptions other = o;
+  other.pin_priority = 0x12345678;
+  CHECK(staged_digest(p, o) == staged_digest(p, other));
 }

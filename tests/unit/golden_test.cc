@@ -42,12 +42,10 @@ TEST_CASE("every reference policy renders exactly its golden") {
     auto opts = daemon::compile_options(dns::expand_upstreams(policy->dns, ""), 53);
     opts.interfaces = {"eth0"};
     const auto st = nft::make_state(*policy, *ph, 1, false);
-    const auto table = nft::build_table(*policy, nullptr, st, opts);
-    const auto netdev = nft::build_netdev_table(st, opts);
-    REQUIRE(netdev.has_value());
+    REQUIRE(nft::build_netdev_table(st, opts).has_value());
     const std::string golden = slurp(root() + "/rules/" + name + ".nft");
     REQUIRE_MESSAGE(!golden.empty(), "missing rules/" << name << ".nft: run scripts/update-goldens");
-    CHECK(nft::render_table(table) + nft::render_table(*netdev) == golden);
+    CHECK(daemon::render_script(*policy, st, opts) == golden);
   }
 }
 
