@@ -33,6 +33,7 @@
 #include "control/server.h"
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
+#include "daemon/sockdiag.h"
 #include "daemon/instance.h"
 #include "daemon/netns.h"
 #include "daemon/sandbox.h"
@@ -513,6 +514,8 @@ int cmd_agent(const AgentArgs& a) {
     if (!l) return report(l.error());
     state_lock = std::move(*l);
   }
+  // In the agent's own namespace, before any sandbox's (sockdiag.h own_cgroup).
+  (void)own_cgroup();
   boost::asio::io_context io;
   Agent agent(io, a);
   // Sandboxes first: a client that finds the socket finds them attached.

@@ -18,6 +18,7 @@
 
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
+#include "daemon/sockdiag.h"
 #include "daemon/instance.h"
 #include "daemon/netns.h"
 #include "daemon/sandbox.h"
@@ -167,6 +168,8 @@ int cmd_run(const RunArgs& a) {
     if (auto s = check_hosts_file(hosts_file); !s) return report(s.error());
   }
 
+  // Before the sandbox's namespace is joined (sockdiag.h own_cgroup).
+  (void)own_cgroup();
   if (auto s = join_netns(a); !s) return report(s.error());
   boost::asio::io_context io;
   TrimWhenIdle trim_when_idle(io);

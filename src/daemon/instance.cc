@@ -274,7 +274,7 @@ struct Instance::Impl {
   // drops "answers" a sandbox process sends from the same address and port
   // with a raw socket. When it cannot be found, egressd says so and runs
   // without that rule (the frames check, chain lo_replies, still holds).
-  void find_resolver_cgroup(nft::CompileOptions& c) {
+  [[gnu::cold]] void find_resolver_cgroup(nft::CompileOptions& c) {
     std::vector<IpPrefix> lo;
     for (const auto& u : c.upstreams) {
       if (is_loopback(u)) lo.push_back(u);
@@ -317,34 +317,47 @@ struct Instance::Impl {
   }
   // egressd's own sockets (upstream queries with the own mark, the proxy's
   // answers with the proxy mark) are told from the sandbox's by their
-  // cgroup too: chain own_sockets drops a packet with either mark from any
-  // other socket. When the cgroup cannot be known, the marks hold alone and
-  // egressd says so.
-  void find_own_cgroup(nft::CompileOptions& c) {
+  // cgroup too: chain own_sockets takes either mark off a packet from any
+  // other socket. In the hierarchy's root egressd cannot be told from
+  // whatever else nobody placed in a cgroup (every process of a cgroup v1
+  // host; a sandbox's started beside it): there the marks hold alone and
+  // egressd says so. A lookup that fails stops the start: egressd never runs
+  // weaker than it could for want of an answer (fail closed).
+  [[gnu::cold]] Status find_own_cgroup(nft::CompileOptions& c) {
     nlohmann::json f;
     if (!opts.name.empty()) f["sandbox"] = opts.name;
-    std::string why;
     auto id = own_cgroup();
     if (!id) {
-      why = "its sockets' cgroup cannot be read: " + id.error().message;
-    } else if (*id == kCgroup2RootId && !cgroup2_root_in_sight()) {
-      why = "it is in the root of the cgroup v2 hierarchy, where every process of a cgroup v1 host is, and egressd "
-            "cannot see that hierarchy to tell (run egressd with the host's cgroup v2 mount)";
+      return Error::runtime("cannot learn egressd's own cgroup (" + id.error().message +
+                            "); without it a sandbox process with NET_RAW that guesses egressd's own mark could query "
+                            "the upstream past the proxy");
+    }
+    std::string why;
+    if (id->id == kCgroup2RootId) {
+      why = "egressd is in the root of the cgroup v2 hierarchy, where every process nobody placed in a cgroup is (a "
+            "sandbox's started beside it, every process of a cgroup v1 host): run it in a cgroup of its own (a "
+            "container, a systemd unit)";
+    } else if (id->depth >= static_cast<int>(nft::kResolverLevels)) {
+      // Chain own_sockets would not know egressd's own sockets: their
+      // queries would lose the mark and come back to the proxy.
+      why = fmt::format("egressd's cgroup is {} levels deep, below the {} chain own_sockets tries", id->depth,
+                        nft::kResolverLevels);
     } else {
-      c.own_cgroup = *id;
-      f["cgroup_id"] = *id;
+      c.own_cgroup = id->id;
+      f["cgroup_id"] = id->id;
       audit_event("own_cgroup", f, spdlog::level::info,
-                  fmt::format("{}egressd's sockets are in cgroup id {}: the own and proxy marks from any other "
-                              "socket are dropped", prefix(), *id));
-      return;
+                  fmt::format("{}egressd's sockets are in cgroup id {}: the own and proxy marks count only from them",
+                              prefix(), id->id));
+      return {};
     }
     f["reason"] = why;
     f["risk"] = "a sandbox process with NET_RAW that guesses egressd's own mark (32 bits) can query the upstream "
                 "past the proxy";
     audit_event("own_cgroup_unverified", f, spdlog::level::warn,
-                fmt::format("{}egressd's own cgroup is unknown ({}); a sandbox process with NET_RAW that guesses "
-                            "egressd's own mark (32 bits) can query the upstream past the proxy",
+                fmt::format("{}egressd's own cgroup cannot tell it from the sandbox ({}); a sandbox process with "
+                            "NET_RAW that guesses egressd's own mark (32 bits) can query the upstream past the proxy",
                             prefix(), why));
+    return {};
   }
   Status build();
   // Runs `fn` on the loop after the handler running now, unless the
@@ -358,7 +371,8 @@ struct Instance::Impl {
   }
 };
 
-Status Instance::Impl::build() {
+// Start-up only: compiled for size ([[gnu::cold]]; the image budget is 10 MiB).
+[[gnu::cold]] Status Instance::Impl::build() {
   Policy& policy = opts.policy;
   // Before anything is changed or bound in the namespace (netns_claim.h): a
   // second egressd there stops here, and the first one's policy stays as it is.
@@ -437,7 +451,9 @@ Status Instance::Impl::build() {
   }
   so.compile = compile_options(upstream, opts.dns_port);
   if (upstream_inside && opts.dns_port != 0) find_resolver_cgroup(so.compile);
-  if (opts.dns_port != 0) find_own_cgroup(so.compile);
+  if (opts.dns_port != 0) {
+    if (auto s = find_own_cgroup(so.compile); !s) return s;
+  }
   // A fresh table gets secrets nobody can predict (see nft/compile.h).
   so.random = random32;
   so.policy = policy;

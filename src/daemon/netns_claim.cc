@@ -53,7 +53,7 @@ std::string describe_port(std::uint32_t portid) {
 
 }  // namespace
 
-Result<std::unique_ptr<NetnsClaim>> NetnsClaim::acquire() {
+[[gnu::cold]] Result<std::unique_ptr<NetnsClaim>> NetnsClaim::acquire() {  // start-up only: for size
   std::unique_ptr<NetnsClaim> c(new NetnsClaim);
   nft::TransportOptions o;
   o.protocol = NETLINK_NETFILTER;

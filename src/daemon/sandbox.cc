@@ -106,8 +106,9 @@ std::string render_script(const Policy& policy, const nft::ActiveState& st, cons
   if (opts.dns_port != 0) {
     // nft -f names a cgroup by its path only; the daemon learns its own
     // cgroup's id when it starts.
-    out += "# Not printed: chain own_sockets and output's two jumps to it (`meta mark OWN jump own_sockets`,\n"
-           "# the same for the proxy mark), which egressd adds with the id of its own cgroup (event own_cgroup).\n";
+    out += "# Not printed: chains own_sockets and own_input and the jumps to them (output's and dns_redirect's\n"
+           "# `meta mark OWN jump own_sockets`, input's `socket mark OWN jump own_input` for its drops), which\n"
+           "# egressd adds with the id of its own cgroup (event own_cgroup; docs/security.md, \"The secrets\").\n";
   }
   return out;
 }
@@ -466,7 +467,7 @@ void Sandbox::adopt_relay_upstreams() {
   }
 }
 
-Status Sandbox::start(const std::string& initial_phase) {
+[[gnu::cold]] Status Sandbox::start(const std::string& initial_phase) {  // start-up only: for size
   for (const auto& ph : opts_.policy.phases) {
     if (auto s = check_capabilities(ph, caps_); !s) return s;
   }
@@ -520,7 +521,8 @@ Status Sandbox::start(const std::string& initial_phase) {
   return {};
 }
 
-Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing, bool same_config) {
+[[gnu::cold]] Status Sandbox::start_inet(const Phase& initial, const nft::TableInfo* existing,
+                                        bool same_config) {  // start-up only: for size
   if (existing == nullptr) {
     if (auto s = install(initial, 1, false); !s) return s;
     log()->info("installed phase={} mode={} gen={}", initial.name, to_string(initial.mode), 1);

@@ -219,7 +219,7 @@ void Sandbox::load_hosts_snapshot() {
   audit_event("hosts_file", {{"path", opts_.hosts_path}, {"ok", false}, {"error", error}}, spdlog::level::err);
 }
 
-bool Sandbox::read_hosts() {
+[[gnu::cold]] bool Sandbox::read_hosts() {  // start and hosts-file changes: for size
   auto r = opts_.read_hosts();
   std::optional<std::string> text;
   std::string error;

@@ -32,7 +32,7 @@ namespace {
 
 // Differences between the kernel's table `info` and `want`, by chain and set
 // names and by rule comments per chain, as "<what> ..." lines.
-void compare_table(const std::string& what, const nft::TableInfo& info, const nft::Table& want,
+[[gnu::cold]] void compare_table(const std::string& what, const nft::TableInfo& info, const nft::Table& want,
                    std::vector<std::string>& diffs) {
   if (info.flags & NFT_TABLE_F_DORMANT) diffs.push_back(what + " dormant");
   if (info.comment != want.comment) diffs.push_back(what + ": comment changed");

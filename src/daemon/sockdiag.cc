@@ -3,6 +3,7 @@
 #include "nft/transport.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
 #include <linux/sock_diag.h>
@@ -394,46 +395,113 @@ Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& a
   return out;
 }
 
-Result<std::uint64_t> own_cgroup() {
-  // A socket's cgroup is its maker's, taken when it is made: one made now,
-  // bound so that the UDP hash (what the dump walks) holds it, tells
-  // egressd's, by the kernel's id.
+namespace {
+
+// A small file of /proc, whole ("" when it cannot be read).
+std::string read_proc_file(const char* path) {
+  std::string out;
+  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd.ok()) return out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  return out;
+}
+
+// Calls `each` with the mount point of every cgroup v2 mount of the
+// hierarchy's root (as this mount namespace sees it: in a cgroup namespace,
+// from that namespace's root), until it returns true.
+void each_cgroup2_root_mount(const std::function<bool(const std::string&)>& each) {
+  const std::string info = read_proc_file("/proc/self/mountinfo");
+  std::string_view rest = info;
+  while (!rest.empty()) {
+    const auto nl = rest.find('\n');
+    const std::string_view line = rest.substr(0, nl);
+    rest = nl == std::string_view::npos ? std::string_view{} : rest.substr(nl + 1);
+    // "ID PARENT MAJ:MIN ROOT POINT OPTIONS... - FSTYPE SOURCE SUPER"
+    const auto dash = line.find(" - ");
+    if (dash == std::string_view::npos || line.substr(dash + 3).substr(0, 8) != "cgroup2 ") continue;
+    std::string_view f = line.substr(0, dash);
+    std::string_view field[5];
+    for (auto& x : field) {
+      const auto sp = f.find(' ');
+      x = f.substr(0, sp);
+      f = sp == std::string_view::npos ? std::string_view{} : f.substr(sp + 1);
+    }
+    if (field[3] == "/" && each(std::string(field[4]))) return;
+  }
+}
+
+[[gnu::cold]] Result<OwnCgroup> learn_own_cgroup() {  // once: for size
+  // By its directory: /proc/self/cgroup names it ("0::PATH", from the
+  // cgroup namespace's root, as the mount sees it), and a cgroup's id is its
+  // directory's inode. No socket, no port: nothing a sandbox process can
+  // take away first (an attack review held every free port, which failed a
+  // lookup through a bound socket).
+  std::string why = "no cgroup v2 mount in sight";
+  std::string path;
+  const std::string cg = read_proc_file("/proc/self/cgroup");
+  for (std::size_t at = 0; at < cg.size();) {
+    const auto nl = cg.find('\n', at);
+    const std::string line = cg.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
+    if (line.rfind("0::", 0) == 0) path = line.substr(3);
+    at = nl == std::string::npos ? cg.size() : nl + 1;
+  }
+  std::optional<OwnCgroup> found_by_path;
+  each_cgroup2_root_mount([&](const std::string& mount) {
+    struct stat st{};
+    if (path.empty() || path[0] != '/' || ::stat((mount + path).c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      why = "cgroup " + (path.empty() ? std::string("(none in /proc/self/cgroup)") : path) + " not found under " + mount;
+      return false;
+    }
+    int depth = path.size() > 1 ? 1 : 0;
+    for (std::size_t i = 1; i < path.size(); ++i) depth += path[i] == '/' ? 1 : 0;
+    found_by_path = OwnCgroup{static_cast<std::uint64_t>(st.st_ino), depth};
+    return true;
+  });
+  if (found_by_path) return *found_by_path;
+  // Else by a socket's (a socket's cgroup is its maker's, taken when it is
+  // made), bound to a free port: egressd learns this before it joins the
+  // sandbox's namespace (own_cgroup is called first thing), so the port is
+  // its own namespace's.
+  auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
+  if (!t) return t.error();
   UniqueFd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   if (!fd.ok()) return errno_error("own cgroup: socket", errno);
   sockaddr_in any{};
   any.sin_family = AF_INET;
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&any), sizeof any) != 0) {
-    return errno_error("own cgroup: bind", errno);
+    return Error::runtime("own cgroup: " + why + "; bind: " + std::strerror(errno));
   }
   struct stat st{};
   if (::fstat(fd.get(), &st) != 0) return errno_error("own cgroup: fstat", errno);
-  auto t = nft::Transport::open(nft::TransportOptions{NETLINK_SOCK_DIAG, {}, 0, "sock_diag"});
-  if (!t) return t.error();
   std::uint64_t found = 0;
   auto s = dump_cgroups(**t, AF_INET, IPPROTO_UDP, ~0u, [&](const inet_diag_msg& m, std::uint64_t id) {
     if (m.idiag_inode == st.st_ino) found = id;
   });
   if (!s) return s.error();
-  if (found == 0) return Error::runtime("own cgroup: sock_diag gave no cgroup id for egressd's own socket");
-  return found;
+  if (found == 0) return Error::runtime("own cgroup: " + why + "; sock_diag gave no cgroup id for egressd's socket");
+  return OwnCgroup{found, -1};
+}
+
+}  // namespace
+
+Result<OwnCgroup> own_cgroup() {
+  static const Result<OwnCgroup> learned = learn_own_cgroup();
+  return learned;
 }
 
 bool cgroup2_root_in_sight() {
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto dash = line.find(" - ");
-    if (dash == std::string::npos) continue;
-    std::istringstream pre(line.substr(0, dash)), post(line.substr(dash + 3));
-    std::string mid, parent, dev, mroot, point, fstype;
-    if (!(pre >> mid >> parent >> dev >> mroot >> point) || !(post >> fstype)) continue;
+  bool seen = false;
+  each_cgroup2_root_mount([&](const std::string& point) {
     struct stat st{};
-    if (fstype == "cgroup2" && mroot == "/" && ::stat(point.c_str(), &st) == 0 &&
-        static_cast<std::uint64_t>(st.st_ino) == kCgroup2RootId) {
-      return true;
-    }
-  }
-  return false;
+    seen = ::stat(point.c_str(), &st) == 0 && static_cast<std::uint64_t>(st.st_ino) == kCgroup2RootId;
+    return seen;
+  });
+  return seen;
 }
 
 }  // namespace egressd::daemon

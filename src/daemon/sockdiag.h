@@ -57,10 +57,18 @@ Result<Reaped> destroy_flows(const std::function<bool(const FlowInfo&)>& keep, c
 // really listens. Fails when sock_diag is unavailable.
 Result<std::vector<std::uint64_t>> socket_cgroups(const std::vector<IpPrefix>& addrs);
 
-// The cgroup v2 id of egressd's own sockets (those it makes now), by
-// sock_diag on a socket made for the purpose. Fails when sock_diag is
-// unavailable or gives no id.
-Result<std::uint64_t> own_cgroup();
+// The cgroup v2 id of egressd's own sockets: its own cgroup's, by the
+// directory /proc/self/cgroup names under the cgroup v2 mount, else by
+// sock_diag on a socket bound for the purpose. Learned once, at the first
+// call, which `run` and `agent` make before they join any sandbox's
+// namespace; later calls return the same. `depth`: its level below the root
+// of egressd's cgroup namespace (where the kernel counts a rule's levels
+// from), -1 when learned by a socket (unknown).
+struct OwnCgroup {
+  std::uint64_t id = 0;
+  int depth = -1;
+};
+Result<OwnCgroup> own_cgroup();
 
 // The id of the cgroup v2 hierarchy's root (kernfs' first node, on 64-bit
 // kernels), where every socket of a cgroup v1 host is.

@@ -95,23 +95,45 @@ std::vector<Set> phase_sets(const std::string& chain, const Phase& phase) {
   return out;
 }
 
-// Chains lo_answers and own_sockets (see compile.h): a ladder over the
-// cgroup levels. The socket's cgroup at level L is `id` (`socket cgroupv2
-// level L ID`) for exactly one L, the level of that cgroup, whichever it is:
-// a socket there returns, one in a cgroup below it (it has a level L+1) is
-// dropped. A full socket anywhere else has a root cgroup (level 0, id != 0)
-// and meets the last rule. A packet without a full socket (a SYN-ACK of a
-// request socket, a time-wait socket's ACK) matches no `socket cgroupv2` and
-// returns: no process writes those.
-Chain cgroup_ladder_chain(const char* name, std::uint64_t id) {
+// Chains lo_answers, own_sockets and own_input (see compile.h): a ladder over
+// the cgroup levels. The socket's cgroup at level L is `id` (`socket
+// cgroupv2 level L ID`) for exactly one L, the level of that cgroup,
+// whichever it is: a socket there is the cgroup's, one in a cgroup below it
+// (it has a level L+1) is not. A full socket anywhere else has a root cgroup
+// (level 0, id != 0) and meets the last rule. A packet without a full socket
+// (a SYN-ACK of a request socket, a time-wait socket's ACK) matches no
+// `socket cgroupv2` and returns: no process writes those.
+enum class Ladder {
+  drop_others,    // lo_answers: the cgroup's return, the others are dropped
+  unmark_others,  // own_sockets: the others lose their mark (0) and go on as any packet
+  drop_own,       // own_input: the cgroup's are dropped, the others return
+};
+
+Chain cgroup_ladder_chain(const char* name, std::uint64_t id, Ladder how) {
   Chain c{name, std::nullopt, {}};
+  const auto others = [how]() -> std::vector<Stmt> {
+    if (how == Ladder::drop_others) return {StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}};
+    if (how == Ladder::unmark_others) {
+      return {StmtCounter{}, StmtMetaMarkSet{0}, StmtVerdict{VerdictKind::return_, ""}};
+    }
+    return {StmtVerdict{VerdictKind::return_, ""}};
+  };
   for (std::uint32_t level = 0; level < kResolverLevels; ++level) {
-    c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, MatchSocketCgroupv2{level + 1, 0, true}, StmtCounter{},
-                        StmtVerdict{VerdictKind::drop, ""}},
-                       ""});
-    c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
+    Rule below{{MatchSocketCgroupv2{level, id, false}, MatchSocketCgroupv2{level + 1, 0, true}}, ""};
+    for (auto& st : others()) below.stmts.push_back(std::move(st));
+    c.rules.push_back(std::move(below));
+    if (how == Ladder::drop_own) {
+      c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+    } else {
+      c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
+    }
   }
-  c.rules.push_back({{MatchSocketCgroupv2{0, 0, true}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  if (how != Ladder::drop_own) {
+    Rule rest{{MatchSocketCgroupv2{0, 0, true}}, ""};
+    for (auto& st : others()) rest.stmts.push_back(std::move(st));
+    if (how == Ladder::unmark_others) rest.stmts.pop_back();  // the chain's end returns
+    c.rules.push_back(std::move(rest));
+  }
   return c;
 }
 
@@ -489,10 +511,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
   const IpPrefix lo4 = prefix("127.0.0.0", 8), lo6 = *parse_ip("::1");
   const IpPrefix any6 = *parse_ip("::"), ll6 = prefix("fe80::", 10), mc6 = prefix("ff02::", 16);
   if (opts.dns_port != 0) {
-    // A packet that carries the own or the proxy mark leaves only from one of
-    // egressd's own sockets, told by its cgroup (chain own_sockets): a
-    // sandbox process that guessed either mark (NET_RAW sets any SO_MARK)
-    // gets nothing for it, the oracles that tell a right guess included.
+    // A packet that carries the own or the proxy mark keeps it only when it
+    // comes from one of egressd's own sockets, told by its cgroup (chain
+    // own_sockets): from any other socket it goes on without it, as a wrong
+    // guess does, so a sandbox process that guessed either mark (NET_RAW sets
+    // any SO_MARK) gets nothing for it, nor an answer that tells it so.
     if (opts.own_cgroup) {
       for (std::uint32_t mark : {opts.own_mark, opts.proxy_mark}) {
         c.rules.push_back({{MatchMetaMark{mark}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
@@ -700,8 +723,18 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // flow to one (a forged "answer" from a sandbox process) never arrives.
     // The direction first: most packets that come in are replies, and the
     // socket lookup is the expensive part.
-    c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark}, StmtVerdict{VerdictKind::drop, ""}},
-                       ""});
+    // With egressd's cgroup known, only when the socket is egressd's (chain
+    // own_input): a sandbox socket that carries a guessed own mark is then
+    // treated as any other, so what it receives tells it nothing.
+    if (opts.own_cgroup) {
+      c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark},
+                          StmtVerdict{VerdictKind::jump, kOwnInputChain}},
+                         ""});
+    } else {
+      c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark},
+                          StmtVerdict{VerdictKind::drop, ""}},
+                         ""});
+    }
     // Nor anything conntrack knows nothing of (ct state invalid): a TCP reset
     // or an ICMP error for a flow it does not track, such as one naming
     // egressd's flow to Docker's resolver by the address and port egressd's
@@ -711,9 +744,15 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // With the netdev egress hook, chain lo_replies drops such a packet from
     // a loopback upstream's address first (unsigned: no flow); this holds
     // where that hook is missing, and for any other source.
-    c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark}, StmtCounter{},
-                        StmtVerdict{VerdictKind::drop, ""}},
-                       ""});
+    if (opts.own_cgroup) {
+      c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark},
+                          StmtVerdict{VerdictKind::jump, kOwnInputChain}},
+                         ""});
+    } else {
+      c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark}, StmtCounter{},
+                          StmtVerdict{VerdictKind::drop, ""}},
+                         ""});
+    }
     // Nor does anything start a flow from an upstream's DNS port to any
     // other port: an upstream's late or repeated answer, after egressd has
     // given up its socket and forgotten the flow, would start a new one here,
@@ -827,6 +866,12 @@ Chain redirect_chain(const CompileOptions& opts) {
   // -101: ahead of Docker's DNAT of 127.0.0.11:53 (iptables-nft, -100), so
   // queries to the embedded resolver are intercepted too.
   Chain c{"dns_redirect", BaseChain{HookType::nat, -101, false}, {}};
+  // The own mark exempts only egressd's own sockets from the redirect: chain
+  // own_sockets takes it off any other socket's packet, which is redirected
+  // like a wrong guess (an answer from the proxy, not the upstream).
+  if (opts.own_cgroup) {
+    c.rules.push_back({{MatchMetaMark{opts.own_mark}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
+  }
   for (std::uint8_t proto : {kUdp, kTcp}) {
     c.rules.push_back({{MatchMetaMark{opts.own_mark, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}}, ""});
   }
@@ -985,8 +1030,11 @@ ActiveState make_state(const Policy& policy, const Phase& phase, std::uint64_t g
 std::vector<Chain> cgroup_chains(const CompileOptions& opts) {
   std::vector<Chain> out;
   if (opts.dns_port == 0) return out;
-  if (opts.lo_resolver) out.push_back(cgroup_ladder_chain(kLoAnswersChain, opts.lo_resolver->id));
-  if (opts.own_cgroup) out.push_back(cgroup_ladder_chain(kOwnSocketsChain, *opts.own_cgroup));
+  if (opts.lo_resolver) out.push_back(cgroup_ladder_chain(kLoAnswersChain, opts.lo_resolver->id, Ladder::drop_others));
+  if (opts.own_cgroup) {
+    out.push_back(cgroup_ladder_chain(kOwnSocketsChain, *opts.own_cgroup, Ladder::unmark_others));
+    out.push_back(cgroup_ladder_chain(kOwnInputChain, *opts.own_cgroup, Ladder::drop_own));
+  }
   return out;
 }
 

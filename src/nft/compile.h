@@ -249,9 +249,17 @@ inline constexpr const char* kLoAnswersChain = "lo_answers";
 inline constexpr std::uint32_t kResolverLevels = 16;
 // Chain inet own_sockets, there only with egressd's own cgroup known
 // (CompileOptions::own_cgroup): chain output jumps to it with every packet
-// that carries the own or the proxy mark, which returns only when its socket
-// is in exactly egressd's cgroup (the same ladder as lo_answers).
+// that carries the own or the proxy mark, chain dns_redirect with the own
+// mark; the packet keeps its mark only when its socket is in exactly
+// egressd's cgroup (the same ladder as lo_answers); from any other it goes
+// on without it, as if the sandbox had guessed wrong (a drop would tell a
+// right guess from a wrong one: found by an attack review).
 inline constexpr const char* kOwnSocketsChain = "own_sockets";
+// Chain inet own_input (with own_sockets): chain input's drops of new
+// flows and untracked packets to a socket with the own mark hold only for
+// egressd's own sockets, so a sandbox socket with a guessed mark is told
+// nothing by what it receives.
+inline constexpr const char* kOwnInputChain = "own_input";
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source

@@ -126,7 +126,7 @@ std::optional<Event> parse_event(const nlmsghdr* nlh) {
   return ev;
 }
 
-std::string TableChanges::describe(const std::string& table) const {
+[[gnu::cold]] std::string TableChanges::describe(const std::string& table) const {  // tampering only: for size
   const std::string name = "table inet " + table;
   if (table_deleted) {
     if (other_tables_deleted > 0) {

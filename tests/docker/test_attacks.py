@@ -72,9 +72,10 @@ def test_a_guessed_own_mark_takes_no_query_past_the_proxy(sandboxes, session, to
     process with Docker's default NET_RAW can set any mark and tell a right guess from a wrong
     one: hours of searching. Here it has found it (the test reads it from the table) and asks
     Docker's resolver for a denied name with it, past the proxy's redirect. egressd (a sidecar
-    container, or on the host with --netns-pid) is in a cgroup of its own, the task in its
-    container's: the packet is dropped (EPERM), the name never reaches the upstream, and
-    egressd's own queries still pass."""
+    container, or on the host with --netns-pid in a unit's cgroup) is in a cgroup of its own,
+    the task in its container's: the packet loses the mark and is redirected to the proxy like
+    a wrong guess (REFUSED, nothing that tells the guess was right), the name never reaches
+    the upstream, and egressd's own queries still pass."""
     sb = sandboxes(topology, "allowlist", ["*.wild.example.org"])
     logs = sb.logs()
     assert "egressd's sockets are in cgroup id" in logs or '"own_cgroup"' in logs, logs
@@ -85,8 +86,9 @@ def test_a_guessed_own_mark_takes_no_query_past_the_proxy(sandboxes, session, to
     assert f"meta mark {own} jump own_sockets" in table, table
     secret = secret_name("own-mark")
     r = sb.probe("marked-query", secret, DOCKER_DNS, own)
-    print(f"\n{topology}: a query with egressd's own mark {own}: {r}")
-    assert r["outcome"] == "EPERM", r
+    wrong = sb.probe("marked-query", secret_name("wrong-mark"), DOCKER_DNS, hex(int(own, 16) ^ 1))
+    print(f"\n{topology}: a query with egressd's own mark {own}: {r}; with a wrong one: {wrong}")
+    assert (r["outcome"], r["rcode"]) == ("ok", "REFUSED") == (wrong["outcome"], wrong["rcode"]), (r, wrong)
     assert secret not in session.dns_log()
     ok = sb.probe("query", f"ok-{os.getpid()}.wild.example.org", DOCKER_DNS)
     assert ok["outcome"] == "ok" and ok["rcode"] == "NOERROR", ok

@@ -166,11 +166,21 @@ class NetnsPidSandbox(Sandbox):
             f"  allowlist: {{ network_mode: allowlist, allowed_hosts: {entries} }}\n")
         self.mode = mode
         self.proc: subprocess.Popen | None = None
+        # In a cgroup of its own, as a systemd unit runs it: egressd tells its own sockets from
+        # the task's by their cgroup (it warns own_cgroup_unverified in the hierarchy's root).
+        mount, own = labmod.cgroup2_mount(), labmod.cgroup_of()
+        self.cgroup = None
+        if mount is not None and own is not None:
+            self.cgroup = mount / own.lstrip("/") / f"egressd-test-{session.name('egressd')}.service"
+            self.cgroup.mkdir()
         self._start()
 
     def argv(self):
-        return [str(labmod.egressd_binary()), "run", "--netns-pid", str(self.task.pid), "--config", str(self.config),
+        argv = [str(labmod.egressd_binary()), "run", "--netns-pid", str(self.task.pid), "--config", str(self.config),
                 "--phase", self.mode, "--socket", str(self.sock), "--ready-file", str(self.ready)]
+        if self.cgroup is None:
+            return argv
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs"), *argv]
 
     def _start(self, timeout: float = 10.0):
         self.ready.unlink(missing_ok=True)
@@ -220,6 +230,11 @@ class NetnsPidSandbox(Sandbox):
     def close(self):
         if self.proc and self.proc.poll() is None:
             labmod._stop_process(self.proc)
+        if self.cgroup is not None and self.cgroup.exists():
+            try:
+                self.cgroup.rmdir()
+            except OSError as e:
+                return [f"cannot remove host egressd's cgroup {self.cgroup}: {e}"]
         return []
 
 

@@ -19,7 +19,6 @@ Every name a test asks about carries a random label of its own, so what the upst
 query log shows (or must not show) is exact.
 """
 import json
-import os
 import re
 import random
 import subprocess
@@ -431,6 +430,16 @@ try:
     out["udp"] = "rcode %d" % (u.recv(512)[3] & 0xF)
 except OSError as e:
     out["udp"] = str(e)
+# A socket of its own with the mark, and a datagram to it over lo: does it arrive?
+r = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+r.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
+r.bind(("127.0.0.1", 0))
+r.settimeout(1.0)
+socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"self", r.getsockname())
+try:
+    out["self"] = r.recv(16).decode()
+except OSError as e:
+    out["self"] = str(e)
 t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 t.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
 t.settimeout(1.0)
@@ -470,7 +479,8 @@ def test_forged_upstream_mark_does_not_bypass_the_proxy(lab, egressd):
 
 # argv: the DNS proxy's port, mark. A raw socket with the mark (SO_MARK: NET_RAW) writes a UDP
 # datagram from the proxy's address and port on `lo` to a socket of the script's own, as a forged
-# proxy answer would go to Docker's resolver relaying egressd's query.
+# proxy answer would go to Docker's resolver relaying egressd's query, and one from another port.
+# Prints {"proxy_port"|"other_port": [sent (True or the error), delivered]}.
 FORGED_PROXY_ANSWER = r"""
 import json, socket, struct, sys
 port, mark = int(sys.argv[1]), int(sys.argv[2], 16)
@@ -480,17 +490,19 @@ rx.settimeout(1.0)
 raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
 raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", mark))
 raw.bind(("127.0.0.1", 0))
-body = b"forged answer"
 out = {}
-try:
-    raw.sendto(struct.pack("!HHHH", port, rx.getsockname()[1], 8 + len(body), 0) + body, ("127.0.0.1", 0))
-    out["sent"] = True
-except OSError as e:
-    out["sent"] = e.strerror
-try:
-    out["delivered"] = rx.recv(64) == body
-except OSError as e:
-    out["delivered"] = str(e)
+for key, sport in (("proxy_port", port), ("other_port", 40999)):
+    body = key.encode()
+    try:
+        raw.sendto(struct.pack("!HHHH", sport, rx.getsockname()[1], 8 + len(body), 0) + body, ("127.0.0.1", 0))
+        sent = True
+    except OSError as e:
+        sent = e.strerror
+    try:
+        delivered = rx.recv(64) == body
+    except OSError as e:
+        delivered = str(e)
+    out[key] = [sent, delivered]
 print(json.dumps(out))
 """
 
@@ -498,47 +510,115 @@ print(json.dumps(out))
 @pytest.mark.parametrize("which", ["own", "proxy"])
 def test_a_guessed_secret_mark_buys_nothing_outside_egressds_cgroup(lab, egressd, cgroups, which):
     """The own mark (egressd's upstream sockets) and the proxy mark (its DNS proxy's) are 32-bit
-    secrets, and a NET_RAW process can set any SO_MARK and tell a right guess from a wrong one
-    (the upstream answers rather than the proxy; the proxy's address and port pass `lo`): an
-    attack review searched at 0.4 M guesses a second. Here the sandbox process has guessed right
-    (the test reads the mark from the table). From a cgroup other than egressd's, as a sandbox's
-    processes run beside a sidecar or the agent, a packet with either mark is dropped in chain
-    own_sockets: the query for a denied name never reaches the upstream, the forged answer never
-    arrives. egressd's own queries and answers still pass (the allowed name resolves)."""
+    secrets, and a NET_RAW process can set any SO_MARK: an attack review searched at 0.3-0.4 M
+    guesses a second, each answered (the upstream answered rather than the proxy; the proxy's
+    address and port passed `lo`). Here the sandbox process has guessed right (the test reads
+    the mark from the table). egressd runs in a cgroup of its own, as a sidecar or the agent
+    does. From any other socket a packet loses either mark in chain own_sockets and goes on as
+    if the guess were wrong: the query for a denied name is redirected to the proxy (REFUSED),
+    the forged answer is dropped, and every outcome equals a wrong guess's (a drop would have
+    told them apart: EPERM, found by the review). egressd's own queries still pass."""
     serve(lab)
     lab.add_servers(["203.0.113.53"], tcp=(53,))  # an echo server on port 53: a would-be tunnel
-    d = egressd(policy(), extra=["--log-format", "json"])
+    own_cg = cgroups("egressd")
+    d = egressd(policy(), extra=["--log-format", "json"], binary=in_cgroup(own_cg))
     rc, text, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
     assert rc == 0, err
     own, proxy = (re.search(rf" {k}=(0x[0-9a-f]{{8}})", text)[1] for k in ("mark", "proxy"))
     port = re.search(r'oif "lo" ip saddr 127\.0\.0\.1 udp sport (\d+) meta mark !=', text)[1]
     assert f"meta mark {own} jump own_sockets" in text and f"meta mark {proxy} jump own_sockets" in text, text
     seen = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and '"own_cgroup"' in line]
-    assert [e.get("cgroup_id") for e in seen] == [os.stat(labmod.cgroup2_mount() / labmod.cgroup_of().lstrip("/")).st_ino], d.log()
-    cg = cgroups("atk")
+    assert [e.get("cgroup_id") for e in seen] == [own_cg.stat().st_ino], d.log()
+    atk = cgroups("atk")
     t = tok()
-    script, args = ((FORGED_MARK_CLIENT, [f"{t}.denied.example.net", own, DNS_V4, "203.0.113.53"]) if which == "own"
-                    else (FORGED_PROXY_ANSWER, [port, proxy]))
-    caps = "-all,+net_raw,+net_bind_service"
-    # Into the cgroup first: `ip netns exec` mounts a sysfs of the namespace's own, without it.
-    cp = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), "ip", "netns", "exec",
-                         lab.sandbox.name, "setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", sys.executable,
-                         "-c", script, *args], capture_output=True, text=True, timeout=20)
-    assert cp.returncode == 0, cp.stderr
-    out = json.loads(cp.stdout)
-    print(f"\n{which} mark from cgroup {cg.name}: {out}")
+
+    def attack(mark: str, name: str) -> dict:
+        script, args = ((FORGED_MARK_CLIENT, [name, mark, DNS_V4, "203.0.113.53"]) if which == "own"
+                        else (FORGED_PROXY_ANSWER, [port, mark]))
+        caps = "-all,+net_raw,+net_bind_service"
+        # Into the cgroup first: `ip netns exec` mounts a sysfs of the namespace's own, without it.
+        cp = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(atk / "cgroup.procs"), "ip", "netns",
+                             "exec", lab.sandbox.name, "setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}",
+                             sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=20)
+        assert cp.returncode == 0, cp.stderr
+        return json.loads(cp.stdout)
+
+    mark = own if which == "own" else proxy
+    right = attack(mark, f"{t}.denied.example.net")
+    wrong = attack(hex(int(mark, 16) ^ 1), f"w{t}.denied.example.net")
+    print(f"\n{which} mark from cgroup {atk.name}: right {right}, wrong {wrong}")
     if which == "own":
-        assert out["mark_set"] is True, out
-        assert not asked(lab, t), f"a sandbox process with egressd's own mark reached the upstream: {out}"
-        assert out["tcp"] != "echo", f"egressd's own mark opened a TCP tunnel to 203.0.113.53:53 ({out})"
+        assert right["mark_set"] is True, right
+        assert not asked(lab, t), f"a sandbox process with egressd's own mark reached the upstream: {right}"
+        assert right["udp"] == "rcode 5", right  # the proxy's REFUSED
+        assert right["tcp"] != "echo", f"egressd's own mark opened a TCP tunnel to 203.0.113.53:53 ({right})"
+        assert right["self"] == "self", right
+        del right["mark_set"], wrong["mark_set"]
     else:
-        assert out["delivered"] is not True, f"a datagram with the proxy's mark left the proxy's port on lo: {out}"
-        assert out["sent"] == "Operation not permitted", out
-    # The ladder dropped it, and egressd's own marked traffic still passes.
-    dropped = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+)",
-                         lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_sockets")[1])
-    assert sum(map(int, dropped)) >= 1
+        assert right["proxy_port"] == ["Operation not permitted", "timed out"], right
+        assert right["other_port"] == [True, True], right
+    assert right == wrong, "a right guess is told from a wrong one"
+    # The ladder took the mark off, and egressd's own marked traffic still passes.
+    unmarked = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+) bytes \d+ meta mark set",
+                          lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_sockets")[1])
+    assert sum(map(int, unmarked)) >= 1
     assert resolve(lab, f"ok.{t}.wild.example.org") == [WILD_V4]
+
+
+HOLD_PORTS = r"""
+import socket, sys
+held = []
+for port in range(int(sys.argv[1]), int(sys.argv[2]) + 1):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)  # dual-stack: IPv4's port too
+    s.bind(("::", port))
+    held.append(s)
+print("READY", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_egressd_learns_its_cgroup_while_the_sandbox_holds_every_free_port(lab, egressd, cgroups):
+    """Found by an attack review: egressd learned its cgroup from a UDP socket bound to a free
+    port of the sandbox's namespace, so a process with no capability that held every ephemeral
+    port made the lookup fail at egressd's start or restart, and egressd ran without the cgroup
+    check (its table restaged without it, the old marks kept). It now learns it from a raw
+    socket, which takes no port. Here the namespace's ephemeral range is 16 ports, all held by
+    uid 65534."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40015")
+    holder = lab.spawn(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                        "--bounding-set=-all", sys.executable, "-c", HOLD_PORTS, "40000", "40015"],
+                       netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert labmod._read_line(holder, 10.0, "the port holder") == "READY"
+    own_cg = cgroups("egressd")
+    d = egressd(policy(), extra=["--log-format", "json"], binary=in_cgroup(own_cg))
+    events = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and "own_cgroup" in line]
+    assert [(e.get("event"), e.get("cgroup_id")) for e in events] == [("own_cgroup", own_cg.stat().st_ino)], d.log()
+    rc, text, _ = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert "jump own_sockets" in text
+
+
+def test_egressd_in_the_root_cgroup_says_it_cannot_tell_its_sockets_from_the_sandboxs(lab, egressd):
+    """Found by an attack review: egressd in the cgroup v2 hierarchy's root counted that as its
+    own cgroup, but the root is where every process nobody placed is: a sandbox's started
+    beside it (the lab's processes, on a host without systemd), every process of a cgroup v1
+    host. A sandbox
+    process there passed the check with a guessed mark. egressd now says it cannot tell them
+    apart (warning own_cgroup_unverified, with the reason) and keeps the marks alone."""
+    serve(lab)
+    d = egressd(policy(), extra=["--log-format", "json"], binary=in_cgroup(labmod.cgroup2_mount()))
+    events = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and "own_cgroup" in line]
+    assert [e.get("event") for e in events] == ["own_cgroup_unverified"], d.log()
+    assert "root of the cgroup v2 hierarchy" in events[0]["reason"], events
+    assert events[0]["level"] == "warning"
+    rc, text, _ = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert "own_sockets" not in text and "own_input" not in text
+
+
+def in_cgroup(cg) -> list[str]:
+    """An egressd command line that runs it in cgroup `cg`, as a sidecar's container or a
+    systemd unit does."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), str(labmod.egressd_binary())]
 
 
 def test_egressd_restarted_in_another_cgroup_adopts_the_table_and_still_resolves(lab, egressd, cgroups):
@@ -547,10 +627,6 @@ def test_egressd_restarted_in_another_cgroup_adopts_the_table_and_still_resolves
     own_sockets with the new cgroup in the same batch: its own upstream queries pass again, and
     the old cgroup's id is gone from the rules."""
     serve(lab)
-
-    def in_cgroup(cg):
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), str(labmod.egressd_binary())]
-
     first, second = cgroups("first"), cgroups("second")
     d = egressd(policy(), binary=in_cgroup(first), extra=["--log-format", "json"])
     t = tok()

@@ -728,10 +728,16 @@ def normalize_ruleset(text: str) -> str:
     text = re.sub(r"digest=[0-9a-f]{16} mark=M pass=0x[0-9a-f]{8}:0x[0-9a-f]{8} salt=0x[0-9a-f]{8} proxy=0x[0-9a-f]{8} pin=0x[0-9a-f]{8}\"",
                   'digest=D mark=M pass=P salt=S proxy=Q pin=N"', text)
     text = re.sub(r"counter packets \d+ bytes \d+", "counter packets 0 bytes 0", text)
-    # egressd's own cgroup (chain own_sockets and the jumps to it): known to the daemon at run
-    # time by id, which nft -f cannot load (it names a cgroup by path); render leaves it out.
+    # egressd's own cgroup (chains own_sockets and own_input, the jumps to them): known to the
+    # daemon at run time by id, which nft -f cannot load (it names a cgroup by path); render
+    # leaves them out and prints input's drops as without them (the lab runs egressd in the
+    # hierarchy's root, where it goes without them too).
     text = re.sub(r"\n\s*meta mark SECRET jump own_sockets", "", text)
-    text = re.sub(r"\n\s*chain own_sockets \{[^}]*\}\n", "\n", text)
+    text = re.sub(r"\n\s*chain own_(sockets|input) \{[^}]*\}\n", "\n", text)
+    text = text.replace("ct direction original socket mark SECRET jump own_input",
+                        "ct direction original socket mark SECRET drop")
+    text = text.replace("ct state invalid socket mark SECRET jump own_input",
+                        "ct state invalid socket mark SECRET counter packets 0 bytes 0 drop")
     text = re.sub(r" expires [0-9hms.]+", "", text)
     # The namespace's on-link IPv6 prefixes (the lab's 2001:db8:1::/64), kept up to date from
     # rtnetlink like the egress chains; render has no namespace to read them from.

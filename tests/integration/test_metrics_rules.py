@@ -280,9 +280,10 @@ def test_rules_are_the_kernels_tables_with_counters(lab, egressd):
     # (A kernel without nft_queue cannot load pinning's `queue num 16` from text: see
     # test_enforcer.nft_loadable.)
     # nft -f names a cgroup only by its path under /sys/fs/cgroup, never by the id egressd lists:
-    # chain own_sockets (egressd's own cgroup) goes, its rules and the jumps to it.
+    # chains own_sockets and own_input (egressd's own cgroup) are emptied, and the jumps to
+    # own_sockets go.
     loadable = re.sub(r"\n\s*meta mark 0x[0-9a-f]{8} jump own_sockets", "", text)
-    loadable = re.sub(r"(chain own_sockets \{)[^}]*\}", r"\1 }", loadable)
+    loadable = re.sub(r"(chain own_(sockets|input) \{)[^}]*\}", r"\1 }", loadable)
     rc, _, err = lab.nft(fresh, "-f", "-", input=nft_loadable(lab, loadable))
     assert rc == 0, f"nft -f of egressctl rules failed: {err}\n{loadable}"
     # Every mode, an inline policy (chains the kernel lists after the staged ones), and back.

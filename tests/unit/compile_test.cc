@@ -513,14 +513,34 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   REQUIRE(ch != nullptr);
   CHECK_FALSE(ch->base.has_value());
   REQUIRE(ch->rules.size() == 2 * kResolverLevels + 1);
-  CHECK(render_rule(ch->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 counter drop");
+  // Not dropped (EPERM would tell a right guess from a wrong one): the mark goes, and the
+  // packet goes on as a wrong guess would.
+  CHECK(render_rule(ch->rules[0]) ==
+        "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 counter meta mark set 0x00000000 return");
   CHECK(render_rule(ch->rules[3]) == "socket cgroupv2 level 1 777 return");
-  CHECK(render_rule(ch->rules.back()) == "socket cgroupv2 level 0 != 0 counter drop");
+  CHECK(render_rule(ch->rules.back()) == "socket cgroupv2 level 0 != 0 counter meta mark set 0x00000000");
+  // The redirect exempts the own mark only once the chain has kept it.
+  const Chain* nat = find_chain(t, "dns_redirect");
+  REQUIRE(nat != nullptr);
+  CHECK(render_rule(nat->rules[0]) == "meta mark 0x11112222 jump own_sockets");
+  CHECK(render_rule(nat->rules[1]) == "meta mark != 0x11112222 udp dport 53 redirect to :5353");
+  // Chain input drops new flows and untracked packets to an own-marked socket only when it is
+  // egressd's: a sandbox socket with the mark receives what any socket would.
+  std::vector<std::string> input;
+  for (const auto& r : find_chain(t, "input")->rules) input.push_back(render_rule(r));
+  CHECK(std::count(input.begin(), input.end(), "ct direction original socket mark 0x11112222 jump own_input") == 1);
+  CHECK(std::count(input.begin(), input.end(), "ct state invalid socket mark 0x11112222 jump own_input") == 1);
+  const Chain* in = find_chain(t, kOwnInputChain);
+  REQUIRE(in != nullptr);
+  REQUIRE(in->rules.size() == 2 * kResolverLevels);
+  CHECK(render_rule(in->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 return");
+  CHECK(render_rule(in->rules[1]) == "socket cgroupv2 level 0 777 counter drop");
   // cgroup_chains gives what an adopted table is re-filled with.
   const auto chains = cgroup_chains(o);
-  REQUIRE(chains.size() == 1);
+  REQUIRE(chains.size() == 2);
   CHECK(chains[0].name == kOwnSocketsChain);
   CHECK(chains[0].rules.size() == ch->rules.size());
+  CHECK(chains[1].name == kOwnInputChain);
   // The id is not config; whether the chain is there is.
   CompileOptions moved = o;
   moved.own_cgroup = 778;
@@ -530,7 +550,11 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   CHECK(staged_digest(p, o) != staged_digest(p, unknown));
   // Unknown: the marks alone, as before.
   for (const auto& r : output(unknown)) CHECK(r.find("own_sockets") == std::string::npos);
-  CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), unknown), kOwnSocketsChain) == nullptr);
+  const Table plain = build_table(p, nullptr, named(p, "agent", 1), unknown);
+  CHECK(find_chain(plain, kOwnSocketsChain) == nullptr);
+  CHECK(find_chain(plain, kOwnInputChain) == nullptr);
+  CHECK(render_rule(find_chain(plain, "dns_redirect")->rules[0]) ==
+        "meta mark != 0x11112222 udp dport 53 redirect to :5353");
   // No proxy: no marks to check.
   CompileOptions no_proxy = o;
   no_proxy.dns_port = 0;
