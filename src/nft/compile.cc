@@ -104,18 +104,20 @@ std::vector<Set> phase_sets(const std::string& chain, const Phase& phase) {
 // (a SYN-ACK of a request socket, a time-wait socket's ACK) matches no
 // `socket cgroupv2` and returns: no process writes those.
 enum class Ladder {
-  drop_others,    // lo_answers: the cgroup's return, the others are dropped
-  unmark_others,  // own_sockets: the others lose their mark (0) and go on as any packet
-  drop_own,       // own_input: the cgroup's are dropped, the others return
+  drop_others,  // lo_answers: the cgroup's return, the others are dropped
+  // own_sockets: the others go to chain own_foreign (it takes the own and
+  // proxy marks off), the cgroup's return
+  unmark_others,
+  // own_input: the cgroup's go to chain own_input_own (it drops what the own
+  // mark's socket receives), the others return
+  drop_own,
 };
 
 Chain cgroup_ladder_chain(const char* name, std::uint64_t id, Ladder how) {
   Chain c{name, std::nullopt, {}};
   const auto others = [how]() -> std::vector<Stmt> {
     if (how == Ladder::drop_others) return {StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}};
-    if (how == Ladder::unmark_others) {
-      return {StmtCounter{}, StmtMetaMarkSet{0}, StmtVerdict{VerdictKind::return_, ""}};
-    }
+    if (how == Ladder::unmark_others) return {StmtVerdict{VerdictKind::goto_, kOwnForeignChain}};
     return {StmtVerdict{VerdictKind::return_, ""}};
   };
   for (std::uint32_t level = 0; level < kResolverLevels; ++level) {
@@ -123,7 +125,7 @@ Chain cgroup_ladder_chain(const char* name, std::uint64_t id, Ladder how) {
     for (auto& st : others()) below.stmts.push_back(std::move(st));
     c.rules.push_back(std::move(below));
     if (how == Ladder::drop_own) {
-      c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+      c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtVerdict{VerdictKind::goto_, kOwnInputOwnChain}}, ""});
     } else {
       c.rules.push_back({{MatchSocketCgroupv2{level, id, false}, StmtVerdict{VerdictKind::return_, ""}}, ""});
     }
@@ -131,7 +133,6 @@ Chain cgroup_ladder_chain(const char* name, std::uint64_t id, Ladder how) {
   if (how != Ladder::drop_own) {
     Rule rest{{MatchSocketCgroupv2{0, 0, true}}, ""};
     for (auto& st : others()) rest.stmts.push_back(std::move(st));
-    if (how == Ladder::unmark_others) rest.stmts.pop_back();  // the chain's end returns
     c.rules.push_back(std::move(rest));
   }
   return c;
@@ -516,10 +517,11 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // own_sockets): from any other socket it goes on without it, as a wrong
     // guess does, so a sandbox process that guessed either mark (NET_RAW sets
     // any SO_MARK) gets nothing for it, nor an answer that tells it so.
+    // Every packet with a mark goes there, whichever: the work must not
+    // depend on whether the mark is a secret (a review timed send(): the
+    // ladder's 300 ns told a right guess from a wrong one).
     if (opts.own_cgroup) {
-      for (std::uint32_t mark : {opts.own_mark, opts.proxy_mark}) {
-        c.rules.push_back({{MatchMetaMark{mark}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
-      }
+      c.rules.push_back({{MatchMetaMark{0, true}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
     }
     // Ahead of every accept on `lo`: no forged error may reach egressd's
     // upstream sockets (see upstream_errors_on_lo).
@@ -582,6 +584,18 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     for (const auto& [set, type] : lo_sets) {
       c.rules.push_back({{MatchDaddrSet{set, type}, StmtCounter{}, to_deny()},
                          type == SetType::ipv4_addr ? kLoUpstreamDeny4 : kLoUpstreamDeny6});
+    }
+    // egressd's own queries never go to its own proxy. A sandbox process can
+    // leave conntrack entries behind whose redirect a later query of
+    // egressd's from the same port follows (nat is consulted for new
+    // entries only): it would come back to the proxy, which would forward it
+    // again, in a loop (found by an attack review). Dropped, the query fails.
+    for (const char* host : {"127.0.0.1", "::1"}) {
+      for (std::uint8_t proto : {kUdp, kTcp}) {
+        c.rules.push_back({{MatchMetaMark{opts.own_mark}, MatchDaddr{*parse_ip(host)}, MatchDport{proto, opts.dns_port},
+                            StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
+                           ""});
+      }
     }
   }
   // Loopback, only where it is loopback: the device is `lo` (SO_BINDTODEVICE
@@ -727,7 +741,7 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // own_input): a sandbox socket that carries a guessed own mark is then
     // treated as any other, so what it receives tells it nothing.
     if (opts.own_cgroup) {
-      c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{opts.own_mark},
+      c.rules.push_back({{MatchCtDirectionOriginal{}, MatchSocketMark{0, true},
                           StmtVerdict{VerdictKind::jump, kOwnInputChain}},
                          ""});
     } else {
@@ -745,7 +759,7 @@ Chain input_chain(const Policy& policy, const CompileOptions& opts) {
     // a loopback upstream's address first (unsigned: no flow); this holds
     // where that hook is missing, and for any other source.
     if (opts.own_cgroup) {
-      c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{opts.own_mark},
+      c.rules.push_back({{MatchCtStateInvalid{}, MatchSocketMark{0, true},
                           StmtVerdict{VerdictKind::jump, kOwnInputChain}},
                          ""});
     } else {
@@ -870,7 +884,7 @@ Chain redirect_chain(const CompileOptions& opts) {
   // own_sockets takes it off any other socket's packet, which is redirected
   // like a wrong guess (an answer from the proxy, not the upstream).
   if (opts.own_cgroup) {
-    c.rules.push_back({{MatchMetaMark{opts.own_mark}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
+    c.rules.push_back({{MatchMetaMark{0, true}, StmtVerdict{VerdictKind::jump, kOwnSocketsChain}}, ""});
   }
   for (std::uint8_t proto : {kUdp, kTcp}) {
     c.rules.push_back({{MatchMetaMark{opts.own_mark, true}, MatchDport{proto, 53}, StmtRedirect{opts.dns_port}}, ""});
@@ -923,6 +937,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
   t.chains.push_back(forward_chain());
   if (opts.dns_port != 0) t.chains.push_back(redirect_chain(opts));
   for (auto& chain : cgroup_chains(opts)) t.chains.push_back(std::move(chain));
+  for (auto& chain : own_mark_chains(opts)) t.chains.push_back(std::move(chain));
   return t;
 }
 
@@ -1035,6 +1050,23 @@ std::vector<Chain> cgroup_chains(const CompileOptions& opts) {
     out.push_back(cgroup_ladder_chain(kOwnSocketsChain, *opts.own_cgroup, Ladder::unmark_others));
     out.push_back(cgroup_ladder_chain(kOwnInputChain, *opts.own_cgroup, Ladder::drop_own));
   }
+  return out;
+}
+
+std::vector<Chain> own_mark_chains(const CompileOptions& opts) {
+  std::vector<Chain> out;
+  if (opts.dns_port == 0 || !opts.own_cgroup) return out;
+  // What is not egressd's loses the own and the proxy mark, and nothing
+  // else (pinning's verdict marks ride on the sandbox's own packets).
+  Chain foreign{kOwnForeignChain, std::nullopt, {}};
+  for (std::uint32_t mark : {opts.own_mark, opts.proxy_mark}) {
+    foreign.rules.push_back({{MatchMetaMark{mark}, StmtCounter{}, StmtMetaMarkSet{0}}, ""});
+  }
+  out.push_back(std::move(foreign));
+  // What egressd's own upstream sockets receive: replies only.
+  Chain own{kOwnInputOwnChain, std::nullopt, {}};
+  own.rules.push_back({{MatchSocketMark{opts.own_mark}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  out.push_back(std::move(own));
   return out;
 }
 

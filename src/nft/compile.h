@@ -260,6 +260,13 @@ inline constexpr const char* kOwnSocketsChain = "own_sockets";
 // egressd's own sockets, so a sandbox socket with a guessed mark is told
 // nothing by what it receives.
 inline constexpr const char* kOwnInputChain = "own_input";
+// Where own_sockets sends what is not egressd's: the own and the proxy mark
+// come off, any other mark stays. Every packet with a mark (any) goes
+// through the ladder, so the work does not tell a secret mark from another.
+inline constexpr const char* kOwnForeignChain = "own_foreign";
+// Where own_input sends egressd's own sockets: the own mark's drop. Every
+// socket with a mark (any) goes through the ladder, for the same reason.
+inline constexpr const char* kOwnInputOwnChain = "own_input_own";
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source
@@ -377,6 +384,10 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
 // rules: a table has them; an adopted one gets them re-filled, since the
 // cgroups may be others now (a restarted container, a restarted dockerd).
 std::vector<Chain> cgroup_chains(const CompileOptions& opts);
+// The fixed chains behind own_sockets and own_input (own_foreign,
+// own_input_own): they name the secrets, not the cgroup, so a restart keeps
+// them.
+std::vector<Chain> own_mark_chains(const CompileOptions& opts);
 std::optional<Table> build_netdev_table(const ActiveState& state, const CompileOptions& opts);
 // The egress base chain for interface `ifname` and its chain name.
 Chain egress_chain(const std::string& ifname);

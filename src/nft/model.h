@@ -164,7 +164,7 @@ struct MatchSaddr { IpPrefix addr; };
 enum class AddrType : std::uint8_t { unicast = 1, local = 2, broadcast = 3, anycast = 4, multicast = 5 };
 struct MatchFibAddrType { bool daddr; AddrType type; bool negate = false; };
 // socket mark value: the SO_MARK of the local socket a packet is for (input).
-struct MatchSocketMark { std::uint32_t value; };
+struct MatchSocketMark { std::uint32_t value; bool negate = false; };
 // socket cgroupv2 level N [!=] ID: the cgroup v2 id of the sending socket's
 // ancestor at `level` (output). With `any`, the id is compared with 0 by !=,
 // so the rule matches whenever the socket's cgroup is at least that deep.

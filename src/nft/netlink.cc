@@ -565,7 +565,7 @@ class RuleBuilder {
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_KEY, NFT_SOCKET_MARK);
     nftnl_expr_set_u32(e.get(), NFTNL_EXPR_SOCKET_DREG, NFT_REG_1);
     add(std::move(e));
-    cmp_u32(NFT_CMP_EQ, m.value);
+    cmp_u32(m.negate ? NFT_CMP_NEQ : NFT_CMP_EQ, m.value);
   }
   void operator()(const MatchSocketCgroupv2& m) {
     auto e = expr("socket");

@@ -183,7 +183,9 @@ struct StmtText {
     return std::string("fib ") + (m.daddr ? "daddr" : "saddr") + " type " + (m.negate ? "!= " : "") +
            addr_type_name(m.type);
   }
-  std::string operator()(const MatchSocketMark& m) const { return "socket mark " + hex32(m.value); }
+  std::string operator()(const MatchSocketMark& m) const {
+    return std::string("socket mark ") + (m.negate ? "!= " : "") + hex32(m.value);
+  }
   // nft shows the cgroup's path, which depends on the reader's mounts: the id
   // is what the kernel holds.
   std::string operator()(const MatchSocketCgroupv2& m) const {

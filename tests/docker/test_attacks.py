@@ -83,7 +83,7 @@ def test_a_guessed_own_mark_takes_no_query_past_the_proxy(sandboxes, session, to
     table = dockerlab.labmod.run(["nsenter", "-t", str(sb.task.pid), "-n", "nft", "list", "table", "inet",
                                   "egressd"]).stdout
     own = re.search(r" mark=(0x[0-9a-f]{8})", table)[1]
-    assert f"meta mark {own} jump own_sockets" in table, table
+    assert "meta mark != 0x00000000 jump own_sockets" in table, table
     secret = secret_name("own-mark")
     r = sb.probe("marked-query", secret, DOCKER_DNS, own)
     wrong = sb.probe("marked-query", secret_name("wrong-mark"), DOCKER_DNS, hex(int(own, 16) ^ 1))

@@ -526,7 +526,7 @@ def test_a_guessed_secret_mark_buys_nothing_outside_egressds_cgroup(lab, egressd
     assert rc == 0, err
     own, proxy = (re.search(rf" {k}=(0x[0-9a-f]{{8}})", text)[1] for k in ("mark", "proxy"))
     port = re.search(r'oif "lo" ip saddr 127\.0\.0\.1 udp sport (\d+) meta mark !=', text)[1]
-    assert f"meta mark {own} jump own_sockets" in text and f"meta mark {proxy} jump own_sockets" in text, text
+    assert "meta mark != 0x00000000 jump own_sockets" in text and "chain own_foreign" in text, text
     seen = [json.loads(line) for line in d.log().splitlines() if line.startswith("{") and '"own_cgroup"' in line]
     assert [e.get("cgroup_id") for e in seen] == [own_cg.stat().st_ino], d.log()
     atk = cgroups("atk")
@@ -559,8 +559,8 @@ def test_a_guessed_secret_mark_buys_nothing_outside_egressds_cgroup(lab, egressd
         assert right["other_port"] == [True, True], right
     assert right == wrong, "a right guess is told from a wrong one"
     # The ladder took the mark off, and egressd's own marked traffic still passes.
-    unmarked = re.findall(r"socket cgroupv2 level \d+ .*counter packets (\d+) bytes \d+ meta mark set",
-                          lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_sockets")[1])
+    unmarked = re.findall(r"meta mark 0x[0-9a-f]{8} counter packets (\d+) bytes \d+ meta mark set",
+                          lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_foreign")[1])
     assert sum(map(int, unmarked)) >= 1
     assert resolve(lab, f"ok.{t}.wild.example.org") == [WILD_V4]
 
@@ -613,6 +613,47 @@ def test_egressd_in_the_root_cgroup_says_it_cannot_tell_its_sockets_from_the_san
     assert events[0]["level"] == "warning"
     rc, text, _ = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
     assert "own_sockets" not in text and "own_input" not in text
+
+
+# argv: upstream, first port, last port. From each port in turn, one query to the upstream's
+# port 53 (redirected to the proxy: conntrack keeps the redirect for that port), then the port
+# is let go. No capability.
+PORT_TRAP = r"""
+import socket, struct, sys
+up, lo, hi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+q = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + b"\x04trap\x07example\x03net\x00" + struct.pack("!HH", 1, 1)
+for port in range(lo, hi + 1):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("0.0.0.0", port))
+        s.sendto(q, (up, 53))
+"""
+
+
+def test_a_redirect_left_in_conntrack_never_loops_egressds_own_queries(lab, egressd):
+    """Found by an attack review: a process with no capability sends one query to the upstream
+    from each ephemeral port and lets the port go; conntrack keeps each flow's redirect to the
+    proxy. A query of egressd's that later leaves from such a port follows the stored redirect
+    (nat sees new flows only) back to egressd's own proxy, which forwards it again: in a loop,
+    hundreds of copies per query to the proxy and the upstream. egressd's own queries to its
+    proxy are now dropped: such a query fails at once, nothing loops. Here the namespace's
+    ephemeral range is 16 ports, every one of them trapped."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40015")
+    d = egressd(policy())
+    cp = lab.sandbox.exec("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                          "--bounding-set=-all", sys.executable, "-c", PORT_TRAP, DNS_V4, "40000", "40015",
+                          check=False)
+    assert cp.returncode == 0, cp.stderr
+    before = d.status()["dns"]["forwarded"]
+    t = tok()
+    answers = [lab.dns_query(f"q{i}.{t}.wild.example.org", timeout=3.0) for i in range(4)]
+    forwarded = d.status()["dns"]["forwarded"] - before
+    print(f"\n{[(r.outcome, r.rcode) for r in answers]}; forwarded {forwarded}; asked {len(asked(lab, t))}")
+    assert forwarded <= 2 * len(answers), f"{forwarded} queries forwarded for {len(answers)}: egressd's queries loop"
+    assert len(asked(lab, t)) <= len(answers)
+    dropped = re.findall(r"meta mark 0x[0-9a-f]{8} ip daddr 127\.0\.0\.1 udp dport 53 counter packets (\d+)",
+                         lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "output")[1])
+    assert dropped and int(dropped[0]) >= 1, "no query of egressd's followed a stored redirect: the trap did not work"
 
 
 def in_cgroup(cg) -> list[str]:

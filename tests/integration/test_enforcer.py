@@ -732,11 +732,11 @@ def normalize_ruleset(text: str) -> str:
     # daemon at run time by id, which nft -f cannot load (it names a cgroup by path); render
     # leaves them out and prints input's drops as without them (the lab runs egressd in the
     # hierarchy's root, where it goes without them too).
-    text = re.sub(r"\n\s*meta mark SECRET jump own_sockets", "", text)
-    text = re.sub(r"\n\s*chain own_(sockets|input) \{[^}]*\}\n", "\n", text)
-    text = text.replace("ct direction original socket mark SECRET jump own_input",
+    text = re.sub(r"\n\s*meta mark (!= )?SECRET jump own_sockets", "", text)
+    text = re.sub(r"\n\s*chain own_(sockets|input|foreign|input_own) \{[^}]*\}\n", "\n", text)
+    text = text.replace("ct direction original socket mark != SECRET jump own_input",
                         "ct direction original socket mark SECRET drop")
-    text = text.replace("ct state invalid socket mark SECRET jump own_input",
+    text = text.replace("ct state invalid socket mark != SECRET jump own_input",
                         "ct state invalid socket mark SECRET counter packets 0 bytes 0 drop")
     text = re.sub(r" expires [0-9hms.]+", "", text)
     # The namespace's on-link IPv6 prefixes (the lab's 2001:db8:1::/64), kept up to date from

@@ -487,8 +487,9 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
 TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in egressd's cgroup") {
   // A sandbox process with NET_RAW sets any SO_MARK: a guessed own mark would take its
   // query to the upstream past the proxy, a guessed proxy mark its forged answer onto lo.
-  // Both marks send the packet through chain own_sockets first, which returns only for a
-  // socket in exactly egressd's cgroup, at whatever level (the ladder of lo_answers).
+  // Every packet with a mark (any: the work must not tell a secret from another value) goes
+  // through chain own_sockets first, which keeps the marks only for a socket in exactly
+  // egressd's cgroup, at whatever level (the ladder of lo_answers).
   const Policy p = three_phases();
   CompileOptions o;
   o.own_mark = 0x11112222;
@@ -497,44 +498,60 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   o.own_cgroup = 777;
   auto output = [&](const CompileOptions& opts) { return output_rules(p, opts); };
   const auto text = output(o);
-  const auto own = std::find(text.begin(), text.end(), "meta mark 0x11112222 jump own_sockets");
-  const auto proxy = std::find(text.begin(), text.end(), "meta mark 0x55556666 jump own_sockets");
-  REQUIRE(own != text.end());
-  REQUIRE(proxy != text.end());
+  const auto jump = std::find(text.begin(), text.end(), "meta mark != 0x00000000 jump own_sockets");
+  REQUIRE(jump != text.end());
+  CHECK(std::count(text.begin(), text.end(), *jump) == 1);
   // Ahead of every rule that reads either mark, and of every accept.
-  for (auto it = text.begin(); it != own; ++it) {
+  for (auto it = text.begin(); it != jump; ++it) {
     CHECK(it->find("0x11112222") == std::string::npos);
     CHECK(it->find("0x55556666") == std::string::npos);
     CHECK(it->find("accept") == std::string::npos);
   }
-  CHECK(proxy == own + 1);
+  // egressd's own queries never reach its own proxy (a conntrack entry a sandbox left
+  // behind would redirect them there, in a loop), ahead of the loopback accept.
+  const auto self = std::find(text.begin(), text.end(), "meta mark 0x11112222 ip daddr 127.0.0.1 udp dport 5353 counter drop");
+  const auto lo_accept = std::find(text.begin(), text.end(), "oif \"lo\" fib saddr type local accept");
+  REQUIRE(self != text.end());
+  CHECK(self < lo_accept);
+  CHECK(std::count(text.begin(), text.end(), "meta mark 0x11112222 ip6 daddr ::1 tcp dport 5353 counter drop") == 1);
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* ch = find_chain(t, kOwnSocketsChain);
   REQUIRE(ch != nullptr);
   CHECK_FALSE(ch->base.has_value());
   REQUIRE(ch->rules.size() == 2 * kResolverLevels + 1);
-  // Not dropped (EPERM would tell a right guess from a wrong one): the mark goes, and the
-  // packet goes on as a wrong guess would.
-  CHECK(render_rule(ch->rules[0]) ==
-        "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 counter meta mark set 0x00000000 return");
+  CHECK(render_rule(ch->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 goto own_foreign");
   CHECK(render_rule(ch->rules[3]) == "socket cgroupv2 level 1 777 return");
-  CHECK(render_rule(ch->rules.back()) == "socket cgroupv2 level 0 != 0 counter meta mark set 0x00000000");
+  CHECK(render_rule(ch->rules.back()) == "socket cgroupv2 level 0 != 0 goto own_foreign");
+  // Not dropped (EPERM would tell a right guess from a wrong one): the own and proxy marks
+  // go, any other mark (pinning's verdicts ride on the sandbox's packets) stays, and the
+  // packet goes on as a wrong guess would.
+  const Chain* foreign = find_chain(t, kOwnForeignChain);
+  REQUIRE(foreign != nullptr);
+  std::vector<std::string> f;
+  for (const auto& r : foreign->rules) f.push_back(render_rule(r));
+  CHECK(f == std::vector<std::string>{"meta mark 0x11112222 counter meta mark set 0x00000000",
+                                      "meta mark 0x55556666 counter meta mark set 0x00000000"});
   // The redirect exempts the own mark only once the chain has kept it.
   const Chain* nat = find_chain(t, "dns_redirect");
   REQUIRE(nat != nullptr);
-  CHECK(render_rule(nat->rules[0]) == "meta mark 0x11112222 jump own_sockets");
+  CHECK(render_rule(nat->rules[0]) == "meta mark != 0x00000000 jump own_sockets");
   CHECK(render_rule(nat->rules[1]) == "meta mark != 0x11112222 udp dport 53 redirect to :5353");
   // Chain input drops new flows and untracked packets to an own-marked socket only when it is
-  // egressd's: a sandbox socket with the mark receives what any socket would.
+  // egressd's: a sandbox socket with the mark receives what any socket would, and any marked
+  // socket takes the same way there.
   std::vector<std::string> input;
   for (const auto& r : find_chain(t, "input")->rules) input.push_back(render_rule(r));
-  CHECK(std::count(input.begin(), input.end(), "ct direction original socket mark 0x11112222 jump own_input") == 1);
-  CHECK(std::count(input.begin(), input.end(), "ct state invalid socket mark 0x11112222 jump own_input") == 1);
+  CHECK(std::count(input.begin(), input.end(), "ct direction original socket mark != 0x00000000 jump own_input") == 1);
+  CHECK(std::count(input.begin(), input.end(), "ct state invalid socket mark != 0x00000000 jump own_input") == 1);
   const Chain* in = find_chain(t, kOwnInputChain);
   REQUIRE(in != nullptr);
   REQUIRE(in->rules.size() == 2 * kResolverLevels);
   CHECK(render_rule(in->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 return");
-  CHECK(render_rule(in->rules[1]) == "socket cgroupv2 level 0 777 counter drop");
+  CHECK(render_rule(in->rules[1]) == "socket cgroupv2 level 0 777 goto own_input_own");
+  const Chain* in_own = find_chain(t, kOwnInputOwnChain);
+  REQUIRE(in_own != nullptr);
+  REQUIRE(in_own->rules.size() == 1);
+  CHECK(render_rule(in_own->rules[0]) == "socket mark 0x11112222 counter drop");
   // cgroup_chains gives what an adopted table is re-filled with.
   const auto chains = cgroup_chains(o);
   REQUIRE(chains.size() == 2);
@@ -553,6 +570,7 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   const Table plain = build_table(p, nullptr, named(p, "agent", 1), unknown);
   CHECK(find_chain(plain, kOwnSocketsChain) == nullptr);
   CHECK(find_chain(plain, kOwnInputChain) == nullptr);
+  CHECK(find_chain(plain, kOwnForeignChain) == nullptr);
   CHECK(render_rule(find_chain(plain, "dns_redirect")->rules[0]) ==
         "meta mark != 0x11112222 udp dport 53 redirect to :5353");
   // No proxy: no marks to check.
