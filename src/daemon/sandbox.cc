@@ -106,9 +106,9 @@ std::string render_script(const Policy& policy, const nft::ActiveState& st, cons
   if (opts.dns_port != 0) {
     // nft -f names a cgroup by its path only; the daemon learns its own
     // cgroup's id when it starts.
-    out += "# Not printed: chains own_sockets and own_input and the jumps to them (output's and dns_redirect's\n"
-           "# `meta mark OWN jump own_sockets`, input's `socket mark OWN jump own_input` for its drops), which\n"
-           "# egressd adds with the id of its own cgroup (event own_cgroup; docs/security.md, \"The secrets\").\n";
+    out += "# Not printed: chains own_sockets, own_input, own_nat and what goes with them (their jumps, own_foreign,\n"
+           "# own_input_own, own_nat_own), which egressd adds with the id of its own cgroup (event own_cgroup;\n"
+           "# docs/security.md, \"The secrets\").\n";
   }
   return out;
 }

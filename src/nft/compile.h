@@ -267,6 +267,12 @@ inline constexpr const char* kOwnForeignChain = "own_foreign";
 // Where own_input sends egressd's own sockets: the own mark's drop. Every
 // socket with a mark (any) goes through the ladder, for the same reason.
 inline constexpr const char* kOwnInputOwnChain = "own_input_own";
+// Chain inet own_nat (with own_sockets), jumped to from dns_redirect with
+// every marked packet: egressd's own sockets go to own_nat_own, whose own
+// mark is not redirected (accept); every other returns with its mark as it
+// was, and is redirected like any packet.
+inline constexpr const char* kOwnNatChain = "own_nat";
+inline constexpr const char* kOwnNatOwnChain = "own_nat_own";
 // Comments of the count-only `meta nfproto ipv4 counter` rules that split
 // status's traffic counters by family (IPv6 = the rest: every packet in an
 // inet chain is one or the other). In chain output, around the forged-source

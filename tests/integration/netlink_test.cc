@@ -814,7 +814,7 @@ TEST_CASE("read_table returns comment, chains, sets and rules") {
   REQUIRE(nd->has_value());
   CHECK((*nd)->comment == "egressd v1");
   CHECK((*nd)->chains == std::vector<std::string>{"egress_check", "eg_lo", "lo_replies"});
-  CHECK((*nd)->rules.size() == 12);  // 3 + 1, and 8 on lo for the DNS proxy's answers
+  CHECK((*nd)->rules.size() == 13);  // 3 + 1, and 9 on lo for the DNS proxy's answers and the marks' clear
   // And the elements of a set (relay targets adopted at a restart).
   Change relay;
   relay.ops.push_back(OpAddElems{kUpstreamSet4, SetType::ipv4_addr, false, make_addr_elems({*parse_ip("198.51.100.53")})});

@@ -559,7 +559,7 @@ def test_a_guessed_secret_mark_buys_nothing_outside_egressds_cgroup(lab, egressd
         assert right["other_port"] == [True, True], right
     assert right == wrong, "a right guess is told from a wrong one"
     # The ladder took the mark off, and egressd's own marked traffic still passes.
-    unmarked = re.findall(r"meta mark 0x[0-9a-f]{8} counter packets (\d+) bytes \d+ meta mark set",
+    unmarked = re.findall(r"counter packets (\d+) bytes",
                           lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "own_foreign")[1])
     assert sum(map(int, unmarked)) >= 1
     assert resolve(lab, f"ok.{t}.wild.example.org") == [WILD_V4]
@@ -654,6 +654,115 @@ def test_a_redirect_left_in_conntrack_never_loops_egressds_own_queries(lab, egre
     dropped = re.findall(r"meta mark 0x[0-9a-f]{8} ip daddr 127\.0\.0\.1 udp dport 53 counter packets (\d+)",
                          lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "output")[1])
     assert dropped and int(dropped[0]) >= 1, "no query of egressd's followed a stored redirect: the trap did not work"
+
+
+# argv: upstream, denied name, seconds. Watches /proc/net/udp for sockets connected to the
+# upstream's port 53 (egressd's) and, from each one's port, writes the name's query to the
+# upstream with a raw socket (NET_RAW). Prints {"fired": [port, ...]}.
+RAW_RIDE = r"""
+import json, socket, struct, sys, time
+up, name, secs = sys.argv[1], sys.argv[2], float(sys.argv[3])
+q = struct.pack("!HHHHHH", 0x4343, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\x00" + struct.pack("!HH", 1, 1)
+rem = "%08X:0035" % struct.unpack("<I", socket.inet_aton(up))[0]
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+print("READY", flush=True)
+end, seen, fired = time.time() + secs, set(), []
+while time.time() < end and len(fired) < 20:
+    for line in open("/proc/net/udp").read().splitlines()[1:]:
+        f = line.split()
+        port = int(f[1].split(":")[1], 16)
+        if f[2] != rem or port in seen:
+            continue
+        seen.add(port)
+        try:
+            raw.sendto(struct.pack("!HHHH", port, 53, 8 + len(q), 0) + q, (up, 0))
+            fired.append(port)
+        except OSError as e:
+            fired.append([port, e.strerror])
+print(json.dumps({"fired": fired}))
+"""
+
+
+def test_a_raw_packet_on_egressds_own_flow_takes_no_query_past_the_proxy(lab, egressd):
+    """Found by an attack review: egressd's upstream sockets are listed in /proc/net/udp, and a
+    datagram a raw socket (NET_RAW) writes from one's port to the upstream belongs to egressd's
+    flow: the redirect (new flows only) never sees it, it carries no own mark, and where the
+    phase allows the upstream's address it passed, a query for a denied name past the proxy
+    (9 of 20 tries). Nothing but egressd's own marked packets goes out on its flows now."""
+    serve(lab)
+    egressd(policy(agent=list(AGENT_HOSTS) + ["192.0.2.0/24"]))
+    t = tok()
+    p = lab.spawn(["setpriv", "--inh-caps=-all,+net_raw", "--bounding-set=-all,+net_raw", sys.executable, "-c",
+                   RAW_RIDE, DNS_V4, f"{t}.denied.example.net", "6"], netns=lab.sandbox, stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the rider") == "READY"
+    for i in range(150):  # egressd's upstream queries, for the rider to find
+        lab.dns_query(f"r{i}.{tok()}.wild.example.org", timeout=2.0)
+        if p.poll() is not None:
+            break
+    out, _ = p.communicate(timeout=30)
+    fired = json.loads((getattr(p, "_lab_pending", b"") + out).decode().strip().splitlines()[-1])["fired"]
+    print(f"\nrode {len(fired)} of egressd's flows: {fired}")
+    assert fired, "the rider found none of egressd's upstream sockets"
+    assert not asked(lab, t), f"a raw datagram on egressd's own flow reached the upstream: {fired}"
+    denied = re.findall(r"ct direction original ct mark 0x7ffffffe counter packets (\d+)",
+                        lab.nft(lab.sandbox, "list", "chain", "inet", "egressd", "output")[1])
+    assert denied and int(denied[0]) >= 1
+
+
+# argv: marks (hex). An AF_PACKET socket on lo with SO_RCVMARK reads the mark of each frame
+# that leaves lo; a datagram to a socket of the script's own is sent with each mark in turn.
+# Prints {mark: the mark its frame left with (hex), or "none"}.
+LO_TAP = r"""
+import json, socket, struct, sys, time
+ps = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0003))
+ps.bind(("lo", 0))
+ps.setsockopt(socket.SOL_SOCKET, 75, 1)  # SO_RCVMARK
+ps.settimeout(0.5)
+rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+rx.bind(("127.0.0.1", 0))
+out = {}
+for m in sys.argv[1:]:
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, struct.pack("I", int(m, 16)))
+    tag = b"tap" + m.encode()
+    tx.sendto(tag, rx.getsockname())
+    out[m] = "none"
+    end = time.time() + 1.0
+    while time.time() < end:
+        try:
+            data, anc, _, addr = ps.recvmsg(2048, 64)
+        except socket.timeout:
+            break
+        if addr[2] == socket.PACKET_OUTGOING and data.endswith(tag):
+            out[m] = next((hex(struct.unpack("I", d[:4])[0]) for l, t, d in anc if l == socket.SOL_SOCKET and t == 36),
+                          "no mark")
+            break
+print(json.dumps(out))
+"""
+
+
+def test_no_tap_on_lo_tells_a_secret_mark_by_what_leaves(lab, egressd, cgroups):
+    """Found by an attack review: chain own_sockets takes the own and the proxy mark off a
+    sandbox's packet and leaves any other mark, and an AF_PACKET socket on lo reads the mark of
+    each frame that leaves (SO_RCVMARK, NET_RAW): a right guess showed as 0, a wrong one as
+    itself (170k guesses a second). Every frame now leaves lo without a mark."""
+    serve(lab)
+    own_cg = cgroups("egressd")
+    egressd(policy(), binary=in_cgroup(own_cg))
+    rc, text, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert rc == 0, err
+    own, proxy = (re.search(rf" {k}=(0x[0-9a-f]{{8}})", text)[1] for k in ("mark", "proxy"))
+    marks = [own, proxy, hex(int(own, 16) ^ 1), "0x12345678"]
+    atk = cgroups("atk")
+    caps = "-all,+net_raw"
+    cp = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(atk / "cgroup.procs"), "ip", "netns", "exec",
+                         lab.sandbox.name, "setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", sys.executable,
+                         "-c", LO_TAP, *marks], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    seen = json.loads(cp.stdout)
+    print(f"\nmarks on lo: {seen}")
+    assert set(seen.values()) == {"0x0"}, f"a frame left lo with a mark a tap can read: {seen}"
 
 
 def in_cgroup(cg) -> list[str]:

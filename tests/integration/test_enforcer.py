@@ -732,8 +732,9 @@ def normalize_ruleset(text: str) -> str:
     # daemon at run time by id, which nft -f cannot load (it names a cgroup by path); render
     # leaves them out and prints input's drops as without them (the lab runs egressd in the
     # hierarchy's root, where it goes without them too).
-    text = re.sub(r"\n\s*meta mark (!= )?SECRET jump own_sockets", "", text)
-    text = re.sub(r"\n\s*chain own_(sockets|input|foreign|input_own) \{[^}]*\}\n", "\n", text)
+    text = re.sub(r"\n\s*meta mark (!= )?SECRET jump own_(sockets|nat)", "", text)
+    text = re.sub(r"\n\s*chain own_(sockets|input|foreign|input_own|nat|nat_own) \{[^}]*\}\n", "\n", text)
+    text = re.sub(r"\n(\s*)(udp|tcp) dport 53 redirect", r"\n\1meta mark != SECRET \2 dport 53 redirect", text)
     text = text.replace("ct direction original socket mark != SECRET jump own_input",
                         "ct direction original socket mark SECRET drop")
     text = text.replace("ct state invalid socket mark != SECRET jump own_input",

@@ -475,7 +475,9 @@ TEST_CASE("answers from a loopback upstream: only from the resolver's cgroup, an
   CHECK(lo->base->device == "lo");
   CHECK(lo->base->hook == Hook::egress);
   CHECK_FALSE(lo->base->policy_drop);  // everything else on lo is the namespace's own business
-  REQUIRE(lo->rules.size() == 9);
+  REQUIRE(lo->rules.size() == 10);
+  // The last takes every mark and priority off: no tap on lo reads one (SO_RCVMARK).
+  CHECK(render_rule(lo->rules.back()) == "meta mark set 0x00000000 meta priority set none");
   CHECK(render_rule(lo->rules[0]) ==
         "meta mark 0x22222222 meta priority 3333:4444 meta mark set 0x00000000 meta priority set none accept");
   CHECK(render_rule(lo->rules[2]) == "@ll,96,16 0x800 @ll,208,32 0x7f00000b counter drop");
@@ -529,13 +531,31 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   REQUIRE(foreign != nullptr);
   std::vector<std::string> f;
   for (const auto& r : foreign->rules) f.push_back(render_rule(r));
-  CHECK(f == std::vector<std::string>{"meta mark 0x11112222 counter meta mark set 0x00000000",
-                                      "meta mark 0x55556666 counter meta mark set 0x00000000"});
-  // The redirect exempts the own mark only once the chain has kept it.
+  // The same work whatever the mark, but the one store (a review timed a counter's).
+  CHECK(f == std::vector<std::string>{"counter", "meta mark 0x11112222 meta mark set 0x00000000",
+                                      "meta mark 0x55556666 meta mark set 0x00000000"});
+  // The redirect exempts egressd's own sockets' own mark only (own_nat), and leaves every
+  // other packet's mark as it was (chain output's ladder then does the same work for all).
   const Chain* nat = find_chain(t, "dns_redirect");
   REQUIRE(nat != nullptr);
-  CHECK(render_rule(nat->rules[0]) == "meta mark != 0x00000000 jump own_sockets");
-  CHECK(render_rule(nat->rules[1]) == "meta mark != 0x11112222 udp dport 53 redirect to :5353");
+  CHECK(render_rule(nat->rules[0]) == "meta mark != 0x00000000 jump own_nat");
+  CHECK(render_rule(nat->rules[1]) == "udp dport 53 redirect to :5353");
+  const Chain* own_nat = find_chain(t, kOwnNatChain);
+  REQUIRE(own_nat != nullptr);
+  REQUIRE(own_nat->rules.size() == 2 * kResolverLevels);
+  CHECK(render_rule(own_nat->rules[0]) == "socket cgroupv2 level 0 777 socket cgroupv2 level 1 != 0 return");
+  CHECK(render_rule(own_nat->rules[1]) == "socket cgroupv2 level 0 777 goto own_nat_own");
+  CHECK(render_rule(find_chain(t, kOwnNatOwnChain)->rules.at(0)) == "meta mark 0x11112222 accept");
+  // Nothing but egressd's own marked packets goes out on egressd's own flows (a raw socket
+  // writing from the port of one of its upstream sockets rode it past the redirect).
+  const auto ride = std::find(text.begin(), text.end(), "ct direction original ct mark 0x7ffffffe counter goto deny");
+  REQUIRE(ride != text.end());
+  CHECK(ride < lo_accept);
+  for (auto it = text.begin(); it != ride; ++it) {
+    if (it->find("accept") != std::string::npos || it->find("goto pass") != std::string::npos) {
+      CHECK(it->find("meta mark 0x11112222") != std::string::npos);
+    }
+  }
   // Chain input drops new flows and untracked packets to an own-marked socket only when it is
   // egressd's: a sandbox socket with the mark receives what any socket would, and any marked
   // socket takes the same way there.
@@ -554,7 +574,7 @@ TEST_CASE("a packet with the own or the proxy mark leaves only from a socket in 
   CHECK(render_rule(in_own->rules[0]) == "socket mark 0x11112222 counter drop");
   // cgroup_chains gives what an adopted table is re-filled with.
   const auto chains = cgroup_chains(o);
-  REQUIRE(chains.size() == 2);
+  REQUIRE(chains.size() == 3);
   CHECK(chains[0].name == kOwnSocketsChain);
   CHECK(chains[0].rules.size() == ch->rules.size());
   CHECK(chains[1].name == kOwnInputChain);
@@ -630,6 +650,7 @@ TEST_CASE("what leaves from the DNS proxy's address and port carries the proxy's
                       "@ll,96,16 0x86dd @ll,176,128 0x1 @ll,160,8 0x11 @ll,432,16 0x14e9 counter drop",
                       "@ll,96,16 0x800 @ll,208,32 0x7f000001 @ll,184,8 0x6 @ll,272,16 0x14e9 counter drop",
                       "@ll,96,16 0x86dd @ll,176,128 0x1 @ll,160,8 0x6 @ll,432,16 0x14e9 counter drop",
+                      "meta mark set 0x00000000 meta priority set none",
                   });
   // The staged digest is the config's: the proxy mark is a secret like the others.
   CHECK(staged_digest(p, o) == staged_digest(p, [&] {
