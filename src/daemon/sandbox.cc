@@ -568,7 +568,7 @@ void Sandbox::adopt_relay_upstreams() {
     rebuild_netdev(ch);
     // The cgroup ladders name the cgroups of now: a restarted sidecar
     // container (or dockerd) is in a new one, and the old one's id is
-    // never reused (egressd's own sockets were dropped until this batch).
+    // never reused (until this batch, egressd's own packets were taken for a sandbox's).
     for (auto& chain : nft::cgroup_chains(opts_.compile)) {
       ch.ops.push_back(nft::OpFlushChain{chain.name});
       for (auto& r : chain.rules) ch.ops.push_back(nft::OpAddRule{chain.name, std::move(r)});
