@@ -59,6 +59,11 @@ class Sandbox:
         """egressctl ARGS against this sandbox's egressd, from where its operator has it."""
         raise NotImplementedError
 
+    def host_egressctl(self, *args) -> subprocess.CompletedProcess:
+        """egressctl ARGS from the host, with no container started for it: what a test that
+        races egressd's own timers polls (a `docker exec` takes a second under load)."""
+        return self.egressctl(*args)
+
     def restart_egressd(self, meanwhile=None) -> None:
         """Stops egressd (the policy stays in the kernel), runs meanwhile(), starts it again
         and waits until it is ready. LabError (with its log) if it does not come back."""
@@ -131,6 +136,10 @@ class HarborSandbox(Sandbox):
     def egressctl(self, *args):
         # The socket is inside the sidecar (/run/egressd/egressd.sock), so is the image's egressctl.
         return self.sidecar.exec("egressctl", *args)
+
+    def host_egressctl(self, *args):
+        # The same socket, reached through the sidecar's root as the host sees it.
+        return dockerlab.egressctl(f"/proc/{self.sidecar.pid}/root/run/egressd/egressd.sock", *args)
 
     def close(self):
         return self.project.down()
