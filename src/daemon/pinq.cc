@@ -496,9 +496,18 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     // handshake's ACK tells where the stream starts (ISN + 1), so a later
     // segment that arrives first is not mistaken for the first bytes; only
     // the socket's own ACK says so (a raw one could move the start).
-    if (it == flows_.end() && !seg.rst && !seg.fin && seg.from_socket && starts_.size() < kMaxFlows) {
+    // A start stays until the connection's first bytes come, so one whose
+    // client never wrote a byte (the server reset it) outlives it. The next
+    // connection on the four-tuple may get its conntrack id (derived from the
+    // entry's address and tuple; the freed entry's memory is used again):
+    // its handshake ACK acknowledges another server ISN, and replaces it.
+    // Within one connection the acknowledgment moves only when the server
+    // sends first, which the pinned protocols' servers do not.
+    if (it == flows_.end() && !seg.rst && !seg.fin && seg.from_socket) {
       auto st = starts_.find(key);
-      if (st == starts_.end() || st->second.ct_id != seg.ct_id) set_start(key, Start{seg.seq, now, seg.ct_id});
+      if (st == starts_.end() ? starts_.size() < kMaxFlows
+                              : st->second.ct_id != seg.ct_id || st->second.ack != seg.ack)
+        set_start(key, Start{seg.seq, now, seg.ct_id, seg.ack});
     }
     return with_replaced({{id, PinVerdict::Kind::pass}});
   }

@@ -418,6 +418,7 @@ class PinFlows {
     std::uint32_t seq;
     Clock::time_point at;
     std::uint32_t ct_id;
+    std::uint32_t ack;  // the handshake ACK's acknowledgment: the server's ISN + 1
   };
   std::map<Key, Start> starts_;
   // Every write of decided_ and starts_ as (time, key), oldest first: expire()

@@ -608,6 +608,50 @@ TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
   CHECK(v[0].kind == K::follow);
 }
 
+TEST_CASE("a new connection that conntrack gave an old one's id takes its start from its own handshake ACK") {
+  // A connection ends before its client wrote a byte (the server reset it): the start its
+  // handshake ACK set stays. A new connection on the same four-tuple can get the same
+  // conntrack id (the kernel derives it from the entry's address and tuple, and a freed entry's
+  // slab object is the next one used). Its request must be judged at once, not held behind a
+  // gap from the old stream's start until the hold time resets it.
+  Judge j;
+  PinFlows f(j);
+  const std::string none;
+  const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  Segment old_ack = seg(1000, none);
+  old_ack.ct_id = 7;
+  old_ack.ack_flag = true;
+  old_ack.ack = 70000;  // the old server's ISN + 1
+  CHECK(f.packet(1, old_ack, t0)[0].kind == K::pass);
+  Segment new_ack = seg(0x9000'0000u, none);
+  new_ack.ct_id = 7;
+  new_ack.ack_flag = true;
+  new_ack.ack = 123456;  // another server ISN: another connection
+  CHECK(f.packet(2, new_ack, t0)[0].kind == K::pass);
+  Segment req = seg(0x9000'0000u, ok);
+  req.ct_id = 7;
+  req.ack_flag = true;
+  req.ack = 123456;
+  const auto v = f.packet(3, req, t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::follow);
+  // The same connection's later ACKs (the server sent nothing: the same acknowledgment) do
+  // not move its start: the first bytes, still to come, are waited for, whatever arrives first.
+  Segment ack2 = seg(3000, none, 40001);
+  ack2.ct_id = 8;
+  ack2.ack_flag = true;
+  ack2.ack = 500;
+  CHECK(f.packet(4, ack2, t0)[0].kind == K::pass);
+  Segment later = ack2;
+  later.seq = 3000 + 100;
+  CHECK(f.packet(5, later, t0)[0].kind == K::pass);
+  Segment past = seg(3000 + 100, ok, 40001);
+  past.ct_id = 8;
+  past.ack_flag = true;
+  past.ack = 500;
+  CHECK(f.packet(6, past, t0).empty());
+}
+
 namespace {
 
 using pin::QuicVersion;
