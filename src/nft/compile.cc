@@ -918,6 +918,11 @@ std::vector<Set> upstream_sets(const CompileOptions& opts) {
   for (const auto* list : {&opts.upstreams, &opts.extra_upstreams}) {
     for (const IpPrefix& u : *list) by[is_loopback(u)][u.family == 6].push_back(u);
   }
+  // Nobody but egressd reaches Docker's resolver, used by egressd or not.
+  if (const IpPrefix docker = *parse_ip(kDockerResolver4);
+      std::find(by[1][0].begin(), by[1][0].end(), docker) == by[1][0].end()) {
+    by[1][0].push_back(docker);
+  }
   return {
       {kUpstreamSet4, SetType::ipv4_addr, false, false, make_addr_elems(by[0][0])},
       {kUpstreamSet6, SetType::ipv6_addr, false, false, make_addr_elems(by[0][1])},

@@ -227,6 +227,13 @@ inline constexpr const char* kUpstreamSet4 = "upstream4";
 inline constexpr const char* kUpstreamSet6 = "upstream6";
 inline constexpr const char* kLoUpstreamSet4 = "lo_upstream4";
 inline constexpr const char* kLoUpstreamSet6 = "lo_upstream6";
+// Docker's embedded resolver, a fixed address in every container on a
+// user-defined network. It is always in lo_upstream4, whatever egressd's own
+// upstream: where the host's resolver is on the host's loopback it forwards
+// from the host's namespace, so a query to its real port (behind its DNAT
+// of :53, listed in /proc/net/udp) would pass every phase past the proxy
+// (found by an attack review: the agent and a sidecar with dns.upstream).
+inline constexpr const char* kDockerResolver4 = "127.0.0.11";
 // Global IPv6 prefixes on-link on a non-loopback interface (routes without a
 // gateway): neighbour discovery may address them.
 inline constexpr const char* kOnlinkSet6 = "onlink6";

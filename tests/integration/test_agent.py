@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -1182,3 +1183,24 @@ def test_one_sandboxs_dns_burst_leaves_the_others_and_the_control_socket_their_d
     assert set(exhausted) <= {"A"} and len(exhausted) <= 3, exhausted
     assert (denied > 0) == (len(exhausted) > 0), (denied, exhausted)
     assert metric(agent, "B", "egressd_dns_descriptor_denied_total") == 0
+
+
+@pytest.mark.parametrize("phase", ["agent", "verifier"], ids=["allowlist", "no-network"])
+def test_a_sandbox_cannot_ask_dockers_resolver_past_the_agents_proxy(lab, agent, phase):
+    """The agent asks upstreams from its own namespace, so the sandbox's table used to know no
+    loopback upstream, and Docker's resolver (forwarding from the host's namespace) was open at
+    its real port to any process that read it in /proc/net/udp: a refused name, or data in one,
+    reached the upstream in every phase (found by an attack review). Now 127.0.0.11 is denied
+    on every port; :53 reaches the agent's proxy."""
+    from hostside_resolver import DIRECT_QUERY, HostSideResolver, asked
+    from test_dns_integrity import attacker, attacker_result
+    resolver = HostSideResolver(lab)
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(POLICY), "--phase", phase)
+    token = f"x{random.getrandbits(40):010x}"
+    res = attacker_result(attacker(lab, DIRECT_QUERY, f"{token}.wild.example.org", uid=True))
+    assert res["udp_port"] == res["tcp_port"] == resolver.port, res
+    assert not asked(resolver, token), f"the sandbox reached Docker's resolver past the agent's proxy: {res}"
+    assert not res["udp"].startswith("rcode") and not res["tcp"].startswith("rcode"), res
+    assert not [q for q in lab.dns.queries() if token in q.name.lower()]
+    r = lab.sandbox.dns_query("a.example.com", server="127.0.0.11")
+    assert r.rcode == ("NOERROR" if phase == "agent" else "REFUSED"), r

@@ -41,7 +41,7 @@ import pytest
 
 import lab as labmod
 from lab import DEFAULT_CNAMES, DEFAULT_HOSTS, DNS_V4, DNS_V6
-from hostside_resolver import HostSideResolver
+from hostside_resolver import DIRECT_QUERY, HostSideResolver, asked
 
 HERE = Path(__file__).resolve().parent
 WILD_V4, WILD_V6 = "203.0.113.10", "2001:db8:3::10"
@@ -2052,3 +2052,24 @@ def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egress
     assert rc == 0, err
     strays = int(re.search(r"counter packets (\d+)", out).group(1))
     assert strays == 0, f"{strays} upstream answers came in without their flow:\n{out}"
+
+
+@pytest.mark.parametrize("phase", ["agent", "verifier"], ids=["allowlist", "no-network"])
+def test_dockers_resolver_is_out_of_reach_when_egressd_asks_another_upstream(lab, egressd, phase):
+    """Docker's resolver forwarding from the host's namespace (the host's resolver on its
+    loopback), while egressd is given an upstream outside the namespace (dns.upstream), as
+    docs/security.md suggests. A process with no capability reads the resolver's real port in
+    /proc/net/udp and /proc/net/tcp and asks it directly, past the DNAT of :53 (found by an
+    attack review: the name reached the upstream in every phase). 127.0.0.11 is now denied on
+    every port whatever egressd's upstream; :53 still reaches the proxy."""
+    serve(lab)
+    resolver = HostSideResolver(lab)
+    egressd(policy(DNS_V4, hosts=["a.example.com"]), phase=phase)
+    token = tok("x")
+    res = attacker_result(attacker(lab, DIRECT_QUERY, f"{token}.wild.example.org", uid=True))
+    assert res["udp_port"] == res["tcp_port"] == resolver.port, res
+    assert not asked(resolver, token), f"the sandbox reached Docker's resolver past the proxy: {res}"
+    assert not res["udp"].startswith("rcode") and not res["tcp"].startswith("rcode"), res
+    # Through :53, the proxy answers as the phase says.
+    r = lab.sandbox.dns_query("a.example.com", server="127.0.0.11")
+    assert r.rcode == ("NOERROR" if phase == "agent" else "REFUSED"), r
