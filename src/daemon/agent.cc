@@ -58,6 +58,26 @@ Result<NsId> ns_id(int fd) {
   return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
+// The network namespace `want` through any process still in it, with the pid
+// that led there: nullopt when no process is (the namespace is gone, or held
+// only by a mount). The descriptor is checked after it is opened (the process
+// may move or exit meanwhile).
+[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_of_any_process(const NsId& want) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string pid = e.path().filename().string();
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string path = "/proc/" + pid + "/ns/net";
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0 || st.st_dev != want.dev || st.st_ino != want.ino) continue;
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (auto id = fd.ok() ? ns_id(fd.get()) : Result<NsId>(Error::runtime("")); id && *id == want) {
+      return std::pair{std::move(fd), path};
+    }
+  }
+  return std::nullopt;
+}
+
 // The soft RLIMIT_NOFILE (after prepare_descriptors).
 std::size_t descriptor_limit() {
   rlimit rl{};
@@ -226,7 +246,7 @@ class Agent {
     } else {
       a.netns = *r.netns;
     }
-    const UniqueFd nsfd(::open(a.netns.c_str(), O_RDONLY | O_CLOEXEC));
+    UniqueFd nsfd(::open(a.netns.c_str(), O_RDONLY | O_CLOEXEC));
     missing = !nsfd.ok() && errno == ENOENT;
     if (!nsfd.ok()) return Error::invalid("cannot open network namespace " + a.netns + ": " + errno_text(errno));
     if (pidfd.ok()) {
@@ -236,6 +256,21 @@ class Agent {
     }
     auto id = ns_id(nsfd.get());
     if (!id) return id.error();
+    if (expected && r.netns_pid && !(*id == *expected)) {
+      // After a restart the pid leads elsewhere: its process moved itself
+      // (keeping its pid) into a namespace of its own, which a sandbox's
+      // process can do where user namespaces are allowed. The namespace
+      // attached before is the one to keep serving, as the agent did while
+      // it ran; dropping it would leave it stuck in its phase, unserved (an
+      // attack review). Found by its identity through any process still in it.
+      if (auto there = open_netns_of_any_process(*expected)) {
+        log_->warn("sandbox={} process {} is no longer in the network namespace attached before the restart; that "
+                   "namespace is attached again through {}",
+                   r.name, a.pid, there->second);
+        nsfd = std::move(there->first);
+        id = *expected;
+      }
+    }
     if (const UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)); own.ok()) {
       // Its own rules would then hold the agent's upstream queries and every
       // other sandbox's DNS to them.

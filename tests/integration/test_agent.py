@@ -558,6 +558,38 @@ def test_a_kept_sandbox_in_a_namespace_owned_elsewhere_is_dropped_at_restart(lab
     assert decoy_tables(p) == ""
 
 
+def test_a_sandbox_whose_process_moved_out_after_the_add_is_attached_again_at_restart(lab, agent):
+    """A sandbox added by the pid of its own process (uid 65534, no capability), in a public
+    phase. After the add that process execs into a user and network namespace of its own,
+    keeping its pid; a worker stays in the sandbox's namespace. The agent keeps serving the
+    namespace it attached, and a restarted agent must too: it used to find another namespace
+    behind the pid, drop the sandbox, and leave its namespace public with no one to switch it
+    (an attack review)."""
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+              "--bounding-set=-all", "--"]
+    if labmod.run([*nobody, "unshare", "-Urn", "true"], check=False).returncode != 0:
+        pytest.skip("unprivileged user namespaces are not allowed here")
+    p = lab.spawn([*nobody, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=lab.sandbox,
+                  stdin=subprocess.PIPE)
+    real = os.stat(lab.sandbox.path).st_ino
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
+    agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(POLICY), "--phase", "setup")
+    assert lab.sandbox.tcp_connect("198.51.100.11", labmod.ECHO_PORT) == "ok"
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino != real, 5.0, "the process to move")
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one"}, agent.log()
+    assert "is no longer in the network namespace attached before the restart" in agent.log(), agent.log()
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    assert lab.sandbox.tcp_connect("198.51.100.11", labmod.ECHO_PORT, timeout=1) != "ok"
+    # The sandbox still goes with its process.
+    p.kill()
+    p.wait()
+    wait_for(lambda: agent.listing() == {}, 5.0, "the sandbox to go with its process")
+
+
 def container_with_hosts(lab, text: str, ns: Netns | None = None):
     """A process in network and mount namespaces of its own (or in `ns`, with a mount namespace
     of its own) with `text` as its /etc/hosts (a file bind-mounted over it, as a container
