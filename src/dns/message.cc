@@ -343,6 +343,14 @@ ParsedQuery parse_query(Bytes msg) {
     q.reason = std::to_string(msg.size() - pos) + " trailing bytes";
     return q;
   }
+  if (q.question.qclass != 1) {
+    // Only the Internet class: any other (CH, HS, ANY, 0x1234) names nothing
+    // the sets hold, and copied to the upstream it would carry 16 bits the
+    // sandbox chose in every query for an allowed name (an attack review).
+    q.status = QueryStatus::notimp;
+    q.reason = "class " + std::to_string(q.question.qclass) + " (only IN is answered)";
+    return q;
+  }
   if (q.question.qtype == qtype::AXFR || q.question.qtype == qtype::IXFR) {
     // Zone transfers are multi-message streams c-ares cannot relay.
     q.status = QueryStatus::notimp;
@@ -559,9 +567,11 @@ ForwardQuery build_forward_query(const ParsedQuery& q, Bytes client, std::uint16
                                : 0;
   w.reserve(kHeaderSize + qlen + 11);
   put16(w, id);
-  // RD: the client asks for recursion (or not); CD: it validates DNSSEC
-  // itself. Every other bit is egressd's: QR, opcode (QUERY), AA, TC, AD, Z.
-  put16(w, static_cast<std::uint16_t>(q.header.flags & 0x0110));
+  // RD always: the upstream recurses (a client's RD=0 would ask what its
+  // cache holds, someone else's lookups, and be one more bit it chose). CD:
+  // the client validates DNSSEC itself. Every other bit is egressd's: QR,
+  // opcode (QUERY), AA, TC, AD, Z.
+  put16(w, static_cast<std::uint16_t>((q.header.flags & 0x0010) | 0x0100));
   put16(w, 1);
   put16(w, 0);
   put16(w, 0);
@@ -692,6 +702,14 @@ std::optional<LearnGuard> learn_guard(const IpPrefix& addr) {
   }
   if (std::memcmp(b.data(), kZero, 12) == 0) return v4_guard(b.data() + 12, "IPv4-compatible ::/96");
   if (prefix({0x00, 0x64, 0xFF, 0x9B, 0, 0, 0, 0, 0, 0, 0, 0})) return v4_guard(b.data() + 12, "NAT64 64:ff9b::/96");
+  // The local-use NAT64 prefix (RFC 8215): where its IPv4 address sits
+  // depends on the prefix length its operator chose (RFC 6052: /48 ... /96),
+  // and a /96 address read as a /48 one holds 0.0.0.0; no layout can be
+  // trusted, so none of it is learned, for any name (an attack review found
+  // 169.254.169.254 in two layouts learned).
+  if (prefix({0x00, 0x64, 0xFF, 0x9B, 0x00, 0x01})) {
+    return LearnGuard{"64:ff9b:1::/48 (local-use NAT64: the IPv4 address it carries cannot be told)", false, ""};
+  }
   if (prefix({0x20, 0x02})) return v4_guard(b.data() + 2, "6to4 2002::/16");
   if (prefix({0x20, 0x01, 0x00, 0x00})) {
     // Teredo (RFC 4380): the client's IPv4 address, inverted, in the last 32 bits.

@@ -695,6 +695,41 @@ def test_client_payload_never_reaches_the_upstream(lab, egressd, transport):
     assert b"payload!" not in up and b"cookie!!" not in up and len(up) == qd_end + 11
 
 
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+def test_a_query_of_another_class_is_not_forwarded(lab, egressd, transport):
+    """An allowed name asked in class CH or 0x1234 is answered NOTIMP and the upstream sees
+    nothing; asked with RD=0 it reaches the upstream with RD=1. Both were copied before (an
+    attack review): 17 bits per query the sandbox chose, and RD=0 asks the upstream's cache."""
+    log = start_recorder(lab)
+    egressd(policy(RECORDER))
+    t = tok()
+    name = f"{t}.wild.example.org"
+
+    def ask(q: bytes) -> bytes:
+        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM)
+        with s:
+            s.settimeout(3)
+            s.connect((DNS_V4, 53))
+            if transport == "tcp":
+                s.sendall(struct.pack("!H", len(q)) + q)
+                n = struct.unpack("!H", s.recv(2, socket.MSG_WAITALL))[0]
+                return s.recv(n, socket.MSG_WAITALL)
+            s.send(q)
+            return s.recv(65535)
+
+    for klass in (3, 0x1234):
+        q = bytearray(labmod.dns_build_query(name, "A", 0x5151))
+        q[-2:] = struct.pack("!H", klass)
+        assert labmod.dns_parse_reply(ask(bytes(q)))[:2] == (0x5151, "NOTIMP"), klass
+    norec = bytearray(labmod.dns_build_query(name, "A", 0x5252))
+    norec[2] &= ~0x01
+    assert labmod.dns_parse_reply(ask(bytes(norec)))[:2] == (0x5252, "NOERROR")
+    got = labmod.wait_for(lambda: recorded(log, t), 5.0, "the upstream to record the RD=0 query")
+    assert len(got) == 1, f"a query of another class reached the upstream: {got}"
+    assert struct.unpack_from("!H", got[0], 2)[0] & 0x0100, "RD=0 reached the upstream"
+    assert struct.unpack_from("!H", got[0], 12 + len(labmod.dns_build_query(name, "A", 0)) - 12 - 2)[0] == 1
+
+
 # --- class 7: learn guards --------------------------------------------------------------------------
 
 GUARDED = {
@@ -703,6 +738,7 @@ GUARDED = {
     "mcast": (["224.0.0.251", "ff02::fb"], "multicast"),
     "resv": (["240.0.0.1"], "240.0.0.0/4 (reserved)"),
     "nat64": (["64:ff9b::a9fe:a9fe"], "169.254.169.254 (cloud metadata) in NAT64 64:ff9b::/96"),
+    "nat64local": (["64:ff9b:1::a9fe:a9fe"], "64:ff9b:1::/48 (local-use NAT64"),
     "sixtofour": (["2002:7f00:1::1"], "127.0.0.0/8 (loopback) in 6to4 2002::/16"),
     "mapped": (["::ffff:127.0.0.1"], "127.0.0.0/8 (loopback) in IPv4-mapped ::ffff:0:0/96"),
     "priv": (["10.1.2.3", "fd00:1::5"], "private"),

@@ -702,6 +702,25 @@ TEST_CASE("the forwarded query is rebuilt from the parsed question only") {
     CHECK(pf.wire[pf.question_end + 7] == 0);  // DO clear
     CHECK(read_header(pf.wire)->flags == 0x0100);
   }
+  SUBCASE("RD is set whatever the client asked: RD=0 would ask the upstream's cache, a bit the sandbox chose") {
+    Wire norec;
+    norec.header(7, 0x0010, 1, 0).question("pypi.org");
+    const ParsedQuery nq = parse_query(norec.bytes());
+    REQUIRE(nq.status == QueryStatus::ok);
+    CHECK(read_header(build_forward_query(nq, norec.bytes(), 9, bits_of(0xFF)).wire)->flags == 0x0110);
+  }
+}
+
+TEST_CASE("a query of another class than IN is not implemented: nothing of it is forwarded") {
+  for (const std::uint16_t klass : {std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{255}, std::uint16_t{0x1234},
+                                    std::uint16_t{0}}) {
+    INFO(klass);
+    Wire w;
+    w.header(7, 0x0100, 1, 0).name("pypi.org").u16(qtype::A).u16(klass);
+    const ParsedQuery q = parse_query(w.bytes());
+    CHECK(q.status == QueryStatus::notimp);
+    CHECK(q.reason == "class " + std::to_string(klass) + " (only IN is answered)");
+  }
 }
 
 TEST_CASE("0x20: each letter's case comes from one random bit; digits, hyphens and lengths stay") {
@@ -854,6 +873,12 @@ TEST_CASE("learn guards: ranges, embedded IPv4 forms, and private ranges only fo
       {"64:ff9b::ffff:ffff", "255.255.255.255 (broadcast)", false, "NAT64 64:ff9b::/96"},
       {"64:ff9b::c0a8:101", "192.168.0.0/16 (private)", true, "NAT64 64:ff9b::/96"},
       {"64:ff9b::c633:6407", "", false, ""},
+      // The local-use NAT64 prefix: its layout is the operator's, none of it is learned
+      // (169.254.169.254 as a /96 and as a /48 layout, and a public address).
+      {"64:ff9b:1::a9fe:a9fe", "64:ff9b:1::/48 (local-use NAT64: the IPv4 address it carries cannot be told)", false, ""},
+      {"64:ff9b:1:a9fe:a9:fe00::", "64:ff9b:1::/48 (local-use NAT64: the IPv4 address it carries cannot be told)", false, ""},
+      {"64:ff9b:1::c633:6407", "64:ff9b:1::/48 (local-use NAT64: the IPv4 address it carries cannot be told)", false, ""},
+      {"64:ff9b:2::c633:6407", "", false, ""},
       {"2002:7f00:1::1", "127.0.0.0/8 (loopback)", false, "6to4 2002::/16"},
       {"2002:a00:1::", "10.0.0.0/8 (private)", true, "6to4 2002::/16"},
       {"2002:c633:6407::1", "", false, ""},
