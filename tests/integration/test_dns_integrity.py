@@ -646,6 +646,21 @@ def recorded(log: Path, token: str) -> list[bytes]:
     return out
 
 
+def ask_raw(lab, q: bytes, transport: str) -> bytes:
+    """The reply to the query bytes `q`, sent as they are from the sandbox to port 53 (the
+    redirect takes them to the proxy), over UDP or TCP."""
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM)
+    with s:
+        s.settimeout(3)
+        s.connect((DNS_V4, 53))
+        if transport == "tcp":
+            s.sendall(struct.pack("!H", len(q)) + q)
+            n = struct.unpack("!H", s.recv(2, socket.MSG_WAITALL))[0]
+            return s.recv(n, socket.MSG_WAITALL)
+        s.send(q)
+        return s.recv(65535)
+
+
 def stuffed_query(name: str, qid: int) -> bytes:
     """A query with a payload channel: AA/AD/CD and Z set, two additional records and an OPT with
     DO, a cookie and 3000 bytes of padding."""
@@ -669,18 +684,7 @@ def test_client_payload_never_reaches_the_upstream(lab, egressd, transport):
     t = tok()
     name = f"{t}.wild.example.org"
     q = stuffed_query(name, 0x4141)
-    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM)
-    with s:
-        s.settimeout(3)
-        s.connect((DNS_V4, 53))
-        if transport == "tcp":
-            s.sendall(struct.pack("!H", len(q)) + q)
-            n = struct.unpack("!H", s.recv(2, socket.MSG_WAITALL))[0]
-            a = s.recv(n, socket.MSG_WAITALL)
-        else:
-            s.send(q)
-            a = s.recv(65535)
-    qid, rcode, records = labmod.dns_parse_reply(a)
+    qid, rcode, records = labmod.dns_parse_reply(ask_raw(lab, q, transport))
     assert (qid, rcode, [r.data for r in records]) == (0x4141, "NOERROR", [WILD_V4])
     got = labmod.wait_for(lambda: recorded(log, t), 5.0, "the upstream to record the query")
     assert len(got) == 1, got
@@ -705,25 +709,13 @@ def test_a_query_of_another_class_is_not_forwarded(lab, egressd, transport):
     t = tok()
     name = f"{t}.wild.example.org"
 
-    def ask(q: bytes) -> bytes:
-        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM)
-        with s:
-            s.settimeout(3)
-            s.connect((DNS_V4, 53))
-            if transport == "tcp":
-                s.sendall(struct.pack("!H", len(q)) + q)
-                n = struct.unpack("!H", s.recv(2, socket.MSG_WAITALL))[0]
-                return s.recv(n, socket.MSG_WAITALL)
-            s.send(q)
-            return s.recv(65535)
-
     for klass in (3, 0x1234):
         q = bytearray(labmod.dns_build_query(name, "A", 0x5151))
         q[-2:] = struct.pack("!H", klass)
-        assert labmod.dns_parse_reply(ask(bytes(q)))[:2] == (0x5151, "NOTIMP"), klass
+        assert labmod.dns_parse_reply(ask_raw(lab, bytes(q), transport))[:2] == (0x5151, "NOTIMP"), klass
     norec = bytearray(labmod.dns_build_query(name, "A", 0x5252))
     norec[2] &= ~0x01
-    assert labmod.dns_parse_reply(ask(bytes(norec)))[:2] == (0x5252, "NOERROR")
+    assert labmod.dns_parse_reply(ask_raw(lab, bytes(norec), transport))[:2] == (0x5252, "NOERROR")
     got = labmod.wait_for(lambda: recorded(log, t), 5.0, "the upstream to record the RD=0 query")
     assert len(got) == 1, f"a query of another class reached the upstream: {got}"
     assert struct.unpack_from("!H", got[0], 2)[0] & 0x0100, "RD=0 reached the upstream"
