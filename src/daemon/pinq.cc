@@ -50,6 +50,10 @@ constexpr std::size_t kMaxReinjected = 1u << 20;
 constexpr std::uint32_t kQueueMaxLen = 4096;
 // How long a decided flow's answer is remembered for its stragglers.
 constexpr std::chrono::seconds kDecidedMemory{10};
+// A stream start waits for its connection's first bytes this long (bounded in
+// number by kMaxFlows): a connection idle longer before it writes has an
+// unknown start, and its first bytes must be TLS or HTTP (PinFlows::packet).
+constexpr std::chrono::minutes kStartMemory{10};
 
 std::uint16_t be16(std::span<const std::uint8_t> b, std::size_t off) {
   return static_cast<std::uint16_t>(b[off] << 8 | b[off + 1]);
@@ -474,6 +478,14 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     replaced.insert(replaced.end(), v.begin(), v.end());
     return std::move(replaced);
   };
+  if (seg.payload.empty() && (seg.rst || seg.fin) && it != flows_.end() && !seg.from_socket) {
+    // A FIN or RST a raw socket wrote may be one the server drops (a wrong
+    // checksum): the held bytes would go while the socket sends them again
+    // later, after bytes the reader then took for the stream's start (found
+    // by an attack review). The flow is refused.
+    it->second.ids.push_back(id);
+    return with_replaced(reset_flow(it, kRawReason, now));
+  }
   if (seg.payload.empty() && (seg.rst || seg.fin) && it != flows_.end()) {
     // The client ends a connection whose first bytes are still held: they
     // never leave; its RST/FIN does (the server closes its end), and the
@@ -518,11 +530,15 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   if (it == flows_.end()) {
     ++stats_.inspected;
     std::uint32_t base = seg.seq;
+    bool start_known = false;
     if (auto st = starts_.find(key); st != starts_.end()) {
-      if (st->second.ct_id == seg.ct_id) base = st->second.seq;
+      if (st->second.ct_id == seg.ct_id) {
+        base = st->second.seq;
+        start_known = true;
+      }
       starts_.erase(st);
     }
-    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr, seg.ct_id}).first;
+    it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr, seg.ct_id, 0, start_known}).first;
     stats_.held = flows_.size();
     if (flows_.size() > kMaxFlows) {
       it->second.ids.push_back(id);
@@ -570,6 +586,16 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
       return {};
     case pin::TcpKind::other: {
+      // Bytes the reader cannot place: where the stream starts is unknown
+      // (egressd restarted since the handshake, or the start was dropped
+      // from a full memory), so these may come from its middle, and the
+      // bytes before them, held back, would follow on the fast path unread
+      // (an attack review). Refused: a TLS or HTTP start is judged, and
+      // bytes before it are refused later (Kept::start).
+      if (!f.start_known) {
+        return reset_flow(it, "first bytes of a connection whose start egressd never saw are neither tls nor http",
+                          now);
+      }
       // Not TLS, not HTTP: the address decides, as without pinning. Known
       // as such, so a later phase that allows the address takes it on
       // (foreign_packet).
@@ -641,6 +667,9 @@ std::optional<std::string> PinFlows::Kept::patch(const Segment& seg, PinVerdict&
     return std::string("a retransmission of judged bytes the reader no longer keeps (more than 16384 bytes of them "
                        "not yet answered)");
   }
+  if (start && seq_after(*start, seg.seq) > 0) {
+    return std::string("bytes before the first ones judged on the connection (the reader never read them)");
+  }
   std::vector<std::uint8_t> out;
   std::size_t first = len, last = 0;  // the payload span the patch covers
   for (const auto& [at, b] : ranges) {
@@ -689,6 +718,7 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
     return reset_flow(it, *bad, now);
   }
   t.next = f.base + static_cast<std::uint32_t>(bytes.size());
+  t.judged.start = f.base;
   const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
   std::vector<PinVerdict> out = finish(it, true, now);
   for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
@@ -784,6 +814,7 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   h.dport = f.dport;
   h.ct_id = f.ct_id;
   h.next = f.base + f.extent;
+  h.framing.start = f.base;
   const std::vector<std::uint8_t> bytes = stream(f);
   const pin::HttpRequestStream::Step step = feed_http(h, f.base, bytes);
   std::optional<std::string> bad = step.invalid;
@@ -1113,7 +1144,7 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
     while (!order.empty() && now - order.front().first >= age) pop_oldest(order, map);
   };
   pop_old(decided_order_, decided_, kDecidedMemory);
-  pop_old(starts_order_, starts_, kDecidedMemory);
+  pop_old(starts_order_, starts_, kStartMemory);
   pop_old(followed_order_, followed_, kQuicFollowTime);
   return out;
 }

@@ -293,6 +293,9 @@ class PinFlows {
     std::unique_ptr<pin::QuicInitialAssembler> quic;   // QUIC: the Initials' CRYPTO stream
     std::uint32_t ct_id = 0;
     std::uint32_t extent = 0;  // TCP: the furthest byte held (offset from base), kept or not
+    // TCP: base is the stream's start, as the socket's handshake ACK said;
+    // else it is only the first byte seen, and earlier ones may exist.
+    bool start_known = false;
   };
   // Judged bytes a flow's server may not have received yet, by sequence
   // number, oldest first. The socket keeps its own copy of what it sent and
@@ -305,6 +308,9 @@ class PinFlows {
     // Judged bytes before this sequence number were forgotten (the flow's
     // bound): a retransmission that starts before it is refused.
     std::optional<std::uint32_t> forgotten_until;
+    // The first byte judged (the flow's base): bytes before it were never
+    // read, and a segment that starts before it is refused.
+    std::optional<std::uint32_t> start;
     // Appends the judged bytes at `seq`; returns how many bytes it now holds
     // more (negative: fewer).
     std::ptrdiff_t add(std::uint32_t seq, std::span<const std::uint8_t> bytes);

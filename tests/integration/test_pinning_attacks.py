@@ -13,6 +13,7 @@ import socket
 import ssl
 import struct
 import subprocess
+import textwrap
 import time
 
 import pytest
@@ -850,3 +851,124 @@ def test_a_raw_syn_cannot_make_a_followed_connections_body_a_first_request(lab, 
     # The segment holding the body's end and the request after it is refused, the client reset.
     assert "ConnectionResetError" in res.get("error", ""), res
     assert pin_counts(pinned)[1] > before[1], "the request naming same-ip.test was refused"
+
+
+# A sandbox process (root, Docker's capabilities) that sends the start of a request head naming
+# same-ip.test (the reader holds it: its blank line is still to come), then, on "fin"/"rst" from
+# stdin, a raw FIN or RST with a wrong TCP checksum at the end of those bytes (the server drops
+# it), then, on "go", the rest: to the server the end of that head; to a reader that took it for
+# the stream's start, an empty line and a request naming allowed.test. argv: addr, port.
+RAW_END_ATTACKER = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    addr, port = sys.argv[1], int(sys.argv[2])
+    v6 = ":" in addr
+    def csum(b):
+        b += b"\0" * (len(b) % 2)
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while s >> 16:
+            s = (s & 0xffff) + (s >> 16)
+        return ~s & 0xffff
+    pk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd if v6 else 0x0800))
+    pk.bind(("eth0", 0))
+    pk.settimeout(2.0)
+    s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(4.0)
+    s.connect((addr, port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    src, lport = s.getsockname()[:2]
+    cli = srv = None
+    for _ in range(64):   # the SYN-ACK, read back from eth0: the sequence numbers
+        f = pk.recv(65535)[14:]
+        proto, t = (f[6], f[40:]) if v6 else (f[9], f[(f[0] & 15) * 4:])
+        if proto == 6:
+            sp, dp, seq, ack, _, fl = struct.unpack("!HHIIBB", t[:14])
+            if (sp, dp) == (port, lport) and fl & 0x12 == 0x12:
+                srv, cli = (seq + 1) & 0xffffffff, ack
+                break
+    b1 = b"GET /one HTTP/1.1\r\nHost: same-ip.test\r\nConnection: keep-alive\r\n"
+    b2 = b"\r\nGET /two HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"
+    s.send(b1)
+    print("READY", flush=True)
+    flags = {"fin": 0x11, "rst": 0x14}[sys.stdin.readline().strip()]
+    h = struct.pack("!HHIIBBHHH", lport, port, (cli + len(b1)) & 0xffffffff, srv, 5 << 4, flags, 64240, 0, 0)
+    if v6:
+        ph = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, addr) + struct.pack("!IxxxB", 20, 6)
+    else:
+        ph = socket.inet_aton(src) + socket.inet_aton(addr) + struct.pack("!BBH", 0, 6, 20)
+    h = h[:16] + struct.pack("!H", csum(ph + h) ^ 0x5a5a) + h[18:]   # a wrong checksum
+    socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP).sendto(h, (addr, 0))
+    print("SENT", flush=True)
+    sys.stdin.readline()
+    out = {}
+    try:
+        s.send(b2)
+        data = b""
+        while True:
+            c = s.recv(4096)
+            if not c:
+                break
+            data += c
+        out["answer"] = data.decode(errors="replace")
+    except OSError as e:
+        out["error"] = e.strerror or str(e)
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("end", ["fin", "rst"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_raw_fin_or_rst_cannot_free_held_first_bytes_to_be_sent_again_unread(lab, pinned, addr, end):  # noqa: F811
+    """docs/pinning.md "Bytes the server never takes": a FIN or RST that a raw socket wrote with a
+    wrong checksum made the reader let go of the first bytes it held (the server dropped the FIN);
+    the socket's next write was judged as the stream's start and admitted, and the first bytes,
+    sent again, went through unread: the server answered for same-ip.test (an attack review).
+    Now such a FIN or RST refuses the flow."""
+    from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    before = pinned.status()["pin"]["inspected"]
+    p = attacker(lab, RAW_END_ATTACKER, addr, HTTP_PORT, caps=DOCKER_CAPS)
+    wait_for(lambda: pinned.status()["pin"]["inspected"] > before and _queue(lab, 16)[0] >= 1, 5.0,
+             "the reader to hold the first bytes")
+    p.stdin.write(f"{end}\n".encode())
+    p.stdin.flush()
+    assert labmod._read_line(p, 5.0, "the raw segment") == "SENT"
+    wait_for(lambda: _queue(lab, 16)[0] == 0, 5.0, "the reader to decide on the raw segment")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    res = attacker_result(p)
+    assert "host=same-ip.test" not in res.get("answer", ""), f"the server answered for same-ip.test: {res}"
+    assert "error" in res, f"the flow was not refused: {res}"
+    assert any("written by a raw socket" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_first_bytes_of_a_connection_whose_start_egressd_never_saw_must_be_tls_or_http(lab, pinned, addr):  # noqa: F811
+    """A connection opened before egressd restarted: the reader never saw its handshake, so
+    the first bytes it sees may come from the middle of the stream, the ones before them held
+    back by the socket (a drop of the reader's own is enough), to follow unread once the flow
+    is admitted by address (an attack review). Bytes that are neither TLS nor HTTP are refused
+    there; a request is judged as ever."""
+    socks = []
+    for _ in range(2):
+        s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(3.0)
+        s.connect((addr, HTTP_PORT))
+        socks.append(s)
+    pinned.kill()
+    pinned.wait()
+    pinned.start()
+    learn(lab)
+    other, http = socks
+
+    def send(s, data):
+        def run():
+            with s:
+                s.sendall(data)
+                got = s.recv(4096)
+                if not got:
+                    raise EOFError("closed")
+                return got
+        return outcome(run)
+    assert_reset(send(other, b"xxxxxxxx\r\n"), "bytes that are neither tls nor http on a connection from before the restart")
+    assert any("whose start egressd never saw" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
+    res = send(http, b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+    assert res[0] == "ok" and b"host=allowed.test" in res[1], res

@@ -88,6 +88,8 @@ TEST_CASE("payload-less packets pass without deciding; other protocols are admit
   // A straggler of an admitted flow goes back to the hook (its flow's mark lets it on there);
   // the same packet coming back means no mark: a new connection, judged on its own bytes.
   CHECK(f.packet(3, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::recheck);
+  CHECK(f.packet(30, seg(1, ""), t0)[0].kind == K::recheck);  // its handshake ACK, sent back
+  CHECK(f.packet(31, seg(1, ""), t0)[0].kind == K::pass);     // and back: a new connection's
   CHECK(f.packet(4, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::admit);
   CHECK(f.stats().inspected == 2);
 }
@@ -375,6 +377,7 @@ TEST_CASE("admitted flows are remembered with their name; a switch cuts those th
   REQUIRE(f.packet(2, seg(1, ok, 40001), t0)[0].kind == K::follow);
   // Another protocol is admitted by address, not for a name: remembered as such (a later phase
   // that allows the address takes it on), and never cut by name.
+  REQUIRE(f.packet(30, seg(1, "", 40002), t0)[0].kind == K::pass);  // its handshake ACK
   REQUIRE(f.packet(3, seg(1, "SSH-2.0-x\r\n", 40002), t0)[0].kind == K::admit);
   CHECK(f.admitted_remembered() == 3);
   const auto gone = f.cut([](const AdmittedFlow& a) { return a.sport == 40001; }, t0);
@@ -1276,6 +1279,7 @@ TEST_CASE("urgent data on a pinned flow is refused whatever its state: ahead of 
   CHECK(f.stats().admitted == 0);
   // After admission (a TLS flow takes the fast path; chain active sends URG here).
   const std::string tls_other = "SSH-2.0-x\r\n";
+  REQUIRE(f.packet(40, seg(1, none, 40001), t0)[0].kind == K::pass);  // its handshake ACK
   REQUIRE(f.packet(4, seg(1, tls_other, 40001), t0)[0].kind == K::admit);
   const std::string bang = "!";
   Segment oob = seg(100, bang, 40001);
@@ -1406,4 +1410,60 @@ TEST_CASE("a SYN no socket wrote, on a followed connection's addresses and ports
   Segment syn = seg(7000, "", 40000);
   syn.syn = true;
   CHECK(f.packet(4, syn, t0)[0].kind == K::pass);
+}
+
+TEST_CASE("bytes the reader cannot place are refused unless they are tls or http, and bytes before them never pass") {
+  // No handshake ACK seen (egressd restarted, or the start was forgotten): the first bytes
+  // seen may be from the middle of the stream, with the ones before them held back by the
+  // socket, to follow unread once the flow is admitted (found by an attack review).
+  Judge j;
+  PinFlows f(j);
+  const std::string none;
+  CHECK(f.packet(1, seg(5000, "xxxxxxxxxx\r\n", 40000), t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("first bytes of a connection whose start egressd never saw"));
+  // HTTP from the middle: judged, followed; the bytes before them are refused.
+  const std::string tail = "\r\nGET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+  const std::string head = "GET / HTTP/1.1\r\nHost: same-ip.test\r\nX: y";
+  CHECK(f.packet(2, seg(7000 + static_cast<std::uint32_t>(head.size()), tail, 40001), t0)[0].kind == K::follow);
+  Segment early = seg(7000, head, 40001);
+  early.followed = true;  // the flow's mark sends it to the follow queue
+  const auto v = f.packet(3, early, t0);
+  REQUIRE(v.size() == 1);
+  CHECK(v[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("bytes before the first ones judged on the connection"));
+  // The same for TLS: a hello judged from the middle, then the bytes before it.
+  const std::string hello = record(22, client_hello("allowed.test"));
+  CHECK(f.packet(4, seg(9000 + 100, hello, 40002), t0)[0].kind == K::follow);
+  const std::string before(100, '\x16');
+  Segment early_tls = seg(9000, before, 40002);
+  early_tls.followed = true;
+  const auto w = f.packet(5, early_tls, t0);
+  REQUIRE(w.size() == 1);
+  CHECK(w[0].kind == K::reset);
+  CHECK(j.reasons.back().starts_with("bytes before the first ones judged on the connection"));
+}
+
+TEST_CASE("a FIN or RST a raw socket wrote refuses a held flow (the socket's own frees it: above)") {
+  // A raw FIN with a wrong checksum would free the held bytes (never sent) while the server
+  // keeps the connection; the socket sends them again after bytes the reader took for the
+  // start (found by an attack review).
+  Judge j;
+  PinFlows f(j);
+  const std::string none;
+  const std::string part = "GET / HTTP/1.1\r\nHost: same-ip.test\r\nX: y";
+  for (const bool rst : {false, true}) {
+    INFO(rst);
+    const std::uint16_t port = rst ? 40011 : 40010;
+    CHECK(f.packet(1, seg(100, none, port), t0)[0].kind == K::pass);
+    CHECK(f.packet(2, seg(100, part, port), t0).empty());
+    Segment end = seg(100 + static_cast<std::uint32_t>(part.size()), none, port);
+    end.fin = !rst;
+    end.rst = rst;
+    end.from_socket = false;
+    const auto v = f.packet(3, end, t0);
+    REQUIRE(v.size() == 2);
+    CHECK(v[0].kind == K::reset);
+    REQUIRE(!j.reasons.empty());
+    CHECK(j.reasons.back().starts_with("tcp segment written by a raw socket"));
+  }
 }
