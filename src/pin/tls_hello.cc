@@ -140,6 +140,15 @@ Parse parse_tls_client_hello(Bytes stream) {
     // be at most what is left once this record's header is paid.
     p = judge_handshake(Bytes(hs.data(), hs_len), kMaxInspect - (pos - hs_len), stream.size());
     if (p.verdict != Verdict::need_more || take < len) break;
+    // A whole record, and the hello goes on in the next one. TLS allows it,
+    // and OpenSSL joins the fragments; a router that picks a backend by the
+    // name (HAProxy's req.ssl_sni) walks the bytes as they come, the next
+    // record's header inside the hello, and reads another name (an attack
+    // review: a hello naming allowed.test reached same-ip.test's backend).
+    // Clients send a hello up to 16 KiB in one record, and a larger one is
+    // refused anyway: no hello is judged across records.
+    return Parse::invalid("ClientHello split over TLS records (a server that reads the hello's bytes as they come "
+                          "would read others)");
   }
   if (p.verdict == Verdict::need_more && stream.size() >= kMaxInspect) {
     return Parse::invalid("ClientHello larger than 16384 bytes");
