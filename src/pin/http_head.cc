@@ -169,6 +169,12 @@ HttpHead read_http_head(Bytes stream) {
           return done(Parse::invalid("request target scheme is not http or https"));
         }
         authority = target.substr(scheme_end + 3);
+        // An '@' after the authority's end ("http://allowed.test?@other.test/")
+        // is path or query to RFC 3986, and userinfo to a reader that looks
+        // for it first (HAProxy's host from the URI read other.test: an
+        // attack review). Read one way by egressd and another by a server,
+        // it is refused wherever it is.
+        if (authority.find('@') != std::string_view::npos) return done(Parse::invalid("'@' in an absolute-form request target"));
         authority = authority.substr(0, authority.find_first_of("/?#"));
         have_authority = true;
       } else if (target.front() != '/' && target != "*") {
