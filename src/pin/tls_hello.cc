@@ -147,8 +147,7 @@ Parse parse_tls_client_hello(Bytes stream) {
     // review: a hello naming allowed.test reached same-ip.test's backend).
     // Clients send a hello up to 16 KiB in one record, and a larger one is
     // refused anyway: no hello is judged across records.
-    return Parse::invalid("ClientHello split over TLS records (a server that reads the hello's bytes as they come "
-                          "would read others)");
+    return Parse::invalid("ClientHello split over TLS records");
   }
   if (p.verdict == Verdict::need_more && stream.size() >= kMaxInspect) {
     return Parse::invalid("ClientHello larger than 16384 bytes");
