@@ -145,7 +145,12 @@ def main(addr, port, sni1, sni2, mode="ccs"):
     t, sh, _ = c.handshake()
     if t != 22 or sh[0] != 2:
         return {"step": "sh", "type": t, "data": sh[:60].hex()}
-    transcript += sh
+    return complete(s, c, priv, transcript + sh, sh)
+
+def complete(s, c, priv, transcript, sh):
+    """The TLS 1.3 handshake after the ServerHello `sh` (`transcript`: every handshake message
+    up to and with it; `priv`: the X25519 key the hello offered): the server's flight read,
+    the client's Finished sent, b"sni?" sent and the server's first answer returned."""
     spub = hello_extensions(sh)[51][4:]  # key_share: group (2), length (2), key
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
     shared = priv.exchange(X25519PublicKey.from_public_bytes(spub))
@@ -166,10 +171,7 @@ def main(addr, port, sni1, sni2, mode="ccs"):
             n = 4 + int.from_bytes(hsbuf[1:4], "big")
             msgs.append(hsbuf[:n])
             hsbuf = hsbuf[n:]
-    cert_cn = None
     for m in msgs:
-        if m[0] == 11:
-            cert_cn = m[:400]
         transcript += m
     th = hashlib.sha256(transcript).digest()
     master = hkdf_extract(derive(hs, b"derived", hashlib.sha256(b"").digest()), b"\0" * 32)
@@ -184,7 +186,6 @@ def main(addr, port, sni1, sni2, mode="ccs"):
         it, pt = sak.open(hdr, ct)
         if it == 23:
             return {"step": "done", "answer": pt.decode(errors="replace")}
-
 
 if __name__ == "__main__":
     try:

@@ -9,8 +9,6 @@ Usage: tls_split_client.py ADDR PORT MODE [EXT]   MODE: split | plain (one recor
 EXT: the type of the extension the cut lies in, hex (0xfafa GREASE, 0x0015 padding).
 Completes the handshake, sends b"sni?" and prints one JSON line: {"step": "done", "answer": ...}
 or {"error": ...}."""
-import hashlib
-import hmac
 import json
 import os
 import socket
@@ -18,10 +16,10 @@ import struct
 import sys
 
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tls13_hrr_client import Conn, Keys, derive, ext, hello_extensions, hkdf_expand_label, hkdf_extract, rec, u8, u16, u24  # noqa: E402
+from tls13_hrr_client import Conn, complete, ext, rec, u8, u16, u24  # noqa: E402
 
 FILLER = 40  # bytes of the decoy extension before the record boundary
 
@@ -66,37 +64,7 @@ def main(addr: str, port: int, mode: str, ext_type: int) -> dict:
     t, sh, _ = c.handshake()
     if t != 22 or sh[0] != 2:
         return {"step": "server_hello", "type": t}
-    transcript = ch + sh
-    shared = priv.exchange(X25519PublicKey.from_public_bytes(hello_extensions(sh)[51][4:]))
-    early = hkdf_extract(b"\0" * 32, b"\0" * 32)
-    hs = hkdf_extract(derive(early, b"derived", hashlib.sha256(b"").digest()), shared)
-    th = hashlib.sha256(transcript).digest()
-    c_hs, s_hs = derive(hs, b"c hs traffic", th), derive(hs, b"s hs traffic", th)
-    sk, ck = Keys(s_hs), Keys(c_hs)
-    buf, msgs = b"", []
-    while not any(m[0] == 20 for m in msgs):
-        t, ct, hdr = c.record()
-        if t == 20:
-            continue
-        buf += sk.open(hdr, ct)[1]
-        while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[1:4], "big"):
-            n = 4 + int.from_bytes(buf[1:4], "big")
-            msgs.append(buf[:n])
-            buf = buf[n:]
-    for m in msgs:
-        transcript += m
-    th = hashlib.sha256(transcript).digest()
-    master = hkdf_extract(derive(hs, b"derived", hashlib.sha256(b"").digest()), b"\0" * 32)
-    c_ap, s_ap = derive(master, b"c ap traffic", th), derive(master, b"s ap traffic", th)
-    fk = hkdf_expand_label(c_hs, b"finished", b"", 32)
-    s.sendall(ck.seal(22, b"\x14" + u24(hmac.new(fk, th, hashlib.sha256).digest())))
-    s.sendall(Keys(c_ap).seal(23, b"sni?"))
-    sak = Keys(s_ap)
-    while True:
-        t, ct, hdr = c.record()
-        it, pt = sak.open(hdr, ct)
-        if it == 23:
-            return {"step": "done", "answer": pt.decode(errors="replace")}
+    return complete(s, c, priv, ch + sh, sh)
 
 
 if __name__ == "__main__":
