@@ -497,13 +497,34 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     }
     ufd = fd;
     impl->watch(fd, shared_from_this());
-    if (::connect(fd, to.data(), static_cast<socklen_t>(to.size())) != 0 ||
-        ::send(fd, query().data(), query().size(), 0) < 0) {
+    if (::connect(fd, to.data(), static_cast<socklen_t>(to.size())) != 0 || !send_udp()) {
       const error_code e(errno, boost::system::system_category());
       return fail_now(UpstreamFailure::unreachable, e, "send");
     }
     impl->link(this, round_no);
     impl->arm_udp();
+  }
+
+  // Sends the query on the connected ufd; false with errno. EPERM, with the
+  // upstream in the sandbox's namespace: a sandbox query's flow from this
+  // address and port to this server outlives its socket in conntrack (the UDP
+  // timeout), and the kernel drew the port again for ufd. Conntrack took our
+  // datagram for the sandbox's flow, redirected it to the proxy, and the
+  // output chain denied it (one query in a few hundred after a burst failed
+  // so). That entry goes, the same way an answered query's own flow goes,
+  // and the datagram is sent again as a flow of its own. Deleting it harms
+  // no one: its socket is closed (ufd holds the port), and what a raw
+  // socket of the sandbox's sent on that tuple is the sandbox's loss.
+  bool send_udp() {
+    if (::send(ufd, query().data(), query().size(), 0) >= 0) return true;
+    if (errno != EPERM || !impl->forget) return false;
+    const auto flow = answered_flow();
+    if (!flow) {
+      errno = EPERM;
+      return false;
+    }
+    impl->forget(std::span<const FlowTuple>(&*flow, 1));
+    return ::send(ufd, query().data(), query().size(), 0) >= 0;
   }
 
   // No descriptor for this try's socket: the account's share is held (the

@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -2035,6 +2036,48 @@ def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd, se
         if (r.outcome, r.rcode) != ("ok", "NOERROR"):
             failures.append(f"{i}: {r.outcome!r} {r.rcode}")
     assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
+def test_upstream_queries_work_when_every_ephemeral_port_has_a_stale_sandbox_flow(lab, egressd, server):
+    """The other way round: a sandbox query leaves a conntrack entry (sandbox address and port ->
+    server:53, redirected to the proxy) that outlives its socket by the UDP timeout. egressd's
+    next upstream socket that draws that port sends the same tuple: conntrack takes it for the
+    sandbox's flow, redirects it to the proxy, and the output chain denies it (EPERM), so the
+    query failed (SERVFAIL), one in a few hundred after an ordinary burst (a CI failure). Here a
+    sandbox process leaves such an entry on every port of the ephemeral range it can bind, then
+    asks 64 names at once (64 fresh upstream sockets): every one must be answered."""
+    serve(lab)
+    d = egressd(policy(server))
+    fam = socket.AF_INET6 if ":" in server else socket.AF_INET
+    lo, hi = (int(x) for x in lab.sandbox.read_proc("/proc/sys/net/ipv4/ip_local_port_range").split())
+    covered = 0
+    deadline = time.monotonic() + 60
+    for port in range(lo, hi + 1):
+        assert time.monotonic() < deadline, f"covering the ephemeral range took over 60 s (at port {port})"
+        s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)
+        try:
+            s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
+            s.sendto(b"\0", (server, 53))  # too short to be a query: the proxy drops it
+            covered += 1
+        except OSError:
+            pass  # one of egressd's own sockets holds it
+        finally:
+            s.close()
+    assert covered > (hi - lo) * 0.9, (covered, lo, hi)
+    t = tok()
+    s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)
+    with s:
+        s.connect((server, 53))
+        s.settimeout(5.0)
+        for i in range(64):
+            s.send(labmod.dns_build_query(f"stale{i}.{t}.wild.example.org", "A", i))
+        rcodes = {}
+        for _ in range(64):
+            qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
+            rcodes[qid] = rcode
+    failed = {q: r for q, r in rcodes.items() if r != "NOERROR"}
+    assert len(rcodes) == 64 and not failed, (len(rcodes), failed, d.log()[-2000:])
 
 
 @pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
