@@ -77,7 +77,9 @@ struct FlowTuple {
 // to a marked socket, which chain input drops). Called once per turn of the
 // loop with that turn's flows; the deletions must be in the kernel when it
 // returns, for the ports are released right after. Called from close() and
-// the destructor too: it must outlive the Upstream. May be empty.
+// the destructor too: it must outlive the Upstream. Called as well with the
+// one flow of a send that failed EPERM: a sandbox query's stale entry on the
+// port the kernel drew again (see Exchange::send_udp). May be empty.
 using ForgetFlow = std::function<void(std::span<const FlowTuple>)>;
 
 struct UpstreamOptions {
