@@ -90,7 +90,7 @@ void append_delete_ct(std::vector<std::uint8_t>& out, std::uint8_t proto, const 
 }
 
 void ConntrackForgetter::append_delete(std::vector<std::uint8_t>& out, const dns::FlowTuple& t, std::uint32_t seq) {
-  append_delete_ct(out, IPPROTO_UDP, t.src, t.dst, t.sport, t.dport, seq);
+  append_delete_ct(out, t.proto, t.src, t.dst, t.sport, t.dport, seq);
 }
 
 void append_set_ct_mark(std::vector<std::uint8_t>& out, std::uint8_t proto, const IpPrefix& src, const IpPrefix& dst,

@@ -476,6 +476,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
         return fail_now(UpstreamFailure::unreachable, ec, "socket");
       }
       impl->apply_mark(tsock->native_handle());
+      if (impl->forget) clear_tcp_port(tsock->native_handle(), addr.is_v4());
       impl->link(this, round_no);
       tsock->async_connect(tcp::endpoint(addr, srv.port),
                            [self = shared_from_this(), s = serial](const error_code& e) { self->on_tcp_connect(s, e); });
@@ -525,6 +526,50 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     }
     impl->forget(std::span<const FlowTuple>(&*flow, 1));
     return ::send(ufd, query().data(), query().size(), 0) >= 0;
+  }
+
+  // The TCP twin of send_udp's case, where no send fails to tell: a sandbox
+  // process leaves a conntrack entry on the port egressd's socket draws next
+  // (a SYN to the server's port 53 that never reaches the proxy, from a
+  // socket bound to a device or a raw one with a bad checksum: SYN_SENT for
+  // two minutes), and egressd's SYN follows it to the proxy and is dropped,
+  // again at each retransmission: the try times out. So the port is drawn
+  // before the connect (bind to the source address the route gives, port 0)
+  // and any entry on that flow, in either direction, deleted first. Best
+  // effort: when a step fails the connect goes ahead as before.
+  void clear_tcp_port(int fd, bool v4) {
+    const Server& srv = impl->servers[server];
+    const udp::endpoint to(impl->addrs[server], srv.port);
+    // The source address: a connected UDP socket's, with the same mark.
+    const int probe = impl->open_socket(v4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (probe < 0) return;
+    impl->apply_mark(probe);
+    std::optional<sockaddr_storage> src;
+    if (::connect(probe, to.data(), static_cast<socklen_t>(to.size())) == 0) src = local_address(probe);
+    ::close(probe);
+    if (!src) return;
+    if (v4) {
+      reinterpret_cast<sockaddr_in&>(*src).sin_port = 0;
+    } else {
+      reinterpret_cast<sockaddr_in6&>(*src).sin6_port = 0;
+    }
+    const socklen_t len = v4 ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&*src), len) != 0) return;
+    const auto bound = local_address(fd);
+    if (!bound) return;
+    FlowTuple t;
+    t.proto = IPPROTO_TCP;
+    t.src.family = v4 ? 4 : 6;
+    t.src.prefix_len = v4 ? 32 : 128;
+    if (v4) {
+      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*bound).sin_addr, 4);
+    } else {
+      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*bound).sin6_addr, 16);
+    }
+    t.sport = port_of(*bound);
+    t.dst = srv.ip;
+    t.dport = srv.port;
+    impl->forget(std::span<const FlowTuple>(&t, 1));
   }
 
   // No descriptor for this try's socket: the account's share is held (the

