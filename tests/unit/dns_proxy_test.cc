@@ -166,6 +166,7 @@ class FakeUpstream {
   };
   std::vector<Seen> seen;
   bool silent = false;  // receive and record, never answer
+  bool truncate_big = false;  // big.test over UDP is truncated whatever the query's EDNS size
   int copies = 1;       // each UDP answer sent this many times, back to back
   int tcp_connections = 0;
   // Answers echo the question lower-cased (as a forger who did not see the
@@ -219,7 +220,7 @@ class FakeUpstream {
     } else if (n == "big.test") {
       for (std::uint8_t i = 1; i <= 40; ++i) put_a(m, "big.test", {198, 18, 0, i});
       an = 40;
-      if (!over_tcp && m.size() > pq.udp_size) {
+      if (!over_tcp && (truncate_big || m.size() > pq.udp_size)) {
         m.resize(pq.question_end);
         m[2] |= 0x02;  // TC
         an = 0;
@@ -296,7 +297,9 @@ class FakeUpstream {
       asio::async_read(c->sock, asio::buffer(c->body), [this, c](const boost::system::error_code& ec2, std::size_t) {
         if (ec2) return;
         if (tcp_forward_to) return tcp_relay(c);
-        if (auto a = answer(c->body, true)) {
+        boost::system::error_code pe;
+        const auto peer = c->sock.remote_endpoint(pe);
+        if (auto a = answer(c->body, true, pe ? 0 : peer.port())) {
           auto framed = std::make_shared<Msg>();
           put16(*framed, static_cast<std::uint16_t>(a->size()));
           framed->insert(framed->end(), a->begin(), a->end());
@@ -485,6 +488,7 @@ struct Fixture {
   // Before the proxy: it forgets its last flows when it closes.
   std::vector<FlowTuple> forgotten;  // flows the proxy said it was done with
   int ports_free_when_forgotten = 0;  // a flow's port was someone else's to take while forgotten
+  std::vector<int> tcp_seen_when_forgotten;  // by forgotten[i]: TCP queries the upstream had read by then
   std::unique_ptr<Proxy> proxy;
 
   void start(ProxyOptions opts = {}) {
@@ -492,6 +496,8 @@ struct Fixture {
     opts.forget_flow = [this](std::span<const FlowTuple> flows) {
       for (const FlowTuple& t : flows) {
         forgotten.push_back(t);
+        tcp_seen_when_forgotten.push_back(static_cast<int>(
+            std::count_if(upstream.seen.begin(), upstream.seen.end(), [](const auto& s) { return s.tcp; })));
         // The port is still the flow's while it is forgotten (released after).
         const int s = ::socket(t.src.family == 4 ? AF_INET : AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
         sockaddr_storage ss{};
@@ -1037,6 +1043,35 @@ TEST_CASE("an answer too big for the client's UDP size is truncated; TCP gets it
   t.send(query(0x73, "big.test"));
   REQUIRE(run_until(f.io, [&] { return t.got.size() == 1; }));
   CHECK(read_header(t.got[0])->ancount == 40);
+}
+
+TEST_CASE("a TCP try's own flow is handed over to be forgotten before it connects, from the port it then uses") {
+  // A sandbox's stale SYN_SENT entry on that flow would take egressd's SYN
+  // to the proxy (docs/security.md, the TCP twin).
+  Fixture f;
+  f.hooks.allowed = {"big.test"};
+  f.upstream.truncate_big = true;
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(0x71, "big.test"));
+  REQUIRE(run_until(f.io, [&] { return c.got.size() == 1; }));
+  std::vector<std::uint16_t> tcp_ports;
+  for (const auto& s : f.upstream.seen) {
+    if (s.tcp) tcp_ports.push_back(s.port);
+  }
+  REQUIRE(tcp_ports.size() == 1);
+  int tcp_forgotten = 0;
+  for (std::size_t i = 0; i < f.forgotten.size(); ++i) {
+    const FlowTuple& t = f.forgotten[i];
+    if (t.proto != IPPROTO_TCP) continue;
+    ++tcp_forgotten;
+    CHECK(t.sport == tcp_ports[0]);
+    CHECK(t.src.to_string() == "127.0.0.1");
+    CHECK(t.dst.to_string() == "127.0.0.1");
+    CHECK(t.dport == f.upstream.port());
+    CHECK(f.tcp_seen_when_forgotten[i] == 0);  // before the connect
+  }
+  CHECK(tcp_forgotten == 1);
 }
 
 TEST_CASE("IPv6 loopback is served too") {
