@@ -71,6 +71,24 @@ std::uint16_t port_of(const sockaddr_storage& ss) {
                                        : reinterpret_cast<const sockaddr_in6&>(ss).sin6_port);
 }
 
+// The flow from a socket's address and port `ss` to `to`.
+FlowTuple flow_from(const sockaddr_storage& ss, const Server& to, std::uint8_t proto) {
+  FlowTuple t;
+  t.proto = proto;
+  const bool v4 = ss.ss_family == AF_INET;
+  t.src.family = v4 ? 4 : 6;
+  t.src.prefix_len = v4 ? 32 : 128;
+  if (v4) {
+    std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(ss).sin_addr, 4);
+  } else {
+    std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(ss).sin6_addr, 16);
+  }
+  t.sport = port_of(ss);
+  t.dst = to.ip;
+  t.dport = to.port;
+  return t;
+}
+
 }  // namespace
 
 boost::asio::ip::address to_address(const IpPrefix& ip) {
@@ -359,19 +377,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   std::optional<FlowTuple> answered_flow() const {
     const auto ss = local ? local : local_address(ufd);
     if (!ss) return std::nullopt;
-    FlowTuple t;
-    const bool v4 = ss->ss_family == AF_INET;
-    t.src.family = v4 ? 4 : 6;
-    t.src.prefix_len = v4 ? 32 : 128;
-    if (v4) {
-      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*ss).sin_addr, 4);
-    } else {
-      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*ss).sin6_addr, 16);
-    }
-    t.sport = port_of(*ss);
-    t.dst = impl->servers[server].ip;
-    t.dport = impl->servers[server].port;
-    return t;
+    return flow_from(*ss, impl->servers[server], IPPROTO_UDP);
   }
   Bytes question() const { return query().subspan(kHeaderSize, question_len); }
 
@@ -557,18 +563,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     if (::bind(fd, reinterpret_cast<const sockaddr*>(&*src), len) != 0) return;
     const auto bound = local_address(fd);
     if (!bound) return;
-    FlowTuple t;
-    t.proto = IPPROTO_TCP;
-    t.src.family = v4 ? 4 : 6;
-    t.src.prefix_len = v4 ? 32 : 128;
-    if (v4) {
-      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in&>(*bound).sin_addr, 4);
-    } else {
-      std::memcpy(t.src.bytes.data(), &reinterpret_cast<const sockaddr_in6&>(*bound).sin6_addr, 16);
-    }
-    t.sport = port_of(*bound);
-    t.dst = srv.ip;
-    t.dport = srv.port;
+    const FlowTuple t = flow_from(*bound, srv, IPPROTO_TCP);
     impl->forget(std::span<const FlowTuple>(&t, 1));
   }
 
