@@ -369,6 +369,26 @@ struct Instance::Impl {
       if (!closed) fn();
     });
   }
+  void run_after(std::chrono::milliseconds delay, std::function<void()> fn) {
+    auto t = std::make_shared<boost::asio::steady_timer>(io, delay);
+    timers.insert(t);
+    ++queued;
+    t->async_wait([this, t, fn = std::move(fn)](const boost::system::error_code& ec) {
+      --queued;
+      timers.erase(t);
+      if (!ec && !closed) fn();
+    });
+  }
+
+  // The proxy could not listen on any port (every one it tried held by the
+  // sandbox's sockets): these options, without the fallback, try again on
+  // the port the table's redirect names, every second, from the sandbox's
+  // namespace (an agent's thread is home between turns).
+  std::optional<dns::ProxyOptions> proxy_retry;
+  int proxy_netns = -1;  // the sandbox's namespace, owned by the reaper
+  bool forwarder_from_kernel = false;  // no forwarder configured: one pinned in the kernel is adopted
+  void attach_proxy();
+  void retry_proxy();
 };
 
 // Start-up only: compiled for size ([[gnu::cold]]; the image budget is 10 MiB).
@@ -500,14 +520,7 @@ struct Instance::Impl {
   };
   so.post = [this](std::function<void()> fn) { post(std::move(fn)); };
   so.run_after = [this](std::chrono::milliseconds delay, std::function<void()> fn) {
-    auto t = std::make_shared<boost::asio::steady_timer>(io, delay);
-    timers.insert(t);
-    ++queued;
-    t->async_wait([this, t, fn = std::move(fn)](const boost::system::error_code& ec) {
-      --queued;
-      timers.erase(t);
-      if (!ec && !closed) fn();
-    });
+    run_after(delay, std::move(fn));
   };
   // The inline state file is written off the loop; one thread, so writes
   // land in order.
@@ -567,6 +580,7 @@ struct Instance::Impl {
     popts.upstream = upstream;
     popts.max_ttl = policy.dns.max_ttl_s;
     popts.forwarder = forwarder;
+    forwarder_from_kernel = forwarder.targets.empty();
     if (opts.fd_budget) popts.fd_account = opts.fd_budget->open(opts.name);
     if (opts.upstream_netns.ok()) {
       popts.open_socket = [ns = opts.upstream_netns.get()](int domain, int type) {
@@ -585,9 +599,29 @@ struct Instance::Impl {
       }
     }
     auto p = dns::Proxy::bind(io, popts, *sandbox);
-    if (!p) return p.error();
-    proxy = std::move(*p);
-    if (proxy->port_fell_back()) {
+    if (!p && p.error().message.find(errno_text(EADDRINUSE)) != std::string::npos) {
+      // Port 53 and every other port tried are held (found by an attack
+      // review: a uid-65534 process under Docker held 127.0.0.1:53, [::1]:53
+      // and TCP [::1] on every ephemeral port, and egressd exited, or the
+      // agent refused to attach). Failing here left the namespace without
+      // egressd: no switch, or no policy at all. So the policy goes in as
+      // usual, the redirect names the configured port, where egressd does
+      // not answer (the sandbox's own socket may: it hears only itself, and
+      // nothing it answers is learned), and the proxy tries again.
+      log->error("{}the DNS proxy cannot listen: {}; another socket in the sandbox holds port {} and every other "
+                 "port tried (under Docker any process may bind any port: ip_unprivileged_port_start=0). The "
+                 "policy is installed and enforced; no name resolves through egressd, so nothing is learned, "
+                 "until the proxy can listen on port {}: it tries again every second",
+                 prefix(), p.error().message, opts.dns_port, opts.dns_port);
+      popts.fallback_port = false;
+      proxy_retry = std::move(popts);
+      proxy_netns = sandbox_netns;
+    } else if (!p) {
+      return p.error();
+    } else {
+      proxy = std::move(*p);
+    }
+    if (proxy && proxy->port_fell_back()) {
       log->warn("{}port {} in the sandbox was taken by another process while egressd was down; the DNS proxy "
                 "listens on port {} and the redirect points there. Under Docker any process may bind port 53 "
                 "(net.ipv4.ip_unprivileged_port_start=0): start the task container with "
@@ -619,22 +653,13 @@ struct Instance::Impl {
   guard->start();
   netwatch->go_live();
   if (proxy) {
-    if (forwarder.targets.empty() && !sandbox->relay_upstreams().empty() && upstream_inside) {
-      // Pinned by an earlier egressd: adopted from the kernel, no probe.
-      dns::ForwarderOptions kept;
-      for (const auto& t : sandbox->relay_upstreams()) kept.targets.push_back(t.to_string());
-      kept.source = "kernel";
-      proxy->set_forwarder(std::move(kept));
-    }
-    // From the agent's namespace the upstream sockets carry no mark: the
-    // sandbox's own-traffic mark means nothing there (and could meet the
-    // host's own mark-based routing).
-    proxy->serve(upstream_inside ? sandbox->own_mark() : 0, sandbox->proxy_mark());
-    sandbox->attach_proxy(proxy.get());
+    attach_proxy();
     // The agent's thread is in the sandbox's namespace here, and an upstream
     // socket belongs to the namespace it is made in: the agent asks once it
     // is home (Instance::preresolve).
     if (upstream_inside) sandbox->preresolve_active();
+  } else if (proxy_retry) {
+    run_after(std::chrono::seconds(1), [this] { retry_proxy(); });
   }
 
   // Denied packets: the deny chain logs to this group (rate-limited in the
@@ -713,6 +738,47 @@ struct Instance::Impl {
     if (auto s = metrics->start(); !s) return s.error().wrap("--metrics-file");
   }
   return {};
+}
+
+void Instance::Impl::attach_proxy() {
+  if (forwarder_from_kernel && !sandbox->relay_upstreams().empty() && upstream_inside) {
+    // Pinned by an earlier egressd: adopted from the kernel, no probe.
+    dns::ForwarderOptions kept;
+    for (const auto& t : sandbox->relay_upstreams()) kept.targets.push_back(t.to_string());
+    kept.source = "kernel";
+    proxy->set_forwarder(std::move(kept));
+  }
+  // From the agent's namespace the upstream sockets carry no mark: the
+  // sandbox's own-traffic mark means nothing there (and could meet the
+  // host's own mark-based routing).
+  proxy->serve(upstream_inside ? sandbox->own_mark() : 0, sandbox->proxy_mark());
+  sandbox->attach_proxy(proxy.get());
+}
+
+[[gnu::cold]] void Instance::Impl::retry_proxy() {
+  if (closed || proxy || !proxy_retry) return;
+  Result<std::unique_ptr<dns::Proxy>> p = Error::runtime("not tried");
+  {
+    auto scope = NetnsScope::enter(proxy_netns);
+    if (!scope) {
+      log->warn("{}the DNS proxy cannot try again: {}", prefix(), scope.error().message);
+      return run_after(std::chrono::seconds(1), [this] { retry_proxy(); });
+    }
+    p = dns::Proxy::bind(io, *proxy_retry, *sandbox);
+    if (p) {
+      proxy = std::move(*p);
+      attach_proxy();
+      if (upstream_inside) sandbox->preresolve_active();  // as at build: from the sandbox's namespace
+    }
+  }
+  if (!p) {
+    log->debug("{}the DNS proxy still cannot listen: {}", prefix(), p.error().message);
+    return run_after(std::chrono::seconds(1), [this] { retry_proxy(); });
+  }
+  proxy_retry.reset();
+  log->warn("{}the DNS proxy listens on port {} now; names resolve through egressd again", prefix(), proxy->port());
+  // Home again: the upstream sockets of an agent's own namespace are made here.
+  if (!upstream_inside) sandbox->preresolve_active();
 }
 
 Instance::Instance(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -1236,3 +1236,53 @@ def test_a_sandbox_cannot_ask_dockers_resolver_past_the_agents_proxy(lab, agent,
     assert not [q for q in lab.dns.queries() if token in q.name.lower()]
     r = lab.sandbox.dns_query("a.example.com", server="127.0.0.11")
     assert r.rcode == ("NOERROR" if phase == "agent" else "REFUSED"), r
+
+
+# --- a sandbox that holds every port the proxy could use -------------------------------------------
+
+HOG_POLICY = """\
+initial_phase: setup
+phases:
+  setup: public
+  locked: { network_mode: no-network }
+"""
+
+
+def test_a_running_container_holding_every_proxy_port_is_attached_all_the_same(lab, agent):
+    """Found by an attack review: the agent attaches containers that already run, whose processes
+    (uid 65534, Docker's ip_unprivileged_port_start=0) can take 127.0.0.1:53, [::1]:53 and TCP
+    [::1] at every ephemeral port first. `sandbox add` failed ("bind tcp [::1]:N: Address already
+    in use") and the container ran with no policy at all. Now the policy goes in without the
+    proxy, and the proxy follows once the ports are free."""
+    from test_dns_integrity import hog_every_proxy_port, release
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    hogs = hog_every_proxy_port(lab)
+    try:
+        rc, out, err = agent.ctl("sandbox", "add", "one", "--netns", lab.sandbox.path, "--mode", "no-network")
+    finally:
+        held = release(hogs)
+    assert sum(h["held"] for h in held) > 20000, held
+    assert rc == 0, (out, err)
+    assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) != "ok"
+    wait_for(lambda: "the DNS proxy listens on port 53 now" in agent.log(), 5.0, "the proxy to listen again")
+
+
+def test_a_kept_sandbox_holding_every_proxy_port_across_an_agent_restart_is_attached_again(lab, agent):
+    """The same hold while the agent restarts: the kept sandbox was dropped from the agent (its
+    `public` table stayed in force, and the orchestrator's switch to `locked` failed: no sandbox
+    "one"). It is attached again, and the switch takes effect."""
+    from test_dns_integrity import hog_every_proxy_port, release
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(HOG_POLICY))
+    assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) == "ok"  # setup: public
+    agent.stop()
+    hogs = hog_every_proxy_port(lab)
+    try:
+        agent.start()
+        listing = agent.listing()
+        rc, out, err = agent.ctl("--sandbox", "one", "apply", "locked")
+    finally:
+        held = release(hogs)
+    assert sum(h["held"] for h in held) > 20000, held
+    assert "one" in listing and rc == 0, (listing, out, err)
+    assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) != "ok"

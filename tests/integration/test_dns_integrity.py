@@ -1302,6 +1302,85 @@ def test_port_53_squatted_across_a_restart(lab, egressd, phase):
     assert "ip_unprivileged_port_start" not in d.log().split("--- ")[-1]
 
 
+# uid 65534 (Docker: ip_unprivileged_port_start=0): holds UDP 127.0.0.1:53 and [::1]:53
+# (argv[3] == "1"), and binds a TCP socket to [::1]:P for every P in [argv[1], argv[2]), until a
+# line on stdin. Prints how many it held.
+PORT_HOG = r"""
+import json, resource, socket, sys
+lo, hi, squat53 = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+socks, held = [], 0
+if squat53:
+    for fam, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        s = socket.socket(fam, socket.SOCK_DGRAM); s.bind((addr, 53)); socks.append(s)
+for port in range(lo, hi):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        s.bind(("::1", port)); socks.append(s); held += 1
+    except OSError:
+        s.close()
+print("READY", flush=True)
+sys.stdin.readline()
+for s in socks:
+    s.close()
+print(json.dumps({"held": held}), flush=True)
+"""
+
+
+def hog_every_proxy_port(lab) -> list:
+    """Two uid-65534 processes (a process's descriptor limit is 1M under Docker, 2^20 here at most
+    as well) that hold port 53 and every port the proxy could fall back to."""
+    lo, hi = (int(x) for x in lab.sandbox.read_proc("/proc/sys/net/ipv4/ip_local_port_range").split())
+    mid = (lo + hi + 1) // 2
+    return [attacker(lab, PORT_HOG, lo, mid, "1", uid=True), attacker(lab, PORT_HOG, mid, hi + 1, "0", uid=True)]
+
+
+def release(hogs) -> list[dict]:
+    out = []
+    for h in hogs:
+        h.stdin.write(b"\n")
+        h.stdin.flush()
+        out.append(attacker_result(h))
+    return out
+
+
+def test_egressd_comes_up_enforcing_when_the_sandbox_holds_every_port_its_proxy_could_use(lab, egressd):
+    """Found by an attack review: under Docker a uid-65534 process held 127.0.0.1:53, [::1]:53 and
+    a TCP socket on [::1] at every ephemeral port while egressd was down; the fallback port never
+    fit all four sockets and egressd exited ("bind tcp [::1]:N: Address already in use"): no control
+    socket, the phase before the restart stuck in the kernel. Now egressd comes up without its
+    proxy, enforces the policy and switches, says why, and the proxy listens on port 53 once the
+    sandbox lets go."""
+    serve(lab)
+    lab.sandbox.sysctl("net.ipv4.ip_unprivileged_port_start", 0)
+    d = egressd(policy(DNS_V4))  # agent: allowlist
+    d.stop()
+    hogs = hog_every_proxy_port(lab)
+    try:
+        d.start(timeout=10.0)
+        assert "the DNS proxy cannot listen" in d.log(), d.log()[-2000:]
+        t = tok()
+        r = lab.dns_query(f"{t}.wild.example.org", timeout=2.0)
+        assert r.rcode != "NOERROR", r  # nothing resolves through egressd: nothing to learn
+        assert not lab.learned_set(4)
+        # (No TCP connect while the ports are held: the kernel finds no free port for one.)
+        assert d.request({"cmd": "apply", "phase": "environment"}).get("ok") is True
+        assert d.request({"cmd": "apply", "phase": "verifier"}).get("ok") is True
+    finally:
+        held = release(hogs)
+    assert sum(h["held"] for h in held) > 20000, held  # the ports were held (egressd exited before)
+    assert rejected(lab.tcp_connect(WILD_V4, 80))  # no-network: the switches took effect
+    labmod.wait_for(lambda: "the DNS proxy listens on port 53 now" in d.log(), 5.0, "the proxy to listen again")
+    assert d.request({"cmd": "apply", "phase": "agent"}).get("ok") is True
+    t = tok()
+    for server in (DNS_V4, DNS_V6):
+        for tcp in (False, True):
+            r = lab.dns_query(f"{server.replace(':', '-')}{int(tcp)}.{t}.wild.example.org", server=server, tcp=tcp)
+            assert (r.outcome, r.rcode) == ("ok", "NOERROR"), (server, tcp, r)
+    assert lab.tcp_connect(WILD_V4, 80) == "ok"
+
+
 # --- Docker's loop --------------------------------------------------------------------------------------
 
 
