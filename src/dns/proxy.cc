@@ -716,8 +716,9 @@ void Core::serve(std::uint32_t own_mark, std::uint32_t proxy_mark) {
   for (auto& a : acceptors_) asio::co_spawn(io_, accept_loop(self, *a), log_exception);
   std::string servers;
   for (const Server& s : upstream_->servers()) servers += (servers.empty() ? "" : ",") + s.to_string();
-  log_->info("event=proxy_started port={} ipv6={} upstream={} mark={:#x} inflight_max={} owned={}", port_,
-             udp_.size() > 1, servers, own_mark, opts_.max_inflight, owned_.size());
+  // The own mark is a secret of the table's (nft/compile.h): the log says only whether there is one.
+  log_->info("event=proxy_started port={} ipv6={} upstream={} marked={} inflight_max={} owned={}", port_,
+             udp_.size() > 1, servers, own_mark != 0, opts_.max_inflight, owned_.size());
 
   const ForwarderOptions& f = opts_.forwarder;
   if (!f.targets.empty()) {

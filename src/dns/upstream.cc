@@ -332,7 +332,7 @@ struct Upstream::Impl : std::enable_shared_from_this<Impl> {
       // Without the mark nftables treats our upstream traffic like the
       // sandbox's. Still send: the ruleset decides. Needs CAP_NET_ADMIN.
       const int err = errno;
-      log->warn("event=upstream_mark_failed mark={:#x} error=\"{}\"", mark, errno_text(err));
+      log->warn("event=upstream_mark_failed error=\"{}\"", errno_text(err));  // the mark is a secret
       mark_warned = true;
     }
   }

@@ -939,3 +939,20 @@ def test_net_raw_packet_sockets_do_not_bypass_the_policy(lab, egressd):
         assert res["echo"] in ("send: No buffer space available", "TimeoutError"), res
     # The policy itself is untouched: ordinary sockets are still denied.
     assert fast_reject(lab.udp_exchange("198.51.100.11", 7, timeout=1.0))
+
+
+def test_egressds_log_holds_none_of_the_tables_secret_marks(lab, egressd):
+    """The own-traffic, pass and proxy marks are drawn at random so that a sandbox process with
+    NET_RAW cannot guess them (docs/security.md). egressd's log is read by more people than the
+    table (an orchestrator's log collector); the proxy's start line printed the own mark (found
+    by an attack review). None of the table's secrets may appear in the log."""
+    d = egressd(POLICY)
+    d.request({"cmd": "apply", "phase": "agent"})
+    rc, out, err = lab.nft(lab.sandbox, "list", "table", "inet", "egressd")
+    assert rc == 0, err
+    secrets = set(re.findall(r"(?:mark|pass|proxy|salt)=0x([0-9a-f]+)", " ".join(
+        line for line in out.splitlines() if "comment" in line and "egressd v" in line)))
+    assert secrets, out[:2000]
+    log = d.log().lower()
+    leaked = [s for s in secrets if int(s, 16) != 0 and (f"0x{s}" in log or f"0x{int(s, 16):x}" in log)]
+    assert not leaked, leaked
