@@ -332,6 +332,21 @@ std::uint32_t pin_priority_of(const nft::CompileOptions& c) {
 
 }  // namespace
 
+std::string Sandbox::table_id() const {
+  // One-way: the state file may be read where the table cannot be.
+  const auto& c = opts_.compile;
+  const std::string in = fmt::format("egressd table {:08x} {:08x} {:08x} {:08x} {:08x}", c.own_mark, c.pass_mark,
+                                     c.pass_priority, c.proxy_mark, c.pin_mark);
+  sha256_ctx ctx;
+  sha256_init(&ctx);
+  sha256_update(&ctx, in.size(), reinterpret_cast<const std::uint8_t*>(in.data()));
+  std::array<std::uint8_t, SHA256_DIGEST_SIZE> d{};
+  sha256_digest(&ctx, d.size(), d.data());
+  std::string out;
+  for (std::size_t i = 0; i < 12; ++i) out += fmt::format("{:02x}", d[i]);
+  return out;
+}
+
 void Sandbox::draw_secrets() {
   if (!opts_.random) return;
   auto& c = opts_.compile;
@@ -1237,14 +1252,17 @@ Status Sandbox::remove_table() {
     ch.ops.push_back(nft::OpDeleteTable{nft::kTableName, nft::Family::netdev});
   }
   auto st = kernel_->apply(ch);
-  // The next table made here is a fresh start with a snapshot of its own.
+  // The next table made here is a fresh start with a snapshot of its own,
+  // and an inline policy of its own (the state file names its table too).
   if (st && !opts_.hosts_snapshot_file.empty()) ::unlink(opts_.hosts_snapshot_file.c_str());
+  if (st && !opts_.state_file.empty()) ::unlink(opts_.state_file.c_str());
   return st;
 }
 
 void Sandbox::save_inline_state() {
   if (opts_.state_file.empty() || !inline_) return;
-  auto write = [path = opts_.state_file, text = encode_inline_state(state_.generation, *inline_), lg = log()] {
+  auto write = [path = opts_.state_file, text = encode_inline_state(state_.generation, *inline_, table_id()),
+                lg = log()] {
     if (auto s = write_atomically(path, text); !s) lg->warn("inline policy not saved for adoption: {}", s.error().message);
   };
   if (opts_.write_off_loop) {
@@ -1260,7 +1278,7 @@ std::optional<Phase> Sandbox::load_inline_state(std::uint64_t generation) {
   if (!in) return std::nullopt;
   std::ostringstream text;
   text << in.rdbuf();
-  auto ph = decode_inline_state(text.str(), generation);
+  auto ph = decode_inline_state(text.str(), generation, table_id());
   if (!ph) {
     log()->warn("state file {} {}", opts_.state_file, ph.error().message);
     return std::nullopt;

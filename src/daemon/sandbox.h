@@ -466,6 +466,10 @@ class Sandbox : public dns::PolicyHooks {
   void rebuild_netdev(nft::Change& ch) const;
   // Draws the secrets of a new table / a new salt (SandboxOptions::random).
   void draw_secrets();
+  // Names this table in the inline state file: a digest of its secrets
+  // (drawn for a fresh table, adopted with one found), so a file another
+  // table left is not taken for this one's.
+  std::string table_id() const;
   void draw_salt();
   // start() once the secrets are settled: install, adopt or restage table
   // inet egressd (`existing`: the table found, or nullptr).

@@ -478,3 +478,64 @@ def test_non_socket_at_the_socket_path_is_left_alone(lab, egressd):
     os.unlink(d.socket_path)
     labmod.wait_for(lambda: ctl_works(d), SOCKET_DEADLINE, "egressctl to work again once the file is gone")
     check_socket_is_ours(d)
+
+
+# --- an inline policy a removed table left --------------------------------------------------------
+
+STALE_CFG = """\
+initial_phase: verifier
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  verifier: { network_mode: no-network }
+"""
+
+
+def test_an_inline_policy_a_removed_table_left_is_never_taken_for_the_one_in_force(lab, egressd):
+    """Found by an attack review: the inline state file (<socket>.state) outlived its table
+    (--cleanup-on-exit; `sandbox remove --remove-policy`; another namespace behind the same socket
+    path), a new table starts its generations at 1 again, and the file was checked by generation
+    alone. The file is written right after the reply: egressd killed within a millisecond of the
+    "ok" for a NARROW inline allowlist left the WIDE file of the removed table at the same
+    generation (4 or 5 of 5 kills at 0 ms), and the restarted egressd took WIDE for the policy
+    in force: `status` listed it, and a tamper restore or a changed-config restart put it in the
+    kernel. Here the kill's outcome is set up directly: the stale file written back after the kill.
+    The file now names its table, and goes with it."""
+    narrow_ok, wide_only = "198.51.100.10", "198.51.100.11"
+    d = egressd(STALE_CFG, extra=["--cleanup-on-exit"])
+    state = d.socket_path.with_name(d.socket_path.name + ".state")
+    r = d.request({"cmd": "apply", "mode": "allowlist", "allow": [narrow_ok, wide_only]})
+    assert r.get("ok") is True, r
+    gen = r["generation"]
+    labmod.wait_for(lambda: state.exists() and json.loads(state.read_text()).get("generation") == gen, 5.0,
+                    "the wide policy's state file")
+    assert lab.tcp_connect(wide_only, 80) == "ok"
+    stale = state.read_text()
+    assert d.stop() == 0
+    assert lab.nft(lab.sandbox, "list", "table", "inet", "egressd")[0] != 0, "--cleanup-on-exit left the table"
+    outlived = state.exists()  # asserted last: what follows holds even where a file is left behind
+    d.extra = []
+    d.start()  # a fresh table: generation 1
+    g = d.status()["generation"]
+    while g < gen - 1:
+        g = d.request({"cmd": "apply", "phase": "environment" if g % 2 else "verifier"})["generation"]
+    r = d.request({"cmd": "apply", "mode": "allowlist", "allow": [narrow_ok]})
+    assert r.get("ok") is True and r["generation"] == gen, r
+    labmod.wait_for(lambda: state.exists() and json.loads(state.read_text()).get("allow") == [narrow_ok], 5.0,
+                    "the narrow state file")
+    d.kill()
+    d.wait()
+    state.write_text(stale)  # what a kill right after the "ok" left
+    assert rejected(lab.tcp_connect(wide_only, 80))  # the kernel holds NARROW
+    d.start()
+    entries = {e.get("entry") for e in d.status().get("entries", [])}
+    assert wide_only not in entries, entries
+    assert "not adopted: saved for another table" in d.log()
+    rc, _, err = lab.nft(lab.sandbox, "delete", "table", "inet", "egressd")
+    assert rc == 0, err
+    labmod.wait_for(lambda: lab.nft(lab.sandbox, "list", "table", "inet", "egressd")[0] == 0, 5.0, "the restore")
+    assert rejected(lab.tcp_connect(wide_only, 80)), "the tamper restore installed the removed table's policy"
+    assert rejected(lab.tcp_connect(narrow_ok, 80))  # entries unknown: restored as no-network
+    d.restart(config=lab.write_config(STALE_CFG + "  extra: { network_mode: no-network }\n", "changed.yaml"))
+    assert rejected(lab.tcp_connect(wide_only, 80)), "a changed-config restart installed the removed table's policy"
+    assert not outlived, "the state file outlived its table"
