@@ -621,15 +621,33 @@ void Sandbox::adopt_relay_upstreams() {
                 fmt::format("adopted inline policy gen={} and restaged the changed config", state_.generation));
     return {};
   }
-  if (auto s = install(initial, adopted->generation + 1, true); !s) return s;
+  // Fail closed: the phase in force, which the orchestrator was told of, is
+  // unknown here, and the initial phase may be wider (found by an attack
+  // review: `ok` for a no-network phase, a kill, a restart with a config
+  // without it and `initial_phase: environment` (public) opened everything).
+  // An initial phase of mode no-network is taken as it is; any other, no:
+  // an inline no-network policy is, until the orchestrator applies one.
+  if (initial.mode == Mode::no_network) {
+    if (auto s = install(initial, adopted->generation + 1, true); !s) return s;
+    inline_.reset();
+  } else {
+    auto closed = make_inline_phase("inline", Mode::no_network, {});
+    if (!closed) return closed.error();
+    inline_ = std::move(closed).value();
+    if (auto s = install(*inline_, adopted->generation + 1, true); !s) return s;
+    save_inline_state();
+  }
   inline_unknown_ = false;
+  const std::string now = state_.is_inline ? std::string("inline") : initial.name;
   audit_event("adoption",
-              {{"phase", initial.name}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
+              {{"phase", now}, {"mode", to_string(state_.mode)}, {"generation", state_.generation},
                {"restaged", true}, {"dropped_phase", adopted->phase}},
               spdlog::level::warn,
               fmt::format("adopted phase={} cannot be carried into the new config (unknown there, or an inline "
-                          "policy without its state file); switched to phase={} gen={}",
-                          adopted->phase, initial.name, state_.generation));
+                          "policy without its state file); switched to {} (no-network) gen={} until a phase is "
+                          "applied",
+                          adopted->phase, state_.is_inline ? std::string("an inline policy") : "phase=" + initial.name,
+                          state_.generation));
   return {};
 }
 

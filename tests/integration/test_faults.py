@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import lab as labmod
 
 FAST = 0.5  # s: a rejected connect is answered at once
@@ -539,3 +541,48 @@ def test_an_inline_policy_a_removed_table_left_is_never_taken_for_the_one_in_for
     d.restart(config=lab.write_config(STALE_CFG + "  extra: { network_mode: no-network }\n", "changed.yaml"))
     assert rejected(lab.tcp_connect(wide_only, 80)), "a changed-config restart installed the removed table's policy"
     assert not outlived, "the state file outlived its table"
+
+
+LOCKDOWN_CFG = """\
+initial_phase: environment
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  lockdown: { network_mode: no-network }
+"""
+# A redeploy whose config has no `lockdown` and still starts in public.
+REDEPLOY_CFG = """\
+initial_phase: environment
+dns: { upstream: ["192.0.2.1"] }
+phases:
+  environment: public
+  verifier: { network_mode: no-network }
+"""
+
+
+@pytest.mark.parametrize("acknowledged", ["named", "inline-without-its-file"])
+def test_a_restart_that_cannot_carry_the_phase_in_force_falls_back_to_no_network_not_the_initial(lab, egressd,
+                                                                                                 acknowledged):
+    """Found by an attack review: the orchestrator got `ok` for a no-network phase (or an inline
+    allowlist, whose state file a kill lost), egressd was killed and restarted with a config
+    that cannot carry it (no such phase; an inline policy without its file) and whose initial
+    phase is public: egressd installed public. It installs no-network now (an inline policy,
+    as the initial phase is not no-network) and says so; the orchestrator's next apply leaves it."""
+    d = egressd(LOCKDOWN_CFG)
+    state = d.socket_path.with_name(d.socket_path.name + ".state")
+    if acknowledged == "named":
+        assert d.request({"cmd": "apply", "phase": "lockdown"}).get("ok") is True
+    else:
+        assert d.request({"cmd": "apply", "mode": "allowlist", "allow": ["198.51.100.10"]}).get("ok") is True
+        labmod.wait_for(lambda: state.exists(), 5.0, "the state file")
+    assert rejected(lab.tcp_connect("203.0.113.10", 80))
+    d.kill()
+    d.wait()
+    state.unlink(missing_ok=True)
+    d.restart(config=lab.write_config(REDEPLOY_CFG, "redeploy.yaml"))
+    st = d.status()
+    assert st["mode"] == "no-network", st
+    assert rejected(lab.tcp_connect("203.0.113.10", 80)), st
+    assert "cannot be carried into the new config" in d.log()
+    assert d.request({"cmd": "apply", "phase": "environment"}).get("ok") is True
+    assert lab.tcp_connect("203.0.113.10", 80) == "ok"
