@@ -260,6 +260,9 @@ constexpr const char* kQuicOtherReason =
     "stream)";
 constexpr const char* kQuicForgottenReason =
     "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds";
+constexpr const char* kQuicIdReason =
+    "quic Initial under the connection ID of a connection admitted on another flow (new source port, or after "
+    "conntrack forgot the first: the server would read only what extends its first hello)";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
@@ -995,11 +998,33 @@ std::vector<PinVerdict> PinFlows::quic_packet(PinPacketId id, const Key& key, co
   Flow& f = it->second;
   f.ids.push_back(id);
   const pin::Parse parse = f.quic->feed(pin::Bytes(seg.payload.data(), seg.payload.size()));
+  if (const pin::Bytes dcid = f.quic->dcid(); !dcid.empty() && quic_ids_.contains(quic_id_key(key, dcid))) {
+    return reset_flow(it, kQuicIdReason, now);
+  }
   pin::Decision d = pin::decide(pin::PinProto::quic, parse, seg.dst, seg.dport, judge_.pin_facts());
   if (d.kind == pin::Decision::Kind::need_more) return {};
   judge_.pin_decided(d, seg.dst, seg.dport);
-  if (d.kind == pin::Decision::Kind::admit) remember(key, seg, d.name);
+  if (d.kind == pin::Decision::Kind::admit) {
+    remember(key, seg, d.name);
+    if (const pin::Bytes dcid = f.quic->dcid(); !dcid.empty()) {
+      std::string k = quic_id_key(key, dcid);
+      quic_ids_[k] = QuicId{now};
+      quic_ids_order_.emplace_back(now, std::move(k));
+      while (quic_ids_.size() > kMaxQuicIds && !quic_ids_order_.empty()) pop_oldest(quic_ids_order_, quic_ids_);
+    }
+  }
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+std::string PinFlows::quic_id_key(const Key& key, pin::Bytes dcid) {
+  std::string k;
+  k.reserve(1 + key.dst.size() + 2 + dcid.size());
+  k.push_back(static_cast<char>(key.family));
+  k.append(reinterpret_cast<const char*>(key.dst.data()), key.dst.size());
+  k.push_back(static_cast<char>(key.dport >> 8));
+  k.push_back(static_cast<char>(key.dport & 0xFF));
+  k.append(reinterpret_cast<const char*>(dcid.data()), dcid.size());
+  return k;
 }
 
 std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Followed>::iterator fo,
@@ -1146,6 +1171,7 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
   pop_old(decided_order_, decided_, kDecidedMemory);
   pop_old(starts_order_, starts_, kStartMemory);
   pop_old(followed_order_, followed_, kQuicFollowTime);
+  pop_old(quic_ids_order_, quic_ids_, kQuicIdMemory);
   return out;
 }
 

@@ -160,6 +160,13 @@ inline constexpr std::size_t kMaxQuicFlows = 256;
 // Initial without one is refused: the client falls back to TCP).
 inline constexpr std::size_t kMaxQuicFollowed = 256;
 inline constexpr std::chrono::seconds kQuicFollowTime{30};
+// The Destination Connection IDs of admitted QUIC connections, by server
+// address and port, kept longer than any handshake (a server finds a
+// connection by its ID, whatever the four-tuple: an Initial under it on a
+// flow the reader never admitted, from a new source port or after conntrack
+// forgot the first one, would extend a stream the server holds).
+inline constexpr std::size_t kMaxQuicIds = 8192;
+inline constexpr std::chrono::minutes kQuicIdMemory{10};
 // HTTP connections followed at once (their later requests are judged); the
 // least recently active is forgotten past this, and its next packet refused.
 inline constexpr std::size_t kMaxHttpFollowed = 4096;
@@ -392,6 +399,13 @@ class PinFlows {
                                       Clock::time_point now);
   std::map<Key, Followed> followed_;
   std::deque<std::pair<Clock::time_point, Key>> followed_order_;
+  struct QuicId {
+    Clock::time_point at;
+  };
+  // family, server address, port and the ID, as bytes.
+  static std::string quic_id_key(const Key& key, pin::Bytes dcid);
+  std::map<std::string, QuicId> quic_ids_;
+  std::deque<std::pair<Clock::time_point, std::string>> quic_ids_order_;
   void forget_admitted(const Key& key);
   std::vector<PinVerdict> new_connection_on_old_entry(PinPacketId id, const Key& key, const Segment& seg,
                                                       Clock::time_point now);

@@ -99,6 +99,10 @@ class QuicInitialAssembler {
   // never reached the server, is caught here.
   QuicFollow follow(Bytes datagram);
 
+  // The first Initial's Destination Connection ID (empty before one was
+  // read): what the server knows the connection by, whatever the four-tuple.
+  Bytes dcid() const { return {dcid_.data(), dcid_len_}; }
+
   // The CRYPTO bytes received contiguously from offset 0 (for tests).
   Bytes crypto_prefix() const { return {crypto_.data(), contiguous_}; }
 

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import socket
 import struct
 import sys
@@ -355,6 +356,9 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
     elif mode in ("detour", "detour_scid", "detour_v2"):
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
+    elif mode in ("migrate", "migrate_ack", "expire"):
+        pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
+        sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
     elif mode == "evict":  # CH1 alone; after the HRR: 300 other admitted flows, then CHx
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
@@ -364,6 +368,7 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
     for d in sent:
         s.send(d)
     res = {"mode": mode, "sni1": sni1, "sni2": sni2, "sent": [len(d) for d in sent]}
+    socks = [s]
     ini, hs = Stream(), Stream()
     server_cid = None
     pending_hs = []
@@ -379,7 +384,11 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
     try:
         while time.monotonic() < deadline and not got_done:
             try:
-                d = s.recv(65536)
+                r_, _, _ = select.select(socks, [], [], max(0.05, min(3.0, deadline - time.monotonic())))
+                if not r_:
+                    raise socket.timeout()
+                d = r_[0].recv(65536)
+                res.setdefault("recv_on", []).append(socks.index(r_[0]))
             except socket.timeout:
                 res["step"] = res.get("step", "timeout")
                 break
@@ -469,6 +478,48 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     pl += b"\x06" + varint(0) + varint(len(chx)) + chx
                     s.send(seal_long(cik, 0, dcid, scid, 1, pl, pad_to=1200))
                     res["ch2_sent"] = True
+                if mode in ("migrate", "migrate_ack") and not res.get("ch2_sent"):
+                    # The first connection's next Initial (its DCID and keys) from a NEW socket (a
+                    # new source port): a new four-tuple for egressd, judged afresh from offset 0
+                    # (CHx naming sni1, whose tail at len(CH1) is CH2); the server finds the
+                    # connection by its DCID and reads only what extends its stream: CH2.
+                    if mode == "migrate_ack":
+                        # the old socket ACKs the server's Initial first (a well-behaved client would)
+                        s.send(seal_long(cik, 0, dcid, scid, 1, b"\x02" + varint(0) + varint(0) + varint(0) + varint(0), pad_to=1200))
+                    s2 = socket.socket(fam, socket.SOCK_DGRAM)
+                    s2.connect((addr, port))
+                    socks.append(s2)
+                    res["new_sport"] = s2.getsockname()[1]
+                    res["old_sport"] = s.getsockname()[1]
+                    chx = hello_embedding(sni1, os.urandom(32), tp, len(ch1), ch2)
+                    pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
+                    pl += b"\x06" + varint(0) + varint(len(chx)) + chx
+                    s2.send(seal_long(cik, 0, dcid, scid, 2, pl, pad_to=1200))
+                    res["ch2_sent"] = True
+                if mode == "expire" and not res.get("ch2_sent"):
+                    # ACK the server's Initial (no retransmissions), then stay silent until the
+                    # flow's conntrack entry (30 s, all packets within 2 s) and egressd's followed
+                    # assembler (30 s) are gone; then, on the SAME four-tuple, under the first
+                    # connection's DCID and keys, the hello-with-CH2-as-its-tail.
+                    s.send(seal_long(cik, 0, dcid, scid, 1, b"\x02" + varint(0) + varint(0) + varint(0) + varint(0), pad_to=1200))
+                    wait = float(os.environ.get("QUIC_EXPIRE_WAIT", "34"))
+                    time.sleep(wait)
+                    # Any datagram through the reader makes it run its expiry (flush): a junk one
+                    # to UDP 443 from another socket (refused, ICMP) drops the stale followed entry.
+                    k = socket.socket(fam, socket.SOCK_DGRAM)
+                    try:
+                        k.sendto(b"kick", (addr, port))
+                    except OSError:
+                        pass
+                    k.close()
+                    time.sleep(0.5)
+                    chx = hello_embedding(sni1, os.urandom(32), tp, len(ch1), ch2)
+                    pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
+                    pl += b"\x06" + varint(0) + varint(len(chx)) + chx
+                    s.send(seal_long(cik, 0, dcid, scid, 2, pl, pad_to=1200))
+                    res["ch2_sent"] = True
+                    res["waited"] = wait
+                    deadline = time.monotonic() + 8
                 if mode == "evict" and not res.get("ch2_sent"):
                     # Push this flow out of egressd's followed QUIC flows (256 at most): other
                     # sockets, each admitted for an Initial naming sni1.
@@ -546,7 +597,11 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     fk = hkdf_expand_label(hsk[2], b"finished", b"", 32)
                     fin = b"\x14" + u24(hmac.new(fk, th, hashlib.sha256).digest())
                     pl = b"\x06" + varint(0) + varint(len(fin)) + fin
-                    s.send(seal_long(hsk[0], 2, server_cid, scid, 0, pl))
+                    for so in socks:
+                        try:
+                            so.send(seal_long(hsk[0], 2, server_cid, scid, 0, pl))
+                        except OSError as e:
+                            res.setdefault("fin_send_errors", []).append(e.errno)
                     sent_fin = True
                     res["step"] = "client-finished-sent"
     except OSError as e:

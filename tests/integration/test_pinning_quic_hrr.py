@@ -107,3 +107,60 @@ def test_another_connections_initial_cannot_make_the_first_one_judged_afresh(lab
     assert_refused(res, f"{mode}: the first connection's hello-with-a-tail")
     want = "quic Initial of another connection on the four-tuple of an admitted one"
     assert any(r.startswith(want) for r in pin_records(pinned)), pin_records(pinned)
+
+
+# --- the connection's ID, whatever the four-tuple -------------------------------------------------
+# Found by an attack review: after the server's HelloRetryRequest, an Initial under the first
+# connection's ID and keys whose hello names allowed.test at offset 0 and carries, from the offset
+# the server waits at, a second hello naming same-ip.test, sent on a flow egressd never admitted:
+# from a new source port (migrate_ack), or on the same four-tuple after 34 s of silence, when
+# conntrack and egressd's followed assembler had forgotten it (expire). Judged from offset 0 it was
+# admitted; a server that finds the connection by its ID reads only the tail. With a server whose
+# handshake outlives that silence (gtlsserver --handshake-timeout=120s) the handshake for
+# same-ip.test completed. egressd now remembers admitted connections' IDs (10 minutes).
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_an_initial_under_an_admitted_connections_id_from_a_new_source_port_is_refused(lab, pinned, addr):
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", "migrate_ack")
+    assert res.get("hrr") is True, res
+    assert res.get("new_sport") and res.get("new_sport") != res.get("old_sport"), res
+    reasons = [p.get("reason", "") if isinstance(p, dict) else str(p) for p in pin_records(pinned)]
+    assert any("connection ID of a connection admitted on another flow" in r for r in reasons), (res, reasons)
+    assert not res.get("server_finished_verifies_over_ch2_transcript"), res
+
+
+@pytest.fixture
+def slow_quic_servers(lab, tmp_path):
+    """gtlsserver on 443 of the shared address whose handshake and idle timeouts (120 s) outlive
+    conntrack's 30 s for an unanswered UDP flow (a server setting: nginx's QUIC idle timeout is 60 s)."""
+    import subprocess
+    from test_pinning import HOSTS
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-subj", "/CN=allowed.test", "-days", "1"],
+                   check=True, capture_output=True, timeout=30)
+    htdocs = tmp_path / "htdocs"
+    htdocs.mkdir()
+    for a in (V4, V6):
+        lab.spawn(["gtlsserver", "-q", "--timeout=120s", "--handshake-timeout=120s", "-d", htdocs, a, "443",
+                   key, cert], netns=lab.internet, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    labmod.wait_for(lambda: all(a in lab.internet.exec("ss", "-Hlun", "sport = :443").stdout for a in (V4, V6)),
+                    10.0, "gtlsserver to bind")
+    lab.dns.restart(hosts=HOSTS)
+
+
+def test_an_initial_under_an_admitted_connections_id_after_conntrack_forgot_the_flow_is_refused(
+        lab, egressd, slow_quic_servers):
+    """The same four-tuple after 34 s of silence (the client's own wait: conntrack's 30 s for an
+    unanswered flow, and egressd's followed assembler's 30 s, must pass; no sleep of the test's)."""
+    d = egressd(policy())
+    learn(lab)
+    p = attacker(lab, CLIENT, V4, 443, "allowed.test", "same-ip.test", "expire", uid=True)
+    res = attacker_result(p, timeout=90.0)
+    assert res.get("hrr") is True, res
+    assert res.get("waited", 0) >= 34, res
+    assert not (res.get("step") == "handshake-done" or res.get("server_finished_verifies_over_ch2_transcript")), \
+        f"the server completed a handshake for same-ip.test: {res}"
+    reasons = [p.get("reason", "") if isinstance(p, dict) else str(p) for p in pin_records(d)]
+    assert any("connection ID of a connection admitted on another flow" in r for r in reasons), (res, reasons)

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <boost/asio/io_context.hpp>
+#include <fmt/format.h>
 
 #include "daemon/netns_claim.h"
 #include "daemon/pinq.h"
@@ -786,13 +787,15 @@ TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and num
         K::reset);
   CHECK(j.reasons.back() ==
         "quic Initial on a flow admitted earlier whose judged ClientHello egressd no longer holds");
-  // A new flow (its ct mark still 0) is judged as before.
-  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()), 40002), later)[0].kind ==
+  // A new flow (its ct mark still 0) of another connection is judged as before.
+  const pintest::Buf b = pintest::hex("8394c8f03e515709");
+  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame()), 40002), later)[0].kind ==
         K::admit);
   // At most kMaxQuicFollowed are kept, the oldest forgotten first.
   PinFlows g(j);
   for (std::size_t i = 0; i < kMaxQuicFollowed + 10; ++i) {
-    const auto d = pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame());
+    const auto id = pintest::hex(fmt::format("8394c8f03e51{:04x}", i));
+    const auto d = pintest::seal_initial(QuicVersion::v1, id, {}, 0, rfc_frame());
     REQUIRE(g.packet(static_cast<std::uint32_t>(i + 1), quic(d, static_cast<std::uint16_t>(20000 + i)), t0)[0].kind ==
             K::admit);
   }
@@ -813,6 +816,38 @@ TEST_CASE("a GSO packet (64 KiB, handed over whole) is judged, and a held flow k
   CHECK(f.packet(3, seg(5000, big, 40001), t0).empty());
   CHECK(f.held_bytes() <= pin::kMaxInspect);
   CHECK(f.held_bytes() > 0);
+}
+
+TEST_CASE("QUIC: an Initial under an admitted connection's ID on another flow is refused, long after") {
+  // Found by an attack review: a first hello for the allowed name (no key share: the server asks
+  // for a second), then, from a new source port or after conntrack forgot the flow (30 s), an
+  // Initial under the same ID whose hello names the allowed name again and carries a second hello
+  // for another name at the offset the server waits at. Judged from offset 0 on a flow the reader
+  // never saw, it was admitted; a server that finds connections by ID reads only the tail.
+  const pintest::Buf a = pintest::hex("8394c8f03e515708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  PinFlows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()), 40001), t0)[0].kind ==
+          K::admit);
+  // Another source port, at once; and the first port again after everything else was forgotten.
+  CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 1, rfc_frame()), 40002), t0)[0].kind ==
+        K::reset);
+  CHECK(j.reasons.back().rfind("quic Initial under the connection ID of a connection admitted on another flow", 0) ==
+        0);
+  const auto later = t0 + kQuicFollowTime + std::chrono::seconds(5);
+  (void)f.expire(later);
+  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 2, rfc_frame()), 40001), later)[0].kind ==
+        K::reset);
+  // Another connection (another ID) from the same port is judged on its own.
+  const pintest::Buf b = pintest::hex("8394c8f03e515709");
+  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame()), 40003), later)[0].kind ==
+        K::admit);
+  // Kept kQuicIdMemory, then forgotten.
+  (void)f.expire(t0 + kQuicIdMemory + std::chrono::seconds(1));
+  CHECK(f.packet(5, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame()), 40004),
+                 t0 + kQuicIdMemory + std::chrono::seconds(1))[0].kind == K::admit);
 }
 
 TEST_CASE("QUIC datagrams sent as one GSO batch are refused: their boundaries cannot be read") {
