@@ -12,8 +12,12 @@ Each reset check fails with `enforce.pin_names: false` (the flow then passes by 
 the allowed-name checks are the control that the server answers at all.
 """
 import json
+import os
 import subprocess
 import sys
+import time
+
+from pathlib import Path
 
 import pytest
 
@@ -103,13 +107,18 @@ def test_a_request_rewritten_in_its_pages_after_the_read_reaches_the_server_as_j
         assert cp.returncode == 0, cp.stdout + cp.stderr
         return json.loads(cp.stdout)["pin"]["inspected"]
     before = inspected()
-    attacker = sb.task.probe_proc("zerocopy-http", SERVER_B, str(HTTP_PORT), ALLOWED, other, user=user)
+    # The go is a file in the task's read-only mount of this directory (a `docker exec`'s stdin
+    # took over a second under CI's load, past egressd's 2 s hold).
+    go = Path(dockerlab.HERE) / f".go-{os.getpid()}-{time.monotonic_ns()}"
+    attacker = sb.task.probe_proc("zerocopy-http", SERVER_B, str(HTTP_PORT), ALLOWED, other,
+                                  f"{dockerlab.TASK_MOUNT}/{go.name}", user=user)
     try:
         wait_for(lambda: inspected() > before, 10.0, "egressd to hold the first segment")
-        attacker.send("go")
+        go.touch()
         res = attacker.result(timeout=30.0)
     finally:
         attacker.close()
+        go.unlink(missing_ok=True)
     assert res["outcome"] == "ok" and res["reply"].endswith(f"host={ALLOWED}"), res
 
 
