@@ -505,14 +505,21 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     wait = float(os.environ.get("QUIC_EXPIRE_WAIT", "34"))
                     time.sleep(wait)
                     # Any datagram through the reader makes it run its expiry (flush): a junk one
-                    # to UDP 443 from another socket (refused, ICMP) drops the stale followed entry.
+                    # to UDP 443 from another socket drops the stale followed entry. egressd refuses
+                    # it (ICMP admin-prohibited): that error is the sign its reader has run.
                     k = socket.socket(fam, socket.SOCK_DGRAM)
-                    try:
-                        k.sendto(b"kick", (addr, port))
-                    except OSError:
-                        pass
+                    k.connect((addr, port))
+                    kick_deadline = time.monotonic() + 10
+                    while "kick" not in res and time.monotonic() < kick_deadline:
+                        k.settimeout(1.0)
+                        try:
+                            k.send(b"kick")
+                            k.recv(65536)
+                            res["kick"] = "answered"  # not refused: the reader ran all the same
+                        except (ConnectionRefusedError, OSError) as e:
+                            if not isinstance(e, TimeoutError):
+                                res["kick"] = e.__class__.__name__ + ": " + str(e)
                     k.close()
-                    time.sleep(0.5)
                     chx = hello_embedding(sni1, os.urandom(32), tp, len(ch1), ch2)
                     pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
                     pl += b"\x06" + varint(0) + varint(len(chx)) + chx

@@ -42,6 +42,12 @@ threading.Event().wait()
 
 @pytest.fixture
 def quic_servers(lab, tmp_path):
+    start_quic_servers(lab, tmp_path)
+
+
+def start_quic_servers(lab, tmp_path, *server_args, echo=True):
+    """gtlsserver on QUIC_PORT of V4 and V6 in the internet namespace (with server_args, e.g.
+    timeouts), a UDP echo beside it when echo, and the lab's DNS serving HOSTS."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                     "-nodes", "-keyout", str(key), "-out", str(cert), "-subj", "/CN=allowed.test", "-days", "1"],
@@ -50,11 +56,12 @@ def quic_servers(lab, tmp_path):
     htdocs.mkdir()
     (htdocs / "hello").write_text("hello over quic\n")
     for addr in (V4, V6):
-        lab.spawn(["gtlsserver", "-q", "-d", htdocs, addr, QUIC_PORT, key, cert], netns=lab.internet,
+        lab.spawn(["gtlsserver", "-q", *server_args, "-d", htdocs, addr, QUIC_PORT, key, cert], netns=lab.internet,
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    echo = lab.spawn(["/usr/bin/python3", "-c", UDP_ECHO, UDP_ECHO_PORT, V4, V6], netns=lab.internet,
-                     stdout=subprocess.PIPE)
-    assert labmod._read_line(echo, 10.0, "udp echo ready").strip() == "ready"
+    if echo:
+        p = lab.spawn(["/usr/bin/python3", "-c", UDP_ECHO, UDP_ECHO_PORT, V4, V6], netns=lab.internet,
+                      stdout=subprocess.PIPE)
+        assert labmod._read_line(p, 10.0, "udp echo ready").strip() == "ready"
     # gtlsserver prints nothing when quiet: wait until both sockets are bound.
     def bound():
         out = lab.internet.exec("ss", "-Hlun", f"sport = :{QUIC_PORT}").stdout

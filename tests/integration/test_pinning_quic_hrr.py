@@ -27,7 +27,7 @@ import pytest
 import lab as labmod
 from test_dns_integrity import attacker, attacker_result
 from test_pinning import V4, V6, learn, policy
-from test_pinning_quic import quic_servers  # noqa: F401 (fixture: gtlsserver on 443 of the shared address)
+from test_pinning_quic import quic_servers, start_quic_servers  # noqa: F401 (fixture: gtlsserver on 443 of the shared address)
 
 CLIENT = (labmod.HERE / "quic_hrr_client.py").read_text()
 
@@ -134,20 +134,7 @@ def test_an_initial_under_an_admitted_connections_id_from_a_new_source_port_is_r
 def slow_quic_servers(lab, tmp_path):
     """gtlsserver on 443 of the shared address whose handshake and idle timeouts (120 s) outlive
     conntrack's 30 s for an unanswered UDP flow (a server setting: nginx's QUIC idle timeout is 60 s)."""
-    import subprocess
-    from test_pinning import HOSTS
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-subj", "/CN=allowed.test", "-days", "1"],
-                   check=True, capture_output=True, timeout=30)
-    htdocs = tmp_path / "htdocs"
-    htdocs.mkdir()
-    for a in (V4, V6):
-        lab.spawn(["gtlsserver", "-q", "--timeout=120s", "--handshake-timeout=120s", "-d", htdocs, a, "443",
-                   key, cert], netns=lab.internet, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    labmod.wait_for(lambda: all(a in lab.internet.exec("ss", "-Hlun", "sport = :443").stdout for a in (V4, V6)),
-                    10.0, "gtlsserver to bind")
-    lab.dns.restart(hosts=HOSTS)
+    start_quic_servers(lab, tmp_path, "--timeout=120s", "--handshake-timeout=120s", echo=False)
 
 
 def test_an_initial_under_an_admitted_connections_id_after_conntrack_forgot_the_flow_is_refused(
@@ -160,6 +147,8 @@ def test_an_initial_under_an_admitted_connections_id_after_conntrack_forgot_the_
     res = attacker_result(p, timeout=90.0)
     assert res.get("hrr") is True, res
     assert res.get("waited", 0) >= 34, res
+    assert res.get("kick", "").startswith(("ConnectionRefusedError", "OSError")), \
+        f"the datagram that runs the reader's expiry was not refused: {res}"
     assert not (res.get("step") == "handshake-done" or res.get("server_finished_verifies_over_ch2_transcript")), \
         f"the server completed a handshake for same-ip.test: {res}"
     reasons = [p.get("reason", "") if isinstance(p, dict) else str(p) for p in pin_records(d)]
