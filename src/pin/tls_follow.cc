@@ -8,7 +8,7 @@ namespace {
 constexpr std::uint8_t kChangeCipherSpec = 20, kHandshake = 22, kApplicationData = 23;
 constexpr std::uint8_t kClientHello = 1;
 // TLSCiphertext.length: at most 2^14 + 2048 (RFC 5246 6.2.3; TLS 1.3 allows less).
-constexpr std::size_t kMaxRecord = (1u << 14) + 2048;
+constexpr std::size_t kMaxCiphertextRecord = (1u << 14) + 2048;
 
 }  // namespace
 
@@ -20,7 +20,7 @@ TlsClientStream::Step TlsClientStream::feed(Bytes bytes, bool answered) {
       rec_[rec_have_++] = bytes[i++];
       if (rec_have_ < rec_.size()) continue;
       rec_left_ = static_cast<std::size_t>(rec_[3] << 8 | rec_[4]);
-      if (rec_left_ > kMaxRecord) {
+      if (rec_left_ > kMaxCiphertextRecord) {
         step.invalid = "tls record longer than TLS allows";
         break;
       }

@@ -52,7 +52,7 @@ bool all_digits(std::string_view s) {
 // The raw entry goes into messages that end up in logs and on terminals:
 // control bytes are escaped so an entry cannot forge log lines or move the
 // cursor, and quotes/backslashes so the quoting stays unambiguous.
-std::string quote(std::string_view s) {
+std::string quote_entry(std::string_view s) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out = "\"";
   for (char ch : s) {
@@ -76,16 +76,16 @@ std::string quote(std::string_view s) {
 std::string label_problem(std::string_view label) {
   if (label.empty()) return "has an empty label (a leading dot, or two dots in a row)";
   if (label.size() > kMaxLabelLen) {
-    return "label " + quote(label) + " is " + std::to_string(label.size()) +
+    return "label " + quote_entry(label) + " is " + std::to_string(label.size()) +
            " characters long; DNS allows at most 63";
   }
   for (char c : label) {
     if (is_lower_alnum(c) || c == '-') continue;
-    return "label " + quote(label) + " contains " + quote(std::string_view(&c, 1)) +
+    return "label " + quote_entry(label) + " contains " + quote_entry(std::string_view(&c, 1)) +
            ": only letters, digits and hyphens are allowed";
   }
-  if (label.front() == '-') return "label " + quote(label) + " starts with a hyphen";
-  if (label.back() == '-') return "label " + quote(label) + " ends with a hyphen";
+  if (label.front() == '-') return "label " + quote_entry(label) + " starts with a hyphen";
+  if (label.back() == '-') return "label " + quote_entry(label) + " ends with a hyphen";
   return {};
 }
 
@@ -156,7 +156,7 @@ Result<int> parse_prefix_len(std::string_view text, int family) {
       return len;
     }
   }
-  return Error::invalid("prefix length " + quote(text) + " is not a number: " + range);
+  return Error::invalid("prefix length " + quote_entry(text) + " is not a number: " + range);
 }
 
 // Classifies an address-looking text that failed parse_ip, for the message.
@@ -176,7 +176,7 @@ Result<Entry> parse_cidr(std::string_view s, const auto& fail) {
   const auto addr = parse_ip(addr_text);
   if (!addr) {
     if (addr_text.empty()) return fail("a CIDR needs an address before \"/\", e.g. 192.0.2.0/24");
-    if (looks_like_ip(addr_text)) return fail(quote(addr_text) + " is not a valid IP address");
+    if (looks_like_ip(addr_text)) return fail(quote_entry(addr_text) + " is not a valid IP address");
     return fail("paths are not allowed: give the host name alone");
   }
   if (len_text.find('/') != std::string_view::npos) return fail("has more than one \"/\"");
@@ -230,7 +230,7 @@ Result<Entry> parse_colon(std::string_view s, const auto& fail) {
   if (host.find(':') == std::string_view::npos && all_digits(port)) {
     return fail("ports are not allowed: use the host alone");
   }
-  if (looks_like_ip(s)) return fail(quote(s) + " is not a valid IPv6 address");
+  if (looks_like_ip(s)) return fail(quote_entry(s) + " is not a valid IPv6 address");
   return fail("\":\" is not allowed in a host name (ports, URLs and schemes are not supported)");
 }
 
@@ -257,7 +257,7 @@ Result<Entry> parse_wildcard(std::string_view s, const auto& fail) {
     std::string hint;
     if (rest != std::string_view::npos && s.find('*', rest) == std::string_view::npos) {
       // Quoted like the entry itself: the rest may hold control bytes.
-      hint = ": write " + quote("*." + std::string(s.substr(rest)));
+      hint = ": write " + quote_entry("*." + std::string(s.substr(rest)));
     }
     return fail("a wildcard must be the whole leading label, followed by a dot" + hint);
   }
@@ -284,7 +284,7 @@ std::string_view to_string(EntryKind kind) {
 
 Result<Entry> parse_entry(std::string_view raw) {
   const auto fail = [raw](const std::string& reason) -> Result<Entry> {
-    return Error::invalid("entry " + quote(raw) + ": " + reason);
+    return Error::invalid("entry " + quote_entry(raw) + ": " + reason);
   };
 
   // Normalization (DESIGN §1): trim, lower-case, drop ONE trailing dot.
@@ -410,7 +410,7 @@ Result<Phase> make_inline_phase(std::string_view name, Mode mode, const std::vec
   // The name shows up in status, logs and denied records, so it obeys the
   // same rule as a phase from a file.
   if (!valid_phase_name(name)) {
-    return Error::invalid("invalid phase name " + quote(name) + ": use 1-32 letters, digits, \"_\" or \"-\"");
+    return Error::invalid("invalid phase name " + quote_entry(name) + ": use 1-32 letters, digits, \"_\" or \"-\"");
   }
   if (mode != Mode::allowlist && !raw_entries.empty()) {
     return Error::invalid("allowlist entries are only valid with mode allowlist, not " + std::string(to_string(mode)));
