@@ -59,10 +59,15 @@ class Sandbox:
         """egressctl ARGS against this sandbox's egressd, from where its operator has it."""
         raise NotImplementedError
 
-    def host_egressctl(self, *args) -> subprocess.CompletedProcess:
-        """egressctl ARGS from the host, with no container started for it: what a test that
-        races egressd's own timers polls (a `docker exec` takes a second under load)."""
-        return self.egressctl(*args)
+    def host_socket(self) -> str:
+        """egressd's control socket as the host reaches it."""
+        return str(self.sock)
+
+    def host_request(self, obj: dict) -> dict:
+        """One request on egressd's control socket from this process: no container and no
+        process started for it. What a test that races egressd's own timers polls (a `docker
+        exec` took a second under CI's load, an egressctl process hundreds of milliseconds)."""
+        return labmod.unix_request(self.host_socket(), obj, 10.0, f"egressd of {self!r}")
 
     def restart_egressd(self, meanwhile=None) -> None:
         """Stops egressd (the policy stays in the kernel), runs meanwhile(), starts it again
@@ -137,9 +142,9 @@ class HarborSandbox(Sandbox):
         # The socket is inside the sidecar (/run/egressd/egressd.sock), so is the image's egressctl.
         return self.sidecar.exec("egressctl", *args)
 
-    def host_egressctl(self, *args):
+    def host_socket(self):
         # The same socket, reached through the sidecar's root as the host sees it.
-        return dockerlab.egressctl(f"/proc/{self.sidecar.pid}/root/run/egressd/egressd.sock", *args)
+        return f"/proc/{self.sidecar.pid}/root/run/egressd/egressd.sock"
 
     def close(self):
         return self.project.down()
