@@ -107,20 +107,31 @@ def test_a_request_rewritten_in_its_pages_after_the_read_reaches_the_server_as_j
         reply = sb.host_request({"cmd": "status"})
         assert reply.get("ok") is True, reply
         return reply["pin"]["inspected"]
-    before = inspected()
-    # The go is a file in the task's read-only mount of this directory (a `docker exec`'s stdin
-    # took over a second under CI's load, past egressd's 2 s hold).
-    go = Path(dockerlab.HERE) / f".go-{os.getpid()}-{time.monotonic_ns()}"
-    attacker = sb.task.probe_proc("zerocopy-http", SERVER_B, str(HTTP_PORT), ALLOWED, other,
-                                  f"{dockerlab.TASK_MOUNT}/{go.name}", user=user)
-    try:
-        wait_for(lambda: inspected() > before, 10.0, "egressd to hold the first segment")
-        go.touch()
-        res = attacker.result(timeout=30.0)
-    finally:
-        attacker.close()
-        go.unlink(missing_ok=True)
-    assert res["outcome"] == "ok" and res["reply"].endswith(f"host={ALLOWED}"), res
+    def attempt():
+        before = inspected()
+        # The go is a file in the task's read-only mount of this directory (a `docker exec`'s
+        # stdin took over a second under CI's load, past egressd's 2 s hold).
+        go = Path(dockerlab.HERE) / f".go-{os.getpid()}-{time.monotonic_ns()}"
+        attacker = sb.task.probe_proc("zerocopy-http", SERVER_B, str(HTTP_PORT), ALLOWED, other,
+                                      f"{dockerlab.TASK_MOUNT}/{go.name}", user=user)
+        try:
+            wait_for(lambda: inspected() > before, 10.0, "egressd to hold the first segment")
+            go.touch()
+            return attacker.result(timeout=30.0)
+        finally:
+            attacker.close()
+            go.unlink(missing_ok=True)
+    # Under CI's load the head was sometimes reset ("no decision within 2 seconds", Harbor's
+    # topology only; not reproduced otherwise): safe, but it shows nothing of what the server
+    # gets. Up to three attempts; a server that got the rewritten head in any fails the test.
+    results = []
+    while len(results) < 3 and not (results and results[-1]["outcome"] == "ok"):
+        res = attempt()
+        results.append(res)
+        assert res["outcome"] in ("ok", "ECONNRESET"), results
+        assert res["outcome"] != "ok" or not res["reply"].endswith(f"host={other}"), \
+            f"the server got the rewritten head: {results}"
+    assert results[-1]["outcome"] == "ok" and results[-1]["reply"].endswith(f"host={ALLOWED}"), results
 
 
 HRR_CLIENT = labmod.HERE / "tls13_hrr_client.py"   # tests/integration's TLS 1.3 client of its own
