@@ -121,9 +121,12 @@ def test_a_request_rewritten_in_its_pages_after_the_read_reaches_the_server_as_j
         finally:
             attacker.close()
             go.unlink(missing_ok=True)
-    # Under CI's load the head was sometimes reset ("no decision within 2 seconds", Harbor's
-    # topology only; not reproduced otherwise): safe, but it shows nothing of what the server
-    # gets. Up to three attempts; a server that got the rewritten head in any fails the test.
+    # Under CI's load the head was sometimes reset ("no decision within 2 seconds"): when the
+    # go comes later than the client's retransmission timeout, its socket stalls with the first
+    # segment held and never sends the head's end (tests/integration/test_pinning.py, "A client
+    # that pauses in the middle of its first bytes", xfail). Safe, but it shows nothing of what
+    # the server gets. Up to three attempts; a server that got the rewritten head in any fails
+    # the test.
     results = []
     while len(results) < 3 and not (results and results[-1]["outcome"] == "ok"):
         res = attempt()

@@ -545,3 +545,46 @@ def test_a_large_first_write_is_judged_and_let_through(lab, pinned, addr):
     assert got == want, (len(got), len(want))
     st = pinned.status()["pin"]
     assert st["reset"] == before["reset"] and st["admitted"] == before["admitted"] + 2, (before, st)
+
+
+# ---- A client that pauses in the middle of its first bytes ----------------------------------
+# The reader holds the first segment until the hello or head is whole. A client that pauses
+# longer than its retransmission timeout (200 ms at least) sees that segment unacknowledged, its
+# socket enters loss recovery with a window of one segment, and the segment it would retransmit
+# is the one held in the queue, which the stack does not send again while a copy is queued: so
+# it sends nothing more (the rest stays in the socket, TCP_INFO: ca_state loss, lost 1, unsent
+# bytes) and egressd resets the flow after 2 s ("no decision within 2 seconds"). Found
+# 2026-12-07 (the Docker suite's zero-copy test, under CI's load). Fails closed; not fixed yet.
+# Seen for an HTTP head (a 37-byte first segment); a TLS hello cut at 60 bytes and paused as
+# long is judged: why the two differ is not known yet.
+
+def paused_split(lab, pinned, addr, port, first: bytes, rest: bytes, pause: float):
+    def run():
+        before = pinned.status()["pin"]["inspected"]
+        with connect(lab, addr, port) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(first)
+            wait_for(lambda: pinned.status()["pin"]["inspected"] > before, 5.0, "egressd to hold the first segment")
+            time.sleep(pause)  # the scenario: a client that pauses, not synchronisation
+            s.sendall(rest)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+                if port == TLS_PORT:
+                    return data
+            return data
+    return outcome(run)
+
+
+def test_a_client_pausing_mid_hello_longer_than_its_retransmission_timeout_is_judged(lab, pinned):
+    hello = client_hello("allowed.test")
+    res = paused_split(lab, pinned, V4, TLS_PORT, hello[:60], hello[60:], 0.5)
+    assert res[0] == "ok" and res[1][:1] == b"\x16", res
+
+
+@pytest.mark.xfail(strict=True, reason="an HTTP head's first segment held past the client's retransmission "
+                                       "timeout stalls the client's socket (see the comment above); not fixed yet")
+def test_a_client_pausing_mid_head_longer_than_its_retransmission_timeout_is_judged(lab, pinned):
+    res = paused_split(lab, pinned, V4, HTTP_PORT, b"GET / HTTP/1.1\r\nHost: allowed.test\r\n",
+                       b"Connection: close\r\n\r\n", 0.5)
+    assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
