@@ -550,13 +550,14 @@ def test_a_large_first_write_is_judged_and_let_through(lab, pinned, addr):
 # ---- A client that pauses in the middle of its first bytes ----------------------------------
 # The reader holds the first segment until the hello or head is whole. A client that pauses
 # longer than its retransmission timeout (200 ms at least) sees that segment unacknowledged, its
-# socket enters loss recovery with a window of one segment, and the segment it would retransmit
-# is the one held in the queue, which the stack does not send again while a copy is queued: so
-# it sends nothing more (the rest stays in the socket, TCP_INFO: ca_state loss, lost 1, unsent
-# bytes) and egressd resets the flow after 2 s ("no decision within 2 seconds"). Found
-# 2026-12-07 (the Docker suite's zero-copy test, under CI's load). Fails closed; not fixed yet.
-# Seen for an HTTP head (a 37-byte first segment); a TLS hello cut at 60 bytes and paused as
-# long is judged: why the two differ is not known yet.
+# socket enters loss recovery (TCP_INFO: ca_state loss, lost 1, retrans 0: the stack does not
+# send a segment again while a copy of it is queued), and a small rest of the hello or head
+# (22 bytes here) then stays in the socket unsent, while a large one (600 bytes, or a hello's
+# last 450) goes out: the held segment's memory is still charged to the socket, which looks
+# like TCP small queues' limit (twice the new segment's size) throttling it. egressd resets the
+# flow after 2 s ("no decision within 2 seconds"). Found 2026-12-07 (the Docker suite's
+# zero-copy test, under CI's load). Fails closed; not fixed yet: releasing the held packet
+# (keeping its copy) would let the socket move on, and is a change to how the reader holds.
 
 def paused_split(lab, pinned, addr, port, first: bytes, rest: bytes, pause: float):
     def run():
@@ -576,15 +577,31 @@ def paused_split(lab, pinned, addr, port, first: bytes, rest: bytes, pause: floa
     return outcome(run)
 
 
-def test_a_client_pausing_mid_hello_longer_than_its_retransmission_timeout_is_judged(lab, pinned):
-    hello = client_hello("allowed.test")
-    res = paused_split(lab, pinned, V4, TLS_PORT, hello[:60], hello[60:], 0.5)
-    assert res[0] == "ok" and res[1][:1] == b"\x16", res
+HEAD = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n"
 
 
-@pytest.mark.xfail(strict=True, reason="an HTTP head's first segment held past the client's retransmission "
-                                       "timeout stalls the client's socket (see the comment above); not fixed yet")
-def test_a_client_pausing_mid_head_longer_than_its_retransmission_timeout_is_judged(lab, pinned):
-    res = paused_split(lab, pinned, V4, HTTP_PORT, b"GET / HTTP/1.1\r\nHost: allowed.test\r\n",
-                       b"Connection: close\r\n\r\n", 0.5)
-    assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
+@pytest.mark.parametrize("proto", ["tls", "http"])
+def test_a_client_pausing_mid_hello_past_its_retransmission_timeout_is_judged_when_the_rest_is_large(
+        lab, pinned, proto):
+    if proto == "tls":
+        hello = client_hello("allowed.test")
+        res = paused_split(lab, pinned, V4, TLS_PORT, hello[:60], hello[60:], 0.5)
+        assert res[0] == "ok" and res[1][:1] == b"\x16", res
+    else:
+        rest = b"X-Pad: " + b"a" * 600 + b"\r\nConnection: close\r\n\r\n"
+        res = paused_split(lab, pinned, V4, HTTP_PORT, HEAD, rest, 0.5)
+        assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
+
+
+@pytest.mark.xfail(strict=True, reason="a first segment held past the client's retransmission timeout stalls "
+                                       "a small rest in the client's socket (see the comment above); not fixed yet")
+@pytest.mark.parametrize("proto", ["tls", "http"])
+def test_a_client_pausing_mid_hello_past_its_retransmission_timeout_is_judged_when_the_rest_is_small(
+        lab, pinned, proto):
+    if proto == "tls":
+        hello = client_hello("allowed.test")
+        res = paused_split(lab, pinned, V4, TLS_PORT, hello[:-20], hello[-20:], 0.5)
+        assert res[0] == "ok" and res[1][:1] == b"\x16", res
+    else:
+        res = paused_split(lab, pinned, V4, HTTP_PORT, HEAD, b"Connection: close\r\n\r\n", 0.5)
+        assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
