@@ -267,6 +267,8 @@ constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their 
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
 constexpr const char* kReplacedReason = "connection replaced before its first bytes were judged";
+constexpr const char* kResentDifferReason =
+    "tcp bytes sent again that differ from the ones read at the same place (the pages were rewritten)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
 
 // Why the path or the server may drop a segment of the first bytes that the
@@ -331,7 +333,7 @@ std::vector<PinVerdict> PinFlows::finish(std::map<Key, Flow>::iterator it, bool 
     }
   }
   flows_.erase(it);
-  stats_.held = flows_.size();
+  count_held();
   return out;
 }
 
@@ -498,7 +500,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
     out.push_back({id, PinVerdict::Kind::pass});
     if (it->second.quic) --quic_flows_;
     flows_.erase(it);
-    stats_.held = flows_.size();
+    count_held();
     return with_replaced(std::move(out));
   }
   if (seg.payload.empty() && seg.urg && it != flows_.end()) {
@@ -542,13 +544,14 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       starts_.erase(st);
     }
     it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, base, {}, {}, nullptr, seg.ct_id, 0, start_known}).first;
-    stats_.held = flows_.size();
+    count_held();
     if (flows_.size() > kMaxFlows) {
       it->second.ids.push_back(id);
       return reset_flow(it, "too many flows held at once", now);
     }
   }
   Flow& f = it->second;
+  if (f.ids.empty()) f.held_since = now;
   f.ids.push_back(id);
   // Insertion: the server must take exactly the bytes judged here. A segment
   // a raw socket wrote may be one it drops (a wrong checksum, a timestamp
@@ -574,6 +577,21 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   }
   if (rel < 0x80000000u) f.extent = std::max<std::uint32_t>(f.extent, rel + static_cast<std::uint32_t>(seg.payload.size()));
   if (rel < pin::kMaxInspect) {
+    // Bytes sent again must repeat the ones read: every held copy leaves as
+    // read, and the judgement is made on one of them. (A socket does not
+    // resend a segment a copy of which is queued, so it takes a raw socket,
+    // or pages rewritten between two copies a socket made: MSG_ZEROCOPY,
+    // sendfile().)
+    const std::size_t len = std::min<std::size_t>(seg.payload.size(), pin::kMaxInspect - rel);
+    for (const auto& [o, b] : f.segs) {
+      if (o >= rel + len) break;
+      const std::size_t from = std::max<std::size_t>(o, rel), to = std::min<std::size_t>(o + b.size(), rel + len);
+      if (from < to && !std::equal(b.begin() + static_cast<std::ptrdiff_t>(from - o),
+                                   b.begin() + static_cast<std::ptrdiff_t>(to - o),
+                                   seg.payload.begin() + static_cast<std::ptrdiff_t>(from - rel))) {
+        return reset_flow(it, kResentDifferReason, now);
+      }
+    }
     auto& slot = f.segs[rel];
     // A retransmission may carry more than the first copy; keep the longer.
     // Only what the parsers may look at is kept: a GSO packet (the queue
@@ -587,6 +605,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   switch (pin::classify_tcp(view)) {
     case pin::TcpKind::need_more:
       if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
+      f.http_incomplete = false;
       return {};
     case pin::TcpKind::other: {
       // Bytes the reader cannot place: where the stream starts is unknown
@@ -614,6 +633,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   pin::Decision d = pin::decide(proto, parse, seg.dst, seg.dport, judge_.pin_facts());
   if (d.kind == pin::Decision::Kind::need_more) {
     if (bytes.size() >= pin::kMaxInspect) return reset_flow(it, "no decision within 16384 bytes", now);
+    f.http_incomplete = proto == pin::PinProto::http;
     return {};
   }
   if (d.kind == pin::Decision::Kind::admit && proto == pin::PinProto::tls && parse.early_data) {
@@ -849,6 +869,58 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   return out;
 }
 
+std::vector<PinVerdict> PinFlows::pass_incomplete_http(std::map<Key, Flow>::iterator it, Clock::time_point now) {
+  const Key key = it->first;
+  Flow& f = it->second;
+  HttpFollowed h;
+  h.dst = f.dst;
+  h.dport = f.dport;
+  h.ct_id = f.ct_id;
+  h.first_pending = true;
+  h.requests.first_request();
+  h.framing.start = f.base;
+  const std::vector<std::uint8_t> bytes = stream(f);
+  // Bytes after a gap would pass unread: held on (until the hold time).
+  if (f.extent > bytes.size()) {
+    f.http_incomplete = false;
+    return {};
+  }
+  h.next = f.base + static_cast<std::uint32_t>(bytes.size());
+  const pin::HttpRequestStream::Step step = feed_http(h, f.base, bytes);
+  std::optional<std::string> bad = step.invalid;
+  // (The held path judges a whole head: none can be here.)
+  if (!bad && !step.heads.empty()) bad = "http request head read whole by one parser and not by the other";
+  if (bad) {
+    http_kept_ -= h.framing.size;
+    return reset_flow(it, *bad, now);
+  }
+  std::vector<PinVerdict> out;
+  for (const PinPacketId held : f.ids) out.push_back({held, PinVerdict::Kind::follow});
+  // Stragglers of the first write: sent back to the hook, as for an admitted flow.
+  set_decided(key, {true, now, f.ct_id});
+  // Known to a switch, its name unknown: kept only where the address alone decides.
+  AdmittedFlow a;
+  a.proto = kTcp;
+  a.src.family = a.dst.family = key.family;
+  a.src.prefix_len = a.dst.prefix_len = key.family == 4 ? 32 : 128;
+  a.src.bytes = key.src;
+  a.dst.bytes = key.dst;
+  a.sport = key.sport;
+  a.dport = key.dport;
+  a.ct_id = f.ct_id;
+  remember(key, std::move(a));
+  flows_.erase(it);
+  forget_followed(key);
+  forget_tls(key);
+  http_lru_.push_front(key);
+  h.lru = http_lru_.begin();
+  http_.emplace(key, std::move(h));
+  ++pending_first_;
+  count_held();
+  bound_http();
+  return out;
+}
+
 void PinFlows::bound_http() {
   while (!http_lru_.empty() && (http_.size() > kMaxHttpFollowed || http_kept_ > kMaxKeptBytes)) {
     forget_followed(http_lru_.back());
@@ -868,6 +940,10 @@ pin::HttpRequestStream::Step PinFlows::feed_http(HttpFollowed& h, std::uint32_t 
 
 void PinFlows::forget_followed(const Key& key) {
   if (auto it = http_.find(key); it != http_.end()) {
+    if (it->second.first_pending) {
+      --pending_first_;
+      count_held();
+    }
     http_kept_ -= it->second.framing.size;
     http_lru_.erase(it->second.lru);
     http_.erase(it);
@@ -929,8 +1005,28 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
   const std::uint32_t server_seq = h.next;
   const pin::HttpRequestStream::Step step = feed_http(h, h.next, seg.payload.subspan(seen));
   h.next = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
+  if (step.invalid && h.first_pending) {
+    pin::Decision d;
+    d.kind = pin::Decision::Kind::reset;
+    d.reason = *step.invalid;
+    return refuse_first(id, key, seg, d, server_seq, now);
+  }
   if (step.invalid) return refuse_followed(id, key, seg, *step.invalid, server_seq, now);
   for (const auto& name : step.heads) {
+    if (h.first_pending) {
+      // The first request's head, whole at last: judged as a held one is.
+      const pin::Decision d =
+          pin::decide(pin::PinProto::http, pin::Parse::complete_with(name), h.dst, h.dport, judge_.pin_facts());
+      if (d.kind != pin::Decision::Kind::admit) return refuse_first(id, key, seg, d, server_seq, now);
+      judge_.pin_decided(d, h.dst, h.dport);
+      h.first_pending = false;
+      --pending_first_;
+      count_held();
+      ++stats_.admitted;
+      h.name = d.name;
+      remember(key, seg, d.name);
+      continue;
+    }
     if (name && *name == h.name) continue;
     const pin::Decision d =
         pin::decide(pin::PinProto::http, pin::Parse::complete_with(name), h.dst, h.dport, judge_.pin_facts());
@@ -946,10 +1042,24 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
 std::vector<PinVerdict> PinFlows::refuse_followed(PinPacketId id, const Key& key, const Segment& seg,
                                                   const std::string& why, std::uint32_t server_seq,
                                                   Clock::time_point now) {
+  const auto hf = http_.find(key);
+  const bool counted = hf != http_.end() && hf->second.first_pending;  // inspected, not yet decided
   forget_followed(key);
   forget_tls(key);
   if (server_resets_.size() < kMaxFlows) server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, server_seq});
-  return refuse_decided(id, key, seg, why, now);
+  return refuse_decided(id, key, seg, why, now, counted);
+}
+
+std::vector<PinVerdict> PinFlows::refuse_first(PinPacketId id, const Key& key, const Segment& seg,
+                                               const pin::Decision& d, std::uint32_t server_seq,
+                                               Clock::time_point now) {
+  forget_followed(key);
+  forget_admitted(key);
+  if (server_resets_.size() < kMaxFlows) server_resets_.push_back({seg.src, seg.dst, seg.sport, seg.dport, server_seq});
+  ++stats_.reset;
+  judge_.pin_decided(d, seg.dst, seg.dport);
+  set_decided(key, {false, now, seg.ct_id});
+  return {{id, PinVerdict::Kind::reset}};
 }
 
 // Whether the reader refused the flow `seg` belongs to (for TCP, the same
@@ -987,7 +1097,7 @@ std::vector<PinVerdict> PinFlows::quic_packet(PinPacketId id, const Key& key, co
   if (it == flows_.end()) {
     ++stats_.inspected;
     it = flows_.emplace(key, Flow{seg.dst, seg.dport, now, 0, {}, {}, nullptr, seg.ct_id}).first;
-    stats_.held = flows_.size();
+    count_held();
     if (flows_.size() > kMaxFlows || quic_flows_ >= kMaxQuicFlows) {
       it->second.ids.push_back(id);
       return reset_flow(it, "too many QUIC flows held at once", now);
@@ -1059,10 +1169,10 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
 // A packet of a decided flow (a QUIC datagram, a TCP segment with urgent
 // data, a followed HTTP connection's), refused: the flow is refused from now on.
 std::vector<PinVerdict> PinFlows::refuse_decided(PinPacketId id, const Key& key, const Segment& seg,
-                                                 const std::string& why, Clock::time_point now) {
+                                                 const std::string& why, Clock::time_point now, bool counted) {
   followed_.erase(key);
   forget_admitted(key);
-  ++stats_.inspected;
+  if (!counted) ++stats_.inspected;
   ++stats_.reset;
   pin::Decision d;
   d.kind = pin::Decision::Kind::reset;
@@ -1159,8 +1269,12 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
   std::vector<PinVerdict> out;
   for (auto it = flows_.begin(); it != flows_.end();) {
     auto next = std::next(it);
-    if (now - it->second.started >= kHoldTime) {
+    const Flow& f = it->second;
+    if (now - f.started >= kHoldTime) {
       auto v = reset_flow(it, "no decision within 2 seconds", now);
+      out.insert(out.end(), v.begin(), v.end());
+    } else if (f.http_incomplete && !f.ids.empty() && now - f.held_since >= kPassIncompleteAfter) {
+      auto v = pass_incomplete_http(it, now);
       out.insert(out.end(), v.begin(), v.end());
     }
     it = next;
@@ -1198,7 +1312,9 @@ std::size_t PinFlows::held_bytes() const {
 std::optional<PinFlows::Clock::time_point> PinFlows::next_deadline() const {
   std::optional<Clock::time_point> t;
   for (const auto& [k, f] : flows_) {
-    if (!t || f.started + kHoldTime < *t) t = f.started + kHoldTime;
+    Clock::time_point at = f.started + kHoldTime;
+    if (f.http_incomplete && !f.ids.empty()) at = std::min(at, f.held_since + kPassIncompleteAfter);
+    if (!t || at < *t) t = at;
   }
   return t;
 }

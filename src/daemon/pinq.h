@@ -150,6 +150,14 @@ struct PinVerdict;
 bool apply_patch(std::vector<std::uint8_t>& pkt, const PinVerdict& v);
 
 inline constexpr std::chrono::milliseconds kHoldTime{2000};
+// An HTTP flow whose first head is still incomplete after this long is
+// followed as it is (PinFlows::pass_incomplete_http): the bytes held go to
+// the server, as the incomplete heads of later requests do, and the segment
+// that completes the head is judged before it leaves. Held longer, a client
+// whose retransmission timeout (200 ms at least) runs out enters loss
+// recovery with one segment in flight and sends nothing new until it is
+// acknowledged: a client that pauses mid-head would never finish it.
+inline constexpr std::chrono::milliseconds kPassIncompleteAfter{100};
 inline constexpr std::size_t kMaxFlows = 4096;
 // QUIC flows held at once (each holds a ~25 KiB Initial assembler).
 inline constexpr std::size_t kMaxQuicFlows = 256;
@@ -303,6 +311,11 @@ class PinFlows {
     // TCP: base is the stream's start, as the socket's handshake ACK said;
     // else it is only the first byte seen, and earlier ones may exist.
     bool start_known = false;
+    // TCP: when the oldest packet in `ids` came.
+    Clock::time_point held_since{};
+    // TCP: the bytes held are an HTTP request whose head is incomplete
+    // (kPassIncompleteAfter).
+    bool http_incomplete = false;
   };
   // Judged bytes a flow's server may not have received yet, by sequence
   // number, oldest first. The socket keeps its own copy of what it sent and
@@ -367,7 +380,19 @@ class PinFlows {
     std::uint32_t next = 0;  // sequence number of the first byte not yet read
     std::list<Key>::iterator lru;
     Kept framing;  // the requests' framing read (heads, chunk lines, trailers)
+    // The first request's head is not whole yet (pass_incomplete_http): it is
+    // judged, and `name` set, when it is; the flow counts as held until then.
+    bool first_pending = false;
   };
+  // An HTTP flow whose first head stays incomplete (kPassIncompleteAfter):
+  // followed from here, its held packets pass (as read), its head judged as
+  // the first one when whole.
+  std::vector<PinVerdict> pass_incomplete_http(std::map<Key, Flow>::iterator it, Clock::time_point now);
+  // A followed flow whose first head was still pending is refused (`d`).
+  std::vector<PinVerdict> refuse_first(PinPacketId id, const Key& key, const Segment& seg, const pin::Decision& d,
+                                       std::uint32_t server_seq, Clock::time_point now);
+  std::size_t pending_first_ = 0;  // http_ entries with first_pending
+  void count_held() { stats_.held = flows_.size() + pending_first_; }
   // Feeds a followed connection `bytes` at sequence number `seq` and keeps
   // their framing.
   pin::HttpRequestStream::Step feed_http(HttpFollowed& h, std::uint32_t seq, std::span<const std::uint8_t> bytes);
@@ -387,8 +412,9 @@ class PinFlows {
   std::vector<PinVerdict> foreign_packet(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
   bool refused_already(const Key& key, const Segment& seg) const;
   std::vector<PinVerdict> quic_gso(PinPacketId id, const Key& key, const Segment& seg, Clock::time_point now);
+  // `counted`: the flow was counted as inspected already.
   std::vector<PinVerdict> refuse_decided(PinPacketId id, const Key& key, const Segment& seg, const std::string& why,
-                                         Clock::time_point now);
+                                         Clock::time_point now, bool counted = false);
   // A long-header datagram of an admitted QUIC flow (chain active keeps them
   // off the fast path).
   struct Followed {

@@ -106,7 +106,7 @@ HttpRequestStream::Step HttpRequestStream::feed(Bytes bytes) {
         buf_.append(reinterpret_cast<const char*>(bytes.data() + i), take);
         const HttpHead h = read_http_head(Bytes(reinterpret_cast<const std::uint8_t*>(buf_.data()), buf_.size()));
         if (h.parse.verdict == Verdict::invalid) {
-          step.invalid = "a later request on the connection: " + h.parse.reason;
+          step.invalid = where() + h.parse.reason;
           return step;
         }
         if (h.parse.verdict == Verdict::need_more) {
@@ -114,11 +114,11 @@ HttpRequestStream::Step HttpRequestStream::feed(Bytes bytes) {
           // before its head ends), but not a request line a server could act
           // on alone: HTTP/0.9's `GET http://other.test/` has no head to end.
           if (auto bad = request_line_error(buf_); bad) {
-            step.invalid = "a later request on the connection: " + *bad;
+            step.invalid = where() + *bad;
             return step;
           }
           if (take < bytes.size() - i) {
-            step.invalid = "a later request on the connection: request head larger than 16384 bytes";
+            step.invalid = where() + "request head larger than 16384 bytes";
             return step;
           }
           i += take;
@@ -127,6 +127,7 @@ HttpRequestStream::Step HttpRequestStream::feed(Bytes bytes) {
         // Complete: the head ends inside what was just appended.
         i += h.size - before;
         buf_.clear();
+        first_ = false;
         step.heads.push_back(h.parse.name);
         if (h.body == HttpHead::Body::length) {
           left_ = h.length;

@@ -39,6 +39,10 @@ class HttpRequestStream {
   std::optional<std::string> skip(std::uint64_t n);
   // Bytes held for an incomplete head or chunk line (at most kMaxInspect).
   std::size_t held() const { return buf_.size(); }
+  // The next head is the connection's first (its errors are not "a later
+  // request"'s): a first head still incomplete when the reader starts to
+  // follow the connection.
+  void first_request() { first_ = true; }
 
  private:
   enum class State { head, body, chunk_size, chunk_data, chunk_end, trailer };
@@ -46,6 +50,8 @@ class HttpRequestStream {
   std::string buf_;          // the head or line so far
   std::uint64_t left_ = 0;   // body / chunk bytes still to come
   std::size_t trailer_ = 0;  // trailer bytes so far
+  bool first_ = false;
+  std::string where() const { return first_ ? "" : "a later request on the connection: "; }
   // One byte of a chunk line, the CRLF after a chunk, or a trailer line.
   std::optional<std::string> line_byte(std::uint8_t c);
 };

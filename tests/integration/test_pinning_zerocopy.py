@@ -16,6 +16,7 @@ import mmap
 import os
 import socket
 import ssl
+import time
 
 import pytest
 
@@ -45,9 +46,10 @@ def read_all(s) -> bytes:
     return data
 
 
-def http_rewritten(lab, pinned, addr, how, tmp_path) -> bytes:
+def http_rewritten(lab, pinned, addr, how, tmp_path, pause: float = 0.0) -> bytes:
     """Sends a request head naming allowed.test (without its last line end) from a page, waits
-    until the reader holds it, rewrites the page to name same-ip.test, and ends the head."""
+    until the reader holds it, rewrites the page to name same-ip.test, and ends the head
+    (`pause` seconds later: the reader lets a head incomplete for 100 ms through)."""
     head = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n"
     at = head.index(b"allowed.test")
     before = pinned.status()["pin"]["inspected"]
@@ -70,6 +72,7 @@ def http_rewritten(lab, pinned, addr, how, tmp_path) -> bytes:
             os.pwrite(fd, b"same-ip.test", at)
         finally:
             os.close(fd)
+    time.sleep(pause)  # the scenario: a client that pauses before it ends its head
     s.send(b"\r\n")
     with s:
         return read_all(s)
@@ -251,6 +254,24 @@ def test_a_lost_request_sent_again_from_rewritten_pages_reaches_the_server_as_ju
         lab, pinned, lossy, addr, how, tmp_path):  # noqa: F811
     answer = http_rewritten(lab, pinned, addr, how, tmp_path)
     assert lost(lab) == 1, "the server's namespace did not lose the judged segment"
+    assert answer.endswith(b"host=allowed.test"), answer
+
+
+@pytest.mark.parametrize("lose", [False, True], ids=["kept", "lost"])
+@pytest.mark.parametrize("how", ["zerocopy", "sendfile"])
+def test_a_head_let_through_incomplete_then_rewritten_in_its_pages_reaches_the_server_as_judged(
+        lab, pinned, how, lose, tmp_path):  # noqa: F811
+    """The client pauses past 100 ms before it ends its head, so the reader lets the first
+    segment through as read; lost on the way (`lost`), the socket sends it again from the
+    rewritten page, which the followed connection patches with the bytes read."""
+    if lose:
+        lab.internet.exec("nft", "-f", "-", input=LOSSY % (TLS_PORT, HTTP_PORT))
+    try:
+        answer = http_rewritten(lab, pinned, V4, how, tmp_path, pause=0.5)
+        if lose:
+            assert lost(lab) == 1, "the server's namespace did not lose the segment let through"
+    finally:
+        lab.internet.exec("nft", "delete", "table", "inet", "egressd_test_lossy", check=False)
     assert answer.endswith(b"host=allowed.test"), answer
 
 

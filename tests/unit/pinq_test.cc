@@ -98,7 +98,8 @@ TEST_CASE("payload-less packets pass without deciding; other protocols are admit
 TEST_CASE("a flow that never completes its first bytes is reset after the hold time") {
   Judge j;
   PinFlows f(j);
-  CHECK(f.packet(1, seg(1, "GET / HTTP/1.1\r\n"), t0).empty());
+  // A TLS record header and the start of a hello (an HTTP head would be let through, below).
+  CHECK(f.packet(1, seg(1, std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11)), t0).empty());
   CHECK(f.expire(t0 + std::chrono::milliseconds(1999)).empty());
   REQUIRE(f.next_deadline().has_value());
   const auto v = f.expire(t0 + kHoldTime);
@@ -1501,4 +1502,112 @@ TEST_CASE("a FIN or RST a raw socket wrote refuses a held flow (the socket's own
     REQUIRE(!j.reasons.empty());
     CHECK(j.reasons.back().starts_with("tcp segment written by a raw socket"));
   }
+}
+
+// ---- A first head still incomplete after kPassIncompleteAfter --------------------------------
+
+namespace {
+const std::string kPaused = "GET / HTTP/1.1\r\nUser-Agent: pauses\r\n";
+}  // namespace
+
+TEST_CASE("an http head still incomplete after 100 ms is let through, and judged as the first when it ends") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, kPaused), t0).empty());
+  REQUIRE(f.next_deadline() == t0 + kPassIncompleteAfter);
+  CHECK(f.expire(t0 + kPassIncompleteAfter - std::chrono::milliseconds(1)).empty());
+  const auto v = f.expire(t0 + kPassIncompleteAfter);
+  REQUIRE(v.size() == 1);
+  CHECK((v[0].packet_id == 1 && v[0].kind == K::follow && v[0].as_read));  // as read: the copy judged so far
+  CHECK((f.stats().inspected == 1 && f.stats().held == 1 && f.stats().admitted == 0));
+  CHECK_FALSE(f.next_deadline().has_value());  // nothing held: the server times a head out
+  // The end, on the follow queue: judged as a first head, counted once.
+  const std::uint32_t end = 1000 + static_cast<std::uint32_t>(kPaused.size());
+  const auto r = f.packet(2, followed_seg(end, "Host: allowed.test\r\n\r\n", 1, 80), t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::pass);
+  CHECK((f.stats().inspected == 1 && f.stats().admitted == 1 && f.stats().held == 0 && f.stats().reset == 0));
+  REQUIRE(j.reasons.size() == 1);
+  CHECK(j.reasons[0].starts_with("http host allowed.test to 203.0.113.10:80; allowed by"));
+  // The bytes let through, sent again from rewritten pages, go as they were read.
+  std::string rewritten = kPaused;
+  rewritten.replace(rewritten.find("pauses"), 6, "change");
+  const Segment again = followed_seg(1000, rewritten, 1, 80);
+  const auto a = f.packet(3, again, t0);
+  REQUIRE(a.size() == 1);
+  CHECK(patched(again, a[0]) == kPaused);
+}
+
+TEST_CASE("an http head let through incomplete and ended with another host is reset as a first request") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, kPaused), t0).empty());
+  REQUIRE(f.expire(t0 + std::chrono::milliseconds(150)).size() == 1);
+  const std::uint32_t end = 1000 + static_cast<std::uint32_t>(kPaused.size());
+  const auto r = f.packet(2, followed_seg(end, "Host: same-ip.test\r\n\r\n", 1, 80), t0);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::reset);
+  CHECK((f.stats().inspected == 1 && f.stats().admitted == 0 && f.stats().reset == 1 && f.stats().held == 0));
+  REQUIRE(j.reasons.size() == 1);
+  CHECK(j.reasons[0] == "http host same-ip.test to 203.0.113.10:80; address learned for allowed.test");
+  // Its server end is reset where it waits: after the bytes let through.
+  const auto resets = f.take_server_resets();
+  REQUIRE(resets.size() == 1);
+  CHECK(resets[0].seq == end);
+  // Refused for good: its next bytes too.
+  CHECK(f.packet(3, followed_seg(end, "Host: allowed.test\r\n\r\n", 1, 80), t0)[0].kind == K::reset);
+  CHECK(f.stats().reset == 1);
+}
+
+TEST_CASE("an http head let through incomplete: a malformed end is the first request's error") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, kPaused), t0).empty());
+  REQUIRE(f.expire(t0 + std::chrono::milliseconds(150)).size() == 1);
+  const std::uint32_t end = 1000 + static_cast<std::uint32_t>(kPaused.size());
+  CHECK(f.packet(2, followed_seg(end, "Host: allowed.test\r\nHost: same-ip.test\r\n\r\n", 1, 80), t0)[0].kind ==
+        K::reset);
+  REQUIRE(j.reasons.size() == 1);
+  CHECK(j.reasons[0].find("a later request") == std::string::npos);
+  CHECK((f.stats().inspected == 1 && f.stats().reset == 1 && f.stats().held == 0));
+}
+
+TEST_CASE("a switch cuts an http flow whose head was let through incomplete unless its address alone decides") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, kPaused), t0).empty());
+  REQUIRE(f.expire(t0 + std::chrono::milliseconds(150)).size() == 1);
+  std::vector<std::string> asked;
+  const auto cut = f.cut([&](const AdmittedFlow& a) { asked.push_back(a.name); return !a.name.empty(); }, t0);
+  REQUIRE(cut.size() == 1);
+  CHECK(asked == std::vector<std::string>{""});  // its name unknown yet
+  CHECK(f.stats().held == 0);
+  const std::uint32_t end = 1000 + static_cast<std::uint32_t>(kPaused.size());
+  CHECK(f.packet(2, followed_seg(end, "Host: allowed.test\r\n\r\n", 1, 80), t0)[0].kind == K::reset);
+}
+
+TEST_CASE("held bytes sent again must repeat the ones read; a tls hello is held, not let through") {
+  Judge j;
+  PinFlows f(j);
+  CHECK(f.packet(1, seg(1000, kPaused), t0).empty());
+  std::string rewritten = kPaused;
+  rewritten.replace(rewritten.find("pauses"), 6, "change");
+  const auto v = f.packet(2, seg(1000, rewritten), t0);
+  REQUIRE(v.size() == 2);
+  CHECK(v[0].kind == K::reset);
+  CHECK(j.reasons.back() == "tcp bytes sent again that differ from the ones read at the same place (the pages were rewritten)");
+  // The same bytes again (a longer copy included) are one flow's bytes.
+  PinFlows g(j);
+  CHECK(g.packet(1, seg(1000, kPaused), t0).empty());
+  CHECK(g.packet(2, seg(1000, kPaused + "Accept"), t0).empty());
+  CHECK(g.packet(3, seg(1000 + 4, kPaused.substr(4)), t0).empty());
+  // TLS: nothing leaves before the hello is whole.
+  PinFlows h(j);
+  const std::string hello = record(22, client_hello("allowed.test"));
+  const std::string start = hello.substr(0, 20);
+  Segment first = seg(1000, start);
+  first.dport = 443;
+  const auto held = h.packet(1, first, t0);
+  CHECK_MESSAGE(held.empty(), j.reasons.back());
+  CHECK(h.expire(t0 + std::chrono::milliseconds(1999)).empty());
 }
