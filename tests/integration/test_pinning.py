@@ -615,24 +615,29 @@ def test_a_client_pausing_mid_hello_past_its_retransmission_timeout_is_judged_wh
         assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
 
 
+def hostport(addr, port) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 # A first segment longer than the rest that ends the head (see above: the rest would go anyway).
 PAUSED_HEAD = b"GET / HTTP/1.1\r\nConnection: close\r\nUser-Agent: a-client-that-pauses/1.0\r\n"
 
 
-def test_a_head_let_through_incomplete_is_judged_when_it_ends(lab, pinned):
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_head_let_through_incomplete_is_judged_when_it_ends(lab, pinned, addr):
     """The head's first lines pass once the client pauses; the Host line that ends it is judged
     as a held first head is: another name is reset, and recorded as the first request's."""
     before = pinned.status()["pin"]
-    res = paused_split(lab, pinned, V4, HTTP_PORT, PAUSED_HEAD, b"Host: same-ip.test\r\n\r\n", 0.5)
+    res = paused_split(lab, pinned, addr, HTTP_PORT, PAUSED_HEAD, b"Host: same-ip.test\r\n\r\n", 0.5)
     assert res[0] == "reset", f"a head ending with Host: same-ip.test was answered: {res}"
     assert res[1] < 1.5, f"reset {res[1]:.2f} s after the connection: by the hold time, not judged at the end"
     st = pinned.status()["pin"]
     assert (st["inspected"], st["admitted"], st["reset"]) == \
         (before["inspected"] + 1, before["admitted"], before["reset"] + 1), (before, st)
     lines = [r.get("pin") for r in pinned.request({"cmd": "denied"})["records"]]
-    assert f"http host same-ip.test to {V4}:{HTTP_PORT}; address learned for allowed.test" in lines, lines
+    assert f"http host same-ip.test to {hostport(addr, HTTP_PORT)}; address learned for allowed.test" in lines, lines
     # The allowed name after the same pause is answered, and counted once.
-    res = paused_split(lab, pinned, V4, HTTP_PORT, PAUSED_HEAD, b"Host: allowed.test\r\n\r\n", 0.5)
+    res = paused_split(lab, pinned, addr, HTTP_PORT, PAUSED_HEAD, b"Host: allowed.test\r\n\r\n", 0.5)
     assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
     st2 = pinned.status()["pin"]
     assert (st2["inspected"], st2["admitted"], st2["reset"]) == \
