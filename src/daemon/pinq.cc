@@ -267,6 +267,9 @@ constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their 
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
 constexpr const char* kReplacedReason = "connection replaced before its first bytes were judged";
+constexpr const char* kUnknownStartReason =
+    "first bytes of a connection whose start egressd never saw (opened before egressd started, or taken up "
+    "mid-stream): the server may hold bytes sent before them";
 constexpr const char* kResentDifferReason =
     "tcp bytes sent again that differ from the ones read at the same place (the pages were rewritten)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
@@ -562,6 +565,14 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   if (!seg.from_socket) return reset_flow(it, kRawReason, now);
   if (seg.urg) return reset_flow(it, kUrgentReason, now);
   if (const auto why = droppable(seg)) return reset_flow(it, *why, now);
+  // Bytes of a connection whose start the reader never saw (egressd started
+  // after its handshake, the start forgotten, or conntrack took the flow up
+  // mid-stream after a raw RST or SYN made it forget the entry): the server
+  // may hold bytes sent before them, an incomplete head or hello let through
+  // earlier, which these would complete (an attack review: "\r\n" and an
+  // allowed request ended a head naming another site). Refused, whatever
+  // they are.
+  if (!f.start_known) return reset_flow(it, kUnknownStartReason, now);
   // Sequence numbers relative to the first byte held (mod 2^32). A segment
   // that starts before it (reordered) moves the start back.
   std::uint32_t rel = seg.seq - f.base;
@@ -608,16 +619,6 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       f.http_incomplete = false;
       return {};
     case pin::TcpKind::other: {
-      // Bytes the reader cannot place: where the stream starts is unknown
-      // (egressd restarted since the handshake, or the start was dropped
-      // from a full memory), so these may come from its middle, and the
-      // bytes before them, held back, would follow on the fast path unread
-      // (an attack review). Refused: a TLS or HTTP start is judged, and
-      // bytes before it are refused later (Kept::start).
-      if (!f.start_known) {
-        return reset_flow(it, "first bytes of a connection whose start egressd never saw are neither tls nor http",
-                          now);
-      }
       // Not TLS, not HTTP: the address decides, as without pinning. Known
       // as such, so a later phase that allows the address takes it on
       // (foreign_packet).
@@ -1497,7 +1498,7 @@ class Queue : public PinQueue {
     // checksum, so it no longer looks like the socket's: when it comes back
     // (a held segment of an HTTP flow whose first segment made it followed),
     // it is known by its bytes, compared whole.
-    if (!seg->from_socket && !seg->payload.empty() && own_reinjection(*seg)) seg->from_socket = true;
+    if (!seg->from_socket && !seg->payload.empty() && own_reinjection(pkt, *seg)) seg->from_socket = true;
     seg->followed = queue == nft::kPinFollowQueueNum;
     seg->foreign = queue == nft::kPinForeignQueueNum;
     // Chain pin set the packet's mark to its conntrack id.
@@ -1662,15 +1663,19 @@ class Queue : public PinQueue {
       reinjected_.pop_front();
     }
   }
-  // `seg` is a packet sent back with a verdict: the same addresses, ports,
-  // sequence number and payload, byte for byte (then forgotten: it comes
-  // back once).
-  bool own_reinjection(const Segment& seg) {
+  // `seg` (parsed from `pkt`) is a packet sent back with a verdict: the same
+  // addresses, and the same TCP or UDP header and payload, byte for byte
+  // (then forgotten: it comes back once). The whole header: a raw SYN that
+  // copied a re-injected segment's sequence number and bytes was taken for
+  // the socket's, and forgot a followed connection (an attack review).
+  bool own_reinjection(std::span<const std::uint8_t> pkt, const Segment& seg) {
+    const auto l4 = pkt.subspan(seg.l4, seg.ip_end - seg.l4);
     for (auto it = reinjected_.begin(); it != reinjected_.end(); ++it) {
       const auto o = parse_packet(*it);
-      if (!o || o->proto != seg.proto || o->seq != seg.seq || o->sport != seg.sport || o->dport != seg.dport ||
-          o->src != seg.src || o->dst != seg.dst || o->payload.size() != seg.payload.size() ||
-          !std::equal(o->payload.begin(), o->payload.end(), seg.payload.begin())) {
+      if (!o || o->proto != seg.proto || o->src != seg.src || o->dst != seg.dst ||
+          o->ip_end - o->l4 != l4.size() ||
+          !std::equal(it->begin() + static_cast<std::ptrdiff_t>(o->l4),
+                      it->begin() + static_cast<std::ptrdiff_t>(o->ip_end), l4.begin())) {
         continue;
       }
       reinjected_bytes_ -= it->size();

@@ -941,12 +941,13 @@ def test_a_raw_fin_or_rst_cannot_free_held_first_bytes_to_be_sent_again_unread(l
 
 
 @pytest.mark.parametrize("addr", [V4, V6])
-def test_first_bytes_of_a_connection_whose_start_egressd_never_saw_must_be_tls_or_http(lab, pinned, addr):  # noqa: F811
+def test_first_bytes_of_a_connection_whose_start_egressd_never_saw_are_refused(lab, pinned, addr):  # noqa: F811
     """A connection opened before egressd restarted: the reader never saw its handshake, so
     the first bytes it sees may come from the middle of the stream, the ones before them held
     back by the socket (a drop of the reader's own is enough), to follow unread once the flow
-    is admitted by address (an attack review). Bytes that are neither TLS nor HTTP are refused
-    there; a request is judged as ever."""
+    is admitted by address (an attack review), or already at the server, an incomplete head
+    these would end (another review: test_a_raw_syn_after_a_restart_...). Refused, whatever
+    they are, a request for the allowed name too; the next connection is judged as ever."""
     socks = []
     for _ in range(2):
         s = lab.sandbox.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
@@ -970,5 +971,76 @@ def test_first_bytes_of_a_connection_whose_start_egressd_never_saw_must_be_tls_o
         return outcome(run)
     assert_reset(send(other, b"xxxxxxxx\r\n"), "bytes that are neither tls nor http on a connection from before the restart")
     assert any("whose start egressd never saw" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
-    res = send(http, b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
-    assert res[0] == "ok" and b"host=allowed.test" in res[1], res
+    assert_reset(send(http, b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+                 "a request on a connection from before the restart")
+    with connect(lab, addr, HTTP_PORT) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n")
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert got.endswith(b"host=allowed.test"), got
+
+
+# ---- a raw SYN on a connection whose head the server holds (attack review, 2026-12-07) ------
+
+RAW_SYN_HEAD = (labmod.HERE / "raw_syn_head_attacker.py").read_text()
+
+
+def _head_at_server(lab, pinned, addr, kind, before):
+    """Starts raw_syn_head_attacker.py and waits until the server holds its incomplete head."""
+    from test_dns_integrity import attacker
+    p = attacker(lab, RAW_SYN_HEAD, addr, HTTP_PORT, kind, caps=DOCKER_CAPS)
+    if kind == "first":
+        wait_for(lambda: pinned.status()["pin"]["inspected"] > before, 5.0, "the reader to hold the head")
+        # Let through after 100 ms: no packet of the sandbox waits in the queue any more.
+        wait_for(lambda: _queue(lab, 16)[0] == 0, 5.0, "the reader to let the incomplete head through")
+    return p
+
+
+def _raw_syn_then_rest(lab, p, mode):
+    trips = _queue_trips(lab, 16)
+    p.stdin.write(f"{mode}\n".encode())
+    p.stdin.flush()
+    assert labmod._read_line(p, 5.0, "the raw SYN") == "SENT"
+    wait_for(lambda: _queue_trips(lab, 16) > trips and _queue(lab, 16)[0] == 0, 5.0,
+             "the reader to answer the raw SYN")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    from test_dns_integrity import attacker_result
+    return attacker_result(p)
+
+
+@pytest.mark.parametrize("kind", ["first", "later", "body"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_raw_syn_copying_a_segment_egressd_sent_back_cannot_make_it_forget_the_connection(
+        lab, pinned, addr, kind):  # noqa: F811
+    """Docker's NET_RAW. The server holds an incomplete head naming same-ip.test (a first head
+    let through after 100 ms, or a later one of a connection admitted for allowed.test), or an
+    admitted POST's body holds one. A raw SYN with a wrong checksum that copied the sequence
+    number and bytes of the connection's first segment as egressd sent it back was taken for
+    that segment coming back (the reader knew its own copies by addresses, ports, sequence
+    number and payload): handled as a new connection on the old entry, the reader forgot the
+    connection, the socket's next bytes ("\\r\\n" and a request naming allowed.test) were judged
+    on their own and admitted, and the server answered for same-ip.test. The reader now knows
+    its copies by their whole TCP header, and refuses bytes whose start it never saw."""
+    p = _head_at_server(lab, pinned, addr, kind, pinned.status()["pin"]["inspected"])
+    res = _raw_syn_then_rest(lab, p, "synp")
+    assert "host=same-ip.test" not in res["answer"], f"the server answered for same-ip.test: {res}"
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_raw_syn_after_a_restart_cannot_make_a_held_head_a_new_connections(lab, pinned, addr):  # noqa: F811
+    """Docker's NET_RAW. The server holds a first head naming same-ip.test, let through
+    incomplete; egressd restarts (the table adopted, the connection forgotten); a raw SYN with a
+    wrong checksum takes the connection's mark off (output's first rule, for a new connection
+    on an old entry); its next bytes, "\\r\\n" and a request naming allowed.test, were judged as
+    the start of a connection egressd had never seen, and admitted. Bytes whose start the
+    reader never saw are refused now."""
+    p = _head_at_server(lab, pinned, addr, "first", pinned.status()["pin"]["inspected"])
+    pinned.kill()
+    pinned.wait()
+    pinned.start()
+    learn(lab)
+    res = _raw_syn_then_rest(lab, p, "syn")
+    assert "host=same-ip.test" not in res["answer"], f"the server answered for same-ip.test: {res}"
+    assert any("whose start egressd never saw" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
