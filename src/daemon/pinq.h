@@ -267,6 +267,9 @@ class PinFlows {
   std::size_t quic_followed() const { return followed_.size(); }
   std::size_t http_followed() const { return http_.size(); }
   std::size_t tls_followed() const { return tls_.size(); }
+  // HTTP flows whose first head was let through incomplete and is not whole
+  // yet (kPassIncompleteAfter): counted as held, though no packet of theirs is.
+  std::size_t pending_first() const { return pending_first_; }
   // Judged bytes kept for retransmissions, across all followed flows.
   std::size_t kept_bytes() const { return http_kept_ + tls_kept_; }
   // TCP payload bytes held across all flows (each flow keeps at most kMaxInspect).

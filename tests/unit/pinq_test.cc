@@ -1558,7 +1558,7 @@ TEST_CASE("an http head still incomplete after 100 ms is let through, and judged
   const auto v = f.expire(t0 + kPassIncompleteAfter);
   REQUIRE(v.size() == 1);
   CHECK((v[0].packet_id == 1 && v[0].kind == K::follow && v[0].as_read));  // as read: the copy judged so far
-  CHECK((f.stats().inspected == 1 && f.stats().held == 1 && f.stats().admitted == 0));
+  CHECK((f.stats().inspected == 1 && f.stats().held == 1 && f.stats().admitted == 0 && f.pending_first() == 1));
   CHECK_FALSE(f.next_deadline().has_value());  // nothing held: the server times a head out
   // The end, on the follow queue: judged as a first head, counted once.
   const std::uint32_t end = 1000 + static_cast<std::uint32_t>(kPaused.size());
@@ -1566,6 +1566,7 @@ TEST_CASE("an http head still incomplete after 100 ms is let through, and judged
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::pass);
   CHECK((f.stats().inspected == 1 && f.stats().admitted == 1 && f.stats().held == 0 && f.stats().reset == 0));
+  CHECK(f.pending_first() == 0);
   REQUIRE(j.reasons.size() == 1);
   CHECK(j.reasons[0].starts_with("http host allowed.test to 203.0.113.10:80; allowed by"));
   // The bytes let through, sent again from rewritten pages, go as they were read.
