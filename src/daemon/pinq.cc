@@ -267,9 +267,6 @@ constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their 
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
 constexpr const char* kReplacedReason = "connection replaced before its first bytes were judged";
-constexpr const char* kUnknownStartReason =
-    "first bytes of a connection whose start egressd never saw (opened before egressd started, or taken up "
-    "mid-stream): the server may hold bytes sent before them";
 constexpr const char* kResentDifferReason =
     "tcp bytes sent again that differ from the ones read at the same place (the pages were rewritten)";
 constexpr const char* kUrgentReason = "tcp urgent data in the first bytes (the server's stack takes it out of the stream)";
@@ -565,14 +562,6 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
   if (!seg.from_socket) return reset_flow(it, kRawReason, now);
   if (seg.urg) return reset_flow(it, kUrgentReason, now);
   if (const auto why = droppable(seg)) return reset_flow(it, *why, now);
-  // Bytes of a connection whose start the reader never saw (egressd started
-  // after its handshake, the start forgotten, or conntrack took the flow up
-  // mid-stream after a raw RST or SYN made it forget the entry): the server
-  // may hold bytes sent before them, an incomplete head or hello let through
-  // earlier, which these would complete (an attack review: "\r\n" and an
-  // allowed request ended a head naming another site). Refused, whatever
-  // they are.
-  if (!f.start_known) return reset_flow(it, kUnknownStartReason, now);
   // Sequence numbers relative to the first byte held (mod 2^32). A segment
   // that starts before it (reordered) moves the start back.
   std::uint32_t rel = seg.seq - f.base;
@@ -619,6 +608,20 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       f.http_incomplete = false;
       return {};
     case pin::TcpKind::other: {
+      // Bytes the reader cannot place: where the stream starts is unknown
+      // (egressd restarted since the handshake, or the start was dropped
+      // from a full memory), so these may come from its middle, and the
+      // bytes before them, held back, would follow on the fast path unread
+      // (an attack review). Refused: a TLS or HTTP start is judged, and
+      // bytes before it are refused later (Kept::start). The server holds
+      // none of a flow's bytes while its ct mark is 0: no rule takes a
+      // mark off a flow the reader let bytes through on (chain output hands
+      // a SYN on an old entry to the reader, which clears it only for the
+      // socket's own; chain pin refuses a flow conntrack takes up mid-stream).
+      if (!f.start_known) {
+        return reset_flow(it, "first bytes of a connection whose start egressd never saw are neither tls nor http",
+                          now);
+      }
       // Not TLS, not HTTP: the address decides, as without pinning. Known
       // as such, so a later phase that allows the address takes it on
       // (foreign_packet).
@@ -1214,7 +1217,21 @@ std::vector<PinVerdict> PinFlows::new_connection_on_old_entry(PinPacketId id, co
   forget_tls(key);
   forget_admitted(key);
   // Bytes in a SYN (no Fast Open option: a raw socket wrote them) never pass unread.
-  out.push_back({id, seg.payload.empty() ? PinVerdict::Kind::pass : PinVerdict::Kind::drop});
+  // Else the entry's mark (the old connection's) goes back to 0 before the SYN
+  // goes on, so the new connection is judged as new.
+  if (!seg.payload.empty()) {
+    out.push_back({id, PinVerdict::Kind::drop});
+    return out;
+  }
+  if (auto p = syns_passed_.find(key);
+      p != syns_passed_.end() && p->second.first == seg.seq && now - p->second.second < std::chrono::milliseconds(200)) {
+    out.push_back({id, PinVerdict::Kind::drop});
+    return out;
+  }
+  if (syns_passed_.size() >= kMaxFlows) syns_passed_.clear();
+  syns_passed_[key] = {seg.seq, now};
+  if (mark_clears_.size() < kMaxFlows) mark_clears_.push_back({seg.src, seg.dst, seg.sport, seg.dport, 0});
+  out.push_back({id, PinVerdict::Kind::pass});
   return out;
 }
 
@@ -1525,6 +1542,17 @@ class Queue : public PinQueue {
     };
     const std::uint32_t pin_mark = judge_.pin_mark();
     const std::uint32_t pin_priority = judge_.pin_priority();
+    // Marks to clear go first: the kernel handles the messages of a socket in
+    // order, so the entry has mark 0 when its SYN goes on. (A verdict's own
+    // NFQA_CT would do it in one message, but needs the kernel's
+    // CONFIG_NETFILTER_NETLINK_GLUE_CT, and without it is ignored.)
+    if (const auto clears = flows_.take_mark_clears(); !clears.empty()) {
+      std::vector<std::uint8_t> batch;
+      for (const ServerReset& c : clears) {
+        append_set_ct_mark(batch, Segment::kTcp, c.src, c.dst, c.sport, c.dport, 0, t_->next_seq());
+      }
+      if (t_->send(batch.data(), batch.size()) != 0) ++errors_;
+    }
     for (const PinVerdict& v : pending_) {
       // The bytes judged go back with every verdict that lets the packet
       // leave; a packet dropped or reset needs none.
@@ -1569,6 +1597,7 @@ class Queue : public PinQueue {
       const bool signed_verdict = !drop && (v.kind == PinVerdict::Kind::admit || v.kind == PinVerdict::Kind::pass ||
                                   v.kind == PinVerdict::Kind::follow);
       if (signed_verdict && pin_priority != 0) mnl_attr_put_u32(nlh, NFQA_PRIORITY, htonl(pin_priority));
+
       used += NLMSG_ALIGN(nlh->nlmsg_len);
     }
     send();

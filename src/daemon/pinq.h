@@ -276,6 +276,12 @@ class PinFlows {
   std::size_t held_bytes() const;
   // The refused flows whose server end should be reset, since the last call.
   std::vector<ServerReset> take_server_resets() { return std::exchange(server_resets_, {}); }
+  // The flows whose ct mark must go back to 0 before their packets' verdicts
+  // (`seq` unused), since the last call: a SYN the connection's socket wrote
+  // on an old entry starts a new connection, judged as new (chain output
+  // hands such SYNs to the reader with the old mark in place; a raw socket's
+  // is dropped and leaves it).
+  std::vector<ServerReset> take_mark_clears() { return std::exchange(mark_clears_, {}); }
 
  private:
   // A flow: family, protocol, source, destination, source port, destination
@@ -479,6 +485,12 @@ class PinFlows {
   void set_start(const Key& key, Start st);
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   std::vector<ServerReset> server_resets_;
+  std::vector<ServerReset> mark_clears_;
+  // SYNs passed on an old entry lately (sequence number, when): one that comes
+  // back at once found its entry's mark not cleared (the entry gone meanwhile)
+  // and would go round chain output and the reader for ever; it is dropped
+  // (the socket sends its SYN again a second later).
+  std::map<Key, std::pair<std::uint32_t, Clock::time_point>> syns_passed_;
   void remember(const Key& key, const Segment& seg, const std::string& name);
   void remember(const Key& key, AdmittedFlow f);
   std::map<Key, AdmittedFlow> admitted_;

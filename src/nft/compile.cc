@@ -180,6 +180,12 @@ Chain pin_chain(const CompileOptions& opts) {
   c.rules.push_back({{MatchTcpOption{kTcpOptFastOpenExp}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   // The handshake passes as without pinning; the flow stays undecided (no ct mark).
   c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtStateNew{}, to_pass()}, ""});
+  // Any other TCP packet that starts an entry is one conntrack took up from
+  // the middle of a connection (nf_conntrack_tcp_loose): its entry was
+  // forgotten (a raw in-window RST closes it, 10 s later it is gone) and the
+  // server may hold bytes sent before (an incomplete head let through), which
+  // the next ones, judged as a new flow's start, would complete. Refused.
+  c.rules.push_back({{MatchL4Proto{kTcp}, MatchCtStateNew{}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
   // A SYN on an entry that has seen replies opens a new connection on the
   // addresses and ports of an old one (output_chain zeroed its mark): it goes
   // to the reader below, which forgets what it holds for the old connection,
@@ -234,6 +240,24 @@ Chain pin_follow_chain() {
 // Chain `pin_untracked` (see compile.h): a TCP packet to a learned-only
 // address without a conntrack entry. The header-only rules of pin_follow
 // pass one without bytes; urgent data and bytes are dropped.
+// Chain `pin_spoof` (compile.h): conntrack (priority -200) takes every
+// packet the sandbox writes before any rule of chain output can drop it, so a
+// raw socket (NET_RAW) could write the server's side of a TCP handshake (a
+// SYN-ACK from the server's address to the sandbox's own) on a connection whose
+// entry a raw RST and SYN had traded for a new one: conntrack would take the
+// new entry up as established, mark 0, and the connection's next bytes would
+// reach the reader as a new flow's, while the server holds an incomplete head
+// of the old one they would end. A TCP packet a socket writes from an address
+// that is not the namespace's own is dropped here, before conntrack sees it.
+// (Resets netfilter writes for reject have no socket.)
+Chain pin_spoof_chain() {
+  Chain c{kPinSpoofChain, BaseChain{HookType::filter, -300, false}, {}};
+  c.rules.push_back({{MatchL4Proto{kTcp}, MatchMetaHasSocket{}, MatchFibAddrType{false, AddrType::local, true},
+                      StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
+                     ""});
+  return c;
+}
+
 Chain pin_untracked_chain() {
   Chain c{kPinUntrackedChain, std::nullopt, {}};
   c.rules.push_back({{MatchTcpFlagUrg{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
@@ -496,14 +520,22 @@ Chain output_chain(const Policy& policy, const CompileOptions& opts) {
     // flow reaches the client only), the client's port is handed out
     // again, and conntrack takes the new SYN up in the old entry, mark and id
     // included: the new connection would be refused for good on a cut mark,
-    // or admitted unread on an admitted one's. Its mark goes back to 0, so it
-    // is judged as the new flow it is (chain pin hands the reader its SYN).
+    // or admitted unread on an admitted one's. The reader takes such a SYN
+    // (its conntrack id in the mark, as chain pin sends packets) and, if the
+    // connection's socket wrote it, forgets the old connection and gives the
+    // entry mark 0 with its verdict, so the new connection is judged as the
+    // new flow it is; a SYN a raw socket wrote is dropped and changes nothing.
+    // (The rule used to set the mark to 0 itself: a raw SYN with a wrong
+    // checksum, which the server drops, then took a live connection's mark
+    // off, and once the reader no longer knew the connection, after a restart
+    // or pushed out of the followed ones, its next bytes came as a new flow's;
+    // an attack review.) No reader: dropped, as everything chain pin queues.
     // Never egressd's own flows' mark nor an inbound flow's (0x7ffffffe and
     // 0x7fffffff, the one mask): neither is pinning's, and a SYN a sandbox
-    // process forged on egressd's upstream flow must not shed its mark (the
-    // rules below keep the deny's resets related to that flow off `lo` by it).
+    // process forged on egressd's upstream flow must not reach the reader.
     c.rules.push_back({{MatchTcpFlagSyn{}, MatchCtDirectionOriginal{}, MatchCtMarkNot{~0u, 0},
-                        MatchCtMarkNot{~(kOwnFlowMark ^ kInboundMark), kOwnFlowMark}, StmtCtMarkSet{0}},
+                        MatchCtMarkNot{~(kOwnFlowMark ^ kInboundMark), kOwnFlowMark}, StmtMetaMarkSetCtId{},
+                        StmtCounter{}, StmtQueue{kPinQueueNum}},
                        ""});
   }
   for (std::uint8_t family : {4, 6}) {
@@ -952,6 +984,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
     t.chains.push_back(pin_chain(opts));
     t.chains.push_back(pin_follow_chain());
     t.chains.push_back(pin_untracked_chain());
+    t.chains.push_back(pin_spoof_chain());
   }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,

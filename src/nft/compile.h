@@ -242,6 +242,10 @@ inline constexpr const char* kEgressCheckChain = "egress_check";
 // Marks flows of other protocols than TCP that arrive from outside as
 // inbound, outside public (rewritten by a switch to or from public).
 inline constexpr const char* kInboundNewChain = "inbound_new";
+// With pinning: a base chain on output at priority raw (-300), ahead of
+// conntrack, that drops a TCP packet a socket writes from an address that is
+// not the namespace's own (compile.cc, spoof_chain).
+inline constexpr const char* kPinSpoofChain = "pin_spoof";
 // The netdev egress chain of `lo`, there only with a loopback upstream:
 // frames from a loopback upstream's address leave `lo` only when chain output
 // signed them as replies on egressd's own flows (an AF_PACKET frame written

@@ -297,8 +297,11 @@ void render_chain(std::ostringstream& out, const Chain& chain) {
       case Hook::egress: out << "egress device \"" << b.device << "\""; break;
     }
     out << " priority ";
+    // As nft names them (an inet table's filter chains: raw -300, filter 0).
     if (b.type == HookType::filter && b.priority == 0) {
       out << "filter";
+    } else if (b.type == HookType::filter && b.priority == -300 && b.hook != Hook::egress) {
+      out << "raw";
     } else {
       out << b.priority;
     }

@@ -99,7 +99,10 @@ if v6:
 else:
     ip = struct.pack("!BBHHHBBH", 0x45, 0, 20 + len(tcp), 0, 0x4000, 64, 6, 0) + sa + da
 raw = socket.socket(fam, socket.SOCK_RAW, socket.IPPROTO_RAW)
-raw.sendto(ip + tcp, (addr, 0))
+try:
+    raw.sendto(ip + tcp, (addr, 0))
+except PermissionError:
+    pass  # refused at once: egressd dropped the refused flow's entry, and a flow conntrack takes up mid-stream is reset
 
 # The loss is lifted for what the socket sends next (the rest of the handshake).
 try:

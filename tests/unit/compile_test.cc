@@ -856,7 +856,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 11);
+  REQUIRE(pin->rules.size() == 12);
   // The reader's pass: its mark and its priority, 64 bits a sandbox would have to guess at
   // once (no answer tells a right half from a wrong one).
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 meta priority 7072:6921 goto pass");
@@ -870,19 +870,22 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // A new connection's handshake passes; a SYN on an entry that has seen replies (a new
   // connection on an old one's addresses and ports) goes to the reader, which forgets the old one.
   CHECK(render_rule(pin->rules[5]) == "tcp flags syn ct state new goto pass");
+  // Any other TCP packet that starts an entry: conntrack took the flow up mid-stream (its entry
+  // forgotten, e.g. 10 s after a raw RST); the server may hold bytes before it. Refused.
+  CHECK(render_rule(pin->rules[6]) == "meta l4proto tcp ct state new counter reject with tcp reset");
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
-  CHECK(render_rule(pin->rules[6]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
+  CHECK(render_rule(pin->rules[7]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
   // A QUIC flow the kernel passed before carries a mark that says so, not its id: the reader
   // never judges an Initial on it afresh once it no longer holds the flow's assembler.
-  CHECK(render_rule(pin->rules[7]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
+  CHECK(render_rule(pin->rules[8]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
   // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
   // does not follow).
-  CHECK(render_rule(pin->rules[8]) == "ct mark 0x7ffffffc goto pin_follow");
+  CHECK(render_rule(pin->rules[9]) == "ct mark 0x7ffffffc goto pin_follow");
   // A TCP flow that carries a phase's mark (another phase's: never judged by name here; or
   // urgent data on this phase's own) has a queue of its own.
-  CHECK(render_rule(pin->rules[9]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
-  CHECK(render_rule(pin->rules[10]) == "meta mark set ct id counter queue num 16");
+  CHECK(render_rule(pin->rules[10]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
+  CHECK(render_rule(pin->rules[11]) == "meta mark set ct id counter queue num 16");
   // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
   // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
   // data and everything else go to the reader.
@@ -897,13 +900,16 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   CHECK(render_rule(follow->rules[22]) == "ip6 length 60 ip6 nexthdr tcp tcp doff 15 goto pass");
   CHECK(render_rule(follow->rules[23]) == "meta mark set ct id counter queue num 18");
   CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin_follow") == nullptr);
-  // Ahead of the fast path, such a SYN loses the old connection's mark (cut, followed or a
-  // phase's): the new connection is judged as new. Never egressd's own flow's mark (a SYN a
-  // sandbox forges on it must not shed it) nor an inbound flow's. Only with pinning.
+  // Ahead of the fast path, such a SYN goes to the reader with the old connection's mark (cut,
+  // followed or a phase's) in place: it clears the mark for the socket's own SYN, so the new
+  // connection is judged as new, and drops a raw socket's. Never egressd's own flow's mark (a
+  // SYN a sandbox forges on it must not reach the reader) nor an inbound flow's. Only with
+  // pinning.
   const Chain* output = find_chain(t, "output");
   REQUIRE(output != nullptr);
   CHECK(render_rule(output->rules[0]) ==
-        "tcp flags syn ct direction original ct mark != 0x00000000 ct mark != 0x7ffffffe/31 ct mark set 0x00000000");
+        "tcp flags syn ct direction original ct mark != 0x00000000 ct mark != 0x7ffffffe/31 meta mark set ct id "
+        "counter queue num 16");
   CompileOptions no_pin = o;
   no_pin.pin = false;
   CHECK(render_rule(find_chain(build_table(p, nullptr, named(p, "agent", 1), no_pin), "output")->rules[0])
