@@ -258,6 +258,19 @@ Chain pin_spoof_chain() {
   return c;
 }
 
+// Chain `pin_spoof_in` (compile.h): the same forged SYN-ACK written as a frame
+// with an AF_PACKET socket on `lo` (NET_RAW) never crosses output: `lo` takes
+// it back in, and conntrack sees it in prerouting (an attack review got
+// host=same-ip.test so, past pin_spoof). What comes in on `lo` was sent by the
+// namespace to itself, from one of its own addresses.
+Chain pin_spoof_in_chain() {
+  Chain c{kPinSpoofInChain, BaseChain{HookType::filter, -300, false, Hook::prerouting}, {}};
+  c.rules.push_back({{MatchIifLoopback{}, MatchL4Proto{kTcp}, MatchFibAddrType{false, AddrType::local, true},
+                      StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
+                     ""});
+  return c;
+}
+
 Chain pin_untracked_chain() {
   Chain c{kPinUntrackedChain, std::nullopt, {}};
   c.rules.push_back({{MatchTcpFlagUrg{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
@@ -985,6 +998,7 @@ Table staged_table(const Policy& policy, const CompileOptions& opts) {
     t.chains.push_back(pin_follow_chain());
     t.chains.push_back(pin_untracked_chain());
     t.chains.push_back(pin_spoof_chain());
+    t.chains.push_back(pin_spoof_in_chain());
   }
   for (const auto& ph : policy.phases) {
     t.chains.push_back(phase_chain_def(phase_chain(ph.name), ph, phase_mark(policy, ph.name, opts.mark_salt), pin,

@@ -246,6 +246,10 @@ inline constexpr const char* kInboundNewChain = "inbound_new";
 // conntrack, that drops a TCP packet a socket writes from an address that is
 // not the namespace's own (compile.cc, spoof_chain).
 inline constexpr const char* kPinSpoofChain = "pin_spoof";
+// ... and one on prerouting, also at priority raw: a TCP packet that comes in
+// on `lo` from an address that is not the namespace's own (an AF_PACKET
+// socket on `lo` writes frames that come back in as if from the wire).
+inline constexpr const char* kPinSpoofInChain = "pin_spoof_in";
 // The netdev egress chain of `lo`, there only with a loopback upstream:
 // frames from a loopback upstream's address leave `lo` only when chain output
 // signed them as replies on egressd's own flows (an AF_PACKET frame written

@@ -266,7 +266,7 @@ enum class Family : std::uint8_t { inet, netdev };
 std::string_view to_string(Family f);  // "inet", "netdev"
 
 enum class HookType { filter, nat };
-enum class Hook { output, input, forward, egress };
+enum class Hook { output, input, forward, egress, prerouting };
 
 struct BaseChain {
   // A constructor rather than an aggregate: most chains hook output and name

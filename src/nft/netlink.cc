@@ -268,6 +268,7 @@ std::uint32_t hooknum(Hook h) {
     case Hook::input: return NF_INET_LOCAL_IN;
     case Hook::forward: return NF_INET_FORWARD;
     case Hook::egress: return NF_NETDEV_EGRESS;
+    case Hook::prerouting: return NF_INET_PRE_ROUTING;
   }
   return NF_INET_LOCAL_OUT;
 }

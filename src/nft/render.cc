@@ -295,6 +295,7 @@ void render_chain(std::ostringstream& out, const Chain& chain) {
       case Hook::input: out << "input"; break;
       case Hook::forward: out << "forward"; break;
       case Hook::egress: out << "egress device \"" << b.device << "\""; break;
+      case Hook::prerouting: out << "prerouting"; break;
     }
     out << " priority ";
     // As nft names them (an inet table's filter chains: raw -300, filter 0).

@@ -6,14 +6,16 @@ and a SYN with wrong checksums (the server drops them; conntrack closes the entr
 the SYN for a new connection on its addresses and ports), and the server's side of the new
 handshake, a SYN-ACK written to the sandbox's own address from the server's; prints SENT. On
 the next line it sends "\\r\\n" and a whole request naming allowed.test and prints one JSON line
-{"answer": ..., "error": ...}. argv: ADDR PORT"""
+{"answer": ..., "error": ...}. argv: ADDR PORT VIA: `output`, the SYN-ACK through a raw socket
+(it crosses chain output); `lo`, as a frame through an AF_PACKET socket on `lo`, which takes it
+back in as if from the wire (it never crosses output)."""
 import json
 import socket
 import struct
 import sys
 import time
 
-addr, port = sys.argv[1], int(sys.argv[2])
+addr, port, via = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 V6 = ":" in addr
 FAMILY = socket.AF_INET6 if V6 else socket.AF_INET
 
@@ -66,11 +68,12 @@ while not got.endswith(b"host=allowed.test"):
     assert chunk, "closed before the first answer"
     got += chunk
 s.send(head)
-# The sequence numbers, from the last segments seen on eth0: the client's next byte and the
-# server's next byte.
+# The sequence numbers, from the segments seen on eth0: the client's next byte (after the head)
+# and the server's next byte, from its acknowledgment of the head (so that no later ACK of the
+# server's moves conntrack's idea of the connection after the raw segments).
 cli = srv = None
 t0 = time.monotonic()
-while time.monotonic() - t0 < 2 and (cli is None or srv is None):
+while time.monotonic() - t0 < 3 and srv is None:
     try:
         frame = pk.recv(65535)
     except socket.timeout:
@@ -86,8 +89,7 @@ while time.monotonic() - t0 < 2 and (cli is None or srv is None):
         (off >> 4) * 4
     if (sp, dp) == (lport, port) and plen == len(head):
         cli = (seq + plen) & 0xffffffff
-        srv = ack
-    elif (sp, dp) == (port, lport) and cli is not None:
+    elif (sp, dp) == (port, lport) and cli is not None and ack == cli:
         srv = seq
 pk.close()
 assert cli is not None and srv is not None, "sequence numbers not seen"
@@ -96,10 +98,14 @@ sys.stdin.readline()
 raw = socket.socket(FAMILY, socket.SOCK_RAW, socket.IPPROTO_TCP)
 raw.sendto(tcp(src, addr, lport, port, cli, 0, 0x04), (addr, 0))                 # RST
 raw.sendto(tcp(src, addr, lport, port, (cli - 1) & 0xffffffff, 0, 0x02), (addr, 0))  # SYN
-hdr = socket.socket(FAMILY, socket.SOCK_RAW, socket.IPPROTO_RAW)
-synack = tcp(addr, src, port, lport, (srv - 1) & 0xffffffff, cli, 0x12, good=True)
+synack = ip(addr, src, tcp(addr, src, port, lport, (srv - 1) & 0xffffffff, cli, 0x12, good=True))
 try:
-    hdr.sendto(ip(addr, src, synack), (src, 0))
+    if via == "lo":
+        lo = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        lo.bind(("lo", 0))
+        lo.send(b"\0" * 12 + (b"\x86\xdd" if V6 else b"\x08\x00") + synack)
+    else:
+        socket.socket(FAMILY, socket.SOCK_RAW, socket.IPPROTO_RAW).sendto(synack, (src, 0))
     out = {"synack": "sent"}
 except OSError as e:
     out = {"synack": repr(e)}

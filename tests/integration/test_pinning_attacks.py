@@ -1092,9 +1092,10 @@ def test_the_reader_made_to_forget_a_connection_whose_head_the_server_holds_judg
 FORGED_HANDSHAKE = (labmod.HERE / "forged_handshake_attacker.py").read_text()
 
 
+@pytest.mark.parametrize("via", ["output", "lo"])
 @pytest.mark.parametrize("addr", [V4, V6])
 def test_a_forged_handshake_cannot_give_a_connection_whose_head_the_server_holds_a_new_entry(
-        lab, pinned, addr):  # noqa: F811
+        lab, pinned, addr, via):  # noqa: F811
     """Docker's NET_RAW. A connection admitted for allowed.test leaves an incomplete later head
     naming same-ip.test at the server. Raw segments with wrong checksums (the server drops
     them), an RST and then a SYN, make conntrack close the entry and take the SYN for a new
@@ -1102,11 +1103,14 @@ def test_a_forged_handshake_cannot_give_a_connection_whose_head_the_server_holds
     completes that handshake in conntrack's eyes (netfilter drops it in chain output, after
     conntrack saw it). The socket's next bytes, "\\r\\n" and a request naming allowed.test,
     were judged as a new connection's start and admitted. Chain pin_spoof now drops a TCP
-    packet a socket writes from an address not the sandbox's own, ahead of conntrack."""
+    packet a socket writes from an address not the sandbox's own, ahead of conntrack; `lo`: the
+    SYN-ACK written as a frame with an AF_PACKET socket on `lo`, which never crosses output and
+    comes back in on `lo` (a review got host=same-ip.test so): chain pin_spoof_in drops TCP that
+    comes in on `lo` from another's address, ahead of conntrack in prerouting."""
     from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
     trips = _queue_trips(lab, 16) + _queue_trips(lab, 18)
     admitted = pinned.status()["pin"]["admitted"]
-    p = attacker(lab, FORGED_HANDSHAKE, addr, HTTP_PORT, caps=DOCKER_CAPS)
+    p = attacker(lab, FORGED_HANDSHAKE, addr, HTTP_PORT, via, caps=DOCKER_CAPS)
     _judged(lab, trips)
     p.stdin.write(b"go\n")
     p.stdin.flush()
