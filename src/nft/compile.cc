@@ -261,12 +261,17 @@ Chain pin_spoof_chain() {
 // Chain `pin_spoof_in` (compile.h): the same forged SYN-ACK written as a frame
 // with an AF_PACKET socket on `lo` (NET_RAW) never crosses output: `lo` takes
 // it back in, and conntrack sees it in prerouting (an attack review got
-// host=same-ip.test so, past pin_spoof). What comes in on `lo` was sent by the
-// namespace to itself, from one of its own addresses.
+// host=same-ip.test so, past pin_spoof). What the stack sends itself over `lo`
+// crossed output, and comes back in with its conntrack entry attached (the
+// deny's resets from the server's address too: ct state related); a frame
+// written on `lo` comes in with none (ct state invalid here, ahead of
+// conntrack), and one from an address that is not the namespace's own is
+// dropped.
 Chain pin_spoof_in_chain() {
   Chain c{kPinSpoofInChain, BaseChain{HookType::filter, -300, false, Hook::prerouting}, {}};
-  c.rules.push_back({{MatchIifLoopback{}, MatchL4Proto{kTcp}, MatchFibAddrType{false, AddrType::local, true},
-                      StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}},
+  c.rules.push_back({{MatchIifLoopback{}, MatchL4Proto{kTcp}, MatchCtStateInvalid{},
+                      MatchFibAddrType{false, AddrType::local, true}, StmtCounter{},
+                      StmtVerdict{VerdictKind::drop, ""}},
                      ""});
   return c;
 }
