@@ -186,6 +186,13 @@ Chain pin_chain(const CompileOptions& opts) {
   // server may hold bytes sent before (an incomplete head let through), which
   // the next ones, judged as a new flow's start, would complete. Refused.
   c.rules.push_back({{MatchL4Proto{kTcp}, MatchCtStateNew{}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
+  // ... and so is a sandbox's packet in the reply direction of an entry: the
+  // entry was started by the server's side (its zero-window probe, say, when
+  // it came first after conntrack forgot the connection), so the sandbox's
+  // connection is one conntrack took up mid-stream all the same (CI's
+  // sanitizer lab got host=same-ip.test so). Inbound flows carry their own
+  // mark and never get here.
+  c.rules.push_back({{MatchL4Proto{kTcp}, MatchCtDirectionReply{}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
   // A SYN on an entry that has seen replies opens a new connection on the
   // addresses and ports of an old one (output_chain zeroed its mark): it goes
   // to the reader below, which forgets what it holds for the old connection,

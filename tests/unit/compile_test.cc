@@ -856,7 +856,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 12);
+  REQUIRE(pin->rules.size() == 13);
   // The reader's pass: its mark and its priority, 64 bits a sandbox would have to guess at
   // once (no answer tells a right half from a wrong one).
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 meta priority 7072:6921 goto pass");
@@ -873,19 +873,21 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // Any other TCP packet that starts an entry: conntrack took the flow up mid-stream (its entry
   // forgotten, e.g. 10 s after a raw RST); the server may hold bytes before it. Refused.
   CHECK(render_rule(pin->rules[6]) == "meta l4proto tcp ct state new counter reject with tcp reset");
+  // ... or one whose entry the server's side started (the sandbox's packet in the reply direction).
+  CHECK(render_rule(pin->rules[7]) == "meta l4proto tcp ct direction reply counter reject with tcp reset");
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
-  CHECK(render_rule(pin->rules[7]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
+  CHECK(render_rule(pin->rules[8]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
   // A QUIC flow the kernel passed before carries a mark that says so, not its id: the reader
   // never judges an Initial on it afresh once it no longer holds the flow's assembler.
-  CHECK(render_rule(pin->rules[8]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
+  CHECK(render_rule(pin->rules[9]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
   // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
   // does not follow).
-  CHECK(render_rule(pin->rules[9]) == "ct mark 0x7ffffffc goto pin_follow");
+  CHECK(render_rule(pin->rules[10]) == "ct mark 0x7ffffffc goto pin_follow");
   // A TCP flow that carries a phase's mark (another phase's: never judged by name here; or
   // urgent data on this phase's own) has a queue of its own.
-  CHECK(render_rule(pin->rules[10]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
-  CHECK(render_rule(pin->rules[11]) == "meta mark set ct id counter queue num 16");
+  CHECK(render_rule(pin->rules[11]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
+  CHECK(render_rule(pin->rules[12]) == "meta mark set ct id counter queue num 16");
   // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
   // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
   // data and everything else go to the reader.
