@@ -865,11 +865,7 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
   const Key key = it->first;
   std::vector<PinVerdict> out = finish(it, true, now);
   for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
-  forget_followed(key);
-  http_lru_.push_front(key);
-  h.lru = http_lru_.begin();
-  http_.emplace(key, std::move(h));
-  bound_http();
+  start_following(key, std::move(h));
   return out;
 }
 
@@ -914,15 +910,22 @@ std::vector<PinVerdict> PinFlows::pass_incomplete_http(std::map<Key, Flow>::iter
   a.ct_id = f.ct_id;
   remember(key, std::move(a));
   flows_.erase(it);
-  forget_followed(key);
   forget_tls(key);
+  start_following(key, std::move(h));
+  return out;
+}
+
+void PinFlows::start_following(const Key& key, HttpFollowed h) {
+  forget_followed(key);
   http_lru_.push_front(key);
   h.lru = http_lru_.begin();
+  const bool pending = h.first_pending;
   http_.emplace(key, std::move(h));
-  ++pending_first_;
-  count_held();
+  if (pending) {
+    ++pending_first_;
+    count_held();
+  }
   bound_http();
-  return out;
 }
 
 void PinFlows::bound_http() {

@@ -401,6 +401,8 @@ class PinFlows {
   std::vector<PinVerdict> refuse_first(PinPacketId id, const Key& key, const Segment& seg, const pin::Decision& d,
                                        std::uint32_t server_seq, Clock::time_point now);
   std::size_t pending_first_ = 0;  // http_ entries with first_pending
+  // Follows `key` from here as `h` says (any earlier connection on it forgotten).
+  void start_following(const Key& key, HttpFollowed h);
   void count_held() { stats_.held = flows_.size() + pending_first_; }
   // Feeds a followed connection `bytes` at sequence number `seq` and keeps
   // their framing.
