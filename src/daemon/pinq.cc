@@ -381,6 +381,21 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       }
       return http_packet(id, key, seg, now);
     }
+    if (seg.syn && seg.stray_syn) {
+      // A SYN that met an entry the server's side started: conntrack forgot a
+      // connection on these addresses and ports (egressd deletes a refused
+      // flow's entry), and a late packet of the server's started a new entry.
+      // Let through, the handshake's ACK would be in that entry's reply
+      // direction, which chain pin resets, leaving the server a half-open
+      // connection that refuses the socket's next SYN (nft::kPinStraySynMark).
+      // The socket's SYN has the entry deleted instead and is dropped, so its
+      // retry a second later starts an entry of its own. A raw socket's SYN
+      // changes nothing.
+      if (seg.from_socket && seg.payload.empty() && entry_deletes_.size() < kMaxFlows) {
+        entry_deletes_.push_back({seg.src, seg.dst, seg.sport, seg.dport, 0});
+      }
+      return {{id, PinVerdict::Kind::drop}};
+    }
     if (seg.syn) {
       // A SYN a raw socket wrote on the addresses and ports of a live flow
       // (Docker's NET_RAW, a bad checksum so the server drops it) opens no
@@ -1525,6 +1540,10 @@ class Queue : public PinQueue {
     if (tb[NFQA_MARK] != nullptr && mnl_attr_get_payload_len(tb[NFQA_MARK]) == 4) {
       seg->ct_id = ntohl(mnl_attr_get_u32(tb[NFQA_MARK]));
     }
+    // ... or, for a SYN that met an entry the server's side started,
+    // kPinStraySynMark (a SYN whose conntrack id is that value by chance has
+    // its entry deleted and is sent again by its socket: a second late).
+    seg->stray_syn = queue == nft::kPinQueueNum && seg->syn && seg->ct_id == nft::kPinStraySynMark;
     // ... or, for a UDP flow the kernel passed before, kPinUdpPassedMark.
     seg->passed = queue == nft::kPinUdpQueueNum && seg->ct_id == nft::kPinUdpPassedMark;
     auto v = flows_.packet(id, *seg, PinFlows::Clock::now());
@@ -1553,6 +1572,14 @@ class Queue : public PinQueue {
       std::vector<std::uint8_t> batch;
       for (const ServerReset& c : clears) {
         append_set_ct_mark(batch, Segment::kTcp, c.src, c.dst, c.sport, c.dport, 0, t_->next_seq());
+      }
+      if (t_->send(batch.data(), batch.size()) != 0) ++errors_;
+    }
+    if (const auto deletes = flows_.take_entry_deletes(); !deletes.empty()) {
+      std::vector<std::uint8_t> batch;
+      // By the SYN's own tuple: conntrack finds an entry by either direction's.
+      for (const ServerReset& d : deletes) {
+        append_delete_ct(batch, Segment::kTcp, d.src, d.dst, d.sport, d.dport, t_->next_seq());
       }
       if (t_->send(batch.data(), batch.size()) != 0) ++errors_;
     }

@@ -124,6 +124,9 @@ struct Segment {
   // From queue kPinForeignQueueNum: a TCP flow that carries a phase's mark
   // (another phase's, or urgent data on this phase's own flow).
   bool foreign = false;
+  // A SYN that met a conntrack entry the server's side started (chain pin or
+  // pin_untracked marks it nft::kPinStraySynMark).
+  bool stray_syn = false;
   // Too large to go back with a verdict (a GSO packet of about 64 KiB: a
   // netlink attribute holds less). Only a followed connection's reach the
   // reader; one whose bytes decide nothing (an HTTP body) passes as it is,
@@ -282,6 +285,10 @@ class PinFlows {
   // hands such SYNs to the reader with the old mark in place; a raw socket's
   // is dropped and leaves it).
   std::vector<ServerReset> take_mark_clears() { return std::exchange(mark_clears_, {}); }
+  // The flows whose conntrack entry must go before their SYN's verdict (`seq`
+  // unused), since the last call: a socket's SYN met an entry the server's side
+  // started (see PinFlows::packet), and the retried SYN starts a new one.
+  std::vector<ServerReset> take_entry_deletes() { return std::exchange(entry_deletes_, {}); }
 
  private:
   // A flow: family, protocol, source, destination, source port, destination
@@ -488,6 +495,7 @@ class PinFlows {
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   std::vector<ServerReset> server_resets_;
   std::vector<ServerReset> mark_clears_;
+  std::vector<ServerReset> entry_deletes_;
   // SYNs passed on an old entry lately (sequence number, when): one that comes
   // back at once found its entry's mark not cleared (the entry gone meanwhile)
   // and would go round chain output and the reader for ever; it is dropped

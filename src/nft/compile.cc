@@ -186,7 +186,12 @@ Chain pin_chain(const CompileOptions& opts) {
   // server may hold bytes sent before (an incomplete head let through), which
   // the next ones, judged as a new flow's start, would complete. Refused.
   c.rules.push_back({{MatchL4Proto{kTcp}, MatchCtStateNew{}, StmtCounter{}, StmtRejectTcpReset{}}, ""});
-  // ... and so is a sandbox's packet in the reply direction of an entry: the
+  // A SYN in the reply direction of an entry the server's side started
+  // (compile.h kPinStraySynMark): to the reader, which has it deleted.
+  c.rules.push_back({{MatchTcpSynOnly{}, MatchCtDirectionReply{}, StmtMetaMarkSet{kPinStraySynMark}, StmtCounter{},
+                      StmtQueue{kPinQueueNum}},
+                     ""});
+  // Any other sandbox packet in the reply direction of an entry is reset: the
   // entry was started by the server's side (its zero-window probe, say, when
   // it came first after conntrack forgot the connection), so the sandbox's
   // connection is one conntrack took up mid-stream all the same (CI's
@@ -286,6 +291,9 @@ Chain pin_spoof_in_chain() {
 Chain pin_untracked_chain() {
   Chain c{kPinUntrackedChain, std::nullopt, {}};
   c.rules.push_back({{MatchTcpFlagUrg{}, StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
+  // A SYN conntrack calls invalid meets an entry the server's side started
+  // (compile.h kPinStraySynMark): to the reader, which has it deleted.
+  c.rules.push_back({{MatchTcpSynOnly{}, StmtMetaMarkSet{kPinStraySynMark}, StmtCounter{}, StmtQueue{kPinQueueNum}}, ""});
   push_header_only_passes(c);
   c.rules.push_back({{StmtCounter{}, StmtVerdict{VerdictKind::drop, ""}}, ""});
   return c;

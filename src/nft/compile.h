@@ -209,6 +209,17 @@ inline constexpr const char* kPinUntrackedChain = "pin_untracked";
 // An skb mark only the reader's verdict sets on purpose; a sandbox that
 // sets it with SO_MARK only gets its own undecided flows reset.
 inline constexpr std::uint32_t kPinResetMark = 0x72737421;  // "rst!"
+// The skb mark a socket's SYN gets in place of its conntrack id when it
+// meets an entry on its addresses and ports that the server's side started
+// (a late packet of the server's after conntrack forgot the connection, or
+// after egressd deleted a refused flow's entry): conntrack calls the SYN
+// invalid (chain pin_untracked), or, in the states where a SYN may come from
+// either end, takes it in the entry's reply direction (chain pin). Let
+// through, the handshake's ACK would be in the reply direction of that entry
+// (reset by chain pin) and the server left with a half-open connection that
+// refuses the next SYN. The reader has the entry deleted and drops the SYN;
+// the socket's retry a second later starts an entry of its own.
+inline constexpr std::uint32_t kPinStraySynMark = 0x72657673;  // "revs"
 // The skb marks of the reader's verdicts: let go (the pin mark itself),
 // admitted, followed. Derived from the pin mark, a secret of their own: a
 // sandbox that guesses one skips only the name check, never the address

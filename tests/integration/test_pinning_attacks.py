@@ -154,6 +154,92 @@ def test_a_server_that_aborts_an_admitted_flow_leaves_its_port_to_be_judged_afre
     assert any("same-ip.test" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
 
 
+def _csum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def stray_server_ack(lab, addr, port, sport):
+    """A late packet of the server's on addr:port -> the sandbox's sport (an ACK, as a server
+    sends after its connection's entry is gone), written in the internet namespace with a raw
+    socket. Conntrack in the sandbox takes it up mid-stream: an entry started from the server's
+    side, whose reply direction is a connection the sandbox would open from sport."""
+    v6 = ":" in addr
+    client = labmod.SANDBOX_V6 if v6 else labmod.SANDBOX_V4
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    header = struct.pack("!HHIIBBHHH", port, sport, 1000, 2000, 5 << 4, 0x10, 65535, 0, 0)
+    src, dst = socket.inet_pton(family, addr), socket.inet_pton(family, client)
+    pseudo = (src + dst + struct.pack("!IxxxB", len(header), socket.IPPROTO_TCP) if v6
+              else src + dst + struct.pack("!xBH", socket.IPPROTO_TCP, len(header)))
+    header = header[:16] + struct.pack("!H", _csum(pseudo + header)) + header[18:]
+    with lab.internet.socket(family, socket.SOCK_RAW, socket.IPPROTO_TCP) as s:
+        s.bind((addr, 0))
+        s.sendto(header, (client, 0))
+
+
+def _counter(lab, chain, pattern, table="inet egressd"):
+    rc, text, err = lab.nft(lab.sandbox, "list", "chain", *table.split(), chain)
+    assert rc == 0, err
+    return int(re.search(pattern + r" counter packets (\d+) bytes", text)[1])
+
+
+def server_starts_entry(lab, addr, sport):
+    """Has a stray server ACK (see stray_server_ack) start the entry of addr:TLS_PORT -> sport.
+    The sandbox's stack answers it with a reset, and conntrack kills an entry whose only reply
+    is a reset; a table of the test's own drops that reset ahead of conntrack (priority -310),
+    so the entry stays, as it did in CI, until the table goes again."""
+    rc, _, err = lab.nft(lab.sandbox, "-f", "-", input=textwrap.dedent(f"""\
+        table inet pin_test_stray {{
+            chain out {{
+                type filter hook output priority -310; policy accept;
+                tcp sport {sport} tcp flags rst counter drop
+            }}
+        }}
+        """))
+    assert rc == 0, err
+    try:
+        stray_server_ack(lab, addr, TLS_PORT, sport)
+        wait_for(lambda: _counter(lab, "out", "tcp flags rst", "inet pin_test_stray") > 0, 5.0,
+                 "the sandbox's reset of a stray server ACK")
+    finally:
+        rc, _, err = lab.nft(lab.sandbox, "delete", "table", "inet", "pin_test_stray")
+        assert rc == 0, err
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_connection_from_a_port_whose_entry_the_server_started_is_opened_afresh(lab, pinned, addr):  # noqa: F811
+    """CI runs 9 and 10: after egressd refused a flow and deleted its conntrack entry, a late
+    packet of the server's started a new entry from the server's side. The client's next SYN
+    from that port was invalid to conntrack and went on; the handshake's ACK, in the reply
+    direction of that entry, was reset (a sandbox packet in the reply direction is one
+    conntrack took up mid-stream), and the server's half-open connection then refused the
+    next SYN: an allowed name on a reused port was reset or refused. Now the socket's SYN has
+    that entry deleted and is dropped; its retry a second later opens the connection, judged
+    as any other."""
+    v6 = ":" in addr
+    sport = 47061 if not v6 else 47063
+    strays = _counter(lab, "pin_untracked", "tcp flags syn / syn,ack meta mark set 0x72657673")
+    server_starts_entry(lab, addr, sport)
+    t0 = time.monotonic()
+    res = tls_from_port(lab, addr, "allowed.test", sport)
+    assert res == ("ok", b"tls:ping"), f"tls naming allowed.test from a port whose entry the server started got {res}"
+    # The first SYN met the server's entry and went to the reader; the retry opened the connection.
+    assert _counter(lab, "pin_untracked", "tcp flags syn / syn,ack meta mark set 0x72657673") == strays + 1
+    assert time.monotonic() - t0 < 2.5
+    # Another name on such a port is judged as on any other: reset by egressd, never let through.
+    server_starts_entry(lab, addr, sport + 1)
+    before = pinned.status()["pin"]
+    res = tls_from_port(lab, addr, "same-ip.test", sport + 1)
+    # (A second for the SYN's retry, then reset at once.)
+    assert res[0] == "reset" and res[1] < 2.5, f"tls naming same-ip.test from a port whose entry the server started got {res}"
+    st = pinned.status()["pin"]
+    assert (st["inspected"], st["reset"]) == (before["inspected"] + 1, before["reset"] + 1), (before, st)
+
+
 def server_peers(lab):
     """The peer ports of the TLS server's established connections (in the internet namespace)."""
     out = lab.internet.exec("ss", "-Htn", "state", "established").stdout

@@ -856,7 +856,7 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   const Table t = build_table(p, nullptr, named(p, "agent", 1), o);
   const Chain* pin = find_chain(t, "pin");
   REQUIRE(pin != nullptr);
-  REQUIRE(pin->rules.size() == 13);
+  REQUIRE(pin->rules.size() == 14);
   // The reader's pass: its mark and its priority, 64 bits a sandbox would have to guess at
   // once (no answer tells a right half from a wrong one).
   CHECK(render_rule(pin->rules[0]) == "meta mark 0x70696e21 meta priority 7072:6921 goto pass");
@@ -873,21 +873,26 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   // Any other TCP packet that starts an entry: conntrack took the flow up mid-stream (its entry
   // forgotten, e.g. 10 s after a raw RST); the server may hold bytes before it. Refused.
   CHECK(render_rule(pin->rules[6]) == "meta l4proto tcp ct state new counter reject with tcp reset");
-  // ... or one whose entry the server's side started (the sandbox's packet in the reply direction).
-  CHECK(render_rule(pin->rules[7]) == "meta l4proto tcp ct direction reply counter reject with tcp reset");
+  // A SYN in the reply direction of an entry the server's side started: to the reader with a
+  // mark that says so (it has the entry deleted and drops the SYN; the socket's retry starts
+  // an entry of its own), never reset: a port reused after a refused flow keeps working.
+  CHECK(render_rule(pin->rules[7]) ==
+        "tcp flags syn / syn,ack ct direction reply meta mark set 0x72657673 counter queue num 16");
+  // Any other packet of the sandbox's in the reply direction: conntrack took it up mid-stream.
+  CHECK(render_rule(pin->rules[8]) == "meta l4proto tcp ct direction reply counter reject with tcp reset");
   // No bypass: with no reader the packet is dropped. QUIC has its own queue, where the
   // kernel splits a GSO batch into its datagrams.
-  CHECK(render_rule(pin->rules[8]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
+  CHECK(render_rule(pin->rules[9]) == "meta l4proto udp ct mark 0x00000000 meta mark set ct id counter queue num 17");
   // A QUIC flow the kernel passed before carries a mark that says so, not its id: the reader
   // never judges an Initial on it afresh once it no longer holds the flow's assembler.
-  CHECK(render_rule(pin->rules[9]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
+  CHECK(render_rule(pin->rules[10]) == "meta l4proto udp meta mark set 0x71756963 counter queue num 17");
   // A followed HTTP connection has a chain and a queue of its own (the reader refuses what it
   // does not follow).
-  CHECK(render_rule(pin->rules[10]) == "ct mark 0x7ffffffc goto pin_follow");
+  CHECK(render_rule(pin->rules[11]) == "ct mark 0x7ffffffc goto pin_follow");
   // A TCP flow that carries a phase's mark (another phase's: never judged by name here; or
   // urgent data on this phase's own) has a queue of its own.
-  CHECK(render_rule(pin->rules[11]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
-  CHECK(render_rule(pin->rules[12]) == "meta mark set ct id counter queue num 16");
+  CHECK(render_rule(pin->rules[12]) == "ct mark != 0x00000000 meta mark set ct id counter queue num 20");
+  CHECK(render_rule(pin->rules[13]) == "meta mark set ct id counter queue num 16");
   // Its packets without bytes stay in the kernel (a download's ACKs never reach the reader):
   // IPv4 without options and IPv6 without extension headers, each TCP header length; urgent
   // data and everything else go to the reader.
@@ -957,11 +962,14 @@ TEST_CASE("hostname pinning: learned-only TCP and QUIC flows go to chain pin whi
   CHECK(rules[18] == "ip6 daddr @ph_agent_d6 udp dport 443 goto pin");
   const Chain* untracked = find_chain(t, "pin_untracked");
   REQUIRE(untracked != nullptr);
-  REQUIRE(untracked->rules.size() == 24);
+  REQUIRE(untracked->rules.size() == 25);
   CHECK(render_rule(untracked->rules[0]) == "tcp flags urg counter drop");
-  CHECK(render_rule(untracked->rules[1]) == "ip hdrlength 5 ip length 40 tcp doff 5 goto pass");
-  CHECK(render_rule(untracked->rules[22]) == "ip6 length 60 ip6 nexthdr tcp tcp doff 15 goto pass");
-  CHECK(render_rule(untracked->rules[23]) == "counter drop");
+  // A SYN conntrack calls invalid met an entry the server's side started: to the reader (it
+  // has the entry deleted), never let through, where its handshake would be reset half-way.
+  CHECK(render_rule(untracked->rules[1]) == "tcp flags syn / syn,ack meta mark set 0x72657673 counter queue num 16");
+  CHECK(render_rule(untracked->rules[2]) == "ip hdrlength 5 ip length 40 tcp doff 5 goto pass");
+  CHECK(render_rule(untracked->rules[23]) == "ip6 length 60 ip6 nexthdr tcp tcp doff 15 goto pass");
+  CHECK(render_rule(untracked->rules[24]) == "counter drop");
   CHECK(find_chain(build_table(p, nullptr, named(p, "agent", 1), CompileOptions{}), "pin_untracked") == nullptr);
   CHECK(pin_admit_mark(o.pin_mark) == 0x8f9691de);
   CHECK(pin_follow_mark(o.pin_mark) == 0x8f9691df);

@@ -1503,6 +1503,49 @@ TEST_CASE("a SYN no socket wrote, on a followed connection's addresses and ports
   CHECK(f.take_mark_clears().size() == 1);
 }
 
+TEST_CASE("a socket's SYN in the reply direction of its entry has the entry deleted and is dropped; a raw one changes nothing") {
+  // After a refused flow, egressd deletes its entry; a late packet of the server's can start a
+  // new one from the server's side, and the client's next SYN from that port is in its reply
+  // direction (chain pin marks it kPinStraySynMark). Reset, it broke port reuse (CI run 9);
+  // passed, the connection would be one conntrack took up mid-stream.
+  Judge j;
+  Flows f(j);
+  const std::string head = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
+  REQUIRE(f.packet(1, seg(1000, head, 40010), t0)[0].kind == K::reset);
+  Segment raw_syn = seg(5, "", 40010);
+  raw_syn.syn = true;
+  raw_syn.stray_syn = true;
+  raw_syn.from_socket = false;
+  const auto raw = f.packet(2, raw_syn, t0);
+  REQUIRE(raw.size() == 1);
+  CHECK(raw[0].kind == K::drop);
+  CHECK(f.take_entry_deletes().empty());
+  // A SYN with bytes opens nothing a socket would (no Fast Open reaches here): nothing deleted.
+  const std::string byte = "x";
+  Segment data_syn = seg(5, byte, 40010);
+  data_syn.syn = true;
+  data_syn.stray_syn = true;
+  CHECK(f.packet(3, data_syn, t0)[0].kind == K::drop);
+  CHECK(f.take_entry_deletes().empty());
+  Segment syn = raw_syn;
+  syn.from_socket = true;
+  const auto own = f.packet(4, syn, t0);
+  REQUIRE(own.size() == 1);
+  CHECK(own[0].kind == K::drop);
+  const auto deletes = f.take_entry_deletes();
+  REQUIRE(deletes.size() == 1);
+  CHECK((deletes[0].sport == 40010 && deletes[0].dport == 80 && deletes[0].dst.to_string() == "203.0.113.10"));
+  CHECK(f.take_mark_clears().empty());
+  // The retry on its own entry passes; its bytes are judged as a new flow's.
+  Segment retry = seg(7000, "", 40010);
+  retry.syn = true;
+  retry.ct_id = 99;
+  CHECK(f.packet(5, retry, t0 + std::chrono::seconds(1))[0].kind == K::pass);
+  Segment again = seg(7001, head, 40010);
+  again.ct_id = 99;
+  CHECK(f.packet(6, again, t0 + std::chrono::seconds(1))[0].kind == K::reset);
+}
+
 TEST_CASE("bytes the reader cannot place are refused unless they are tls or http, and bytes before them never pass") {
   // No handshake ACK seen (egressd restarted, or the start was forgotten): the first bytes
   // seen may be from the middle of the stream, with the ones before them held back by the
