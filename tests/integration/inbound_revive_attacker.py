@@ -15,27 +15,13 @@ segments are sent (the server may send its next segment then), then one JSON lin
 arrived after the switch, "secret" how sending SECRET-TOKEN went, "answer" the server's answer
 to it (GOT) or the error, "forge_errors" what the raw sends returned."""
 import json, os, select, socket, struct, sys, time
+from rawtcp import tcp
 
 addr, port, mode, listener, token = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 V6 = ":" in addr
 AF = socket.AF_INET6 if V6 else socket.AF_INET
 ME = "2001:db8:1::2" if V6 else "192.0.2.2"
 WAIT = 5.0  # s: the bound on every wait below
-
-
-def csum(b):
-    if len(b) % 2: b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16: s = (s & 0xffff) + (s >> 16)
-    return (~s) & 0xffff
-
-
-def tcp_header(sport, seq, ack, flags):
-    h = struct.pack("!HHIIBBHHH", sport, port, seq, ack, 5 << 4, flags, 65535, 0, 0)
-    if V6:
-        return h  # the kernel fills the checksum in (IPV6_CHECKSUM)
-    ph = socket.inet_aton(ME) + socket.inet_aton(addr) + struct.pack("!BBH", 0, 6, len(h))
-    return h[:16] + struct.pack("!H", csum(ph + h)) + h[18:]
 
 
 sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
@@ -98,7 +84,9 @@ if mode == "rst_syn":
     # closed entry for a new connection and drops the old entry).
     for flags, seq, ack in ((0x14, snd_nxt, rcv_nxt), (0x02, (snd_nxt + 0x40000000) & 0xffffffff, 0)):
         try:
-            raw.sendto(tcp_header(lport, seq, ack, flags), (addr, 0))
+            seg = tcp(ME, addr, lport, port, seq, ack, flags, win=65535,
+                      good=None if V6 else True)  # IPv6: the kernel fills the checksum in (IPV6_CHECKSUM)
+            raw.sendto(seg, (addr, 0))
             errs.append("sent")
         except OSError as e:
             errs.append(os.strerror(e.errno))

@@ -8,23 +8,10 @@ request naming same-ip.test. Taken for a new connection, the SYN made the reader
 followed connection and judge the body as a first request. Mode `none` is the control.
 Usage: midbody_attacker.py ADDR PORT MODE. Prints READY, SENT, then one JSON line: "answer"
 holds every response the server sent (host=... per request)."""
-import json, socket, struct, sys, time
+import json, socket, sys, time
+from rawtcp import tcp
 addr, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 V6 = ":" in addr
-def csum(b):
-    if len(b) % 2: b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16: s = (s & 0xffff) + (s >> 16)
-    return (~s) & 0xffff
-def tcp(src, dst, sport, dport, seq, ack, flags, good=False, win=64240):
-    h = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, win, 0, 0)
-    if V6:
-        ph = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + struct.pack("!IxxxB", len(h), 6)
-    else:
-        ph = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(h))
-    c = csum(ph + h)
-    if not good: c ^= 0x5a5a
-    return h[:16] + struct.pack("!H", c) + h[18:]
 print("READY", flush=True)
 res = {}
 s = socket.socket(socket.AF_INET6 if V6 else socket.AF_INET, socket.SOCK_STREAM)
@@ -45,7 +32,7 @@ try:
         # Conntrack takes it in this sendto (its hook runs before any queue), and the reader reads
         # it before the socket's next segment (the same queue, in order): no waiting.
         raw = socket.socket(socket.AF_INET6 if V6 else socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
-        raw.sendto(tcp(src, addr, lport, port, 12345678, 0, 0x02), (addr, 0))
+        raw.sendto(tcp(src, addr, lport, port, 12345678, 0, 0x02, good=False), (addr, 0))
     s.sendall(x + r2)
     t0 = time.time()
     while time.time() - t0 < 3 and data.count(b"host=") < 2:

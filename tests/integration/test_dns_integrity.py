@@ -82,10 +82,12 @@ def rejected(out) -> bool:
 
 def attacker(lab, script: str, *args, uid: bool = False, caps: str = "-all") -> subprocess.Popen:
     """A process in the sandbox: uid 65534 (uid=True) or root, with only `caps`. It prints READY
-    once set up and one JSON line when done."""
+    once set up and one JSON line when done. This directory is on its PYTHONPATH: a script
+    read from a file here imports its neighbours (rawtcp) as if it ran from it."""
     ids = list(NOBODY) if uid else []
     ambient = [f"--ambient-caps={caps}"] if uid and caps != "-all" else []
-    p = lab.spawn(["setpriv", *ids, f"--inh-caps={caps}", *ambient, f"--bounding-set={caps}", "--",
+    p = lab.spawn(["env", f"PYTHONPATH={HERE}",
+                   "setpriv", *ids, f"--inh-caps={caps}", *ambient, f"--bounding-set={caps}", "--",
                    sys.executable, "-c", script, *map(str, args)],
                   netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = labmod._read_line(p, 10.0, "the attacker")
