@@ -1564,6 +1564,17 @@ class Queue : public PinQueue {
     };
     const std::uint32_t pin_mark = judge_.pin_mark();
     const std::uint32_t pin_priority = judge_.pin_priority();
+    // Refused flows' server ends are reset and their entries deleted before
+    // any verdict: the client's reset comes from its verdict, and a client
+    // that reconnects from the same port at once must not find the old entry.
+    // Its SYN would take the entry up (conntrack ignores a SYN on an
+    // established entry and lets it through), the deletion would then leave
+    // the new connection without one, and its handshake's ACK would start a
+    // new entry mid-stream, which chain pin resets, leaving the server a
+    // half-open connection that refuses the next SYN from the port (CI runs
+    // 9 to 11, the ASan lab: an allowed name on a reused port reset or
+    // refused).
+    reset_servers(pin_mark, pin_priority);
     // Marks to clear go first: the kernel handles the messages of a socket in
     // order, so the entry has mark 0 when its SYN goes on. (A verdict's own
     // NFQA_CT would do it in one message, but needs the kernel's
@@ -1632,13 +1643,13 @@ class Queue : public PinQueue {
     }
     send();
     pending_.clear();
-    reset_servers(pin_mark, pin_priority);
     arm();
   }
 
-  // After the client's reset: the server's end of each refused TCP flow. The
-  // RST carries the pin mark, so it leaves as the reader's own "pass"
-  // verdicts do; the sockets are send-only (IPPROTO_RAW receives nothing).
+  // The server's end of each refused TCP flow (ahead of the client's reset,
+  // see flush). The RST carries the pin mark, so it leaves as the reader's
+  // own "pass" verdicts do; the sockets are send-only (IPPROTO_RAW receives
+  // nothing).
   void reset_servers(std::uint32_t pin_mark, std::uint32_t pin_priority) {
     const std::vector<ServerReset> resets = flows_.take_server_resets();
     if (resets.empty()) return;

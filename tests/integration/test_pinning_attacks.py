@@ -212,14 +212,14 @@ def server_starts_entry(lab, addr, sport):
 
 @pytest.mark.parametrize("addr", [V4, V6])
 def test_a_connection_from_a_port_whose_entry_the_server_started_is_opened_afresh(lab, pinned, addr):  # noqa: F811
-    """CI runs 9 and 10: after egressd refused a flow and deleted its conntrack entry, a late
-    packet of the server's started a new entry from the server's side. The client's next SYN
-    from that port was invalid to conntrack and went on; the handshake's ACK, in the reply
-    direction of that entry, was reset (a sandbox packet in the reply direction is one
-    conntrack took up mid-stream), and the server's half-open connection then refused the
-    next SYN: an allowed name on a reused port was reset or refused. Now the socket's SYN has
-    that entry deleted and is dropped; its retry a second later opens the connection, judged
-    as any other."""
+    """After egressd refused a flow and deleted its conntrack entry, a late packet of the
+    server's can start a new entry from the server's side. The client's next SYN from that port
+    was invalid to conntrack and went on; the handshake's ACK, in the reply direction of that
+    entry, was reset (a sandbox packet in the reply direction is one conntrack took up
+    mid-stream), and the server's half-open connection then refused the next SYN: an allowed
+    name on a reused port was reset or refused (found while reading CI runs 9 and 10, which
+    failed so). Now the socket's SYN has that entry deleted and is dropped; its retry a second
+    later opens the connection, judged as any other."""
     v6 = ":" in addr
     sport = 47061 if not v6 else 47063
     strays = _counter(lab, "pin_untracked", "tcp flags syn / syn,ack meta mark set 0x72657673")
