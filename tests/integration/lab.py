@@ -1554,6 +1554,11 @@ def _main(argv):
         print(f"try:      ip netns exec {lab.sandbox.name} ping -c1 {SERVERS_V4[0]}")
         print("press Enter (or Ctrl-C) to tear it down")
         try:
+            # Waits in short selects, not one blocking read: a signal that comes just before the
+            # read starts has its Python handler (cleanup, install_cleanup_handlers) run only
+            # when the read returns, so `up` waited for Enter (CI run 9, SIGHUP, under load).
+            while not select.select([sys.stdin], [], [], 0.2)[0]:
+                pass
             sys.stdin.readline()
         except KeyboardInterrupt:
             pass
