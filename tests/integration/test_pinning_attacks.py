@@ -21,6 +21,7 @@ import pytest
 from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, client_hello, connect, learn, outcome, servers, tls  # noqa: F401 (fixture)
 from test_pinning import pinned  # noqa: F401 (fixture)
 import lab as labmod
+import rawtcp
 from lab import wait_for
 
 
@@ -154,15 +155,6 @@ def test_a_server_that_aborts_an_admitted_flow_leaves_its_port_to_be_judged_afre
     assert any("same-ip.test" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
 
 
-def _csum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
 def stray_server_ack(lab, addr, port, sport):
     """A late packet of the server's on addr:port -> the sandbox's sport (an ACK, as a server
     sends after its connection's entry is gone), written in the internet namespace with a raw
@@ -171,11 +163,7 @@ def stray_server_ack(lab, addr, port, sport):
     v6 = ":" in addr
     client = labmod.SANDBOX_V6 if v6 else labmod.SANDBOX_V4
     family = socket.AF_INET6 if v6 else socket.AF_INET
-    header = struct.pack("!HHIIBBHHH", port, sport, 1000, 2000, 5 << 4, 0x10, 65535, 0, 0)
-    src, dst = socket.inet_pton(family, addr), socket.inet_pton(family, client)
-    pseudo = (src + dst + struct.pack("!IxxxB", len(header), socket.IPPROTO_TCP) if v6
-              else src + dst + struct.pack("!xBH", socket.IPPROTO_TCP, len(header)))
-    header = header[:16] + struct.pack("!H", _csum(pseudo + header)) + header[18:]
+    header = rawtcp.tcp(addr, client, port, sport, 1000, 2000, 0x10, good=True, win=65535)
     with lab.internet.socket(family, socket.SOCK_RAW, socket.IPPROTO_TCP) as s:
         s.bind((addr, 0))
         s.sendto(header, (client, 0))
