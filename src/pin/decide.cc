@@ -63,7 +63,13 @@ TcpKind classify_tcp(Bytes stream) {
   const Bytes in = stream.first(std::min(stream.size(), kMaxInspect));
   const bool capped = stream.size() >= kMaxInspect;
   if (in.empty()) return TcpKind::need_more;
-  if (in[0] == 22) return TcpKind::tls;
+  // Any TLS record type (change_cipher_spec 20, alert 21, handshake 22,
+  // application_data 23, heartbeat 24, tls12_cid 25) is TLS, judged as a
+  // hello: only a handshake record can be one. Go's crypto/tls skips warning
+  // alerts ahead of the ClientHello, so a hello for another name behind a
+  // 7-byte alert, taken for "other" bytes, reached it unread (an attack
+  // review, 2026-12-07, no capability needed).
+  if (in[0] >= 20 && in[0] <= 25) return TcpKind::tls;
   if ((in[0] & 0x80) != 0) {
     // SSLv2-format ClientHello: 2-byte length with the top bit, then type 1.
     if (in.size() < 3) return TcpKind::need_more;

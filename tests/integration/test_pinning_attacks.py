@@ -228,6 +228,33 @@ def test_a_connection_from_a_port_whose_entry_the_server_started_is_opened_afres
     assert (st["inspected"], st["reset"]) == (before["inspected"] + 1, before["reset"] + 1), (before, st)
 
 
+@pytest.mark.parametrize("addr", [V4, V6])
+@pytest.mark.parametrize("record", ["alert", "change_cipher_spec", "application_data"])
+def test_a_hello_behind_another_tls_record_is_refused_not_let_through_by_address(lab, pinned, addr, record):  # noqa: F811
+    """An attack review (2026-12-07), no capability needed: Go's crypto/tls skips warning alerts
+    ahead of the ClientHello, so a 7-byte alert and then a hello naming same-ip.test reached a
+    Go server unread, its handshake completed for same-ip.test: by its first byte, neither TLS
+    nor HTTP, the flow was let through by its address. Every TLS record type is TLS now, and a
+    first record that is not a handshake refuses the flow. (The lab's server here echoes what
+    it reads that does not start with a handshake record: before, it echoed the hello.)"""
+    one_read_server(lab, addr, ABORT_PORT, "abort")
+    prefix = {"alert": bytes([21, 3, 1, 0, 2, 1, 0x5a]), "change_cipher_spec": bytes([20, 3, 1, 0, 1, 1]),
+              "application_data": bytes([23, 3, 3, 0, 0])}[record]
+
+    def run():
+        s = connect(lab, addr, ABORT_PORT)
+        with s:
+            s.settimeout(3.0)
+            s.sendall(prefix + client_hello("same-ip.test"))
+            data = s.recv(4096)
+            if not data:
+                raise EOFError("closed")
+            return data
+    res = outcome(run)
+    assert res[0] == "reset", f"a hello naming same-ip.test behind a TLS {record} record got {str(res)[:80]}"
+    assert any("not a TLS handshake record" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
 def server_peers(lab):
     """The peer ports of the TLS server's established connections (in the internet namespace)."""
     out = lab.internet.exec("ss", "-Htn", "state", "established").stdout

@@ -53,6 +53,15 @@ Decision tls(std::optional<std::string> sni, const IpPrefix& dst = kAddr, std::u
 TEST_CASE("classify: TLS, HTTP, and everything else by address") {
   CHECK(kind("") == TcpKind::need_more);
   CHECK(kind("\x16\x03\x01") == TcpKind::tls);
+  // Every TLS record type is TLS, then refused unless a handshake record: Go's crypto/tls
+  // skips a warning alert ahead of the hello, which as "other" bytes passed unread.
+  for (const char type : {'\x14', '\x15', '\x17', '\x18', '\x19'}) {
+    const std::string alert = std::string(1, type) + "\x03\x01\x00\x02\x01\x5a";
+    CHECK(kind(alert) == TcpKind::tls);
+    CHECK(parse_tls_client_hello(as_bytes(alert)).verdict == Verdict::invalid);
+  }
+  CHECK(kind(std::string_view("\x13\x03", 2)) == TcpKind::other);
+  CHECK(kind(std::string_view("\x1a\x03", 2)) == TcpKind::other);
   CHECK(kind(std::string_view("\x80\x2e\x01\x03\x01", 5)) == TcpKind::tls);  // SSLv2 hello
   CHECK(kind(std::string_view("\x80\x2e", 2)) == TcpKind::need_more);
   CHECK(kind("GET / HTTP/1.1\r\n") == TcpKind::http);
