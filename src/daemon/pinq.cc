@@ -643,7 +643,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       AdmittedFlow a{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, "", 0, f.ct_id};
       a.by_address = true;
       remember(key, std::move(a));
-      return finish(it, true, now);
+      return follow_other(it, seg, now);
     }
     case pin::TcpKind::tls: proto = pin::PinProto::tls; break;
     case pin::TcpKind::http: proto = pin::PinProto::http; break;
@@ -759,6 +759,46 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
     forget_admitted(key);
     return reset_flow(it, *bad, now);
   }
+  t.next = f.base + static_cast<std::uint32_t>(bytes.size());
+  t.judged.start = f.base;
+  const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
+  std::vector<PinVerdict> out = finish(it, true, now);
+  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
+  forget_tls(key);
+  tls_lru_.push_front(key);
+  t.lru = tls_lru_.begin();
+  tls_.emplace(key, std::move(t));
+  tls_kept_ += static_cast<std::size_t>(grew);
+  bound_tls();
+  return out;
+}
+
+// "Other" first bytes let the flow through by its address, but the server
+// must get the bytes judged, not others at their sequence numbers: were they
+// lost after the verdict (the path, or a forged timestamp that has the
+// server drop them, PAWS, with NET_RAW), the socket's retransmission, from
+// pages rewritten since (sendfile, zero-copy) or a raw segment, went on the
+// fast path unread, a request or hello for another name (an attack review,
+// 2026-12-07). So the flow is followed as a TLS flow past its handshake:
+// retransmitted judged bytes leave as they were read, later bytes as they
+// are, and once the server has spoken after the judged bytes (the client
+// acknowledges more of its stream than when it sent them) the flow takes
+// the fast path.
+std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it, const Segment& seg,
+                                               Clock::time_point now) {
+  const Key key = it->first;
+  Flow& f = it->second;
+  const std::vector<std::uint8_t> bytes = stream(f);
+  if (f.extent > bytes.size()) {
+    forget_admitted(key);
+    return reset_flow(it, "first bytes beyond 16384 in one go, more than the reader keeps for retransmissions", now);
+  }
+  TlsFollowed t;
+  t.dst = f.dst;
+  t.dport = f.dport;
+  t.ct_id = f.ct_id;
+  t.ack = seg.ack;
+  t.done_ack = seg.ack;
   t.next = f.base + static_cast<std::uint32_t>(bytes.size());
   t.judged.start = f.base;
   const std::ptrdiff_t grew = t.judged.add(f.base, bytes);

@@ -381,6 +381,10 @@ class PinFlows {
   std::list<Key> tls_lru_;  // most recently active first
   std::size_t tls_kept_ = 0, http_kept_ = 0;
   std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  // A flow admitted by its address ("other" first bytes): followed as a TLS
+  // flow whose handshake is over, until the server speaks after its judged
+  // bytes (TlsFollowed::done_ack).
+  std::vector<PinVerdict> follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                      Clock::time_point now);
   void forget_tls(const Key& key);

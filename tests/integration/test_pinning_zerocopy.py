@@ -257,6 +257,59 @@ def test_a_lost_request_sent_again_from_rewritten_pages_reaches_the_server_as_ju
     assert answer.endswith(b"host=allowed.test"), answer
 
 
+def sent_from_page(s, how, data: bytes, tmp_path):
+    """Sends data from a page (MSG_ZEROCOPY from an anonymous mapping, or sendfile from a file)
+    and returns a function that rewrites the page from its start, the send still unacknowledged."""
+    if how == "zerocopy":
+        page = mmap.mmap(-1, 4096)
+        page[:len(data)] = data
+        s.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+        assert s.send(memoryview(page)[:len(data)], MSG_ZEROCOPY) == len(data)
+
+        def rewrite(new: bytes):
+            page[:len(new)] = new
+        return rewrite
+    path = tmp_path / "page"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert os.sendfile(s.fileno(), fd, 0, len(data)) == len(data)
+    except BaseException:
+        os.close(fd)
+        raise
+
+    def rewrite(new: bytes):
+        try:
+            os.pwrite(fd, new, 0)
+        finally:
+            os.close(fd)
+    return rewrite
+
+
+@pytest.mark.parametrize("how", ["zerocopy", "sendfile"])
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_lost_other_bytes_sent_again_from_rewritten_pages_reach_the_server_as_judged(
+        lab, pinned, lossy, addr, how, tmp_path):  # noqa: F811
+    """An attack review (2026-12-07), no capability needed: first bytes that are neither TLS nor
+    HTTP let the flow through by its address, and it took the fast path at once. Lost on the
+    way after the verdict, they were sent again from pages rewritten to a request naming
+    same-ip.test, unread, and the server answered for it (a hello for it, the same way, and with
+    NET_RAW a forged timestamp that has the server drop the judged bytes, PAWS). Such a flow is
+    now followed until its server has spoken after them: the retransmission leaves as judged."""
+    bad = b"GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"
+    other = b"(" + b"x" * (len(bad) - 2) + b"\n"
+    before = pinned.status()["pin"]["admitted"]
+    s = connect(lab, addr, HTTP_PORT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rewrite = sent_from_page(s, how, other, tmp_path)
+    wait_for(lambda: pinned.status()["pin"]["admitted"] > before, 3.0, "the reader to admit the other bytes")
+    rewrite(bad)
+    with s:
+        answer = read_all(s)
+    assert lost(lab) == 1, "the server's namespace did not lose the judged segment"
+    assert b"same-ip.test" not in answer, f"the server answered a request for same-ip.test: {answer!r}"
+
+
 @pytest.mark.parametrize("lose", [False, True], ids=["kept", "lost"])
 @pytest.mark.parametrize("how", ["zerocopy", "sendfile"])
 def test_a_head_let_through_incomplete_then_rewritten_in_its_pages_reaches_the_server_as_judged(
