@@ -417,6 +417,26 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin, bool inbound) {
   // Replies on flows that arrived from outside, after the guards (chain
   // output sends them here): a reply may carry a routing header too, whose
   // first hop is the peer (found by an attack review).
+  //
+  // Not QUIC's handshake packets to an address a learned name allows (ahead
+  // of that rule): conntrack forgets a quiet UDP flow after 30 s, and when the
+  // server's datagram comes first after that, chain input takes the entry for
+  // an inbound one; the sandbox's Initials on it, for any name, then passed
+  // here unread (an attack review, 2026-12-07). They walk the phase chain
+  // instead, where pinning's reader refuses an Initial on a flow the kernel
+  // passed before (compile.h kPinUdpPassedMark).
+  if (inbound && pin && st.mode == Mode::allowlist) {
+    const PhaseSets s = sets_for(target);
+    for (const auto& [set, type] : {std::pair{s.d4, SetType::ipv4_addr}, std::pair{s.d6, SetType::ipv6_addr}}) {
+      r.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, MatchDaddrSet{set, type},
+                    MatchDport{kUdp, kQuicPort}, MatchUdpLongHeader{}, StmtVerdict{VerdictKind::goto_, target}},
+                   ""});
+      r.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, MatchDaddrSet{set, type},
+                    MatchDport{kUdp, kQuicPort}, MatchMetaLengthOver{kQuicOneDatagramMax},
+                    StmtVerdict{VerdictKind::goto_, target}},
+                   ""});
+    }
+  }
   if (inbound) r.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, to_pass()}, ""});
   // QUIC's long-header packets (a handshake's) to UDP 443, and packets
   // longer than one datagram (a GSO batch, which can hide one after a short

@@ -255,6 +255,48 @@ def test_a_hello_behind_another_tls_record_is_refused_not_let_through_by_address
     assert any("not a TLS handshake record" in line for line in _pin_lines(pinned)), _pin_lines(pinned)
 
 
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_quic_flow_the_servers_side_restarts_has_its_initials_judged(lab, pinned, addr):  # noqa: F811
+    """An attack review (2026-12-07), no capability needed: conntrack forgets a quiet UDP flow
+    (30 s; 1 s here), and when the server's datagram comes first after that, chain input takes
+    the new entry for an inbound flow, whose replies pass. The sandbox's Initial naming
+    same-ip.test on that four-tuple then reached the server unread (the lab's UDP 443 echoes
+    it). Now a QUIC handshake packet to an address a learned name allows walks the phase chain
+    even there, and the reader refuses an Initial on a flow the kernel passed before."""
+    import quic_initial as qi
+    v6 = ":" in addr
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    for key in ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"):
+        lab.sandbox.exec("sysctl", "-qw", f"net.netfilter.{key}=1")
+    good = qi.initial(b"\x01" * 8, qi.client_hello("allowed.test"))
+    bad = qi.initial(b"\x02" * 8, qi.client_hello("same-ip.test"))
+    with lab.sandbox.socket(fam, socket.SOCK_DGRAM) as s:
+        s.settimeout(3.0)
+        s.connect((addr, 443))
+        s.send(good)
+        assert s.recv(4096).endswith(good), "the lab's UDP echo did not answer the allowed Initial"
+        me, port = s.getsockname()[:2]
+        time.sleep(2.5)  # the scenario: the flow stays quiet past conntrack's UDP timeout (1 s here)
+        # The server's side speaks first on the four-tuple: a datagram from addr:443.
+        udp = struct.pack("!HHHH", 443, port, 12, 0) + b"late"
+        with lab.internet.socket(fam, socket.SOCK_RAW, socket.IPPROTO_UDP) as r:
+            if v6:
+                r.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_CHECKSUM, 6)
+            r.bind((addr, 0))
+            r.sendto(udp, (me, 0))
+        assert s.recv(4096) == b"late"
+        s.send(bad)
+        try:
+            got = s.recv(4096)
+        except OSError as e:
+            got = e
+    echoed = isinstance(got, bytes) and got.endswith(bad)
+    assert not echoed, "the server received an Initial naming same-ip.test"
+    assert isinstance(got, OSError) and got.errno in (errno.EHOSTUNREACH, errno.EACCES, errno.ECONNREFUSED), \
+        str(got)[:80]
+    assert any(line.startswith("quic") for line in _pin_lines(pinned)), _pin_lines(pinned)
+
+
 def server_peers(lab):
     """The peer ports of the TLS server's established connections (in the internet namespace)."""
     out = lab.internet.exec("ss", "-Htn", "state", "established").stdout
