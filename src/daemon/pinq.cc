@@ -422,6 +422,11 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       }
       return refuse_decided(id, key, seg, kUrgentPinnedReason, now);
     }
+    // A flow admitted by its address, not yet answered by its server.
+    if (auto tf = tls_.find(key);
+        !seg.foreign && tf != tls_.end() && tf->second.by_address && tf->second.ct_id == seg.ct_id) {
+      return other_packet(id, tf, seg, now);
+    }
     if (seg.foreign) return foreign_packet(id, key, seg, now);
   }
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
@@ -781,9 +786,14 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
 // fast path unread, a request or hello for another name (an attack review,
 // 2026-12-07). So the flow is followed as a TLS flow past its handshake:
 // retransmitted judged bytes leave as they were read, later bytes as they
-// are, and once the server has spoken after the judged bytes (the client
-// acknowledges more of its stream than when it sent them) the flow takes
-// the fast path.
+// are, and once the server has spoken after the judged bytes (the socket
+// acknowledges more of the server's stream than when it sent them) the flow
+// takes the fast path. Its ct mark stays 0 meanwhile (the verdicts are
+// `pass`), so every packet, the socket's pure ACK of the server's answer
+// included, comes to the reader (other_packet) and the flow is admitted
+// within a round trip, not at the client's next write; a followed mark would
+// leave those ACKs in the kernel, and the flow walking the learned set until
+// then, cut if its address expired meanwhile.
 std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it, const Segment& seg,
                                                Clock::time_point now) {
   const Key key = it->first;
@@ -799,11 +809,12 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
   t.ct_id = f.ct_id;
   t.ack = seg.ack;
   t.done_ack = seg.ack;
+  t.by_address = true;
   t.next = f.base + static_cast<std::uint32_t>(bytes.size());
   t.judged.start = f.base;
   const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
   std::vector<PinVerdict> out = finish(it, true, now);
-  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
+  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::pass;
   forget_tls(key);
   tls_lru_.push_front(key);
   t.lru = tls_lru_.begin();
@@ -811,6 +822,32 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
   tls_kept_ += static_cast<std::size_t>(grew);
   bound_tls();
   return out;
+}
+
+// A packet of a flow admitted by its address, not yet answered by its server
+// (follow_other), from the first queue.
+std::vector<PinVerdict> PinFlows::other_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf,
+                                               const Segment& seg, Clock::time_point now) {
+  const Key key = tf->first;
+  TlsFollowed& t = tf->second;
+  tls_lru_.splice(tls_lru_.begin(), tls_lru_, t.lru);
+  if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
+  PinVerdict v{id, PinVerdict::Kind::pass};
+  if (!seg.payload.empty()) {
+    if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
+    // Retransmitted judged bytes go as read; later ones as they are.
+    if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
+    v.as_read = !v.patch.empty();
+    if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
+  }
+  // The server spoke after the judged bytes: it has them. Only the socket's
+  // word counts (a raw ACK could acknowledge anything).
+  if (seg.from_socket && seg.ack_flag && t.done_ack && seq_after(seg.ack, *t.done_ack) > 0) {
+    set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())
+    v.kind = PinVerdict::Kind::admit;
+    forget_tls(key);
+  }
+  return {std::move(v)};
 }
 
 void PinFlows::bound_tls() {

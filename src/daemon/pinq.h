@@ -376,6 +376,9 @@ class PinFlows {
     std::uint32_t next = 0;  // sequence number of the first byte not yet read
     std::optional<std::uint32_t> done_ack;
     std::list<Key>::iterator lru;
+    // Admitted by its address (follow_other): its packets keep coming on
+    // the first queue, with ct mark 0, handshake ACKs and all.
+    bool by_address = false;
   };
   std::map<Key, TlsFollowed> tls_;
   std::list<Key> tls_lru_;  // most recently active first
@@ -383,8 +386,10 @@ class PinFlows {
   std::vector<PinVerdict> follow_tls(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
   // A flow admitted by its address ("other" first bytes): followed as a TLS
   // flow whose handshake is over, until the server speaks after its judged
-  // bytes (TlsFollowed::done_ack).
+  // bytes (TlsFollowed::done_ack), its ct mark left at 0 (other_packet).
   std::vector<PinVerdict> follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> other_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
+                                       Clock::time_point now);
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                      Clock::time_point now);
   void forget_tls(const Key& key);

@@ -397,7 +397,9 @@ Chain phase_chain_def(const std::string& chain, const Phase& phase, std::uint32_
   return c;
 }
 
-std::vector<Rule> active_rules(const ActiveState& st, bool pin, bool inbound) {
+// `learned_sets`: the target phase chain's sets exist in the table (an inline
+// phase's only when it is an allowlist).
+std::vector<Rule> active_rules(const ActiveState& st, bool pin, bool inbound, bool learned_sets) {
   const std::string target = st.is_inline ? inline_chain(st.generation) : phase_chain(st.phase);
   const bool guarded = st.mode != Mode::public_;
   std::vector<Rule> r;
@@ -425,7 +427,7 @@ std::vector<Rule> active_rules(const ActiveState& st, bool pin, bool inbound) {
   // here unread (an attack review, 2026-12-07). They walk the phase chain
   // instead, where pinning's reader refuses an Initial on a flow the kernel
   // passed before (compile.h kPinUdpPassedMark).
-  if (inbound && pin && st.mode == Mode::allowlist) {
+  if (inbound && pin && st.mode == Mode::allowlist && learned_sets) {
     const PhaseSets s = sets_for(target);
     for (const auto& [set, type] : {std::pair{s.d4, SetType::ipv4_addr}, std::pair{s.d6, SetType::ipv6_addr}}) {
       r.push_back({{MatchCtDirectionReply{}, MatchCtMark{kInboundMark}, MatchDaddrSet{set, type},
@@ -1263,7 +1265,10 @@ Table build_table(const Policy& policy, const Phase* inline_phase, const ActiveS
         phase_chain_def(chain, *inline_phase, state.mark, pinning(policy, opts), opts.pin_mark, opts.pin_priority));
   }
   for (auto& c : t.chains) {
-    if (c.name == "active") c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies);
+    if (c.name == "active") {
+      const bool sets = !state.is_inline || (inline_phase != nullptr && inline_phase->mode == Mode::allowlist);
+      c.rules = active_rules(state, pinning(policy, opts), policy.enforce.inbound_replies, sets);
+    }
     if (c.name == kInboundNewChain) c.rules = inbound_new_rules(state);
   }
   return t;
@@ -1362,7 +1367,8 @@ Change build_switch(const Policy& policy, const Phase& target, const ActiveState
         OpAddChain{phase_chain_def(chain, target, next.mark, pinning(policy, opts), opts.pin_mark, opts.pin_priority)});
   }
   ch.ops.push_back(OpFlushChain{"active"});
-  for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies)) {
+  const bool sets = !next.is_inline || target.mode == Mode::allowlist;
+  for (auto& r : active_rules(next, pinning(policy, opts), policy.enforce.inbound_replies, sets)) {
     ch.ops.push_back(OpAddRule{"active", std::move(r)});
   }
   if (policy.enforce.inbound_replies && inbound_new_rules(next).size() != inbound_new_rules(prev).size()) {

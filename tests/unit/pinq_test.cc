@@ -124,13 +124,17 @@ TEST_CASE("payload-less packets pass without deciding; other protocols are admit
   CHECK(f.stats().inspected == 0);
   const auto ssh = f.packet(2, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0);
   REQUIRE(ssh.size() == 1);
-  CHECK(ssh[0].kind == K::follow);  // by address, followed until the server has its bytes
-  // A straggler of an admitted flow goes back to the hook (its flow's mark lets it on there);
-  // the same packet coming back means no mark: a new connection, judged on its own bytes.
-  CHECK(f.packet(3, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::recheck);
-  CHECK(f.packet(30, seg(1, ""), t0)[0].kind == K::recheck);  // its handshake ACK, sent back
-  CHECK(f.packet(31, seg(1, ""), t0)[0].kind == K::pass);     // and back: a new connection's
-  CHECK(f.packet(4, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::follow);
+  // Admitted by address, its ct mark left at 0 until its server has spoken (follow_other).
+  CHECK(ssh[0].kind == K::pass);
+  CHECK(f.stats().admitted == 1);
+  // The same bytes again (a retransmission): they go as judged.
+  const auto again = f.packet(3, seg(1, "SSH-2.0-OpenSSH_9.2\r\n"), t0);
+  CHECK((again.size() == 1 && again[0].kind == K::pass && again[0].as_read));
+  // A new connection on the four-tuple (the socket's SYN) is judged on its own bytes.
+  Segment syn = seg(5000, "");
+  syn.syn = true;
+  CHECK(f.packet(4, syn, t0)[0].kind == K::pass);
+  CHECK(f.packet(5, seg(5001, "SSH-2.0-OpenSSH_9.2\r\n"), t0)[0].kind == K::pass);
   CHECK(f.stats().inspected == 2);
 }
 
@@ -419,7 +423,7 @@ TEST_CASE("admitted flows are remembered with their name; a switch cuts those th
   // Another protocol is admitted by address, not for a name: remembered as such (a later phase
   // that allows the address takes it on), and never cut by name.
   REQUIRE(f.packet(30, seg(1, "", 40002), t0)[0].kind == K::pass);  // its handshake ACK
-  REQUIRE(f.packet(3, seg(1, "SSH-2.0-x\r\n", 40002), t0)[0].kind == K::follow);
+  REQUIRE(f.packet(3, seg(1, "SSH-2.0-x\r\n", 40002), t0)[0].kind == K::pass);
   CHECK(f.admitted_remembered() == 3);
   const auto gone = f.cut([](const AdmittedFlow& a) { return a.sport == 40001; }, t0);
   REQUIRE(gone.size() == 1);
@@ -1012,36 +1016,46 @@ TEST_CASE("other first bytes are followed until the server speaks: resent as a r
   // An attack review (2026-12-07): "other" bytes, admitted by address, lost after the verdict
   // (a forged timestamp has the server drop them; or the path), then resent from rewritten
   // pages, or as a raw segment, as a request naming same-ip.test: on the fast path, unread.
+  // Now the flow keeps ct mark 0 (its packets come on the first queue) until the server spoke.
   Judge j;
   Flows f(j);
   const std::string other = "(xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\n";
   const auto v = tls_first(f, 1, other);
   REQUIRE(v.size() == 1);
-  CHECK(v[0].kind == K::follow);
+  CHECK(v[0].kind == K::pass);
   CHECK(f.tls_followed() == 1);
   CHECK(f.stats().admitted == 1);
+  auto first_queue = [](std::uint32_t seq, const std::string& bytes, std::uint32_t ack) {
+    Segment s = followed_seg(seq, bytes, ack);
+    s.followed = false;
+    return s;
+  };
   // Sent again as a request for same-ip.test, same length: it leaves as the bytes judged.
   std::string request = "GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n";
   request.resize(other.size(), ' ');
-  const Segment again = followed_seg(1000, request, kServerNext);
+  const Segment again = first_queue(1000, request, kServerNext);
   auto r = f.packet(2, again, t0);
   REQUIRE(r.size() == 1);
   CHECK(r[0].kind == K::pass);
   CHECK(r[0].as_read);
   CHECK(patched(again, r[0]) == other);
   // A raw socket's copy is refused.
-  Segment raw = followed_seg(1000, request, kServerNext);
+  Segment raw = first_queue(1000, request, kServerNext);
   raw.from_socket = false;
   CHECK(f.packet(3, raw, t0)[0].kind == K::reset);
-  // On a fresh connection: later bytes before the server spoke leave as they are, and once the
-  // server has spoken after the judged bytes, the flow takes the fast path.
+  // On a fresh connection: later bytes before the server spoke leave as they are; a raw ACK
+  // acknowledging the server's bytes changes nothing; the socket's own (a pure ACK of the
+  // server's answer) admits the flow: the fast path from there.
   Flows g(j);
-  REQUIRE(tls_first(g, 1, other)[0].kind == K::follow);
+  REQUIRE(tls_first(g, 1, other)[0].kind == K::pass);
   const auto end = 1000 + static_cast<std::uint32_t>(other.size());
-  r = g.packet(2, followed_seg(end, "more", kServerNext), t0);
+  r = g.packet(2, first_queue(end, "more", kServerNext), t0);
   CHECK((r.size() == 1 && r[0].kind == K::pass && !r[0].as_read && r[0].patch.empty()));
+  Segment raw_ack = first_queue(end + 4, "", kServerNext + 10);
+  raw_ack.from_socket = false;
+  CHECK(g.packet(3, raw_ack, t0)[0].kind == K::pass);
   CHECK(g.tls_followed() == 1);
-  r = g.packet(3, followed_seg(end + 4, "next", kServerNext + 10), t0);
+  r = g.packet(4, first_queue(end + 4, "", kServerNext + 10), t0);
   CHECK((r.size() == 1 && r[0].kind == K::admit));
   CHECK(g.tls_followed() == 0);
 }
@@ -1393,7 +1407,7 @@ TEST_CASE("urgent data on a pinned flow is refused whatever its state: ahead of 
   // After admission (a TLS flow takes the fast path; chain active sends URG here).
   const std::string tls_other = "SSH-2.0-x\r\n";
   REQUIRE(f.packet(40, seg(1, none, 40001), t0)[0].kind == K::pass);  // its handshake ACK
-  REQUIRE(f.packet(4, seg(1, tls_other, 40001), t0)[0].kind == K::follow);
+  REQUIRE(f.packet(4, seg(1, tls_other, 40001), t0)[0].kind == K::pass);
   const std::string bang = "!";
   Segment oob = seg(100, bang, 40001);
   oob.urg = true;
