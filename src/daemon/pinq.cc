@@ -798,11 +798,10 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
                                                Clock::time_point now) {
   const Key key = it->first;
   Flow& f = it->second;
+  // The first 16 KiB are kept (what the parsers look at): a first write
+  // larger than that (a GSO packet) goes whole, as read, and a later copy of
+  // its bytes past them, a stream's middle, goes as it is.
   const std::vector<std::uint8_t> bytes = stream(f);
-  if (f.extent > bytes.size()) {
-    forget_admitted(key);
-    return reset_flow(it, "first bytes beyond 16384 in one go, more than the reader keeps for retransmissions", now);
-  }
   TlsFollowed t;
   t.dst = f.dst;
   t.dport = f.dport;
@@ -810,7 +809,7 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
   t.ack = seg.ack;
   t.done_ack = seg.ack;
   t.by_address = true;
-  t.next = f.base + static_cast<std::uint32_t>(bytes.size());
+  t.next = f.base + static_cast<std::uint32_t>(std::max<std::size_t>(f.extent, bytes.size()));
   t.judged.start = f.base;
   const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
   std::vector<PinVerdict> out = finish(it, true, now);
