@@ -354,6 +354,19 @@ std::uint64_t PinFlows::fingerprint(const Segment& seg) {
   return h;
 }
 
+// A segment with no payload and no SYN, FIN or RST: a client that only
+// receives sends many with one sequence number, so they are never taken for
+// packets sent back to the hook that came back (recheck_once: the
+// fingerprint of a payload-less segment is its sequence number). Two such
+// stragglers of a flow admitted a moment ago made the second look like a
+// packet of a new connection the kernel had not marked: the flow's memory
+// was dropped, and its next straggler with bytes judged as a first write
+// (an "other" flow's middle admitted again; a followed TLS flow refused as
+// one egressd forgot). Found in CI's release lab, 2026-12-07.
+bool PinFlows::bare_ack(const Segment& seg) {
+  return seg.proto == kTcp && seg.payload.empty() && !seg.syn && !seg.fin && !seg.rst;
+}
+
 bool PinFlows::recheck_once(Decided& d, const Segment& seg) {
   const std::uint64_t fp = fingerprint(seg);
   auto& seen = d.rechecked;
@@ -375,6 +388,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       if (auto hf = http_.find(key); hf == http_.end() || hf->second.ct_id != seg.ct_id) {
         if (auto d = decided_.find(key);
             d != decided_.end() && d->second.admitted && d->second.ct_id == seg.ct_id) {
+          if (bare_ack(seg)) return {{id, PinVerdict::Kind::pass}};
           if (recheck_once(d->second, seg)) return {{id, PinVerdict::Kind::recheck}};
           decided_.erase(d);
         }
@@ -474,9 +488,12 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       // give it the old entry's id). Never admitted from memory: sent back to
       // the hook, where a straggler finds its flow's mark and takes the fast
       // path; a packet that comes back has no mark, so it starts a flow of
-      // its own and is judged on its own bytes.
-      if (recheck_once(d->second, seg)) return {{id, PinVerdict::Kind::recheck}};
-      decided_.erase(d);
+      // its own and is judged on its own bytes. A bare ACK carries nothing
+      // to judge: it passes below, and leaves the flow's memory as it is.
+      if (!bare_ack(seg)) {
+        if (recheck_once(d->second, seg)) return {{id, PinVerdict::Kind::recheck}};
+        decided_.erase(d);
+      }
     } else if (seg.proto == kUdp ||
                (d->second.ct_id == seg.ct_id && !(seg.payload.empty() && !seg.rst && !seg.fin))) {
       // A packet of a refused flow: the same answer. Its client was reset,

@@ -474,6 +474,7 @@ class PinFlows {
   // A packet of an admitted flow not seen sent back yet: remembered, true
   // (send it back to the hook). False when it came back (or too many did).
   static bool recheck_once(Decided& d, const Segment& seg);
+  static bool bare_ack(const Segment& seg);
   std::vector<PinVerdict> finish(std::map<Key, Flow>::iterator it, bool admit, Clock::time_point now,
                                  bool reset_server = true);
   std::vector<PinVerdict> reset_flow(std::map<Key, Flow>::iterator it, const std::string& why, Clock::time_point now,

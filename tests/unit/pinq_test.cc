@@ -476,15 +476,16 @@ TEST_CASE("a new connection on the addresses and ports of an admitted one is jud
   early.ct_id = 7;
   CHECK(f.packet(20, early, t0)[0].kind == K::recheck);
   // The same four-tuple, a new connection, even with the old entry's id (conntrack may
-  // reuse it): its handshake ACK is sent back, comes back (the kernel has no mark for it),
-  // passes as an undecided flow's; its request is judged, and another Host is reset.
+  // reuse it): its handshake ACK passes as an undecided flow's (a bare ACK carries nothing to
+  // judge) and says where its stream starts; its request is sent back, comes back (the kernel
+  // has no mark for it), and is judged: another Host is reset.
   const std::string none;
   Segment ack = seg(555, none);
   ack.ct_id = 7;
-  CHECK(f.packet(3, ack, t0)[0].kind == K::recheck);
-  CHECK(f.packet(4, ack, t0)[0].kind == K::pass);
+  CHECK(f.packet(3, ack, t0)[0].kind == K::pass);
   Segment b = seg(555, other);
   b.ct_id = 7;
+  CHECK(f.packet(4, b, t0)[0].kind == K::recheck);
   const auto v = f.packet(5, b, t0);
   REQUIRE(v.size() == 1);
   CHECK(v[0].kind == K::reset);
@@ -1064,6 +1065,53 @@ TEST_CASE("other first bytes are followed until the server speaks: resent as a r
   r = g.packet(4, first_queue(end + 4, "", kServerNext + 10), t0);
   CHECK((r.size() == 1 && r[0].kind == K::admit));
   CHECK(g.tls_followed() == 0);
+}
+
+TEST_CASE("bare ACKs queued before an admitted flow's mark took pass, and leave its stragglers rechecked") {
+  // CI's release lab (2026-12-07): a 60 KB first write to the banner service, echoed while it was
+  // sent. The socket's ACK of the echo admitted the flow; two more bare ACKs, queued before the
+  // mark took, had one sequence number (the client was only receiving), so the second looked like
+  // a packet sent back that came back. The flow's memory was dropped, and its next straggler with
+  // bytes was judged as a new flow's first write (admitted again, counted twice).
+  Judge j;
+  Flows f(j);
+  const std::string other = "SSH-2.0-client\r\n";
+  REQUIRE(tls_first(f, 1, other)[0].kind == K::pass);
+  auto first_queue = [](std::uint32_t seq, const std::string& bytes, std::uint32_t ack) {
+    Segment s = followed_seg(seq, bytes, ack);
+    s.followed = false;
+    return s;
+  };
+  const auto end = 1000 + static_cast<std::uint32_t>(other.size());
+  CHECK(f.packet(2, first_queue(end, "", kServerNext + 10), t0)[0].kind == K::admit);
+  CHECK(f.packet(3, first_queue(end, "", kServerNext + 20), t0)[0].kind == K::pass);
+  CHECK(f.packet(4, first_queue(end, "", kServerNext + 30), t0)[0].kind == K::pass);
+  const Segment straggler = first_queue(end, std::string(1400, 'b'), kServerNext + 30);
+  CHECK(f.packet(5, straggler, t0)[0].kind == K::recheck);
+  CHECK(f.stats().inspected == 1);
+  CHECK(f.stats().admitted == 1);
+  // It came back: its flow has no mark (a new connection on the four-tuple), judged on its own
+  // bytes (another protocol: by its address).
+  CHECK(f.packet(6, straggler, t0)[0].kind == K::pass);
+  CHECK(f.stats().inspected == 2);
+
+  // A followed TLS flow admitted (its server spoke after the handshake): its bare ACKs on the
+  // follow queue pass too, and its next straggler with bytes goes back to the hook, not refused
+  // as a connection egressd forgot.
+  Flows g(j);
+  const std::string hello = record(22, client_hello("allowed.test"));
+  REQUIRE(tls_first(g, 1, hello)[0].kind == K::follow);
+  const auto hend = 1000 + static_cast<std::uint32_t>(hello.size());
+  const std::string fin = record(23, "finished");
+  REQUIRE(g.packet(2, followed_seg(hend, fin, kServerNext + 90), t0)[0].kind == K::pass);
+  const auto after = hend + static_cast<std::uint32_t>(fin.size());
+  const std::string request = record(23, "request");
+  REQUIRE(g.packet(3, followed_seg(after, request, kServerNext + 200), t0)[0].kind == K::admit);
+  const auto next = after + static_cast<std::uint32_t>(request.size());
+  CHECK(g.packet(4, followed_seg(next, "", kServerNext + 300), t0)[0].kind == K::pass);
+  CHECK(g.packet(5, followed_seg(next, "", kServerNext + 400), t0)[0].kind == K::pass);
+  CHECK(g.packet(6, followed_seg(next, record(23, "more"), kServerNext + 400), t0)[0].kind == K::recheck);
+  CHECK(g.stats().reset == 0);
 }
 
 TEST_CASE("a TLS flow stays followed until its handshake is over: a resent hello goes with the bytes judged") {
