@@ -782,10 +782,19 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
     return reset_flow(it, *bad, now);
   }
   t.next = f.base + static_cast<std::uint32_t>(bytes.size());
-  t.judged.start = f.base;
-  const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
+  return start_following_tls(it, std::move(t), bytes, PinVerdict::Kind::follow, now);
+}
+
+// The flow's held packets get `kind`; the bytes judged are kept in `t`,
+// which follows the flow from here on.
+std::vector<PinVerdict> PinFlows::start_following_tls(std::map<Key, Flow>::iterator it, TlsFollowed t,
+                                                      const std::vector<std::uint8_t>& bytes, PinVerdict::Kind kind,
+                                                      Clock::time_point now) {
+  const Key key = it->first;
+  t.judged.start = it->second.base;
+  const std::ptrdiff_t grew = t.judged.add(it->second.base, bytes);
   std::vector<PinVerdict> out = finish(it, true, now);
-  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::follow;
+  for (PinVerdict& v : out) v.kind = kind;
   forget_tls(key);
   tls_lru_.push_front(key);
   t.lru = tls_lru_.begin();
@@ -813,7 +822,6 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
 // then, cut if its address expired meanwhile.
 std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it, const Segment& seg,
                                                Clock::time_point now) {
-  const Key key = it->first;
   Flow& f = it->second;
   // The first 16 KiB are kept (what the parsers look at): a first write
   // larger than that (a GSO packet) goes whole, as read, and a later copy of
@@ -827,17 +835,7 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
   t.done_ack = seg.ack;
   t.by_address = true;
   t.next = f.base + static_cast<std::uint32_t>(std::max<std::size_t>(f.extent, bytes.size()));
-  t.judged.start = f.base;
-  const std::ptrdiff_t grew = t.judged.add(f.base, bytes);
-  std::vector<PinVerdict> out = finish(it, true, now);
-  for (PinVerdict& v : out) v.kind = PinVerdict::Kind::pass;
-  forget_tls(key);
-  tls_lru_.push_front(key);
-  t.lru = tls_lru_.begin();
-  tls_.emplace(key, std::move(t));
-  tls_kept_ += static_cast<std::size_t>(grew);
-  bound_tls();
-  return out;
+  return start_following_tls(it, std::move(t), bytes, PinVerdict::Kind::pass, now);
 }
 
 // A packet of a flow admitted by its address, not yet answered by its server
@@ -848,16 +846,28 @@ std::vector<PinVerdict> PinFlows::other_packet(PinPacketId id, std::map<Key, Tls
   TlsFollowed& t = tf->second;
   tls_lru_.splice(tls_lru_.begin(), tls_lru_, t.lru);
   if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
-  PinVerdict v{id, PinVerdict::Kind::pass};
   if (!seg.payload.empty()) {
     if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
-    // Retransmitted judged bytes go as read; later ones as they are.
+  }
+  return after_judged(id, tf, seg, now);
+}
+
+// A packet of a followed flow whose judging is over (a TLS handshake that
+// ended, an "other" flow's first bytes): retransmitted judged bytes go as
+// read, later ones as they are. Once the server spoke after the judged bytes
+// (the socket acknowledges more of its stream than at done_ack), it has
+// them: admitted, the fast path. Only the socket's word counts (a raw ACK
+// could acknowledge anything).
+std::vector<PinVerdict> PinFlows::after_judged(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf,
+                                               const Segment& seg, Clock::time_point now) {
+  const Key key = tf->first;
+  TlsFollowed& t = tf->second;
+  PinVerdict v{id, PinVerdict::Kind::pass};
+  if (!seg.payload.empty()) {
     if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
     v.as_read = !v.patch.empty();
     if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
   }
-  // The server spoke after the judged bytes: it has them. Only the socket's
-  // word counts (a raw ACK could acknowledge anything).
   if (seg.from_socket && seg.ack_flag && t.done_ack && seq_after(seg.ack, *t.done_ack) > 0) {
     set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())
     v.kind = PinVerdict::Kind::admit;
@@ -892,21 +902,10 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
   if (seg.payload.empty()) return {{id, PinVerdict::Kind::pass}};
   // As for the first bytes: bytes the server drops would be sent again.
   if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
+  // The handshake is over: bytes after it are not read (encrypted), and
+  // leave as they are; retransmitted ones go with the bytes read.
+  if (t.done_ack) return after_judged(id, tf, seg, now);
   PinVerdict v{id, PinVerdict::Kind::pass};
-  if (t.done_ack) {
-    // The handshake is over: bytes after it are not read (encrypted), and
-    // leave as they are; retransmitted ones go with the bytes read.
-    if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
-    v.as_read = !v.patch.empty();
-    if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
-    // The server spoke after the segment that ended the handshake: it has it.
-    if (seg.ack_flag && seq_after(seg.ack, *t.done_ack) > 0) {
-      set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())
-      v.kind = PinVerdict::Kind::admit;
-      forget_tls(key);
-    }
-    return {std::move(v)};
-  }
   // Too large to go back as read: unread, as if lost (its socket sends it again, smaller).
   if (seg.oversize) return {{id, PinVerdict::Kind::drop}};
   const std::int64_t ahead = seq_after(seg.seq, t.next);

@@ -388,6 +388,11 @@ class PinFlows {
   // flow whose handshake is over, until the server speaks after its judged
   // bytes (TlsFollowed::done_ack), its ct mark left at 0 (other_packet).
   std::vector<PinVerdict> follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> after_judged(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
+                                       Clock::time_point now);
+  std::vector<PinVerdict> start_following_tls(std::map<Key, Flow>::iterator it, TlsFollowed t,
+                                              const std::vector<std::uint8_t>& bytes, PinVerdict::Kind kind,
+                                              Clock::time_point now);
   std::vector<PinVerdict> other_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                        Clock::time_point now);
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
