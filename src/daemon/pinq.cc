@@ -378,6 +378,16 @@ bool PinFlows::recheck_once(Decided& d, const Segment& seg) {
 std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clock::time_point now) {
   const Key key{static_cast<std::uint8_t>(seg.dst.family), seg.proto, seg.src.bytes, seg.dst.bytes, seg.sport, seg.dport};
   if (seg.proto == kTcp) {
+    // A raw socket's bare ACK (Docker's NET_RAW) is dropped: it carries
+    // nothing to judge, but the server takes what its header says. With
+    // timestamps ahead of the socket's it has the server drop the socket's
+    // next segments as old (PAWS), so the bytes judged never arrive while the
+    // flow goes on: a server that speaks first (a banner) answered, the
+    // socket acknowledged that, and the flow, admitted by its address, took
+    // the fast path with a raw copy of other bytes at the judged ones'
+    // sequence numbers still to come (attack review 5, 2026-12-07). One with
+    // URG names a byte still to come: refused below.
+    if (bare_ack(seg) && !seg.from_socket && !seg.urg) return {{id, PinVerdict::Kind::drop}};
     if (seg.followed) {
       if (auto tf = tls_.find(key); tf != tls_.end() && tf->second.ct_id == seg.ct_id) {
         return tls_packet(id, tf, seg, now);

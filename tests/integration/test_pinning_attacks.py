@@ -1265,3 +1265,26 @@ def test_a_forged_handshake_cannot_give_a_connection_whose_head_the_server_holds
     # Without chain pin_spoof the reader took the next bytes for a new connection's start and
     # admitted them (the lab's server then answered nothing, by luck).
     assert pinned.status()["pin"]["admitted"] == admitted + 1, (pinned.status()["pin"], res)
+
+
+# ---- A raw ACK's timestamps have the server drop the judged bytes (attack review 5) ----------
+BANNER_PAWS = (labmod.HERE / "pin_banner_paws_attacker.py").read_text()
+
+
+def test_a_raw_ack_cannot_have_a_server_that_speaks_first_drop_the_bytes_judged(lab, pinned):  # noqa: F811
+    """Docker's NET_RAW, the banner service (the address decides: "other" first bytes X,
+    followed until the socket acknowledges server bytes beyond the ACK X went with). A raw bare
+    ACK with timestamps 3 s ahead of the socket's had the server drop X (PAWS); the banner, sent
+    on accept, came after X left, the socket's ACK of it admitted the flow, and a raw segment at
+    X's sequence numbers carried a ClientHello naming same-ip.test on the fast path: the server
+    echoed it at its stream start (21 of 22 tries). Raw bare ACKs are dropped now."""
+    from test_dns_integrity import DOCKER_CAPS, attacker, attacker_result
+    from test_pinning import BANNER_PORT
+    p = attacker(lab, BANNER_PAWS, V4, BANNER_PORT, 6, caps=DOCKER_CAPS)
+    res = attacker_result(p, timeout=60.0)
+    tried = [t for t in res["tries"] if t.get("x_before_banner")]
+    assert tried, f"X never left before the banner: the attack was not tried: {res}"
+    assert res["won"] == 0, f"the server took a raw hello at its stream start: {res}"
+    assert not any(t.get("echo_has_same_ip") for t in tried), res
+    # The server got X, the bytes judged, at its stream start.
+    assert all(t.get("echo_has_x") for t in tried), res

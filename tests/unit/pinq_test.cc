@@ -644,10 +644,10 @@ TEST_CASE("only the socket's own handshake ACK says where the stream starts") {
   const std::string none;
   const std::string ok = "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
   // A raw ACK claims the stream starts earlier than it does (the first bytes would wait for
-  // a gap that never fills); it passes but moves nothing.
+  // a gap that never fills): dropped, it moves nothing.
   Segment fake = seg(900, none);
   fake.from_socket = false;
-  CHECK(f.packet(1, fake, t0)[0].kind == K::pass);
+  CHECK(f.packet(1, fake, t0)[0].kind == K::drop);
   CHECK(f.packet(2, seg(1000, ok), t0)[0].kind == K::follow);
   // The socket's ACK does set it: a segment past it waits for the bytes before it.
   CHECK(f.packet(3, seg(3000, none, 40001), t0)[0].kind == K::pass);
@@ -1060,7 +1060,7 @@ TEST_CASE("other first bytes are followed until the server speaks: resent as a r
   CHECK((r.size() == 1 && r[0].kind == K::pass && !r[0].as_read && r[0].patch.empty()));
   Segment raw_ack = first_queue(end + 4, "", kServerNext + 10);
   raw_ack.from_socket = false;
-  CHECK(g.packet(3, raw_ack, t0)[0].kind == K::pass);
+  CHECK(g.packet(3, raw_ack, t0)[0].kind == K::drop);
   CHECK(g.tls_followed() == 1);
   r = g.packet(4, first_queue(end + 4, "", kServerNext + 10), t0);
   CHECK((r.size() == 1 && r[0].kind == K::admit));
@@ -1107,6 +1107,12 @@ TEST_CASE("bare ACKs queued before an admitted flow's mark took pass, and leave 
   const std::string fin = record(23, "finished");
   REQUIRE(g.packet(2, followed_seg(hend, fin, kServerNext + 90), t0)[0].kind == K::pass);
   const auto after = hend + static_cast<std::uint32_t>(fin.size());
+  // A raw socket's bare ACK is dropped (its timestamps could have the server drop the socket's
+  // next segments, PAWS; attack review 5).
+  Segment raw_ack = followed_seg(after, "", kServerNext + 200);
+  raw_ack.from_socket = false;
+  CHECK(g.packet(20, raw_ack, t0)[0].kind == K::drop);
+  CHECK(g.tls_followed() == 1);
   const std::string request = record(23, "request");
   REQUIRE(g.packet(3, followed_seg(after, request, kServerNext + 200), t0)[0].kind == K::admit);
   const auto next = after + static_cast<std::uint32_t>(request.size());
