@@ -84,6 +84,14 @@ def measure(lab, n: int) -> list[float]:
 _FORK = multiprocessing.get_context("fork")
 
 
+def _end(child, timeout: float):
+    """Waits for a child told to stop, at most timeout s, then kills it."""
+    child.join(timeout=timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+
+
 class Committer:
     """Another process committing nftables batches back to back in a table of its own in the
     sandbox namespace: `nft -i` runs every line as its own transaction, fed by a forked child. It
@@ -121,10 +129,7 @@ class Committer:
 
     def close(self):
         self.stop.set()
-        self.child.join(timeout=10)
-        if self.child.is_alive():
-            self.child.kill()
-            self.child.join()
+        _end(self.child, 10)
         try:
             self.proc.stdin.close()
         except BrokenPipeError:
@@ -171,10 +176,7 @@ class StatusPoller:
 
     def close(self):
         self.stop.set()
-        self.child.join(timeout=30)
-        if self.child.is_alive():
-            self.child.kill()
-            self.child.join()
+        _end(self.child, 30)
         while not self._errors.empty():
             self.errors.append(self._errors.get())
 
