@@ -266,6 +266,9 @@ constexpr const char* kQuicIdReason =
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
+constexpr const char* kEvictedOtherReason =
+    "bytes of a connection admitted by its address that egressd stopped following before its server answered "
+    "(too many followed at once)";
 constexpr const char* kReplacedReason = "connection replaced before its first bytes were judged";
 constexpr const char* kResentDifferReason =
     "tcp bytes sent again that differ from the ones read at the same place (the pages were rewritten)";
@@ -429,6 +432,7 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       // followed HTTP connection's body written as one; found in an attack
       // review). Dropped; the flow keeps what the reader knows of it.
       if (!seg.from_socket) return {{id, PinVerdict::Kind::drop}};
+      evicted_.erase(key);
       return new_connection_on_old_entry(id, key, seg, now);
     }
     // A new connection on the addresses and ports of a followed one.
@@ -452,6 +456,20 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       return other_packet(id, tf, seg, now);
     }
     if (seg.foreign) return foreign_packet(id, key, seg, now);
+    // A flow admitted by its address that tls_'s bounds made the reader
+    // forget (bound_tls): a start recorded now would be where its stream goes
+    // on, not where it starts. Packets without bytes pass (the server end is
+    // reset); bytes refuse the connection.
+    if (auto ev = evicted_.find(key); ev != evicted_.end()) {
+      if (ev->second.ct_id != seg.ct_id) {
+        evicted_.erase(ev);  // another connection (conntrack forgot the old one)
+      } else if (seg.payload.empty()) {
+        return {{id, PinVerdict::Kind::pass}};
+      } else {
+        evicted_.erase(ev);
+        return refuse_decided(id, key, seg, kEvictedOtherReason, now);
+      }
+    }
   }
   if (seg.proto == kUdp && seg.gso) return quic_gso(id, key, seg, now);
   if (seg.proto == kUdp && !flows_.contains(key)) {
@@ -810,7 +828,7 @@ std::vector<PinVerdict> PinFlows::start_following_tls(std::map<Key, Flow>::itera
   t.lru = tls_lru_.begin();
   tls_.emplace(key, std::move(t));
   tls_kept_ += static_cast<std::size_t>(grew);
-  bound_tls();
+  bound_tls(now);
   return out;
 }
 
@@ -886,8 +904,26 @@ std::vector<PinVerdict> PinFlows::after_judged(PinPacketId id, std::map<Key, Tls
   return {std::move(v)};
 }
 
-void PinFlows::bound_tls() {
-  while (!tls_lru_.empty() && (tls_.size() > kMaxTlsFollowed || tls_kept_ > kMaxKeptBytes)) forget_tls(tls_lru_.back());
+// Past the bounds, the least recently active flow is forgotten. A TLS flow's
+// mark sends its next packets to the follow queue, where a flow not followed
+// is refused. One admitted by its address has no mark yet (follow_other): it
+// is refused here, its server end reset where the reader's reading ended,
+// and its next bytes refused with the reason (packet(): evicted_).
+void PinFlows::bound_tls(Clock::time_point now) {
+  while (!tls_lru_.empty() && (tls_.size() > kMaxTlsFollowed || tls_kept_ > kMaxKeptBytes)) {
+    const Key key = tls_lru_.back();
+    if (const auto tf = tls_.find(key); tf != tls_.end() && tf->second.by_address) {
+      const int family = key.family;
+      if (server_resets_.size() < kMaxFlows) {
+        server_resets_.push_back(
+            {addr(key.src, 0, family), addr(key.dst, 0, family), key.sport, key.dport, tf->second.next});
+      }
+      evicted_[key] = {tf->second.ct_id, now};
+      evicted_order_.emplace_back(now, key);
+      while (evicted_.size() > kMaxFlows && !evicted_order_.empty()) pop_oldest(evicted_order_, evicted_);
+    }
+    forget_tls(key);
+  }
 }
 
 void PinFlows::forget_tls(const Key& key) {
@@ -940,7 +976,7 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
     }
   }
   if (t.records.done()) t.done_ack = seg.ack;
-  bound_tls();
+  bound_tls(now);
   return {std::move(v)};
 }
 
@@ -1422,6 +1458,7 @@ std::vector<PinVerdict> PinFlows::expire(Clock::time_point now) {
   };
   pop_old(decided_order_, decided_, kDecidedMemory);
   pop_old(starts_order_, starts_, kStartMemory);
+  pop_old(evicted_order_, evicted_, kStartMemory);
   pop_old(followed_order_, followed_, kQuicFollowTime);
   pop_old(quic_ids_order_, quic_ids_, kQuicIdMemory);
   return out;

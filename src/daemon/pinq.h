@@ -398,7 +398,7 @@ class PinFlows {
   std::vector<PinVerdict> tls_packet(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                      Clock::time_point now);
   void forget_tls(const Key& key);
-  void bound_tls();
+  void bound_tls(Clock::time_point now);
   // An HTTP connection admitted for `name`: its later bytes are read as
   // requests (pin::HttpRequestStream), each head's host judged.
   struct HttpFollowed {
@@ -507,6 +507,18 @@ class PinFlows {
   std::deque<std::pair<Clock::time_point, Key>> decided_order_, starts_order_;
   void set_decided(const Key& key, Decided d);
   void set_start(const Key& key, Start st);
+  // Flows admitted by their address whose following tls_'s bounds ended
+  // (bound_tls): their server end is reset then, and the connection's next
+  // bytes are refused with the reason. Without this, the socket's next ACK
+  // recorded a start where the stream goes on, and its next bytes were
+  // judged as a first write (attack review 5's side note). Kept as long as a
+  // start, 4096 at most (the oldest goes first; its server end is reset).
+  struct Evicted {
+    std::uint32_t ct_id;
+    Clock::time_point at;
+  };
+  std::map<Key, Evicted> evicted_;
+  std::deque<std::pair<Clock::time_point, Key>> evicted_order_;
   std::size_t quic_flows_ = 0;  // flows_ entries with an assembler
   std::vector<ServerReset> server_resets_;
   std::vector<ServerReset> mark_clears_;

@@ -1331,6 +1331,70 @@ TEST_CASE("followed TLS flows are bounded in number; a forgotten one's bytes are
   CHECK(f.packet(10000, oldest, t0)[0].kind == K::reset);
 }
 
+TEST_CASE("an other flow pushed out of the followed ones is refused, never judged again from its middle") {
+  // Attack review 5's side note (2026-12-07): an "other" flow admitted by its address keeps ct
+  // mark 0 while followed. Once the bounds made the reader forget it, the socket's next ACK
+  // recorded a start where the stream went on, and the next "other" bytes were admitted as a
+  // first write, where docs/pinning.md says a forgotten flow's next bytes are refused.
+  Judge j;
+  Flows f(j);
+  const std::string other = "(xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\n";
+  REQUIRE(tls_first(f, 1, other, 20000)[0].kind == K::pass);
+  REQUIRE(f.tls_followed() == 1);
+  CHECK(f.take_server_resets().empty());
+  const std::string hello = record(22, client_hello("allowed.test"));
+  for (std::uint32_t i = 1; i <= kMaxTlsFollowed; ++i) {
+    Segment s = seg(1000, hello, static_cast<std::uint16_t>(20000 + i));
+    s.dport = 443;
+    REQUIRE(f.packet(i + 1, s, t0)[0].kind == K::follow);
+  }
+  CHECK(f.tls_followed() == kMaxTlsFollowed);
+  // Its server end is reset where the reader's reading ended.
+  const auto rs = f.take_server_resets();
+  REQUIRE(rs.size() == 1);
+  CHECK(rs[0].sport == 20000);
+  CHECK(rs[0].dport == 443);
+  const auto end = 1000 + static_cast<std::uint32_t>(other.size());
+  CHECK(rs[0].seq == end);
+  auto first_queue = [](std::uint32_t seq, const std::string& bytes, std::uint32_t ack) {
+    Segment s = followed_seg(seq, bytes, ack);
+    s.followed = false;
+    s.sport = 20000;
+    return s;
+  };
+  // The socket's ACK (of the server's answer) passes; its next bytes are refused, with why.
+  const auto later = t0 + std::chrono::seconds(1);
+  CHECK(f.packet(50000, first_queue(end, "", kServerNext + 10), later)[0].kind == K::pass);
+  const std::string more = "(yyyy\n";
+  const auto r = f.packet(50001, first_queue(end, more, kServerNext + 10), later);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].kind == K::reset);
+  REQUIRE(!j.reasons.empty());
+  CHECK(j.reasons.back().find("egressd stopped following before its server answered") != std::string::npos);
+  CHECK(f.stats().admitted == 1 + kMaxTlsFollowed);
+  // Kept as long as a start (10 minutes), and dropped by the socket's next SYN (a new
+  // connection, judged afresh), shown on a second forgotten flow.
+  Flows g(j);
+  REQUIRE(tls_first(g, 1, other, 20000)[0].kind == K::pass);
+  for (std::uint32_t i = 1; i <= kMaxTlsFollowed; ++i) {
+    Segment s = seg(1000, hello, static_cast<std::uint16_t>(20000 + i));
+    s.dport = 443;
+    REQUIRE(g.packet(i + 1, s, t0)[0].kind == K::follow);
+  }
+  const auto nine_minutes = t0 + std::chrono::minutes(9);
+  (void)g.expire(nine_minutes);
+  CHECK(g.packet(50000, first_queue(end, "", kServerNext + 10), nine_minutes)[0].kind == K::pass);
+  Segment syn = seg(5000, "", 20000);
+  syn.dport = 443;
+  syn.syn = true;
+  (void)g.packet(50001, syn, nine_minutes);
+  Segment fresh = seg(5001, other, 20000);
+  fresh.dport = 443;
+  fresh.ack_flag = true;
+  fresh.ack = 9000;
+  CHECK(g.packet(50002, fresh, nine_minutes)[0].kind == K::pass);
+}
+
 TEST_CASE("a followed HTTP connection's resent bytes go with the framing the reader read, bodies as they are") {
   Judge j;
   Flows f(j);
