@@ -27,6 +27,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <map>
 
 #include "control/protocol.h"
@@ -46,7 +47,12 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// Identifies a namespace across an agent restart (a pid may be reused).
+// Identifies a namespace across an agent restart. The inode number of its
+// namespace file alone does not: the kernel gives a freed number to the next
+// namespace, lowest first, so a namespace made after a kept one went would
+// take its number, behind the same path or a reused pid (attack review 6).
+// The netns cookie is never reused within a boot, so it is saved with the
+// boot's id; the inode number finds candidates cheaply.
 struct NsId {
   std::uint64_t dev = 0, ino = 0;
   bool operator==(const NsId&) const = default;
@@ -58,21 +64,85 @@ Result<NsId> ns_id(int fd) {
   return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-// The network namespace `want` through any process still in it, with the pid
-// that led there: nullopt when no process is (the namespace is gone, or held
-// only by a mount). The descriptor is checked after it is opened (the process
-// may move or exit meanwhile).
-[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_of_any_process(const NsId& want) {
+// The namespace's cookie (SO_NETNS_COOKIE, Linux 5.14), from a socket made in it.
+Result<std::uint64_t> ns_cookie(int nsfd) {
+  auto scope = NetnsScope::enter(nsfd);
+  if (!scope) return scope.error();
+  const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!s.ok()) return errno_error("socket in the network namespace", errno);
+  std::uint64_t cookie = 0;
+  socklen_t len = sizeof cookie;
+  if (::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) {
+    return errno_error("SO_NETNS_COOKIE", errno);
+  }
+  return cookie;
+}
+
+std::string boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+// The start time of process `pid` (field 22 of /proc/PID/stat, clock ticks
+// since boot): with the boot's id, it tells the process from a later one
+// given the same pid. nullopt when it cannot be read.
+std::optional<std::uint64_t> process_start(std::uint64_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');  // the name before it may hold anything
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream rest(stat.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) {
+    if (!(rest >> field)) return std::nullopt;
+  }
+  try {
+    return std::stoull(field);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// A namespace kept in the state directory: its inode number, and its cookie
+// when the state file has one (files written before 2026-12-07 do not).
+struct KeptNs {
+  NsId id;
+  std::optional<std::uint64_t> cookie;
+};
+
+// Whether `fd` is the kept namespace `want`.
+bool is_kept(int fd, const KeptNs& want) {
+  auto id = ns_id(fd);
+  if (!id || !(*id == want.id)) return false;
+  if (!want.cookie) return true;
+  auto c = ns_cookie(fd);
+  return c && *c == *want.cookie;
+}
+
+// The network namespace `want` through any thread still in it, with the path
+// that led there: nullopt when no thread is (the namespace is gone, or held
+// only by a mount or sockets). Threads, not only processes: a process whose
+// main thread exited (a zombie leader) has no /proc/PID/ns any more while
+// its other threads live on in the namespace (attack review 6). The
+// descriptor is checked after it is opened (the thread may move or exit
+// meanwhile).
+[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_of_any_thread(const KeptNs& want) {
   std::error_code ec;
+  auto digits = [](const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; };
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     const std::string pid = e.path().filename().string();
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string path = "/proc/" + pid + "/ns/net";
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0 || st.st_dev != want.dev || st.st_ino != want.ino) continue;
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (auto id = fd.ok() ? ns_id(fd.get()) : Result<NsId>(Error::runtime("")); id && *id == want) {
-      return std::pair{std::move(fd), path};
+    if (!digits(pid)) continue;
+    std::error_code tec;
+    for (const auto& t : fs::directory_iterator("/proc/" + pid + "/task", tec)) {
+      const std::string tid = t.path().filename().string();
+      if (!digits(tid)) continue;
+      const std::string path = "/proc/" + pid + "/task/" + tid + "/ns/net";
+      struct stat st {};
+      if (::stat(path.c_str(), &st) != 0 || st.st_dev != want.id.dev || st.st_ino != want.id.ino) continue;
+      UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+      if (fd.ok() && is_kept(fd.get(), want)) return std::pair{std::move(fd), path};
     }
   }
   return std::nullopt;
@@ -143,9 +213,23 @@ class Agent {
         log_->error("state file {}: {}; its sandbox is not attached", file, err->message);
         continue;
       }
-      const NsId want{saved.value("ns_dev", std::uint64_t{0}), saved.value("ns_ino", std::uint64_t{0})};
+      Kept kept;
+      kept.ns.id = {saved.value("ns_dev", std::uint64_t{0}), saved.value("ns_ino", std::uint64_t{0})};
       bool gone = false;
-      auto r = attach(std::get<control::SandboxAddRequest>(add), want, &gone);
+      Status r;
+      try {
+        if (saved.contains("ns_cookie")) kept.ns.cookie = saved.at("ns_cookie").get<std::uint64_t>();
+        if (saved.contains("pid_start")) kept.pid_start = saved.at("pid_start").get<std::uint64_t>();
+        if (saved.contains("boot_id") && saved.at("boot_id").get<std::string>() != boot_id()) {
+          // Saved before a reboot: that namespace and process are gone, whatever the path leads to now.
+          gone = true;
+          r = Error::invalid("its namespace was attached before the machine restarted");
+        }
+      } catch (const json::exception& ex) {
+        log_->error("state file {}: {}; its sandbox is not attached", file, ex.what());
+        continue;
+      }
+      if (!gone) r = attach(std::get<control::SandboxAddRequest>(add), &kept, &gone);
       if (!r && gone) {
         log_->warn("sandbox={} not attached again, dropped: {}", std::get<control::SandboxAddRequest>(add).name,
                    r.error().message);
@@ -216,7 +300,7 @@ class Agent {
     if (sandboxes_.count(r.name) != 0) {
       return reply(control::error_reply("invalid_request", "sandbox \"" + r.name + "\" is already attached"));
     }
-    auto st = attach(r, std::nullopt);
+    auto st = attach(r, nullptr);
     if (!st) return reply(control::error_reply(st.error(), "invalid_policy"));
     Sandbox& sb = sandboxes_.at(r.name).inst->sandbox();
     reply(control::ok_reply({{"name", r.name},
@@ -226,15 +310,24 @@ class Agent {
                              {"netns", sandboxes_.at(r.name).netns}}));
   }
 
-  // Builds the sandbox of `r`. `expected`: the namespace it had before a
-  // restart (another one behind the same path or pid is not adopted).
-  // `gone`, when given, is set when the namespace is not there any more (no
-  // such process or path, or another namespace behind it).
-  Status attach(const control::SandboxAddRequest& r, std::optional<NsId> expected, bool* gone = nullptr) {
+  // What a state file says of the sandbox attached before a restart.
+  struct Kept {
+    KeptNs ns;
+    std::optional<std::uint64_t> pid_start;  // with netns_pid: its process's start time
+  };
+
+  // Builds the sandbox of `r`. `kept`: what the state file says of the
+  // namespace and process it had before a restart (another namespace behind
+  // the same path or pid is not adopted). `gone`, when given, is set when the
+  // sandbox is over: its process exited (netns_pid), or its namespace is not
+  // there any more (no such path, or another namespace behind it, and no
+  // thread left in it).
+  Status attach(const control::SandboxAddRequest& r, const Kept* kept, bool* gone = nullptr) {
     bool ignored = false;
     bool& missing = gone != nullptr ? *gone : ignored;
     Attached a;
     UniqueFd pidfd;
+    std::optional<std::uint64_t> pid_start;
     if (r.netns_pid) {
       a.pid = *r.netns_pid;
       // The pidfd first: the namespace opened next is that process's (it
@@ -243,34 +336,57 @@ class Agent {
       missing = !pidfd.ok() && errno == ESRCH;
       if (!pidfd.ok()) return Error::invalid("no process " + std::to_string(a.pid) + ": " + errno_text(errno));
       a.netns = "/proc/" + std::to_string(a.pid) + "/ns/net";
+      pid_start = process_start(a.pid);
+      if (kept && kept->pid_start && pid_start != kept->pid_start) {
+        // The pid is another process's now: the sandbox's process exited
+        // while the agent was down, which ends the sandbox (policy stays).
+        missing = true;
+        return Error::invalid("process " + std::to_string(a.pid) + " exited while the agent was down (the pid is " +
+                              "another process's now)");
+      }
     } else {
       a.netns = *r.netns;
     }
     UniqueFd nsfd(::open(a.netns.c_str(), O_RDONLY | O_CLOEXEC));
-    missing = !nsfd.ok() && errno == ENOENT;
-    if (!nsfd.ok()) return Error::invalid("cannot open network namespace " + a.netns + ": " + errno_text(errno));
+    const int open_errno = errno;
     if (pidfd.ok()) {
       pollfd p{pidfd.get(), POLLIN, 0};
       missing = ::poll(&p, 1, 0) == 1;
       if (missing) return Error::invalid("process " + std::to_string(a.pid) + " has exited");
     }
-    auto id = ns_id(nsfd.get());
-    if (!id) return id.error();
-    if (expected && r.netns_pid && !(*id == *expected)) {
-      // After a restart the pid leads elsewhere: its process moved itself
-      // (keeping its pid) into a namespace of its own, which a sandbox's
-      // process can do where user namespaces are allowed. The namespace
-      // attached before is the one to keep serving, as the agent did while
-      // it ran; dropping it would leave it stuck in its phase, unserved (an
-      // attack review). Found by its identity through any process still in it.
-      if (auto there = open_netns_of_any_process(*expected)) {
-        log_->warn("sandbox={} process {} is no longer in the network namespace attached before the restart; that "
+    if (kept && !(nsfd.ok() && is_kept(nsfd.get(), kept->ns))) {
+      // After a restart the path or pid leads elsewhere, or nowhere: the
+      // process moved itself (keeping its pid) into a namespace of its own,
+      // which a sandbox's process can do where user namespaces are allowed;
+      // or it ended its main thread (a zombie leader has no /proc/PID/ns),
+      // which any process can. The namespace attached before is the one to
+      // keep serving, as the agent did while it ran; dropping it would leave
+      // it stuck in its phase, unserved (attack reviews). Found by its
+      // identity through any thread still in it.
+      if (auto there = open_netns_of_any_thread(kept->ns)) {
+        log_->warn("sandbox={} {} no longer leads to the network namespace attached before the restart; that "
                    "namespace is attached again through {}",
-                   r.name, a.pid, there->second);
+                   r.name, a.netns, there->second);
         nsfd = std::move(there->first);
-        id = *expected;
+      } else if (pidfd.ok()) {
+        // Its process lives, elsewhere; the namespace may live on without a
+        // thread in it (held by sockets made there): not known to be over.
+        return Error::invalid("process " + std::to_string(a.pid) + " is no longer in the network namespace " +
+                              "attached before the restart, and no thread is");
+      } else {
+        missing = true;
+        return Error::invalid(nsfd.ok() ? a.netns + " is another network namespace than the one attached before " +
+                                              "the restart, and no thread is left in that one"
+                                        : "cannot open network namespace " + a.netns + ": " + errno_text(open_errno) +
+                                              ", and no thread is left in the one attached before the restart");
       }
     }
+    if (!nsfd.ok()) {
+      missing = open_errno == ENOENT;
+      return Error::invalid("cannot open network namespace " + a.netns + ": " + errno_text(open_errno));
+    }
+    auto id = ns_id(nsfd.get());
+    if (!id) return id.error();
     if (const UniqueFd own(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC)); own.ok()) {
       // Its own rules would then hold the agent's upstream queries and every
       // other sandbox's DNS to them.
@@ -285,10 +401,8 @@ class Agent {
       missing = owned.error().kind == ErrorKind::invalid;
       return owned;
     }
-    if (expected && !(*expected == *id)) {
-      missing = true;
-      return Error::invalid(a.netns + " is another network namespace than the one attached before the restart");
-    }
+    const Result<std::uint64_t> cookie = ns_cookie(nsfd.get());
+    if (!cookie) return cookie.error();
     for (const auto& [name, other] : sandboxes_) {
       // By the namespace, not the path: two sandboxes in one namespace would
       // share its table, each undoing the other's switches as tampering.
@@ -362,15 +476,22 @@ class Agent {
     if (!can_log_ && o_log_group(a)) can_log_ = a.inst->can_log();
     if (pidfd.ok()) {
       a.pidfd = std::make_unique<boost::asio::posix::stream_descriptor>(io_, pidfd.release());
+      // By name and by its own pidfd: a completion already queued when the
+      // sandbox was removed must not remove one added again under that name.
       a.pidfd->async_wait(boost::asio::posix::stream_descriptor::wait_read,
-                          [this, name = r.name](const boost::system::error_code& ec) {
+                          [this, name = r.name, mine = a.pidfd.get()](const boost::system::error_code& ec) {
                             if (ec) return;
+                            if (auto it = sandboxes_.find(name); it == sandboxes_.end() || it->second.pidfd.get() != mine) {
+                              return;
+                            }
                             log_->info("sandbox={} its process exited; removed (policy stays)", name);
                             (void)detach(name, false);
                           });
     }
     if (!args_.state_dir.empty()) {
-      json saved = {{"request", json(r)}, {"ns_dev", id->dev}, {"ns_ino", id->ino}};
+      json saved = {{"request", json(r)},   {"ns_dev", id->dev}, {"ns_ino", id->ino},
+                    {"ns_cookie", *cookie}, {"boot_id", boot_id()}};
+      if (pid_start) saved["pid_start"] = *pid_start;
       if (auto s = write_atomically(args_.state_dir + "/" + r.name + ".json", saved.dump(2) + "\n"); !s) {
         log_->warn("sandbox={} not kept for a restart: {}", r.name, s.error().message);
       }

@@ -581,13 +581,134 @@ def test_a_sandbox_whose_process_moved_out_after_the_add_is_attached_again_at_re
     agent.stop()
     agent.start()
     assert set(agent.listing()) == {"one"}, agent.log()
-    assert "is no longer in the network namespace attached before the restart" in agent.log(), agent.log()
+    assert "no longer leads to the network namespace attached before the restart" in agent.log(), agent.log()
     agent.ok("--sandbox", "one", "apply", "verifier")
     assert lab.sandbox.tcp_connect("198.51.100.11", labmod.ECHO_PORT, timeout=1) != "ok"
     # The sandbox still goes with its process.
     p.kill()
     p.wait()
     wait_for(lambda: agent.listing() == {}, 5.0, "the sandbox to go with its process")
+
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+          "--"]
+
+
+def test_a_sandbox_whose_process_ended_its_main_thread_is_attached_again_at_restart(lab, agent):
+    """The --netns-pid process (uid 65534, no capability, no user namespace) ends its main thread
+    and lives on in another, in the sandbox's namespace: /proc/PID/ns/net is gone (a zombie
+    leader), its pidfd reports no exit. A restarted agent dropped the sandbox, leaving the
+    namespace in its public phase with no one to switch it (attack review 6, 3 of 3)."""
+    script = Path(__file__).with_name("agent_leader_exit.py")
+    p = lab.spawn([*NOBODY, "/usr/bin/python3", str(script)], netns=lab.sandbox, stdin=subprocess.PIPE,
+                  stdout=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"ready"
+    agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(POLICY), "--phase", "setup")
+    p.stdin.write(b"exitmain\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == b"main-exiting"
+    wait_for(lambda: not os.path.exists(f"/proc/{p.pid}/ns/net") or
+             open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 5.0, "the main thread to end")
+
+    def worker_connects() -> str:
+        p.stdin.write(f"connect 198.51.100.11 {ECHO_PORT}\n".encode())
+        p.stdin.flush()
+        return p.stdout.readline().decode().strip()
+
+    assert worker_connects() == "ok"  # public
+    assert set(agent.listing()) == {"one"}
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one"}, agent.log()
+    assert "no longer leads to the network namespace attached before the restart" in agent.log(), agent.log()
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    assert worker_connects().startswith("fail")
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+
+
+def test_a_sandbox_attached_by_a_proc_path_whose_process_moved_out_is_attached_again_at_restart(lab, agent):
+    """As above, for a sandbox attached with --netns /proc/PID/ns/net: its process moves into a
+    user and network namespace of its own after the add, a worker stays. The search for the
+    namespace attached before ran only for --netns-pid sandboxes (attack review 6, 4 of 4)."""
+    if labmod.run([*NOBODY, "unshare", "-Urn", "true"], check=False).returncode != 0:
+        pytest.skip("unprivileged user namespaces are not allowed here")
+    p = lab.spawn([*NOBODY, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=lab.sandbox,
+                  stdin=subprocess.PIPE)
+    real = os.stat(lab.sandbox.path).st_ino
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
+    agent.ok("sandbox", "add", "one", "--netns", f"/proc/{p.pid}/ns/net", "--config", lab.write_config(POLICY),
+             "--phase", "setup")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino != real, 5.0, "the process to move")
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one"}, agent.log()
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+
+
+def test_a_namespace_that_took_a_kept_ones_inode_number_is_not_attached_at_restart(lab, agent):
+    """The kernel gives a freed namespace inode number to the next namespace (lowest first), so a
+    namespace made after a kept sandbox's went can carry its number, behind the same path or a
+    reused pid; a restarted agent attached it as the kept sandbox, with the saved initial phase
+    (public), where the sandbox had been switched to no-network (attack review 6: 3 of 3 times the
+    number came back). The agent now also compares the namespace's cookie, never reused within a
+    boot. Waiting for the kernel to hand a number back takes minutes, so the state file is written
+    as such a reuse leaves it: a namespace with the kept inode number behind the kept path, and
+    the kept cookie."""
+    old = lab.extra_netns("t")
+    agent.ok("sandbox", "add", "trial-1", "--netns", old.path, "--config", lab.write_config(POLICY),
+             "--phase", "setup")
+    agent.ok("--sandbox", "trial-1", "apply", "verifier")
+    agent.stop()
+    new = lab.extra_netns("t")
+    kept = agent.state_dir / "trial-1.json"
+    saved = json.loads(kept.read_text())
+    assert {"ns_cookie", "boot_id"} <= set(saved), saved
+    st = os.stat(new.path)
+    saved["ns_dev"], saved["ns_ino"] = st.st_dev, st.st_ino
+    saved["request"]["netns"] = str(new.path)
+    kept.write_text(json.dumps(saved))
+    agent.start()
+    assert "trial-1" not in agent.listing(), agent.log()
+    assert "is another network namespace than the one attached before the restart" in agent.log(), agent.log()
+    assert lab.nft(new, "list", "tables")[1].strip() == "", "the new namespace got the kept sandbox's table"
+    assert not kept.exists()
+    # The same request for the new namespace is its own sandbox now.
+    agent.ok("sandbox", "add", "trial-1", "--netns", new.path, "--config", lab.write_config(POLICY), "--phase", "setup")
+
+
+def test_a_reused_pid_does_not_keep_a_sandbox_whose_process_exited_while_the_agent_was_down(lab, agent):
+    """A --netns-pid sandbox ends with its process. If that process exits while the agent is
+    down and its pid goes to another process in the same namespace, the restarted agent must not
+    attach the sandbox to the new process's life: it compares the process's start time, saved
+    at the add. (The pid is taken back with ns_last_pid, as a process could fork until it has it.)"""
+    p = lab.spawn(["sleep", "300"], netns=lab.sandbox)
+    real = os.stat(lab.sandbox.path).st_ino
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
+    agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(POLICY), "--phase", "setup")
+    agent.stop()
+    pid = p.pid
+    p.kill()
+    p.wait()
+    q = None
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        q = lab.spawn(["sleep", "300"], netns=lab.sandbox)
+        if q.pid == pid:
+            break
+        q.kill()
+        q.wait()
+        q = None
+    assert q is not None, "could not get the pid again"
+    wait_for(lambda: os.stat(f"/proc/{pid}/ns/net").st_ino == real, 5.0, "the new process in the sandbox")
+    agent.start()
+    assert "one" not in agent.listing(), agent.log()
+    assert f"process {pid} exited while the agent was down" in agent.log(), agent.log()
+    # Removed as if its process had exited under the agent: the policy stays.
+    assert "table inet egressd" in lab.nft(lab.sandbox, "list", "tables")[1]
 
 
 def container_with_hosts(lab, text: str, ns: Netns | None = None):
