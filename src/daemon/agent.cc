@@ -15,6 +15,8 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
+#include <linux/sockios.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -64,8 +66,10 @@ Result<NsId> ns_id(int fd) {
   return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-// The namespace's cookie (SO_NETNS_COOKIE, Linux 5.14), from a socket made in it.
-Result<std::uint64_t> ns_cookie(int nsfd) {
+// The namespace's cookie (SO_NETNS_COOKIE, Linux 5.14), from a socket made in
+// it; nullopt on an older kernel (ENOPROTOOPT), where the inode number is all
+// there is.
+Result<std::optional<std::uint64_t>> ns_cookie(int nsfd) {
   auto scope = NetnsScope::enter(nsfd);
   if (!scope) return scope.error();
   const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
@@ -73,9 +77,10 @@ Result<std::uint64_t> ns_cookie(int nsfd) {
   std::uint64_t cookie = 0;
   socklen_t len = sizeof cookie;
   if (::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) {
+    if (errno == ENOPROTOOPT) return std::optional<std::uint64_t>{};
     return errno_error("SO_NETNS_COOKIE", errno);
   }
-  return cookie;
+  return std::optional<std::uint64_t>{cookie};
 }
 
 std::string boot_id() {
@@ -118,7 +123,7 @@ bool is_kept(int fd, const KeptNs& want) {
   if (!id || !(*id == want.id)) return false;
   if (!want.cookie) return true;
   auto c = ns_cookie(fd);
-  return c && *c == *want.cookie;
+  return c && *c && **c == *want.cookie;
 }
 
 // The network namespace `want` through any thread still in it, with the path
@@ -143,6 +148,45 @@ bool is_kept(int fd, const KeptNs& want) {
       if (::stat(path.c_str(), &st) != 0 || st.st_dev != want.id.dev || st.st_ino != want.id.ino) continue;
       UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
       if (fd.ok() && is_kept(fd.get(), want)) return std::pair{std::move(fd), path};
+    }
+  }
+  return std::nullopt;
+}
+
+// The network namespace `want` through a socket made in it, held by any
+// process (pidfd_getfd, then SIOCGSKNS): a process that moved itself out
+// leaving no thread behind keeps the namespace alive through such sockets,
+// and reaches out through them (attack review 6). Needs ptrace rights over
+// the holder (root with CAP_SYS_PTRACE); processes it has none over are
+// skipped. Slow on a busy host (every socket descriptor is looked at): only
+// after open_netns_of_any_thread found nothing.
+[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_through_sockets(const KeptNs& want) {
+  std::error_code ec;
+  auto digits = [](const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; };
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string pid = e.path().filename().string();
+    if (!digits(pid)) continue;
+    UniqueFd pidfd;
+    std::error_code fec;
+    for (const auto& f : fs::directory_iterator("/proc/" + pid + "/fd", fec)) {
+      const std::string fd = f.path().filename().string();
+      if (!digits(fd)) continue;
+      char target[64] = {};
+      const ssize_t n = ::readlink(f.path().c_str(), target, sizeof target - 1);
+      if (n <= 0 || std::string_view(target, static_cast<std::size_t>(n)).rfind("socket:", 0) != 0) continue;
+      if (!pidfd.ok()) {
+        pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(std::stoi(pid)), 0)));
+        if (!pidfd.ok()) break;
+      }
+      const UniqueFd sock(static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd.get(), std::stoi(fd), 0)));
+      if (!sock.ok()) {
+        if (errno == EPERM) break;  // no rights over this process
+        continue;
+      }
+      UniqueFd ns(::ioctl(sock.get(), SIOCGSKNS));
+      if (!ns.ok()) continue;
+      if (::fcntl(ns.get(), F_SETFD, FD_CLOEXEC) != 0) continue;
+      if (is_kept(ns.get(), want)) return std::pair{std::move(ns), "a socket of process " + pid};
     }
   }
   return std::nullopt;
@@ -363,7 +407,13 @@ class Agent {
       // keep serving, as the agent did while it ran; dropping it would leave
       // it stuck in its phase, unserved (attack reviews). Found by its
       // identity through any thread still in it.
-      if (auto there = open_netns_of_any_thread(kept->ns)) {
+      // Without a cookie (a state file from before 2026-12-07, or a kernel
+      // before 5.14) an inode number may be another namespace's: searched
+      // for only as before, for a --netns-pid sandbox whose process lives.
+      std::optional<std::pair<UniqueFd, std::string>> there;
+      if (kept->ns.cookie || pidfd.ok()) there = open_netns_of_any_thread(kept->ns);
+      if (!there && kept->ns.cookie) there = open_netns_through_sockets(kept->ns);
+      if (there) {
         log_->warn("sandbox={} {} no longer leads to the network namespace attached before the restart; that "
                    "namespace is attached again through {}",
                    r.name, a.netns, there->second);
@@ -401,7 +451,7 @@ class Agent {
       missing = owned.error().kind == ErrorKind::invalid;
       return owned;
     }
-    const Result<std::uint64_t> cookie = ns_cookie(nsfd.get());
+    const Result<std::optional<std::uint64_t>> cookie = ns_cookie(nsfd.get());
     if (!cookie) return cookie.error();
     for (const auto& [name, other] : sandboxes_) {
       // By the namespace, not the path: two sandboxes in one namespace would
@@ -429,8 +479,14 @@ class Agent {
     // netns_pid: the agent attaches a container that already runs, whose
     // root may have written its own pairs there before the snapshot is taken
     // (docs/pinning.md "Hosts files").
+    // Not at a restart: what a restart learns is the snapshot kept at the add
+    // (NAME.state.hosts), and the live file is the sandbox's to break (its
+    // root may write a line egressd refuses; a zombie leader has no
+    // /proc/PID/root): refusing it there left the namespace unserved in its
+    // phase (attack review 7). A live file that cannot be read then is
+    // logged, as while the agent runs.
     const std::string hosts_file = r.hosts_file ? hosts_file_for(*r.hosts_file, 0, "") : "";
-    if (!hosts_file.empty()) {
+    if (!hosts_file.empty() && kept == nullptr) {
       if (auto s = check_hosts_file(hosts_file); !s) return s;
     }
     Result<Policy> policy = r.config ? load_policy_file(*r.config) : builtin_policy(r.allow.value_or(std::vector<std::string>{}));
@@ -489,8 +545,8 @@ class Agent {
                           });
     }
     if (!args_.state_dir.empty()) {
-      json saved = {{"request", json(r)},   {"ns_dev", id->dev}, {"ns_ino", id->ino},
-                    {"ns_cookie", *cookie}, {"boot_id", boot_id()}};
+      json saved = {{"request", json(r)}, {"ns_dev", id->dev}, {"ns_ino", id->ino}, {"boot_id", boot_id()}};
+      if (*cookie) saved["ns_cookie"] = **cookie;
       if (pid_start) saved["pid_start"] = *pid_start;
       if (auto s = write_atomically(args_.state_dir + "/" + r.name + ".json", saved.dump(2) + "\n"); !s) {
         log_->warn("sandbox={} not kept for a restart: {}", r.name, s.error().message);

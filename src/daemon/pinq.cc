@@ -895,6 +895,12 @@ std::vector<PinVerdict> PinFlows::after_judged(PinPacketId id, std::map<Key, Tls
     if (auto bad = t.judged.patch(seg, v)) return refuse_followed(id, key, seg, *bad, t.next, now);
     v.as_read = !v.patch.empty();
     if (v.as_read && seg.oversize) return {{id, PinVerdict::Kind::drop}};
+    // An "other" flow's later bytes move where its server end waits, so a
+    // reset (bound_tls, refuse_followed) lands there (attack review 7).
+    if (const auto end = seg.seq + static_cast<std::uint32_t>(seg.payload.size());
+        t.by_address && seq_after(end, t.next) > 0) {
+      t.next = end;
+    }
   }
   if (seg.from_socket && seg.ack_flag && t.done_ack && seq_after(seg.ack, *t.done_ack) > 0) {
     set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())

@@ -599,8 +599,10 @@ def test_a_sandbox_whose_process_ended_its_main_thread_is_attached_again_at_rest
     and lives on in another, in the sandbox's namespace: /proc/PID/ns/net is gone (a zombie
     leader), its pidfd reports no exit. A restarted agent dropped the sandbox, leaving the
     namespace in its public phase with no one to switch it (attack review 6, 3 of 3)."""
+    ns = lab.extra_netns("c")  # only this process in it (the lab's sandbox has its own processes)
+    wire(lab, ns, 1)
     script = Path(__file__).with_name("agent_leader_exit.py")
-    p = lab.spawn([*NOBODY, "/usr/bin/python3", str(script)], netns=lab.sandbox, stdin=subprocess.PIPE,
+    p = lab.spawn([*NOBODY, "/usr/bin/python3", str(script)], netns=ns, stdin=subprocess.PIPE,
                   stdout=subprocess.PIPE)
     assert p.stdout.readline().strip() == b"ready"
     agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(POLICY), "--phase", "setup")
@@ -623,7 +625,6 @@ def test_a_sandbox_whose_process_ended_its_main_thread_is_attached_again_at_rest
     assert "no longer leads to the network namespace attached before the restart" in agent.log(), agent.log()
     agent.ok("--sandbox", "one", "apply", "verifier")
     assert worker_connects().startswith("fail")
-    assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
 
 
 def test_a_sandbox_attached_by_a_proc_path_whose_process_moved_out_is_attached_again_at_restart(lab, agent):
@@ -632,9 +633,11 @@ def test_a_sandbox_attached_by_a_proc_path_whose_process_moved_out_is_attached_a
     namespace attached before ran only for --netns-pid sandboxes (attack review 6, 4 of 4)."""
     if labmod.run([*NOBODY, "unshare", "-Urn", "true"], check=False).returncode != 0:
         pytest.skip("unprivileged user namespaces are not allowed here")
-    p = lab.spawn([*NOBODY, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=lab.sandbox,
+    ns = lab.extra_netns("c")  # only this process and its worker in it
+    wire(lab, ns, 1)
+    p = lab.spawn([*NOBODY, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=ns,
                   stdin=subprocess.PIPE)
-    real = os.stat(lab.sandbox.path).st_ino
+    real = os.stat(ns.path).st_ino
     wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
     agent.ok("sandbox", "add", "one", "--netns", f"/proc/{p.pid}/ns/net", "--config", lab.write_config(POLICY),
              "--phase", "setup")
@@ -645,7 +648,98 @@ def test_a_sandbox_attached_by_a_proc_path_whose_process_moved_out_is_attached_a
     agent.start()
     assert set(agent.listing()) == {"one"}, agent.log()
     agent.ok("--sandbox", "one", "apply", "verifier")
+    assert ns.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+
+
+def test_a_sandbox_whose_process_moved_out_leaving_only_sockets_is_attached_again_at_restart(lab, agent):
+    """The --netns-pid process (uid 65534, no capability) makes sockets in the sandbox's
+    namespace, then moves itself into a user and network namespace of its own: no thread is left
+    in the sandbox's namespace, which its sockets keep alive, and which they reach out from. A
+    restarted agent found no way back to it and left it in its public phase (attack review 6, 5
+    of 5); it now finds the namespace through a socket made there."""
+    if labmod.run([*NOBODY, "unshare", "-Urn", "true"], check=False).returncode != 0:
+        pytest.skip("unprivileged user namespaces are not allowed here")
+    ns = lab.extra_netns("c")  # the lab's sandbox has its own processes in it
+    wire(lab, ns, 1)
+    script = Path(__file__).with_name("agent_held_sockets.py")
+    p = lab.spawn([*NOBODY, "sh", "-c", f"read x; exec /usr/bin/python3 {script}"], netns=ns,
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    real = os.stat(ns.path).st_ino
+    wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
+    agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(POLICY), "--phase", "setup")
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == b"moved"
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one"}, agent.log()
+    assert f"attached again through a socket of process {p.pid}" in agent.log(), agent.log()
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    p.stdin.write(f"connect 198.51.100.11 {ECHO_PORT}\n".encode())
+    p.stdin.flush()
+    assert p.stdout.readline().decode().startswith("fail")
+
+
+KEPT_HOSTS = "127.0.0.1 localhost\n203.0.113.10 host.docker.internal\n"
+KEPT_HOSTS_POLICY = POLICY.replace('["a.example.com", "203.0.113.10"]', '["host.docker.internal"]')
+
+
+def test_a_sandbox_whose_own_hosts_file_is_gone_or_broken_is_attached_again_at_restart(lab, agent):
+    """A sandbox added with its process's own hosts file (--hosts-file /proc/PID/root/etc/hosts).
+    A restarted agent checked the live file again and did not attach the sandbox when it failed,
+    at every restart: its namespace stayed in its phase, unserved (attack review 7). Two ways, both
+    the sandbox's own: its process ends its main thread (no privilege; a zombie leader has no
+    /proc/PID/root), or the container's root writes a line egressd refuses. A restart learns
+    from the snapshot kept at the add."""
+    ns = lab.extra_netns("c")
+    wire(lab, ns, 1)
+    hosts = lab.tmp / "container-hosts"
+    hosts.write_text(KEPT_HOSTS)
+    script = Path(__file__).with_name("agent_leader_exit.py")
+    p = lab.spawn(["ip", "netns", "exec", ns.name, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   f"mount --bind {hosts} /etc/hosts && exec {' '.join(NOBODY)} /usr/bin/python3 {script}"],
+                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"ready"
+    assert "host.docker.internal" in KEPT_HOSTS_POLICY
+    agent.ok("sandbox", "add", "one", "--netns-pid", p.pid, "--config", lab.write_config(KEPT_HOSTS_POLICY), "--phase",
+             "setup", "--hosts-file", f"/proc/{p.pid}/root/etc/hosts")
+    with open(hosts, "a") as f:  # the container's root, any time after the add
+        f.write("not-an-address junk\n")
+    p.stdin.write(b"exitmain\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == b"main-exiting"
+    wait_for(lambda: not os.path.exists(f"/proc/{p.pid}/root/etc/hosts"), 5.0, "the main thread to end")
+    agent.stop()
+    agent.start()
+    assert set(agent.listing()) == {"one"}, agent.log()
+    # A live file that is gone or has a bad line teaches nothing (fail closed), as while the
+    # agent runs; the sandbox is served all the same.
+    agent.ok("--sandbox", "one", "apply", "agent")
+    assert agent.json("--sandbox", "one", "status", "--json")["learned"] == []
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    p.stdin.write(f"connect 198.51.100.11 {ECHO_PORT}\n".encode())
+    p.stdin.flush()
+    assert p.stdout.readline().decode().startswith("fail")
+
+
+def test_a_state_file_from_before_namespace_cookies_still_attaches_its_sandbox(lab, agent):
+    """An agent upgraded over state files that have no cookie, boot id or start time (written
+    before 2026-12-07, or on a kernel before 5.14, which has no SO_NETNS_COOKIE) attaches their
+    sandboxes by inode number as before, and keeps the cookie from then on."""
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(POLICY),
+             "--phase", "setup")
+    agent.ok("--sandbox", "one", "apply", "verifier")
+    kept = agent.state_dir / "one.json"
+    saved = json.loads(kept.read_text())
+    for k in ("ns_cookie", "boot_id", "pid_start"):
+        saved.pop(k, None)
+    kept.write_text(json.dumps(saved))
+    agent.stop()
+    agent.start()
+    listing = agent.listing()
+    assert set(listing) == {"one"} and listing["one"]["phase"] == "verifier", agent.log()
     assert lab.sandbox.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1) != "ok"
+    assert {"ns_cookie", "boot_id"} <= set(json.loads(kept.read_text()))
 
 
 def test_a_namespace_that_took_a_kept_ones_inode_number_is_not_attached_at_restart(lab, agent):

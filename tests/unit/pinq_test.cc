@@ -1342,6 +1342,14 @@ TEST_CASE("an other flow pushed out of the followed ones is refused, never judge
   REQUIRE(tls_first(f, 1, other, 20000)[0].kind == K::pass);
   REQUIRE(f.tls_followed() == 1);
   CHECK(f.take_server_resets().empty());
+  // More bytes before the server spoke: they leave as they are, and move where the server waits.
+  const std::string more_first = "(zzzz\n";
+  {
+    Segment s = followed_seg(1000 + static_cast<std::uint32_t>(other.size()), more_first, kServerNext);
+    s.followed = false;
+    s.sport = 20000;
+    REQUIRE(f.packet(1, s, t0)[0].kind == K::pass);
+  }
   const std::string hello = record(22, client_hello("allowed.test"));
   for (std::uint32_t i = 1; i <= kMaxTlsFollowed; ++i) {
     Segment s = seg(1000, hello, static_cast<std::uint16_t>(20000 + i));
@@ -1354,7 +1362,7 @@ TEST_CASE("an other flow pushed out of the followed ones is refused, never judge
   REQUIRE(rs.size() == 1);
   CHECK(rs[0].sport == 20000);
   CHECK(rs[0].dport == 443);
-  const auto end = 1000 + static_cast<std::uint32_t>(other.size());
+  const auto end = 1000 + static_cast<std::uint32_t>(other.size() + more_first.size());
   CHECK(rs[0].seq == end);
   auto first_queue = [](std::uint32_t seq, const std::string& bytes, std::uint32_t ack) {
     Segment s = followed_seg(seq, bytes, ack);
