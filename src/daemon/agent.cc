@@ -30,7 +30,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <chrono>
 #include <map>
+#include <tuple>
 
 #include "control/protocol.h"
 #include "control/server.h"
@@ -160,7 +162,9 @@ bool is_kept(int fd, const KeptNs& want) {
 // the holder (root with CAP_SYS_PTRACE); processes it has none over are
 // skipped. Slow on a busy host (every socket descriptor is looked at): only
 // after open_netns_of_any_thread found nothing.
-[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_through_sockets(const KeptNs& want) {
+// Gives up at `deadline` (a sandbox process can hold a million sockets).
+[[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_through_sockets(
+    const KeptNs& want, std::chrono::steady_clock::time_point deadline) {
   std::error_code ec;
   auto digits = [](const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; };
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
@@ -171,6 +175,7 @@ bool is_kept(int fd, const KeptNs& want) {
     for (const auto& f : fs::directory_iterator("/proc/" + pid + "/fd", fec)) {
       const std::string fd = f.path().filename().string();
       if (!digits(fd)) continue;
+      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
       char target[64] = {};
       const ssize_t n = ::readlink(f.path().c_str(), target, sizeof target - 1);
       if (n <= 0 || std::string_view(target, static_cast<std::size_t>(n)).rfind("socket:", 0) != 0) continue;
@@ -241,6 +246,11 @@ class Agent {
   void restore() {
     if (args_.state_dir.empty()) return;
     std::error_code ec;
+    // Sandboxes whose namespace no thread leads to: looked for through
+    // sockets once every other sandbox is attached, within 2 s in all (a
+    // scan of every socket on the host, which a sandbox's process can make
+    // long).
+    std::vector<std::tuple<std::string, control::SandboxAddRequest, Kept>> lost;
     for (const auto& e : fs::directory_iterator(args_.state_dir, ec)) {
       if (e.path().extension() != ".json") continue;
       const std::string file = e.path().string();
@@ -274,16 +284,32 @@ class Agent {
         continue;
       }
       if (!gone) r = attach(std::get<control::SandboxAddRequest>(add), &kept, &gone);
-      if (!r && gone) {
-        log_->warn("sandbox={} not attached again, dropped: {}", std::get<control::SandboxAddRequest>(add).name,
-                   r.error().message);
-        ::unlink(file.c_str());
-      } else if (!r) {
-        // Its namespace is there: the file stays for the next start (another
-        // egressd serving the namespace meanwhile, descriptors run out, ...).
-        log_->error("sandbox={} not attached again (its state file {} is kept for the next start): {}",
-                    std::get<control::SandboxAddRequest>(add).name, file, r.error().message);
+      if (!r && !gone && kept.lost && kept.ns.cookie) {
+        lost.emplace_back(file, std::get<control::SandboxAddRequest>(add), kept);
+        continue;
       }
+      restored(file, std::get<control::SandboxAddRequest>(add).name, r, gone);
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    for (auto& [file, req, kept] : lost) {
+      kept.sockets_until = until;
+      bool gone = false;
+      Status r = attach(req, &kept, &gone);
+      restored(file, req.name, r, gone);
+    }
+  }
+
+  // Logs how restoring the sandbox of state file `file` went; drops the file when it is over.
+  void restored(const std::string& file, const std::string& name, const Status& r, bool gone) {
+    if (!r && gone) {
+      log_->warn("sandbox={} not attached again, dropped: {}", name, r.error().message);
+      ::unlink(file.c_str());
+    } else if (!r) {
+      // Its namespace may be there: the file stays for the next start
+      // (another egressd serving the namespace meanwhile, descriptors run
+      // out, ...).
+      log_->error("sandbox={} not attached again (its state file {} is kept for the next start): {}", name, file,
+                  r.error().message);
     }
   }
 
@@ -358,6 +384,10 @@ class Agent {
   struct Kept {
     KeptNs ns;
     std::optional<std::uint64_t> pid_start;  // with netns_pid: its process's start time
+    // Set: look for the namespace through sockets too, until then. Set by
+    // attach(): its process lives, and no thread is left in its namespace.
+    std::optional<std::chrono::steady_clock::time_point> sockets_until;
+    bool lost = false;
   };
 
   // Builds the sandbox of `r`. `kept`: what the state file says of the
@@ -366,7 +396,7 @@ class Agent {
   // sandbox is over: its process exited (netns_pid), or its namespace is not
   // there any more (no such path, or another namespace behind it, and no
   // thread left in it).
-  Status attach(const control::SandboxAddRequest& r, const Kept* kept, bool* gone = nullptr) {
+  Status attach(const control::SandboxAddRequest& r, Kept* kept, bool* gone = nullptr) {
     bool ignored = false;
     bool& missing = gone != nullptr ? *gone : ignored;
     Attached a;
@@ -412,7 +442,9 @@ class Agent {
       // for only as before, for a --netns-pid sandbox whose process lives.
       std::optional<std::pair<UniqueFd, std::string>> there;
       if (kept->ns.cookie || pidfd.ok()) there = open_netns_of_any_thread(kept->ns);
-      if (!there && kept->ns.cookie) there = open_netns_through_sockets(kept->ns);
+      if (!there && kept->ns.cookie && kept->sockets_until) {
+        there = open_netns_through_sockets(kept->ns, *kept->sockets_until);
+      }
       if (there) {
         log_->warn("sandbox={} {} no longer leads to the network namespace attached before the restart; that "
                    "namespace is attached again through {}",
@@ -421,6 +453,7 @@ class Agent {
       } else if (pidfd.ok()) {
         // Its process lives, elsewhere; the namespace may live on without a
         // thread in it (held by sockets made there): not known to be over.
+        kept->lost = true;
         return Error::invalid("process " + std::to_string(a.pid) + " is no longer in the network namespace " +
                               "attached before the restart, and no thread is");
       } else {
