@@ -112,6 +112,9 @@ std::optional<std::uint64_t> process_start(std::uint64_t pid) {
   }
 }
 
+// A /proc entry named by a number (a pid, a tid, a descriptor).
+bool all_digits(const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; }
+
 // A namespace kept in the state directory: its inode number, and its cookie
 // when the state file has one (files written before 2026-12-07 do not).
 struct KeptNs {
@@ -137,14 +140,13 @@ bool is_kept(int fd, const KeptNs& want) {
 // meanwhile).
 [[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_of_any_thread(const KeptNs& want) {
   std::error_code ec;
-  auto digits = [](const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; };
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     const std::string pid = e.path().filename().string();
-    if (!digits(pid)) continue;
+    if (!all_digits(pid)) continue;
     std::error_code tec;
     for (const auto& t : fs::directory_iterator("/proc/" + pid + "/task", tec)) {
       const std::string tid = t.path().filename().string();
-      if (!digits(tid)) continue;
+      if (!all_digits(tid)) continue;
       const std::string path = "/proc/" + pid + "/task/" + tid + "/ns/net";
       struct stat st {};
       if (::stat(path.c_str(), &st) != 0 || st.st_dev != want.id.dev || st.st_ino != want.id.ino) continue;
@@ -166,15 +168,14 @@ bool is_kept(int fd, const KeptNs& want) {
 [[gnu::cold]] std::optional<std::pair<UniqueFd, std::string>> open_netns_through_sockets(
     const KeptNs& want, std::chrono::steady_clock::time_point deadline) {
   std::error_code ec;
-  auto digits = [](const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; };
   for (const auto& e : fs::directory_iterator("/proc", ec)) {
     const std::string pid = e.path().filename().string();
-    if (!digits(pid)) continue;
+    if (!all_digits(pid)) continue;
     UniqueFd pidfd;
     std::error_code fec;
     for (const auto& f : fs::directory_iterator("/proc/" + pid + "/fd", fec)) {
       const std::string fd = f.path().filename().string();
-      if (!digits(fd)) continue;
+      if (!all_digits(fd)) continue;
       if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
       char target[64] = {};
       const ssize_t n = ::readlink(f.path().c_str(), target, sizeof target - 1);
