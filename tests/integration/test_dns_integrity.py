@@ -2153,15 +2153,31 @@ def test_upstream_queries_work_when_every_ephemeral_port_has_a_stale_sandbox_flo
     s = lab.sandbox.socket(fam, socket.SOCK_DGRAM)
     with s:
         s.connect((server, 53))
-        s.settimeout(5.0)
         for i in range(64):
             s.send(labmod.dns_build_query(f"stale{i}.{t}.wild.example.org", "A", i))
         rcodes = {}
-        for _ in range(64):
-            qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
+        deadline = time.monotonic() + 5.0
+        while len(rcodes) < 64 and (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
+            except TimeoutError:
+                break
             rcodes[qid] = rcode
     failed = {q: r for q, r in rcodes.items() if r != "NOERROR"}
-    assert len(rcodes) == 64 and not failed, (len(rcodes), failed, d.log()[-2000:])
+    if len(rcodes) == 64 and not failed:
+        return
+    # A CI run once missed one answer of 64 (no SERVFAIL, a clean log): say which, and what
+    # egressd and the kernel's flow table knew then.
+    missing = sorted(set(range(64)) - set(rcodes))
+    table = [line for line in lab.sandbox.read_proc("/proc/net/nf_conntrack").splitlines() if "dport=53 " in line]
+    redirected = [line for line in table if "src=127.0.0.1 " in line or "src=::1 " in line]
+    flows = f"{len(redirected)} redirected to the proxy; the others:\n" + \
+        "\n".join(line for line in table if line not in redirected)
+    log = "\n".join(line for line in d.log().splitlines() if "event=malformed_query" not in line)
+    pytest.fail(f"{len(rcodes)}/64 answered, missing ids {missing}, not NOERROR {failed}\n"
+                f"status: {json.dumps(d.status().get('dns', d.status()))[:2000]}\n"
+                f"log: {log[-2000:]}\nflows: {flows[-3000:]}")
 
 
 # The TCP twin: an upstream that truncates every UDP answer, so egressd asks again over TCP. A
