@@ -12,6 +12,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <filesystem>
 #include <fstream>
 #include <algorithm>
 #include <optional>
@@ -28,12 +29,32 @@ namespace egressd::daemon {
 
 namespace {
 
-// Joins the target network namespace. Must run before any socket that has to
-// live in the sandbox (netlink, DNS proxy) is created, and before any thread
-// starts: setns applies to the calling thread only.
-Status join_netns(const RunArgs& a) {
-  std::string path = a.netns_path;
-  if (a.netns_pid != 0) path = "/proc/" + std::to_string(a.netns_pid) + "/ns/net";
+// The /proc directory the --netns-pid process's namespace and root are read
+// through: /proc/PID, or, once its main thread has exited while others live
+// on (a zombie leader has no ns/ or root/; any process may do it, without
+// privilege), /proc/PID/task/TID of a thread still there. A sidecar
+// restarted then could not join, and left the namespace in its phase with
+// no one to switch it (the agent's restart had the same hole, attack review
+// 6). `how` says which thread, for the log; empty for /proc/PID.
+std::string netns_pid_dir(int pid, std::string* how) {
+  const std::string dir = "/proc/" + std::to_string(pid);
+  if (::access((dir + "/ns/net").c_str(), F_OK) == 0) return dir;
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator(dir + "/task", ec)) {
+    const std::string tid = t.path().filename().string();
+    if (tid.empty() || tid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (::access((t.path() / "ns/net").c_str(), F_OK) != 0) continue;
+    *how = "the main thread of process " + std::to_string(pid) + " has exited; its thread " + tid + " is used";
+    return t.path().string();
+  }
+  return dir;  // its open fails below, naming the process's own path
+}
+
+// Joins the target network namespace (`path`; none when empty). Must run
+// before any socket that has to live in the sandbox (netlink, DNS proxy) is
+// created, and before any thread starts: setns applies to the calling thread
+// only.
+Status join_netns(const std::string& path) {
   if (path.empty()) return {};
   const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.ok()) return Error::invalid("cannot open network namespace " + path + ": " + errno_text(errno));
@@ -163,21 +184,26 @@ int cmd_run(const RunArgs& a) {
   if (auto s = check_output_file("--ready-file", a.ready_file); !s) return report(s.error());
   // A hosts file the operator named must be there and readable, or nothing
   // is installed (exit 2); the default one may be missing.
-  const std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");
+  std::string pid_note;
+  const std::string pid_dir = a.netns_pid != 0 ? netns_pid_dir(a.netns_pid, &pid_note) : "";
+  const std::string netns = a.netns_pid != 0 ? pid_dir + "/ns/net" : a.netns_path;
+  std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");
+  if (a.netns_pid != 0 && a.hosts_file.empty()) hosts_file = pid_dir + "/root/etc/hosts";
   if (!a.hosts_file.empty() && !hosts_file.empty()) {
     if (auto s = check_hosts_file(hosts_file); !s) return report(s.error());
   }
 
   // Before the sandbox's namespace is joined (sockdiag.h own_cgroup).
   (void)own_cgroup();
-  if (auto s = join_netns(a); !s) return report(s.error());
+  if (auto s = join_netns(netns); !s) return report(s.error());
+  if (!pid_note.empty()) log->warn("joined the network namespace of process {} through {}: {}", a.netns_pid, netns, pid_note);
   boost::asio::io_context io;
   TrimWhenIdle trim_when_idle(io);
 
   InstanceOptions o;
   o.policy = std::move(*policy);
   o.initial = initial;
-  o.netns = a.netns_pid != 0 ? "/proc/" + std::to_string(a.netns_pid) + "/ns/net" : a.netns_path;
+  o.netns = netns;
   o.socket = a.socket;
   o.allow_uids = a.allow_uids;
   o.state_file = a.state_file.empty() ? a.socket + ".state" : a.state_file;

@@ -19,6 +19,7 @@ Every load loop is bounded in count and in time.
 """
 import errno
 import json
+import os
 import random
 import re
 import select
@@ -29,6 +30,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +49,9 @@ phases:
     allowed_hosts: ["b.example.com"]
   verifier: { network_mode: no-network }
 """
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+          "--"]
 
 ERROR_CODES = {"invalid_request", "request_too_large", "unknown_command", "unknown_phase", "invalid_policy"}
 MAX_LINE = 1 << 20  # kMaxRequestBytes
@@ -323,6 +328,38 @@ def test_a_namespace_owned_by_another_user_namespace_is_refused_before_anything_
     assert decoy.strip() == "", "a refused start installed a table in the decoy"
     assert lab.nft(lab.sandbox, "list", "tables")[1].strip() == "", "a refused start installed a table"
     assert not d.ready_path.exists() and not d.socket_path.exists()
+
+
+def test_a_sidecar_restarted_after_its_netns_pid_process_ended_its_main_thread_joins_the_same_namespace(
+        lab, egressd):
+    """The --netns-pid process (uid 65534, no capability) ends its main thread and lives on in
+    another, in the sandbox: /proc/PID/ns/net and /proc/PID/root are gone (a zombie leader).
+    A sidecar restarted then (a crash, an upgrade) could not join and exited, leaving the
+    namespace in its phase with no one to switch it or answer its DNS. It joins through a
+    thread of that process still in the namespace, and switches it as before."""
+    script = Path(__file__).with_name("agent_leader_exit.py")
+    p = lab.spawn([*NOBODY, "/usr/bin/python3", str(script)], netns=lab.sandbox, stdin=subprocess.PIPE,
+                  stdout=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"ready"
+    d = egressd(POLICY, phase="environment", netns_pid=p.pid)
+
+    def worker_connects() -> str:
+        p.stdin.write(f"connect 198.51.100.11 {labmod.ECHO_PORT}\n".encode())
+        p.stdin.flush()
+        return p.stdout.readline().decode().strip()
+
+    p.stdin.write(b"exitmain\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == b"main-exiting"
+    labmod.wait_for(lambda: not os.path.exists(f"/proc/{p.pid}/ns/net"), 5.0, "the main thread to end")
+    assert worker_connects() == "ok"  # public
+    d.restart()
+    assert "joined the network namespace of process" in d.log(), d.log()
+    # Its hosts file too, through the same thread (the leader has no /proc/PID/root).
+    assert re.search(rf"hosts_file names=\d+ ok=true pairs=\d+ path=/proc/{p.pid}/task/\d+/root/etc/hosts", d.log()), d.log()
+    assert d.ctl("apply", "verifier")[0] == 0
+    assert worker_connects().startswith("fail")
+    assert d.status()["phase"] == "verifier"
 
 
 def test_1000_malformed_control_messages(lab, egressd):
