@@ -64,6 +64,10 @@ TCP_PORTS = (7, 80, 443, 8080)
 UDP_PORTS = (7, 443, 5353)
 ECHO_PORT = 7
 LOOPBACK = ("127.0.0.1", "::1")
+# argv prefix: the rest runs as uid 65534 with no capability, not even in its bounding set
+# (a sandbox's unprivileged process).
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+          "--"]
 
 # Default DNS data served by the lab's dnsmasq (names from the documentation domains).
 DEFAULT_HOSTS = {
@@ -1298,14 +1302,12 @@ class Lab:
         its own (`unshare -Urn sleep 123`), keeping its pid. Returns once it has moved, with the
         worker's pid as `.worker`; skips
         the test when unprivileged user namespaces are not allowed here."""
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-                  "--bounding-set=-all", "--"]
-        probe = run([*nobody, "unshare", "-Urn", "true"], check=False)
+        probe = run([*NOBODY, "unshare", "-Urn", "true"], check=False)
         if probe.returncode != 0:
             import pytest  # here only: the lab runs without pytest too
             pytest.skip("unprivileged user namespaces are not allowed here: " + probe.stderr.strip())
         real = os.stat(ns.path).st_ino
-        p = self.spawn([*nobody, "sh", "-c", "sleep 122 & exec unshare -Urn sleep 123"], netns=ns)
+        p = self.spawn([*NOBODY, "sh", "-c", "sleep 122 & exec unshare -Urn sleep 123"], netns=ns)
 
         def moved():
             try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import lab as labmod
-from lab import ECHO_PORT, GATEWAY_V4, LabError, Netns, wait_for
+from lab import ECHO_PORT, GATEWAY_V4, NOBODY, LabError, Netns, wait_for
 
 AGENT_V4, AGENT_GW_V4 = "198.51.100.66", "198.51.100.65"  # the agent's own namespace, a /30
 AGENT_IF = "veth-ag"
@@ -565,11 +565,9 @@ def test_a_sandbox_whose_process_moved_out_after_the_add_is_attached_again_at_re
     namespace it attached, and a restarted agent must too: it used to find another namespace
     behind the pid, drop the sandbox, and leave its namespace public with no one to switch it
     (an attack review)."""
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-              "--bounding-set=-all", "--"]
-    if labmod.run([*nobody, "unshare", "-Urn", "true"], check=False).returncode != 0:
+    if labmod.run([*NOBODY, "unshare", "-Urn", "true"], check=False).returncode != 0:
         pytest.skip("unprivileged user namespaces are not allowed here")
-    p = lab.spawn([*nobody, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=lab.sandbox,
+    p = lab.spawn([*NOBODY, "sh", "-c", "sleep 124 & read x; exec unshare -Urn sleep 125"], netns=lab.sandbox,
                   stdin=subprocess.PIPE)
     real = os.stat(lab.sandbox.path).st_ino
     wait_for(lambda: os.stat(f"/proc/{p.pid}/ns/net").st_ino == real, 5.0, "the process in the sandbox")
@@ -588,10 +586,6 @@ def test_a_sandbox_whose_process_moved_out_after_the_add_is_attached_again_at_re
     p.kill()
     p.wait()
     wait_for(lambda: agent.listing() == {}, 5.0, "the sandbox to go with its process")
-
-
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-          "--"]
 
 
 def test_a_sandbox_whose_process_ended_its_main_thread_is_attached_again_at_restart(lab, agent):

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 import lab as labmod
+from lab import NOBODY
 
 POLICY = """\
 initial_phase: agent
@@ -49,9 +50,6 @@ phases:
     allowed_hosts: ["b.example.com"]
   verifier: { network_mode: no-network }
 """
-
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-          "--"]
 
 ERROR_CODES = {"invalid_request", "request_too_large", "unknown_command", "unknown_phase", "invalid_policy"}
 MAX_LINE = 1 << 20  # kMaxRequestBytes
