@@ -18,6 +18,13 @@ constexpr std::array<std::string_view, 24> kMethods = {
     "PATCH",     "PROPFIND", "PROPPATCH", "MKCOL",   "COPY",   "MOVE",    "LOCK",    "UNLOCK",
     "REPORT",    "SEARCH", "MKCALENDAR", "CHECKOUT", "MERGE",  "UPDATE",  "LABEL",   "PRI"};
 
+// Whitespace to a lenient HTTP/1 server (RFC 9112 §3: SP, HTAB, VT, FF, bare
+// CR; CPython's str.split() adds LF, 0x1c-0x1f, and 0x85 and 0xa0 of a line
+// decoded as Latin-1).
+bool is_lenient_space(std::uint8_t c) {
+  return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0;
+}
+
 bool has_http_slash(std::string_view line) {
   for (std::size_t i = 0; i + 5 <= line.size(); ++i) {
     auto up = [&](std::size_t j) {
@@ -73,19 +80,32 @@ TcpKind classify_tcp(Bytes stream) {
   if ((in[0] & 0x80) != 0) {
     // SSLv2-format ClientHello: 2-byte length with the top bit, then type 1.
     if (in.size() < 3) return TcpKind::need_more;
-    return in[2] == 1 ? TcpKind::tls : TcpKind::other;
+    if (in[2] == 1) return TcpKind::tls;
+    if (!is_lenient_space(in[0])) return TcpKind::other;  // 0x85 and 0xa0 may start a request line
   }
+  // A request line as a lenient server reads it (RFC 9112 §3 lets it split on
+  // any whitespace and skip leading whitespace; CPython's http.server, and the
+  // Flask and Django development servers on it, skip and split on
+  // is_lenient_space's every byte). Deciding "other" on such a line, or on a
+  // prefix of whitespace, let a request for another name through by its
+  // address (attack review 8: `\x0cGET ...`, `GET\x0b/ ...`, `GET\r/\rHTTP/1.1`,
+  // and a lone `\x0c` before a plain request). Called http, the head parser
+  // refuses every such shape.
   std::size_t pos = 0;
-  while (pos < in.size() && (in[pos] == '\r' || in[pos] == '\n' || in[pos] == ' ' || in[pos] == '\t')) ++pos;
-  if (pos == in.size()) return capped ? TcpKind::other : TcpKind::need_more;
+  while (pos < in.size() && is_lenient_space(in[pos])) ++pos;
+  if (pos == in.size()) return capped ? TcpKind::http : TcpKind::need_more;
   const std::size_t start = pos;
   while (pos < in.size() && is_tchar(in[pos])) ++pos;
   if (pos == start) return TcpKind::other;
   if (pos == in.size()) return capped ? TcpKind::other : TcpKind::need_more;
-  if (in[pos] != ' ' && in[pos] != '\t') return TcpKind::other;
+  if (!is_lenient_space(in[pos])) return TcpKind::other;
   const std::string_view text(reinterpret_cast<const char*>(in.data()), in.size());
   const std::string_view method = text.substr(start, pos - start);
-  if (std::find(kMethods.begin(), kMethods.end(), method) != kMethods.end()) return TcpKind::http;
+  // A known method and a separator: a request line. Not CR or LF, which end
+  // a line of one word (an inline command, `GET\r\n`): that is judged below.
+  if (std::find(kMethods.begin(), kMethods.end(), method) != kMethods.end() && in[pos] != '\r' && in[pos] != '\n') {
+    return TcpKind::http;
+  }
   const auto lf = text.find('\n', pos);
   if (lf == std::string_view::npos) return capped ? TcpKind::http : TcpKind::need_more;
   return has_http_slash(text.substr(pos, lf - pos)) ? TcpKind::http : TcpKind::other;

@@ -1288,3 +1288,76 @@ def test_a_raw_ack_cannot_have_a_server_that_speaks_first_drop_the_bytes_judged(
     assert not any(t.get("echo_has_same_ip") for t in tried), res
     # The server got X, the bytes judged, at its stream start.
     assert all(t.get("echo_has_x") for t in tried), res
+
+
+# ---- Request lines only a lenient server reads ------------------------------------------------
+# RFC 9112 §3 lets a server split a request line on any whitespace (VT, FF, bare CR besides SP
+# and HTAB) and skip whitespace before it; CPython's http.server (Flask's and Django's
+# development servers, wsgiref) does, with \x1c-\x1f, \x85 and \xa0 too. The classifier took
+# such lines for "other" bytes, admitted by the address: the server answered for any Host
+# (attack review 8, no capability needed, 50 of 50). They are HTTP now, and refused whole.
+
+LENIENT_PORT = 8082
+
+
+@pytest.fixture
+def lenient(lab, pinned):  # noqa: F811
+    p = lab.spawn(["/usr/bin/python3", str(labmod.HERE / "lenient_http_server.py"), str(LENIENT_PORT), V4, V6],
+                  netns=lab.internet, stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "lenient_http_server.py ready").strip() == "ready"
+    return pinned
+
+
+def lenient_exchange(lab, addr, *writes, pause=0.3):
+    """Each write on one connection (the scenario's pauses between them); everything the server
+    sent until it closed, as outcome() gives it."""
+    def run():
+        with connect(lab, addr, LENIENT_PORT) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i, w in enumerate(writes):
+                if i:
+                    time.sleep(pause)  # the scenario: a client that writes twice, not synchronisation
+                s.sendall(w)
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+    return outcome(run)
+
+
+LENIENT_LINES = {
+    "leading-ff": b"\x0cGET / HTTP/1.1\r\n",
+    "vt": b"GET\x0b/ HTTP/1.1\r\n",
+    "x1f": b"GET\x1f/\x1fHTTP/1.1\r\n",
+    "bare-cr": b"GET\r/\rHTTP/1.1\r\n",
+    "ff": b"GET\x0c/\x0cHTTP/1.1\r\n",
+    "leading-nbsp": b"\xa0GET / HTTP/1.1\r\n",
+}
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+@pytest.mark.parametrize("shape", LENIENT_LINES)
+def test_a_request_line_only_a_lenient_server_reads_is_judged_not_let_through_by_address(lab, lenient, addr, shape):
+    # The server reads such a line (asked from its own namespace, where nothing is pinned).
+    with lab.internet.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        s.connect((addr, LENIENT_PORT))
+        s.sendall(LENIENT_LINES[shape] + b"Host: same-ip.test\r\n\r\n")
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert got.endswith(b"host=same-ip.test"), got
+    plain = b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n"
+    res = lenient_exchange(lab, addr, plain % b"allowed.test")
+    assert res[0] == "ok" and res[1].endswith(b"host=allowed.test"), res
+    res = lenient_exchange(lab, addr, LENIENT_LINES[shape] + b"Host: same-ip.test\r\n\r\n")
+    assert_reset(res, f"a {shape} request line for same-ip.test")
+    lines = [r.get("pin") for r in lenient.request({"cmd": "denied"})["records"]]
+    assert any(str(l).startswith("http unparseable") for l in lines), lines
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_whitespace_alone_first_decides_nothing(lab, lenient, addr):
+    """One \\x0c, then a plain request for another name: the byte alone was "other"."""
+    res = lenient_exchange(lab, addr, b"\x0c", b"GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n")
+    assert_reset(res, "\\x0c, then a request for same-ip.test")

@@ -80,6 +80,31 @@ TEST_CASE("classify: TLS, HTTP, and everything else by address") {
   CHECK(kind("*1\r\n$4\r\nPING\r\n") == TcpKind::other);  // Redis
   CHECK(kind("SET k v\r\n") == TcpKind::other);
   CHECK(kind("EHLO x\r\n") == TcpKind::other);
+  // RFC 9112 §3's lenient whitespace (CPython's http.server, Flask's and Django's development
+  // servers answer these): a request line, refused by the head parser, never "other" bytes
+  // let through by the address (attack review 8).
+  for (const std::string_view line : {std::string_view("\x0cGET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("GET\x0b/ HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("GET\x1f/\x1fHTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("GET\r/\rHTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("GET\x0c/\x0cHTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("\xa0GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n"),
+                                      std::string_view("\x85\x1c\x0b" "BREW\xa0/\x85HTTP/1.1\r\n\r\n")}) {
+    CAPTURE(line);
+    CHECK(kind(line) == TcpKind::http);
+    CHECK(parse_http_head(as_bytes(line)).verdict == Verdict::invalid);
+  }
+  // Whitespace alone decides nothing (a lone \x0c, then a plain request, was let through).
+  CHECK(kind("\x0c") == TcpKind::need_more);
+  CHECK(kind("\x0b\x1c\x1d\x1e\x1f \t\r\n") == TcpKind::need_more);
+  CHECK(kind("\xa0") == TcpKind::need_more);
+  CHECK(kind("\xa0\x0c") == TcpKind::need_more);
+  CHECK(kind("\xa0\x0c\x01") == TcpKind::tls);  // an SSLv2 hello's header all the same
+  CHECK(kind("GET\r") == TcpKind::need_more);     // `GET\r/\rHTTP/1.1` may follow
+  CHECK(kind("GET\r\n") == TcpKind::other);      // an inline command of one word
+  CHECK(kind("PING\r\n") == TcpKind::other);
+  CHECK(kind("\xa1GET /") == TcpKind::other);     // not whitespace to anyone
+  CHECK(classify_tcp(as_bytes(std::string(kMaxInspect, '\x0c'))) == TcpKind::http);
   // A first line that never ends within the cap and looks like a request.
   CHECK(classify_tcp(as_bytes("FOO " + std::string(kMaxInspect, 'a'))) == TcpKind::http);
   CHECK(classify_tcp(as_bytes(std::string(kMaxInspect + 1, 'a'))) == TcpKind::other);
