@@ -690,10 +690,20 @@ std::vector<PinVerdict> PinFlows::packet(PinPacketId id, const Segment& seg, Clo
       // Not TLS, not HTTP: the address decides, as without pinning. Known
       // as such, so a later phase that allows the address takes it on
       // (foreign_packet).
+      // A request to upgrade to TLS: the hello that follows once the server
+      // agreed is judged (other_packet). Whatever came with the request in
+      // one write would be read by the server as the start of that TLS
+      // (a server that keeps what it has buffered, against the protocols'
+      // advice): refused.
+      const std::optional<std::size_t> upgrade = pin::tls_upgrade_request(view);
+      if (upgrade && (bytes.size() > *upgrade || f.extent > *upgrade)) {
+        return reset_flow(it, "bytes after a request to upgrade the connection to tls, before the server answered it",
+                          now);
+      }
       AdmittedFlow a{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, "", 0, f.ct_id};
       a.by_address = true;
       remember(key, std::move(a));
-      return follow_other(it, seg, now);
+      return follow_other(it, seg, upgrade.has_value(), now);
     }
     case pin::TcpKind::tls: proto = pin::PinProto::tls; break;
     case pin::TcpKind::http: proto = pin::PinProto::http; break;
@@ -848,7 +858,7 @@ std::vector<PinVerdict> PinFlows::start_following_tls(std::map<Key, Flow>::itera
 // within a round trip, not at the client's next write; a followed mark would
 // leave those ACKs in the kernel, and the flow walking the learned set until
 // then, cut if its address expired meanwhile.
-std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it, const Segment& seg,
+std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, bool upgrade,
                                                Clock::time_point now) {
   Flow& f = it->second;
   // The first 16 KiB are kept (what the parsers look at): a first write
@@ -862,6 +872,7 @@ std::vector<PinVerdict> PinFlows::follow_other(std::map<Key, Flow>::iterator it,
   t.ack = seg.ack;
   t.done_ack = seg.ack;
   t.by_address = true;
+  t.upgrade = upgrade;
   t.next = f.base + static_cast<std::uint32_t>(std::max<std::size_t>(f.extent, bytes.size()));
   return start_following_tls(it, std::move(t), bytes, PinVerdict::Kind::pass, now);
 }
@@ -876,6 +887,35 @@ std::vector<PinVerdict> PinFlows::other_packet(PinPacketId id, std::map<Key, Tls
   if (!seg.payload.empty() && !seg.from_socket) return refuse_followed(id, key, seg, kRawReason, t.next, now);
   if (!seg.payload.empty()) {
     if (const auto why = droppable(seg)) return refuse_followed(id, key, seg, *why, t.next, now);
+  }
+  if (t.upgrade && !seg.payload.empty() && seq_after(seg.seq + static_cast<std::uint32_t>(seg.payload.size()), t.next) > 0) {
+    // The client's first write after its request to upgrade to TLS. A
+    // hello (a TLS record) is judged as a connection's first bytes, from
+    // here: the flow is held and judged afresh, with this byte as its
+    // start. Anything else: the server declined, the protocol goes on in
+    // the clear, and the address decides (a PostgreSQL client that got
+    // 'N' sends its startup message). New bytes behind older ones in one
+    // segment (a retransmission the stack merged) cannot be held apart:
+    // refused if they start a record.
+    const std::int64_t at = seq_after(t.next, seg.seq);
+    if (at < 0) {
+      return refuse_followed(id, key, seg, "bytes after a gap, after a request to upgrade the connection to tls",
+                             t.next, now);
+    }
+    const std::uint8_t b = seg.payload[static_cast<std::size_t>(at)];
+    const bool record = b >= 20 && b <= 25;
+    if (record && at != 0) {
+      return refuse_followed(id, key, seg, "a tls record after a request to upgrade the connection, behind bytes "
+                                           "sent before it in one segment", t.next, now);
+    }
+    if (record) {
+      forget_tls(key);
+      forget_admitted(key);
+      decided_.erase(key);
+      set_start(key, Start{seg.seq, now, seg.ct_id, seg.ack});
+      return packet(id, seg, now);
+    }
+    t.upgrade = false;
   }
   return after_judged(id, tf, seg, now);
 }
@@ -902,7 +942,7 @@ std::vector<PinVerdict> PinFlows::after_judged(PinPacketId id, std::map<Key, Tls
       t.next = end;
     }
   }
-  if (seg.from_socket && seg.ack_flag && t.done_ack && seq_after(seg.ack, *t.done_ack) > 0) {
+  if (seg.from_socket && seg.ack_flag && t.done_ack && !t.upgrade && seq_after(seg.ack, *t.done_ack) > 0) {
     set_decided(key, {true, now, t.ct_id});  // stragglers: sent back to the hook (packet())
     v.kind = PinVerdict::Kind::admit;
     forget_tls(key);

@@ -379,6 +379,11 @@ class PinFlows {
     // Admitted by its address (follow_other): its packets keep coming on
     // the first queue, with ct mark 0, handshake ACKs and all.
     bool by_address = false;
+    // Admitted by its address on a request to upgrade to TLS
+    // (pin::tls_upgrade_request): the client's next write is judged as a
+    // first hello if it is one, and the flow stays off the fast path until
+    // then, whatever the server says.
+    bool upgrade = false;
   };
   std::map<Key, TlsFollowed> tls_;
   std::list<Key> tls_lru_;  // most recently active first
@@ -387,7 +392,8 @@ class PinFlows {
   // A flow admitted by its address ("other" first bytes): followed as a TLS
   // flow whose handshake is over, until the server speaks after its judged
   // bytes (TlsFollowed::done_ack), its ct mark left at 0 (other_packet).
-  std::vector<PinVerdict> follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, Clock::time_point now);
+  std::vector<PinVerdict> follow_other(std::map<Key, Flow>::iterator it, const Segment& seg, bool upgrade,
+                                       Clock::time_point now);
   std::vector<PinVerdict> after_judged(PinPacketId id, std::map<Key, TlsFollowed>::iterator tf, const Segment& seg,
                                        Clock::time_point now);
   std::vector<PinVerdict> start_following_tls(std::map<Key, Flow>::iterator it, TlsFollowed t,

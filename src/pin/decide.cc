@@ -111,6 +111,41 @@ TcpKind classify_tcp(Bytes stream) {
   return has_http_slash(text.substr(pos, lf - pos)) ? TcpKind::http : TcpKind::other;
 }
 
+std::optional<std::size_t> tls_upgrade_request(Bytes first) {
+  const std::string_view text(reinterpret_cast<const char*>(first.data()), first.size());
+  // PostgreSQL: length 8, then 80877103 (SSLRequest) or 80877104 (GSSENCRequest).
+  if (text.size() >= 8 && text.substr(0, 7) == std::string_view("\0\0\0\x08\x04\xd2\x16", 7) &&
+      (first[7] == 0x2f || first[7] == 0x30)) {
+    return 8;
+  }
+  // MySQL: a 32-byte packet, sequence 1, whose capability flags ask for SSL
+  // (CLIENT_SSL 0x800) in protocol 4.1 (0x200).
+  if (first.size() >= 36 && first[0] == 32 && first[1] == 0 && first[2] == 0 && first[3] == 1 &&
+      (first[5] & 0x08) != 0 && (first[5] & 0x02) != 0) {
+    return 36;
+  }
+  // LDAP: an ExtendedRequest naming StartTLS's OID, within its first 64 bytes.
+  constexpr std::string_view kLdapStartTls = "1.3.6.1.4.1.1466.20037";
+  if (!first.empty() && first[0] == 0x30) {
+    const auto at = text.substr(0, 64).find(kLdapStartTls);
+    if (at != std::string_view::npos) return std::min<std::size_t>(first.size(), at + kLdapStartTls.size());
+  }
+  // A command line: its last word STARTTLS or STLS, or AUTH TLS / AUTH SSL.
+  const auto lf = text.find('\n');
+  if (lf == std::string_view::npos || lf > 256) return std::nullopt;
+  std::string line;
+  for (const char c : text.substr(0, lf)) {
+    if (c != '\r') line += static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c);
+  }
+  while (!line.empty() && (line.back() == ' ' || line.back() == '\t')) line.pop_back();
+  const auto sp = line.find_last_of(" \t");
+  const std::string_view last = sp == std::string::npos ? std::string_view(line) : std::string_view(line).substr(sp + 1);
+  if (last == "STARTTLS" || last == "STLS" || line.rfind("AUTH TLS", 0) == 0 || line.rfind("AUTH SSL", 0) == 0) {
+    return lf + 1;
+  }
+  return std::nullopt;
+}
+
 Decision decide(PinProto proto, const Parse& parse, const IpPrefix& dst, std::uint16_t port, const PinFacts& facts) {
   Decision d;
   if (parse.verdict == Verdict::need_more) return d;

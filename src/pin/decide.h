@@ -4,6 +4,7 @@
 // allows come through PinFacts, which the datapath supplies.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,17 @@ std::string_view to_string(TcpKind kind);
 // Classifying by a whole line rather than the first word keeps a request
 // split across segments ("FOO " then "/ HTTP/1.1") from passing as other.
 TcpKind classify_tcp(Bytes stream);
+
+// Whether `first` (an "other" flow's first client bytes) is a request to
+// upgrade the connection to TLS, which the client's next write answers with
+// a ClientHello once the server agreed: PostgreSQL's SSLRequest or
+// GSSENCRequest, MySQL's SSL request packet, LDAP's StartTLS extended
+// request, or a text command line STARTTLS (SMTP, IMAP with its tag, NNTP),
+// STLS (POP3) or AUTH TLS / AUTH SSL (FTP). The request's length in bytes,
+// or nullopt. A front that routes by SNI (a database proxy serving many
+// tenants on one address) would be reached under any name if that hello
+// went unread (attack review 8).
+std::optional<std::size_t> tls_upgrade_request(Bytes first);
 
 enum class PinProto { tls, http, quic };
 

@@ -1361,3 +1361,80 @@ def test_whitespace_alone_first_decides_nothing(lab, lenient, addr):
     """One \\x0c, then a plain request for another name: the byte alone was "other"."""
     res = lenient_exchange(lab, addr, b"\x0c", b"GET / HTTP/1.1\r\nHost: same-ip.test\r\n\r\n")
     assert_reset(res, "\\x0c, then a request for same-ip.test")
+
+
+# ---- TLS after a request to upgrade in the clear ---------------------------------------------
+# PostgreSQL's SSLRequest, MySQL's SSL request, LDAP's StartTLS and a STARTTLS/STLS/AUTH TLS
+# command are "other" first bytes, admitted by the address; the ClientHello that follows once
+# the server agreed went on the fast path unread, and a front routing by SNI (a database proxy
+# serving many tenants on one address) completed TLS for any name (attack review 8, no
+# capability needed, 8 of 8). That hello is judged now, as a first one.
+
+@pytest.fixture
+def upgrades(lab, pinned, tmp_path):  # noqa: F811
+    p = lab.spawn(["/usr/bin/python3", str(labmod.HERE / "upgrade_servers.py"), str(tmp_path / "cert.pem"),
+                   str(tmp_path / "key.pem"), V4, V6], netns=lab.internet, stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "upgrade_servers.py ready").strip() == "ready"
+    return pinned
+
+
+SSL_REQUEST = b"\x00\x00\x00\x08\x04\xd2\x16\x2f"
+
+
+def upgraded_tls(lab, addr, port, sni, request, agreed):
+    """`request` in the clear, the server's answer `agreed`, then TLS naming `sni`."""
+    def run():
+        s = connect(lab, addr, port)
+        if port == 587:
+            assert s.recv(100).startswith(b"220 lab")
+        s.sendall(request)
+        got = b""
+        while len(got) < len(agreed):
+            got += s.recv(len(agreed) - len(got))
+        assert got == agreed, got
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with ctx.wrap_socket(s, server_hostname=sni) as t:
+            t.sendall(b"ping")
+            return t.recv(100)
+    return outcome(run)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+@pytest.mark.parametrize("protocol", ["postgres", "smtp"])
+def test_a_hello_after_a_request_to_upgrade_to_tls_is_judged(lab, upgrades, addr, protocol):
+    port, request, agreed = (5432, SSL_REQUEST, b"S") if protocol == "postgres" else \
+        (587, b"STARTTLS\r\n", b"220 ready to start TLS\r\n")
+    assert upgraded_tls(lab, addr, port, "allowed.test", request, agreed) == ("ok", b"tls:allowed.test:ping")
+    assert_reset(upgraded_tls(lab, addr, port, "same-ip.test", request, agreed),
+                 f"tls for same-ip.test after {protocol}'s upgrade request")
+    lines = [r.get("pin") for r in upgrades.request({"cmd": "denied"})["records"]]
+    assert any(str(l).startswith("tls sni same-ip.test to ") and str(l).endswith("address learned for allowed.test")
+               for l in lines), lines
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_server_that_declines_the_upgrade_leaves_the_connection_to_its_address(lab, upgrades, addr):
+    """PostgreSQL without TLS answers 'N'; the client's startup message goes on in the clear."""
+    def run():
+        with connect(lab, addr, 5433) as s:
+            s.sendall(SSL_REQUEST)
+            assert s.recv(1) == b"N"
+            s.sendall(b"\x00\x00\x00\x09\x00\x03\x00\x00\x00")
+            got = b""
+            while chunk := s.recv(100):
+                got += chunk
+            return got
+    assert outcome(run) == ("ok", b"plain:\x00\x00\x00\x09\x00\x03\x00\x00\x00")
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_hello_sent_with_the_request_to_upgrade_is_refused(lab, upgrades, addr):
+    """The request and a hello in one write: a server that keeps what it buffered would read
+    that hello, and the reader cannot hold it apart from the request it let through."""
+    hello = client_hello("same-ip.test")
+    with connect(lab, addr, 5432) as s:
+        s.sendall(SSL_REQUEST + hello)
+        res = outcome(lambda: s.recv(100))
+    assert_reset(res, "an SSLRequest and a hello in one write")

@@ -203,3 +203,30 @@ TEST_CASE("normalize_name: the one form presented names are matched in") {
     CHECK_MESSAGE(!normalize_name(bad), bad);
   }
 }
+
+TEST_CASE("requests to upgrade a connection to TLS, whose next write is judged as a first hello") {
+  auto up = [](std::string_view s) { return tls_upgrade_request(as_bytes(s)); };
+  CHECK(up(std::string_view("\0\0\0\x08\x04\xd2\x16\x2f", 8)) == 8u);  // PostgreSQL SSLRequest
+  CHECK(up(std::string_view("\0\0\0\x08\x04\xd2\x16\x30", 8)) == 8u);  // GSSENCRequest
+  CHECK(up(std::string_view("\0\0\0\x08\x04\xd2\x16\x2e", 8)) == std::nullopt);  // CancelRequest's cousin
+  CHECK(up(std::string_view("\0\0\0\x09\x00\x03\x00\x00\x00", 9)) == std::nullopt);  // a startup message
+  // MySQL's SSL request: 32 bytes, sequence 1, CLIENT_SSL and CLIENT_PROTOCOL_41.
+  std::string mysql("\x20\0\0\x01\x05\xaa\x3f\x00", 8);
+  mysql.resize(36, '\0');
+  CHECK(up(mysql) == 36u);
+  mysql[5] = '\xa2';  // no CLIENT_SSL: a login in the clear
+  CHECK(up(mysql) == std::nullopt);
+  // LDAP's StartTLS extended request.
+  CHECK(up(std::string_view("\x30\x1d\x02\x01\x01\x77\x18\x80\x16" "1.3.6.1.4.1.1466.20037", 31)) == 31u);
+  // Command lines, any case, IMAP's tag included.
+  CHECK(up("STARTTLS\r\n") == 10u);
+  CHECK(up("a1 starttls\r\n") == 13u);
+  CHECK(up("STLS\r\n") == 6u);
+  CHECK(up("AUTH TLS\r\n") == 10u);
+  CHECK(up("auth ssl\n") == 9u);
+  CHECK(up("STARTTLS\r\n\x16\x03\x01") == 10u);  // the caller refuses what follows in one write
+  CHECK(up("STARTTLS") == std::nullopt);          // not yet a line
+  CHECK(up("EHLO lab\r\n") == std::nullopt);
+  CHECK(up("MAIL FROM:<starttls@x>\r\n") == std::nullopt);
+  CHECK(up(std::string_view("SSH-2.0-OpenSSH_9.2p1\r\n")) == std::nullopt);
+}
