@@ -8,7 +8,8 @@
 //  - a head the parser completes is classified http (or tls/other only when
 //    the classifier saw a TLS first byte), so no request with a Host slips
 //    through as "other" — unless its first line names no HTTP version, which
-//    the parser refuses anyway.
+//    the parser refuses anyway;
+//  - a request to upgrade to TLS (tls_upgrade_request) is measured within the input.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -23,6 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const TcpKind kind = classify_tcp(in);
   const Parse p = parse_http_head(in);
   pinfuzz::check_parse(p, PinProto::http, size);
+  // A request to upgrade to TLS is never longer than what it was read from.
+  if (const auto up = tls_upgrade_request(in)) FUZZ_CHECK(*up > 0 && *up <= size);
   if (p.verdict == Verdict::complete) {
     // A complete head has a request line with an HTTP/1.x version, so the
     // classifier must not wave it through as another protocol.
