@@ -33,6 +33,19 @@ bool LearnedStore::remember(const std::string& name, const IpPrefix& addr, std::
   return true;
 }
 
+bool LearnedStore::room_for(const std::string& name, const IpPrefix& addr, std::size_t per_name) {
+  const auto it = by_name_.find(name);
+  if (it != by_name_.end()) {
+    if (std::any_of(it->second.begin(), it->second.end(), [&](const Addr& a) { return a.addr == addr; })) return true;
+    if (it->second.size() >= per_name) {
+      sweep(clock_.steady(), name);
+      if (it->second.size() >= per_name) return false;
+    }
+  }
+  if (count_ >= max_) sweep(clock_.steady(), name);
+  return count_ < max_;
+}
+
 std::size_t LearnedStore::set_hosts(const HostsPairs& pairs) {
   auto listed = [&](const std::string& name, const IpPrefix& addr) {
     auto it = pairs.find(name);

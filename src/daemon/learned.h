@@ -75,6 +75,12 @@ class LearnedStore {
   bool from_hosts(const IpPrefix& addr) const;
   // True when the next new pair is not remembered unless a sweep frees room.
   bool full() const { return count_ >= max_; }
+  // Whether the pair (`name`, `addr`) would be remembered: it is here
+  // already, or the store has room (after a sweep, at most once a second)
+  // and `name` has fewer than `per_name` addresses. What a sandbox may put
+  // into the kernel: a zone under an allowed wildcard that invents
+  // addresses must not grow the learned sets without bound (attack review 9).
+  bool room_for(const std::string& name, const IpPrefix& addr, std::size_t per_name);
   // Unexpired pairs.
   std::size_t live_count() const;
   // Every remembered pair, expired ones included until swept, by name.

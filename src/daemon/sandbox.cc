@@ -993,6 +993,15 @@ void Sandbox::refused(const std::string& qname, std::uint16_t qtype) {
 }
 
 void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)> done) {
+  if (addrs.size() > kMaxLearnedPerAnswer) {
+    audit_event("answer_capped",
+                {{"name", addrs.front().qname}, {"addresses", addrs.size()}, {"learned", kMaxLearnedPerAnswer}},
+                spdlog::level::warn,
+                fmt::format("answer for {} carried {} addresses; only the first {} are learned (connections to the "
+                            "others are denied)",
+                            addrs.front().qname, addrs.size(), kMaxLearnedPerAnswer));
+    addrs.resize(kMaxLearnedPerAnswer);
+  }
   // Every answer, in every mode, feeds name attribution (`denied`, `hosts`).
   // Only answers reach here: a refused name was never resolved.
   if (!addrs.empty()) {
@@ -1028,6 +1037,10 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
     const bool exact = e->kind == EntryKind::hostname;
     if (auto g = dns::guard_for(l.addr, exact, opts_.policy.dns.private_answers)) {
       guarded(l.qname, l.addr, *g, exact);
+      continue;
+    }
+    if (!learned_.room_for(l.qname, l.addr, kMaxAddrsPerName)) {
+      note_unlearned(l.qname);
       continue;
     }
     std::uint64_t ms = learn_timeout_ms(l.ttl);
@@ -1067,6 +1080,23 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
       flush_learned();
     }
   }
+}
+
+void Sandbox::note_unlearned(const std::string& name) {
+  ++unlearned_;
+  const auto now = std::chrono::steady_clock::now();
+  if (unlearned_log_at_ != std::chrono::steady_clock::time_point{} && now - unlearned_log_at_ < std::chrono::minutes(1)) {
+    return;
+  }
+  unlearned_log_at_ = now;
+  audit_event("learned_full",
+              {{"name", name}, {"unlearned", unlearned_ - unlearned_logged_}, {"max_learned", opts_.max_learned},
+               {"per_name", kMaxAddrsPerName}},
+              spdlog::level::warn,
+              fmt::format("learned addresses at their bound ({} pairs, {} per name): {} address(es) not learned since "
+                          "the last report, the latest for {} (connections to them are denied)",
+                          opts_.max_learned, kMaxAddrsPerName, unlearned_ - unlearned_logged_, name));
+  unlearned_logged_ = unlearned_;
 }
 
 void Sandbox::flush_learned() {

@@ -1352,3 +1352,24 @@ def test_rebinding_answers_observed_in_public_are_not_carried_into_an_allowlist(
     assert set(lab.learned_set(4)) == {"203.0.113.10"}, lab.learned_set(4)
     assert set(lab.learned_set(6)) == {"2001:db8:3::10"}, lab.learned_set(6)
     assert rejected(lab.tcp_connect("169.254.169.254", 80)), "the metadata address must stay denied"
+
+
+def test_an_answer_with_hundreds_of_addresses_teaches_only_the_first_64(lab, egressd):
+    """A zone under an allowed name (a wildcard's, which whoever runs it controls) answered 2,000
+    addresses per query, and one sandbox grew its learned set to 478,000 elements in 6 s, slowing
+    every other sandbox of its agent (attack review 9). At most 64 addresses of an answer are
+    learned now; the rest are not, and the answer is logged. (A name's addresses are bounded
+    too, at 1,024, and a sandbox's at max_learned: unit cases.)"""
+    name = f"{tok()}.wild.example.org"
+    many = [f"2001:db8:77::{i:x}" for i in range(1, 201)]
+    serve(lab, extra_args=[f"--host-record={name},{a}" for a in many])  # one record each
+    d = egressd(policy())
+    r = lab.dns_query(name, "AAAA", tcp=True)
+    check_answer(r, "NOERROR", f"AAAA {name}")
+    assert len(r.addresses) == 200, r.addresses  # the whole answer reaches the client
+    learned = [a for a in lab.learned_set(6) if a.startswith("2001:db8:77::")]
+    assert len(learned) == 64, (len(learned), learned[:5])
+    assert set(learned) <= set(many)
+    assert f"answer for {name} carried 200 addresses; only the first 64 are learned" in d.log(), d.log()[-2000:]
+    # One of the others is denied, and says so.
+    assert lab.tcp_connect(next(a for a in many if a not in learned), 80) != "ok"

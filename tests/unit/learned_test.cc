@@ -186,3 +186,24 @@ TEST_CASE("an element comment names what its address was learned for, bounded, a
         Names{"ok-1_2.test", "b.test"});
   CHECK(names_from_comment(std::string(254, 'a')) == Names{});
 }
+
+TEST_CASE("room for a pair: one already there always; a new one within the store's and the name's bounds") {
+  testing::ManualClock clock;
+  LearnedStore store(4, clock.source());
+  CHECK(store.room_for("a.wild.test", ip("198.51.100.1"), 2));
+  CHECK(store.remember("a.wild.test", ip("198.51.100.1"), seconds(30)));
+  CHECK(store.remember("a.wild.test", ip("198.51.100.2"), seconds(30)));
+  // The name holds its 2: a third address is refused, one of its own is not.
+  CHECK_FALSE(store.room_for("a.wild.test", ip("198.51.100.3"), 2));
+  CHECK(store.room_for("a.wild.test", ip("198.51.100.2"), 2));
+  CHECK(store.room_for("b.wild.test", ip("198.51.100.3"), 2));
+  CHECK(store.remember("b.wild.test", ip("198.51.100.3"), seconds(60)));
+  CHECK(store.remember("b.wild.test", ip("198.51.100.4"), seconds(60)));
+  // The store holds its 4.
+  CHECK_FALSE(store.room_for("c.wild.test", ip("198.51.100.5"), 2));
+  CHECK(store.room_for("b.wild.test", ip("198.51.100.4"), 2));
+  // Expired pairs are swept to make room (a.wild.test's, after 30 s).
+  clock.advance(seconds(31));
+  CHECK(store.room_for("a.wild.test", ip("198.51.100.3"), 2));
+  CHECK(store.room_for("c.wild.test", ip("198.51.100.5"), 2));
+}
