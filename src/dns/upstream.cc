@@ -9,6 +9,7 @@
 // that no path accepts an answer without the checks.
 #include "dns/upstream.h"
 
+#include <linux/errqueue.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/random.h>
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <array>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ip/udp.hpp>
@@ -52,6 +54,54 @@ constexpr std::chrono::milliseconds kMinFirstTry{50};
 // advertises (a server may ignore it); a bigger datagram is cut by the
 // kernel and fails to parse.
 constexpr std::size_t kUdpReceive = 65535;
+
+// Reads the ICMP errors queued on `fd` (IP_RECVERR, IPV6_RECVERR; at most
+// 64 a call: level-triggered epoll brings the rest): true when one of them
+// came from `server` itself. An ICMP error reaches a connected socket from
+// anyone who can send to its address, quoting its ports: a sandbox that can
+// reach the agent's host (a public phase, host.docker.internal) swept the
+// ephemeral ports with port unreachables and ended every other sandbox's
+// tries, SERVFAIL (attack review 9). Only the server's own word ends a try
+// early; any other error waits out the try's timeout, as a router's host
+// unreachable then does. The sandbox cannot send from the server's address
+// (the forged-source deny).
+bool icmp_error_from(int fd, const asio::ip::address& server) {
+  bool from_server = false;
+  for (int i = 0; i < 64; ++i) {
+    alignas(cmsghdr) std::array<char, 256> ctl{};
+    std::array<std::uint8_t, 64> data{};
+    iovec iov{data.data(), data.size()};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.data();
+    mh.msg_controllen = ctl.size();
+    if (::recvmsg(fd, &mh, MSG_ERRQUEUE | MSG_DONTWAIT) < 0) break;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      const bool v4 = c->cmsg_level == SOL_IP && c->cmsg_type == IP_RECVERR;
+      const bool v6 = c->cmsg_level == SOL_IPV6 && c->cmsg_type == IPV6_RECVERR;
+      if ((!v4 && !v6) || c->cmsg_len < CMSG_LEN(sizeof(sock_extended_err))) continue;
+      sock_extended_err ee{};
+      std::memcpy(&ee, CMSG_DATA(c), sizeof ee);
+      if (ee.ee_origin != SO_EE_ORIGIN_ICMP && ee.ee_origin != SO_EE_ORIGIN_ICMP6) continue;
+      // The offender's address follows the structure in the same message.
+      const std::size_t room = c->cmsg_len - CMSG_LEN(sizeof(sock_extended_err));
+      const auto* off = reinterpret_cast<const std::uint8_t*>(CMSG_DATA(c)) + sizeof(sock_extended_err);
+      if (server.is_v4() && room >= sizeof(sockaddr_in)) {
+        sockaddr_in sin{};
+        std::memcpy(&sin, off, sizeof sin);
+        from_server |= sin.sin_family == AF_INET && server.to_v4().to_bytes() ==
+                                                        std::bit_cast<asio::ip::address_v4::bytes_type>(sin.sin_addr);
+      } else if (server.is_v6() && room >= sizeof(sockaddr_in6)) {
+        sockaddr_in6 sin6{};
+        std::memcpy(&sin6, off, sizeof sin6);
+        from_server |= sin6.sin6_family == AF_INET6 && server.to_v6().to_bytes() ==
+                                                           std::bit_cast<asio::ip::address_v6::bytes_type>(sin6.sin6_addr);
+      }
+    }
+  }
+  return from_server;
+}
 
 std::chrono::milliseconds first_try(std::chrono::milliseconds budget, std::size_t nservers) {
   const auto rounds = static_cast<std::int64_t>(nservers) * ((1 << kTries) - 1);
@@ -601,13 +651,22 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     const ssize_t r = ::recvmsg(ufd, &mh, MSG_DONTWAIT);
     if (r < 0) {
       // Nothing after all: the set reports it again when something comes.
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-      ec = error_code(errno, boost::system::system_category());
+      // Errors may still be queued (the set names the socket while any
+      // is): read, so it stops naming it.
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+        if (!icmp_error_from(ufd, impl->addrs[server])) return;
+        ec = error_code(ECONNREFUSED, boost::system::system_category());
+      } else {
+        ec = error_code(errno, boost::system::system_category());
+      }
     } else {
       n = static_cast<std::size_t>(r);
     }
     if (ec) {
       // ECONNREFUSED: an ICMP port unreachable for an earlier datagram.
+      // Ends the try only when the server sent it (icmp_error_from); the
+      // socket stays watched otherwise, its answer may still come.
+      if (!icmp_error_from(ufd, impl->addrs[server])) return;
       note(UpstreamFailure::unreachable, "upstream " + srv.to_string() + ": " + ec.message());
       return next_try();
     }
@@ -810,11 +869,30 @@ void Upstream::Impl::release() {
 }
 
 bool Upstream::Impl::drain(int fd) {
-  for (int i = 0; i < 64; ++i) {
-    const ssize_t r = ::recv(fd, rbuf.get(), kUdpReceive, MSG_DONTWAIT);
-    if (r >= 0) ++stale;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+  // ICMP errors first (IP_RECVERR queues them, for a pooled socket too): the
+  // set names a socket while any is queued. Bounded by the socket's receive
+  // buffer; a socket still not empty is taken out of the set, and closed
+  // when reuse() comes to it.
+  std::array<std::uint8_t, 64> err{};
+  bool errors_empty = false;
+  for (int i = 0; i < 1024; ++i) {
+    iovec iov{err.data(), err.size()};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (::recvmsg(fd, &mh, MSG_ERRQUEUE | MSG_DONTWAIT) < 0) {
+      errors_empty = true;
+      break;
+    }
   }
+  if (errors_empty) {
+    for (int i = 0; i < 64; ++i) {
+      const ssize_t r = ::recv(fd, rbuf.get(), kUdpReceive, MSG_DONTWAIT);
+      if (r >= 0) ++stale;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    }
+  }
+  (void)::epoll_ctl(ep, EPOLL_CTL_DEL, fd, nullptr);
   return false;
 }
 
@@ -871,6 +949,8 @@ int Upstream::Impl::open_udp(bool v4) {
   // (what close_sockets hands to forget); without it, a getsockname.
   const int one = 1;
   (void)::setsockopt(fd, v4 ? SOL_IP : SOL_IPV6, v4 ? IP_RECVORIGDSTADDR : IPV6_RECVORIGDSTADDR, &one, sizeof one);
+  // ICMP errors with their sender (icmp_error_from); without it none ends a try early.
+  (void)::setsockopt(fd, v4 ? SOL_IP : SOL_IPV6, v4 ? IP_RECVERR : IPV6_RECVERR, &one, sizeof one);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = fd;

@@ -2391,3 +2391,77 @@ def test_dockers_resolver_is_out_of_reach_when_egressd_asks_another_upstream(lab
     # Through :53, the proxy answers as the phase says.
     r = lab.sandbox.dns_query("a.example.com", server="127.0.0.11")
     assert r.rcode == ("NOERROR" if phase == "agent" else "REFUSED"), r
+
+
+# ---- ICMP errors from anyone at egressd's upstream socket -------------------------------------
+# An ICMP error reaches a connected UDP socket from whoever can send to its address, quoting its
+# ports: a neighbour on the network (another sandbox of an agent, which can reach the host's
+# address in a public phase or through host.docker.internal; or, for a sidecar, a neighbour on
+# the same bridge) swept the ephemeral range with port unreachables and ended every try, so the
+# query failed (SERVFAIL; attack review 9, Docker's NET_RAW, 23 of 24). Only an error from the
+# upstream itself ends a try early now; the rest wait out the try's timeout.
+
+SLOW_UPSTREAM = textwrap.dedent(r'''
+    import socket, struct, sys, threading, time
+    addr, answer, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind((addr, 53))
+    def later(q, peer):
+        time.sleep(delay)  # the scenario: an uncached recursive lookup
+        i = 12
+        while q[i]:
+            i += 1 + q[i]
+        u.sendto(q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5] + b"\xc0\x0c"
+                 + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(answer), peer)
+    print("READY", flush=True)
+    while True:
+        q, peer = u.recvfrom(4096)
+        threading.Thread(target=later, args=(q, peer), daemon=True).start()
+''')
+
+# From argv[1] (an address of its own) to argv[2] (the sandbox's), ICMP port unreachable quoting
+# argv[2]:P -> argv[3]:53/udp for every P in [argv[4], argv[5]], sweep after sweep, until stdin
+# closes or argv[6] seconds pass. Prints the count sent.
+ICMP_SWEEP = textwrap.dedent(r'''
+    import select, socket, struct, sys, time
+    me, target, upstream, lo, hi, seconds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    s.bind((me, 0))
+    quoted = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 48, 0x1234, 0x4000, 64, 17, 0,
+                         socket.inet_aton(target), socket.inet_aton(upstream))
+    def csum(b):
+        c = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+        while c >> 16:
+            c = (c & 0xFFFF) + (c >> 16)
+        return ~c & 0xFFFF
+    print("READY", flush=True)
+    sent, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline and not select.select([sys.stdin], [], [], 0)[0]:
+        for p in range(lo, hi + 1):
+            body = quoted + struct.pack("!HHHH", p, 53, 28, 0)
+            s.sendto(struct.pack("!BBHI", 3, 3, csum(struct.pack("!BBHI", 3, 3, 0, 0) + body), 0) + body, (target, 0))
+            sent += 1
+    print(sent, flush=True)
+''')
+
+
+def test_icmp_errors_from_a_neighbour_do_not_end_egressds_upstream_tries(lab, egressd):
+    upstream, neighbour = "198.51.100.98", "198.51.100.77"
+    lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
+    lab.internet.ip("addr", "add", f"{neighbour}/32", "dev", "lo")
+    slow = lab.spawn([sys.executable, "-c", SLOW_UPSTREAM, upstream, "203.0.113.10", "0.4"], netns=lab.internet,
+                     stdout=subprocess.PIPE)
+    assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
+    lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40255")  # one sweep is 256 packets
+    d = egressd(policy(upstream))
+    assert lab.dns_query(f"{tok()}.wild.example.org", "A", timeout=5.0).rcode == "NOERROR"  # the control
+    sweep = lab.spawn([sys.executable, "-c", ICMP_SWEEP, neighbour, labmod.SANDBOX_V4, upstream, "40000", "40255",
+                       "30"], netns=lab.internet, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert labmod._read_line(sweep, 10.0, "the ICMP sweep") == "READY"
+    try:
+        rcodes = [lab.dns_query(f"{tok()}.wild.example.org", "A", timeout=5.0).rcode for _ in range(4)]
+    finally:
+        sweep.stdin.close()
+    sent = int(labmod._read_line(sweep, 10.0, "the sweep's count"))
+    assert sent > 256 * 4, sent  # it did sweep, several times
+    assert rcodes == ["NOERROR"] * 4, (rcodes, d.log()[-1500:])
