@@ -74,6 +74,8 @@ std::uint64_t micros_since(Clock::time_point start) {
 // yet written): beyond this the connection is not read until some drain, so
 // a client that never reads cannot grow our memory.
 constexpr std::size_t kMaxPipeline = 16;
+// Answers queued for one sandbox's TCP clients, in bytes (TcpConn::send).
+constexpr std::size_t kMaxTcpQueued = 1 << 20;
 // Lines per second per kind of per-query event at info/warn level; the
 // sandbox controls the query rate and must not control the log volume.
 constexpr unsigned kLogBurst = 50;
@@ -354,6 +356,9 @@ class Core : public std::enable_shared_from_this<Core> {
   void tcp_closed(TcpConn* c) {
     if (tcp_.erase(c) != 0 && opts_.fd_account) opts_.fd_account->give();
   }
+  // Answers queued for the sandbox's TCP clients, in bytes, across its
+  // connections (TcpConn::send).
+  std::size_t& tcp_queued() { return tcp_queued_; }
   void inflight_done() { --inflight_; }
   // A query registered in flight (Pending::key) has ended.
   void unregister(const std::string& key);
@@ -446,6 +451,7 @@ class Core : public std::enable_shared_from_this<Core> {
   std::vector<std::unique_ptr<tcp::acceptor>> acceptors_;
   std::unordered_set<TcpConn*> tcp_;
   std::uint64_t tcp_accepted_ = 0;
+  std::size_t tcp_queued_ = 0;  // tcp_queued()
   ProxyCounters counters_;
   std::size_t inflight_ = 0;
   std::uint16_t port_ = 0;
@@ -588,11 +594,26 @@ awaitable<void> TcpConn::watchdog() {
 
 void TcpConn::send(std::vector<std::uint8_t> msg) {
   if (closed_ || msg.size() > kMaxMessage) return;
+  // A client that does not read its answers holds them in the agent's
+  // memory: 64 connections of one sandbox, 16 answers of 64 KiB queued on
+  // each, held 37 MiB (attack review 9). Past kMaxTcpQueued bytes across a
+  // sandbox's connections, a connection that already has an answer waiting
+  // is closed instead (RFC 7766 lets a server close), so a sandbox holds at
+  // most that plus one answer per connection.
+  std::size_t& queued = core_->tcp_queued();
+  if (!out_.empty() && queued + msg.size() + 2 > kMaxTcpQueued) {
+    core_->log().info("event=tcp_backlog_close queued_bytes={} reason=\"the sandbox's tcp clients hold more than {} "
+                      "bytes of answers unread\"",
+                      queued, kMaxTcpQueued);
+    close();
+    return;
+  }
   std::vector<std::uint8_t> framed;
   framed.reserve(msg.size() + 2);
   framed.push_back(static_cast<std::uint8_t>(msg.size() >> 8));
   framed.push_back(static_cast<std::uint8_t>(msg.size() & 0xFF));
   framed.insert(framed.end(), msg.begin(), msg.end());
+  queued += framed.size();
   out_.push_back(std::move(framed));
   if (!writing_) write_next();
 }
@@ -602,11 +623,12 @@ void TcpConn::write_next() {
   asio::async_write(sock_, asio::buffer(out_.front()),
                     [self = shared_from_this()](const error_code& ec, std::size_t) {
                       self->writing_ = false;
+                      self->core_->tcp_queued() -= self->out_.front().size();
+                      self->out_.pop_front();
                       if (ec || self->closed_) {
                         self->close();
                         return;
                       }
-                      self->out_.pop_front();
                       self->touch();
                       self->wake_.cancel();
                       if (!self->out_.empty()) {
@@ -631,7 +653,14 @@ void TcpConn::close() {
   sock_.close(ec);
   idle_.cancel();
   wake_.cancel();
-  out_.clear();
+  // The answer being written stays until its write completes (it is the
+  // buffer the kernel reads): counted off there, the rest here.
+  for (std::size_t i = writing_ ? 1 : 0; i < out_.size(); ++i) core_->tcp_queued() -= out_[i].size();
+  if (writing_) {
+    out_.resize(1);
+  } else {
+    out_.clear();
+  }
   core_->tcp_closed(this);
 }
 

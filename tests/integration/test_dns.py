@@ -1373,3 +1373,88 @@ def test_an_answer_with_hundreds_of_addresses_teaches_only_the_first_64(lab, egr
     assert f"answer for {name} carried 200 addresses; only the first 64 are learned" in d.log(), d.log()[-2000:]
     # One of the others is denied, and says so.
     assert lab.tcp_connect(next(a for a in many if a not in learned), 80) != "ok"
+
+
+# An upstream for the next test: over UDP every answer is truncated (TC, no records); over TCP
+# every query gets one TXT record of 240 strings of 250 bytes (~60 KB). argv: address.
+BIG_TXT_UPSTREAM = r'''
+import socket, struct, sys, threading
+addr = sys.argv[1]
+def answer(q, tc):
+    i = 12
+    while q[i]:
+        i += 1 + q[i]
+    head = q[:2] + (b"\x83\x80" if tc else b"\x81\x80") + b"\x00\x01" + (b"\x00\x00" if tc else b"\x00\x01") + b"\x00\x00\x00\x00"
+    if tc:
+        return head + q[12:i + 5]
+    rdata = (bytes([250]) + b"x" * 250) * 240
+    return head + q[12:i + 5] + b"\xc0\x0c" + struct.pack("!HHIH", 16, 1, 60, len(rdata)) + rdata
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind((addr, 53))
+t = socket.socket()
+t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind((addr, 53))
+t.listen(64)
+def udp():
+    while True:
+        q, peer = u.recvfrom(4096)
+        u.sendto(answer(q, True), peer)
+def conn(c):
+    with c:
+        while True:
+            n = c.recv(2)
+            if len(n) < 2:
+                return
+            q = b""
+            while len(q) < struct.unpack("!H", n)[0]:
+                q += c.recv(struct.unpack("!H", n)[0] - len(q))
+            a = answer(q, False)
+            c.sendall(struct.pack("!H", len(a)) + a)
+threading.Thread(target=udp, daemon=True).start()
+print("READY", flush=True)
+while True:
+    threading.Thread(target=conn, args=(t.accept()[0],), daemon=True).start()
+'''
+
+
+def test_a_sandbox_whose_tcp_clients_leave_answers_unread_holds_at_most_a_mib_of_them(lab, egressd):
+    """64 TCP connections of one sandbox, 16 queries pipelined on each, their ~60 KB answers left
+    unread behind a 2 KiB receive buffer, held 37 MiB of an agent's memory as long as the client
+    liked (attack review 9). Past 1 MiB of answers queued for a sandbox's TCP clients, a
+    connection that already has one waiting is closed; the others are served, and so is the
+    next client."""
+    upstream = "198.51.100.96"
+    lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
+    big = lab.spawn([sys.executable, "-c", BIG_TXT_UPSTREAM, upstream], netns=lab.internet, stdout=subprocess.PIPE)
+    assert labmod._read_line(big, 10.0, "the TXT upstream") == "READY"
+    d = egressd(policy(upstream=upstream), phase="environment")  # public: every name is forwarded
+    t = tok()
+    conns = []
+    try:
+        for c in range(8):
+            s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            s.settimeout(10.0)
+            s.connect((DNS_V4, 53))
+            s.sendall(b"".join(struct.pack("!H", len(q)) + q for q in
+                               (labmod.dns_build_query(f"q{c}-{i}.{t}.example.org", "TXT", i) for i in range(16))))
+            conns.append(s)
+        labmod.wait_for(lambda: "event=tcp_backlog_close" in d.log(), 20.0, "a connection closed for its backlog")
+        # What each connection still delivers: whole answers, then EOF for the ones closed.
+        answers = 0
+        for s in conns:
+            s.settimeout(3.0)
+            buf = b""
+            try:
+                while len(buf) < 16 * 60000 and (chunk := s.recv(65536)):
+                    buf += chunk
+            except (TimeoutError, ConnectionResetError):
+                pass
+            answers += len(buf) // 60000
+        assert answers < 8 * 16, answers
+    finally:
+        for s in conns:
+            s.close()
+    # Another client is served as before.
+    r = lab.dns_query(f"after.{t}.example.org", "TXT", tcp=True, timeout=5.0)
+    assert r.outcome == "ok" and r.rcode == "NOERROR", r
