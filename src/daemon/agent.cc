@@ -39,6 +39,7 @@
 #include "daemon/audit_log.h"
 #include "daemon/commands.h"
 #include "daemon/sockdiag.h"
+#include "daemon/ctforget.h"
 #include "daemon/instance.h"
 #include "daemon/netns.h"
 #include "daemon/sandbox.h"
@@ -217,6 +218,12 @@ class Agent {
     if (args.events == "shared") {
       hub_ = open_hub(io, nftables_events(), "nftables events");
       link_hub_ = open_hub(io, link_events(), "interface changes");
+    }
+    if (auto ct = ConntrackForgetter::open(io)) {
+      conntrack_ = std::move(*ct);
+    } else {
+      log_->warn("finished upstream DNS flows stay in this namespace's conntrack table until they time out: {}",
+                 ct.error().message);
     }
     auto how = [](const auto& hub) { return hub ? "one socket for every sandbox" : "a socket in each sandbox's namespace"; };
     log_->info("nftables events: {}; interface changes: {}", how(hub_), how(link_hub_));
@@ -549,6 +556,7 @@ class Agent {
     o.nft_events = hub_.get();
     o.link_events = link_hub_.get();
     o.fd_budget = fds_;
+    o.own_conntrack = conntrack_.get();
     Result<std::unique_ptr<Instance>> inst = Error::runtime("not built");
     // Here, not inside the namespace: other sandboxes' restores may run.
     // (The link hub needs no settling: a stale notification handed to the
@@ -673,6 +681,8 @@ class Agent {
   // Probed with the first sandbox, then known (see InstanceOptions::capabilities).
   std::optional<Capabilities> caps_;
   std::optional<bool> can_log_;
+  // Before the sandboxes, which use it (InstanceOptions::own_conntrack).
+  std::unique_ptr<ConntrackForgetter> conntrack_;
   // Before the sandboxes: their tamper guards' feeds go first.
   std::unique_ptr<EventHub> hub_;       // nftables changes
   std::unique_ptr<EventHub> link_hub_;  // link and IPv6 route changes

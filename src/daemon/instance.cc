@@ -589,6 +589,9 @@ struct Instance::Impl {
         return ::socket(domain, type, 0);
       };
     }
+    if (!upstream_inside && opts.own_conntrack != nullptr) {
+      popts.forget_flow = [f = opts.own_conntrack](std::span<const dns::FlowTuple> flows) { f->forget(flows); };
+    }
     if (upstream_inside) {
       if (auto ct = ConntrackForgetter::open(io)) {
         forgetter = std::move(*ct);

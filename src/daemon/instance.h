@@ -25,6 +25,8 @@
 
 namespace egressd::daemon {
 
+class ConntrackForgetter;
+
 struct InstanceOptions {
   std::string name;                  // the agent's name for the sandbox ("" for the sidecar); in logs
   Policy policy;
@@ -67,6 +69,12 @@ struct InstanceOptions {
   // charges its upstream sockets and TCP clients to it. Null (the sidecar):
   // no budget.
   std::shared_ptr<dns::FdBudget> fd_budget;
+  // The agent's conntrack socket in its own namespace, where its upstream DNS
+  // sockets are: their finished flows are deleted there, as a sidecar's are
+  // in the sandbox (a sandbox's query flood left thousands of entries in the
+  // host's table otherwise; attack review 9). Null: none. Must outlive the
+  // instance.
+  ConntrackForgetter* own_conntrack = nullptr;
   // Called once the namespace and the socket path are this egressd's (a
   // second egressd stops before it), before anything is installed: the
   // sidecar removes a ready file a killed egressd left there.

@@ -1490,3 +1490,23 @@ def test_a_kept_sandbox_holding_every_proxy_port_across_an_agent_restart_is_atta
     assert sum(h["held"] for h in held) >= 60, held
     assert "one" in listing and rc == 0, (listing, out, err)
     assert lab.tcp_connect("198.51.100.11", ECHO_PORT, timeout=1.0) != "ok"
+
+
+def test_the_agents_answered_upstream_flows_leave_its_conntrack_table(lab, agent):
+    """The agent asks the upstream from its own namespace, the host's; a sidecar deletes its
+    answered upstream flows from conntrack, the agent did not, and one sandbox's query flood left
+    12,000 entries in the host's table, shared with every container's NAT (attack review 9).
+    Conntrack runs in the agent's namespace, as on any Docker host or Kubernetes node."""
+    rc, _, err = lab.nft(agent.ns, "-f", "-",
+                         input="table inet hostsim {\n chain out {\n  type filter hook output priority 0;\n  ct state new counter\n }\n}\n")
+    assert rc == 0, err
+    public = 'initial_phase: setup\ndns: { upstream: ["192.0.2.1"] }\nphases:\n  setup: public\n'
+    agent.ok("sandbox", "add", "one", "--netns", lab.sandbox.path, "--config", lab.write_config(public))
+    for i in range(40):
+        assert lab.sandbox.dns_query(f"q{i}.{random.getrandbits(32):08x}.example.org", server=GATEWAY_V4).outcome == "ok"
+
+    def upstream_flows():
+        return [line for line in agent.ns.read_proc("/proc/net/nf_conntrack").splitlines()
+                if "dst=192.0.2.1 " in line and "dport=53 " in line]
+    # Each is deleted as its socket goes back to the pool or closes: within the pool's idle time.
+    wait_for(lambda: len(upstream_flows()) <= 2, 10.0, "the agent's answered upstream flows to leave conntrack")
