@@ -2401,24 +2401,6 @@ def test_dockers_resolver_is_out_of_reach_when_egressd_asks_another_upstream(lab
 # query failed (SERVFAIL; attack review 9, Docker's NET_RAW, 23 of 24). Only an error from the
 # upstream itself ends a try early now; the rest wait out the try's timeout.
 
-SLOW_UPSTREAM = textwrap.dedent(r'''
-    import socket, struct, sys, threading, time
-    addr, answer, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    u.bind((addr, 53))
-    def later(q, peer):
-        time.sleep(delay)  # the scenario: an uncached recursive lookup
-        i = 12
-        while q[i]:
-            i += 1 + q[i]
-        u.sendto(q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:i + 5] + b"\xc0\x0c"
-                 + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(answer), peer)
-    print("READY", flush=True)
-    while True:
-        q, peer = u.recvfrom(4096)
-        threading.Thread(target=later, args=(q, peer), daemon=True).start()
-''')
-
 # From argv[1] (an address of its own) to argv[2] (the sandbox's), ICMP port unreachable quoting
 # argv[2]:P -> argv[3]:53/udp for every P in [argv[4], argv[5]], sweep after sweep, until stdin
 # closes or argv[6] seconds pass. Prints the count sent.
@@ -2449,7 +2431,7 @@ def test_icmp_errors_from_a_neighbour_do_not_end_egressds_upstream_tries(lab, eg
     upstream, neighbour = "198.51.100.98", "198.51.100.77"
     lab.internet.ip("addr", "add", f"{upstream}/32", "dev", "lo")
     lab.internet.ip("addr", "add", f"{neighbour}/32", "dev", "lo")
-    slow = lab.spawn([sys.executable, "-c", SLOW_UPSTREAM, upstream, "203.0.113.10", "0.4"], netns=lab.internet,
+    slow = lab.spawn([sys.executable, "-c", SLOW_UDP_UPSTREAM, upstream, "203.0.113.10", "0.4"], netns=lab.internet,
                      stdout=subprocess.PIPE)
     assert labmod._read_line(slow, 10.0, "the slow upstream") == "READY"
     lab.sandbox.sysctl("net.ipv4.ip_local_port_range", "40000 40255")  # one sweep is 256 packets

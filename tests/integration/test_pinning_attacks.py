@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, client_hello, connect, learn, outcome, servers, tls  # noqa: F401 (fixture)
+from test_pinning import HTTP_PORT, TLS_PORT, V4, V6, assert_reset, client_hello, connect, learn, outcome, servers, tls, tls_ping  # noqa: F401 (fixture)
 from test_pinning import pinned  # noqa: F401 (fixture)
 import lab as labmod
 import rawtcp
@@ -1392,12 +1392,7 @@ def upgraded_tls(lab, addr, port, sni, request, agreed):
         while len(got) < len(agreed):
             got += s.recv(len(agreed) - len(got))
         assert got == agreed, got
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        with ctx.wrap_socket(s, server_hostname=sni) as t:
-            t.sendall(b"ping")
-            return t.recv(100)
+        return tls_ping(s, sni)
     return outcome(run)
 
 
