@@ -649,12 +649,14 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
     mh.msg_control = ctl.data();
     mh.msg_controllen = ctl.size();
     const ssize_t r = ::recvmsg(ufd, &mh, MSG_DONTWAIT);
+    bool server_error = false;  // icmp_error_from read the queue already and found the server's
     if (r < 0) {
       // Nothing after all: the set reports it again when something comes.
       // Errors may still be queued (the set names the socket while any
       // is): read, so it stops naming it.
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
         if (!icmp_error_from(ufd, impl->addrs[server])) return;
+        server_error = true;
         ec = error_code(ECONNREFUSED, boost::system::system_category());
       } else {
         ec = error_code(errno, boost::system::system_category());
@@ -666,7 +668,7 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
       // ECONNREFUSED: an ICMP port unreachable for an earlier datagram.
       // Ends the try only when the server sent it (icmp_error_from); the
       // socket stays watched otherwise, its answer may still come.
-      if (!icmp_error_from(ufd, impl->addrs[server])) return;
+      if (!server_error && !icmp_error_from(ufd, impl->addrs[server])) return;
       note(UpstreamFailure::unreachable, "upstream " + srv.to_string() + ": " + ec.message());
       return next_try();
     }
