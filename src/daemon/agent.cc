@@ -113,9 +113,6 @@ std::optional<std::uint64_t> process_start(std::uint64_t pid) {
   }
 }
 
-// A /proc entry named by a number (a pid, a tid, a descriptor).
-bool all_digits(const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; }
-
 // A namespace kept in the state directory: its inode number, and its cookie
 // when the state file has one (files written before 2026-12-07 do not).
 struct KeptNs {
@@ -526,7 +523,7 @@ class Agent {
     // /proc/PID/root): refusing it there left the namespace unserved in its
     // phase (attack review 7). A live file that cannot be read then is
     // logged, as while the agent runs.
-    const std::string hosts_file = r.hosts_file ? hosts_file_for(*r.hosts_file, 0, "") : "";
+    const std::string hosts_file = r.hosts_file ? hosts_file_for(*r.hosts_file, "") : "";
     if (!hosts_file.empty() && kept == nullptr) {
       if (auto s = check_hosts_file(hosts_file); !s) return s;
     }

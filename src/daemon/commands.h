@@ -55,10 +55,11 @@ struct RunArgs {
 };
 int cmd_run(const RunArgs& args);
 
-// The hosts file a sandbox learns from: `given`, else the process's own with
-// a netns pid, else `fallback`; "" (none) when `given` is kNoHostsFile.
+// The hosts file a sandbox learns from: `given`, else `fallback` (the
+// sidecar's: /etc/hosts, or the --netns-pid process's own); "" (none) when
+// `given` is kNoHostsFile.
 inline constexpr const char* kNoHostsFile = "/dev/null";
-std::string hosts_file_for(const std::string& given, std::uint64_t netns_pid, const std::string& fallback);
+std::string hosts_file_for(const std::string& given, const std::string& fallback);
 // Checks a hosts file named on the command line or in sandbox_add before
 // anything is installed: it must exist, be readable and parse without a
 // problem. Invalid error naming the file (and line) otherwise.

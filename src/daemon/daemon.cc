@@ -42,7 +42,7 @@ std::string netns_pid_dir(int pid, std::string* how) {
   std::error_code ec;
   for (const auto& t : std::filesystem::directory_iterator(dir + "/task", ec)) {
     const std::string tid = t.path().filename().string();
-    if (tid.empty() || tid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (!all_digits(tid)) continue;
     if (::access((t.path() / "ns/net").c_str(), F_OK) != 0) continue;
     *how = "the main thread of process " + std::to_string(pid) + " has exited; its thread " + tid + " is used";
     return t.path().string();
@@ -114,12 +114,11 @@ void warn_if_task_can_forge_answers(int pid, const std::vector<IpPrefix>& upstre
 
 }  // namespace
 
-std::string hosts_file_for(const std::string& given, std::uint64_t netns_pid, const std::string& fallback) {
+std::string hosts_file_for(const std::string& given, const std::string& fallback) {
   // /dev/null names no file (as documented): nothing is learned from one,
   // and it is not read (a device is refused as a hosts file).
   if (given == kNoHostsFile) return "";
   if (!given.empty()) return given;
-  if (netns_pid != 0) return "/proc/" + std::to_string(netns_pid) + "/root/etc/hosts";
   return fallback;
 }
 
@@ -187,8 +186,7 @@ int cmd_run(const RunArgs& a) {
   std::string pid_note;
   const std::string pid_dir = a.netns_pid != 0 ? netns_pid_dir(a.netns_pid, &pid_note) : "";
   const std::string netns = a.netns_pid != 0 ? pid_dir + "/ns/net" : a.netns_path;
-  std::string hosts_file = hosts_file_for(a.hosts_file, static_cast<std::uint64_t>(a.netns_pid), "/etc/hosts");
-  if (a.netns_pid != 0 && a.hosts_file.empty()) hosts_file = pid_dir + "/root/etc/hosts";
+  const std::string hosts_file = hosts_file_for(a.hosts_file, a.netns_pid != 0 ? pid_dir + "/root/etc/hosts" : "/etc/hosts");
   if (!a.hosts_file.empty() && !hosts_file.empty()) {
     if (auto s = check_hosts_file(hosts_file); !s) return report(s.error());
   }

@@ -47,6 +47,11 @@ class NetnsScope {
   UniqueFd home_;
 };
 
+// A /proc entry named by a number (a pid, a tid, a descriptor).
+inline bool all_digits(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+}
+
 // Whether the network namespace `netns_fd` is owned by egressd's own user
 // namespace; `what` names it in the error (a path, /proc/PID/ns/net).
 // Whoever holds CAP_NET_ADMIN in the owning user namespace can list, change
