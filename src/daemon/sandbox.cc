@@ -1084,7 +1084,7 @@ void Sandbox::learn(std::vector<dns::Learned> addrs, std::function<void(Status)>
 
 void Sandbox::note_unlearned(const std::string& name) {
   ++unlearned_;
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = opts_.clock.steady();
   if (unlearned_log_at_ != std::chrono::steady_clock::time_point{} && now - unlearned_log_at_ < std::chrono::minutes(1)) {
     return;
   }
