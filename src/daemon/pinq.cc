@@ -1322,14 +1322,16 @@ std::vector<PinVerdict> PinFlows::quic_packet(PinPacketId id, const Key& key, co
   judge_.pin_decided(d, seg.dst, seg.dport);
   if (d.kind == pin::Decision::Kind::admit) {
     remember(key, seg, d.name);
-    if (const pin::Bytes dcid = f.quic->dcid(); !dcid.empty()) {
-      std::string k = quic_id_key(key, dcid);
-      quic_ids_[k] = QuicId{now};
-      quic_ids_order_.emplace_back(now, std::move(k));
-      while (quic_ids_.size() > kMaxQuicIds && !quic_ids_order_.empty()) pop_oldest(quic_ids_order_, quic_ids_);
-    }
+    if (const pin::Bytes dcid = f.quic->dcid(); !dcid.empty()) remember_quic_id(key, dcid, now);
   }
   return finish(it, d.kind == pin::Decision::Kind::admit, now);
+}
+
+void PinFlows::remember_quic_id(const Key& key, pin::Bytes dcid, Clock::time_point now) {
+  std::string k = quic_id_key(key, dcid);
+  quic_ids_[k] = QuicId{now};
+  quic_ids_order_.emplace_back(now, std::move(k));
+  while (quic_ids_.size() > kMaxQuicIds && !quic_ids_order_.empty()) pop_oldest(quic_ids_order_, quic_ids_);
 }
 
 std::string PinFlows::quic_id_key(const Key& key, pin::Bytes dcid) {
@@ -1346,7 +1348,16 @@ std::string PinFlows::quic_id_key(const Key& key, pin::Bytes dcid) {
 std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Followed>::iterator fo,
                                               const Segment& seg, Clock::time_point now) {
   const Key key = fo->first;
+  const pin::Bytes before = fo->second.quic->dcid();
+  const std::string id_before(before.begin(), before.end());
   const pin::QuicFollow r = fo->second.quic->follow(pin::Bytes(seg.payload.data(), seg.payload.size()));
+  if (const pin::Bytes dcid = fo->second.quic->dcid();
+      r.kind != pin::QuicFollow::Kind::invalid && r.kind != pin::QuicFollow::Kind::other &&
+      !std::equal(dcid.begin(), dcid.end(), id_before.begin(), id_before.end())) {
+    // The client moved to the connection ID a server's Retry chose: the
+    // server knows the connection by it now, from any four-tuple.
+    remember_quic_id(key, dcid, now);
+  }
   switch (r.kind) {
     case pin::QuicFollow::Kind::same:
       return {{id, PinVerdict::Kind::admit}};

@@ -468,6 +468,7 @@ class PinFlows {
   };
   // family, server address, port and the ID, as bytes.
   static std::string quic_id_key(const Key& key, pin::Bytes dcid);
+  void remember_quic_id(const Key& key, pin::Bytes dcid, Clock::time_point now);
   std::map<std::string, QuicId> quic_ids_;
   std::deque<std::pair<Clock::time_point, std::string>> quic_ids_order_;
   void forget_admitted(const Key& key);

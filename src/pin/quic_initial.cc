@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "pin/tls_hello.h"
@@ -100,6 +101,7 @@ struct LongPacket {
   Bytes dcid;
   Bytes packet;  // the whole packet
   std::size_t pn_offset = 0;
+  std::size_t token_len = 0;  // Initial: its Token field's length
 };
 
 enum class HeaderRead { ok, short_header, bad };
@@ -132,6 +134,7 @@ HeaderRead read_long_packet(Reader& r, Bytes datagram, LongPacket& out, const ch
       why = "malformed quic Initial token";
       return HeaderRead::bad;
     }
+    out.token_len = static_cast<std::size_t>(token_len);
   }
   if (out.type != LongType::retry) {
     std::uint64_t length = 0;
@@ -246,7 +249,7 @@ QuicFollow QuicInitialAssembler::follow(Bytes datagram) {
     // Another connection's keys. With this connection's Destination
     // Connection ID it is this connection's Initial that egressd cannot open
     // (its packet numbers read otherwise than the server's): refused.
-    if (auth_failed_ && first && !original_dcid(lp.dcid)) return {QuicFollow::Kind::other, ""};
+    if (auth_failed_ && first && !original_dcid(lp.dcid)) return after_retry(datagram, lp.dcid, lp.token_len);
     if (p.verdict == Verdict::invalid) return {QuicFollow::Kind::invalid, p.reason};
   }
   // A second ClientHello, after the judged one in the stream: what a client
@@ -270,6 +273,36 @@ QuicFollow QuicInitialAssembler::follow(Bytes datagram) {
     return f;
   }
   return {QuicFollow::Kind::same, ""};
+}
+
+// The client's first Initial after a server's Retry (RFC 9000 §17.2.5.2):
+// under the Destination Connection ID the Retry chose, protected with keys
+// from that ID (RFC 9001 §5.2), carrying the Retry's token, its CRYPTO data
+// the judged hello sent again. The server takes it as the same connection
+// attempt, so it is followed as this one under the new keys, once (a client
+// takes at most one Retry per attempt). Anything else under another ID's
+// keys is another connection (`other`). The trial runs on a copy, kept only
+// when the datagram is read as the connection's: the stream it continues is
+// the judged hello alone (whatever followed it under the old keys never
+// reaches the server under the new ones), and the old keys open nothing more.
+QuicFollow QuicInitialAssembler::after_retry(Bytes datagram, Bytes dcid, std::size_t token_len) {
+  if (retried_ || token_len == 0) return {QuicFollow::Kind::other, ""};
+  auto next = std::make_unique<QuicInitialAssembler>(*this);
+  next->retried_ = true;
+  next->dcid_len_ = std::min(dcid.size(), next->dcid_.size());
+  std::copy_n(dcid.begin(), next->dcid_len_, next->dcid_.begin());
+  next->keys_ = quic_client_initial_keys(*version_, dcid);
+  aes128_set_encrypt_key(&next->hp_, next->keys_.hp.data());
+  gcm_aes128_set_key(&next->gcm_, next->keys_.key.data());
+  next->largest_pn_ = -1;
+  next->npieces_ = 1;
+  next->pieces_[0] = {0, hello_end_};
+  next->contiguous_ = hello_end_;
+  next->second_end_ = 0;
+  QuicFollow f = next->follow(datagram);
+  if (f.kind == QuicFollow::Kind::other || f.kind == QuicFollow::Kind::invalid) return f;
+  *this = *next;
+  return f;
 }
 
 bool QuicInitialAssembler::original_dcid(Bytes dcid) const {

@@ -44,7 +44,10 @@ struct QuicFollow {
               // connection whose CRYPTO data repeats the judged ClientHello
     other,    // its first packet is not this connection's (another
               // Destination Connection ID's keys, another version): a new
-              // connection on the same four-tuple, to be judged afresh
+              // connection on the same four-tuple. (The client's Initial
+              // after a server's Retry is this connection's: under the
+              // Retry's ID and keys, with its token, repeating the judged
+              // hello, it is followed as `same`, or `hello`, once.)
     hello,    // a second ClientHello, whole, after the judged one (as a
               // client sends after a HelloRetryRequest): judge `hello`
     invalid,  // this connection's Initial with CRYPTO data that contradicts
@@ -100,7 +103,8 @@ class QuicInitialAssembler {
   QuicFollow follow(Bytes datagram);
 
   // The first Initial's Destination Connection ID (empty before one was
-  // read): what the server knows the connection by, whatever the four-tuple.
+  // read), or the one a server's Retry chose once the client used it: what
+  // the server knows the connection by, whatever the four-tuple.
   Bytes dcid() const { return {dcid_.data(), dcid_len_}; }
 
   // The CRYPTO bytes received contiguously from offset 0 (for tests).
@@ -111,10 +115,12 @@ class QuicInitialAssembler {
   Parse frames(Bytes plaintext);
   Parse judge();
   bool original_dcid(Bytes dcid) const;
+  QuicFollow after_retry(Bytes datagram, Bytes dcid, std::size_t token_len);
 
   std::optional<Parse> final_;
   bool following_ = false;    // add_crypto: only repeats of held bytes
   bool auth_failed_ = false;  // open_initial: the AEAD tag did not verify
+  bool retried_ = false;      // follow() moved to the keys of a server's Retry
   std::optional<QuicVersion> version_;
   std::array<std::uint8_t, 20> dcid_{};  // the first Initial's Destination Connection ID
   std::size_t dcid_len_ = 0;

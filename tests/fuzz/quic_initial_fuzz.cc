@@ -6,13 +6,15 @@
 //   odd: packets the harness seals with the real Initial keys (so they
 //     authenticate and the fuzzer reaches frames, CRYPTO reassembly and the
 //     ClientHello parser): per packet one byte (bit 0: v2, bit 1: start a
-//     new datagram, bits 2-7: packet number), a 2-byte length, the frames.
+//     new datagram, bits 2-6: packet number, bit 7: sealed as the client's
+//     answer to a Retry, under another connection ID with a token), a 2-byte
+//     length, the frames.
 // Properties checked for every input:
 //  - no crash, no out-of-bounds read, no UB (ASan/UBSan);
 //  - verdicts are well-formed (pin_fuzz_common.h);
 //  - complete and invalid are final: every later datagram gets the same;
 //  - after complete, follow() (an admitted flow's later datagrams) answers
-//    same / other / invalid, with a reason exactly when invalid.
+//    same / other / hello / invalid, with a reason exactly when invalid.
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -26,6 +28,8 @@ using namespace egressd::pin;
 namespace {
 
 const pintest::Buf kDcid = {0x83, 0x94, 0xc8, 0xf0, 0x3e, 0x51, 0x57, 0x08};
+const pintest::Buf kRetryDcid = {0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0xa8, 0xa9};
+const pintest::Buf kToken = {0x01, 0x02, 0x03, 0x04};
 
 void feed_all(const std::vector<pintest::Buf>& datagrams) {
   QuicInitialAssembler a;
@@ -57,6 +61,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size == 0) return 0;
   static const QuicInitialKeys k1 = quic_client_initial_keys(QuicVersion::v1, kDcid);
   static const QuicInitialKeys k2 = quic_client_initial_keys(QuicVersion::v2, kDcid);
+  static const QuicInitialKeys r1 = quic_client_initial_keys(QuicVersion::v1, kRetryDcid);
+  static const QuicInitialKeys r2 = quic_client_initial_keys(QuicVersion::v2, kRetryDcid);
   const std::uint8_t* in = data + 1;
   const std::size_t n = size - 1;
   std::vector<pintest::Buf> datagrams;
@@ -74,8 +80,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const QuicVersion v = (flags & 1) ? QuicVersion::v2 : QuicVersion::v1;
       if (datagrams.empty() || (flags & 2)) datagrams.emplace_back().reserve(1400);
       // Short packets are padded (as clients pad Initials) so the sample fits.
-      pintest::seal_initial_into(datagrams.back(), v, kDcid, {}, static_cast<std::uint32_t>(flags >> 2), in + pos + 3,
-                                 len, 64, {}, 0, v == QuicVersion::v2 ? &k2 : &k1);
+      const bool retried = (flags & 0x80) != 0;
+      const QuicInitialKeys* keys = retried ? (v == QuicVersion::v2 ? &r2 : &r1) : (v == QuicVersion::v2 ? &k2 : &k1);
+      pintest::seal_initial_into(datagrams.back(), v, retried ? kRetryDcid : kDcid, {},
+                                 static_cast<std::uint32_t>((flags >> 2) & 0x1f), in + pos + 3, len, 64,
+                                 retried ? kToken : pintest::Buf{}, 0, keys);
       pos += 3 + len;
     }
   }

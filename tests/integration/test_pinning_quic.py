@@ -143,3 +143,24 @@ def test_quic_is_not_inspected_with_pin_names_false(lab, egressd, quic_servers, 
     ok, _ = quic_get(lab, tmp_path, V4, "same-ip.test")
     assert ok, "with pin_names: false the address decides"
     assert d.status()["pin"] is None
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_quic_to_a_server_that_sends_retry_passes_for_the_learned_name_and_not_for_another(
+        lab, egressd, tmp_path, addr):
+    """A server that validates addresses (gtlsserver -V) answers the first Initial with a
+    Retry; the client sends its hello again under the connection ID and keys the Retry chose,
+    with its token. That Initial is the same connection, followed under the new keys: HTTP/3
+    works for the learned name, and another name is still refused (its first Initial already)."""
+    start_quic_servers(lab, tmp_path, "-V", echo=False)
+    d = egressd(policy())
+    learn(lab)
+    ok, _ = quic_get(lab, tmp_path, addr, "allowed.test")
+    assert ok, "QUIC with the learned name through a server's Retry did not get through"
+    lines = [r.get("pin") or "" for r in d.request({"cmd": "denied"})["records"]]
+    assert not any(l.startswith("quic") for l in lines), lines
+    ok, _ = quic_get(lab, tmp_path, addr, "same-ip.test")
+    assert not ok, "QUIC with SNI same-ip.test reached the server"
+    host = f"[{addr}]" if ":" in addr else addr
+    lines = [r.get("pin") or "" for r in d.request({"cmd": "denied"})["records"]]
+    assert f"quic sni same-ip.test to {host}:{QUIC_PORT}; address learned for allowed.test" in lines, lines

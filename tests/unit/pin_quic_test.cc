@@ -347,3 +347,67 @@ TEST_CASE("after admission, an Initial under the connection's own id that does n
   CHECK(follow(a, pintest::seal_initial(QuicVersion::v2, dcid2, {}, 0, pintest::crypto_frame(0, ch))).kind ==
         QuicFollow::Kind::other);
 }
+
+TEST_CASE("the client's Initial after a server's Retry is the same connection under the Retry's keys, once") {
+  // RFC 9000 §17.2.5.2: the client answers a Retry with an Initial to the connection ID the
+  // Retry chose, protected with keys from that ID (RFC 9001 §5.2), carrying the Retry's
+  // token, its CRYPTO stream the hello already sent. Refused as another connection, HTTP/3
+  // broke against every server that validates addresses (gtlsserver -V; found by attack
+  // review 8).
+  const Buf ch = rfc_hello(), other = rfc_hello(true);
+  const Buf retry_id = hex("a1a2a3a4a5a6a7a8a9"), token = hex("0102030405060708");
+  auto retried = [&](std::uint32_t pn, const Buf& frames, const Buf& tok) {
+    return pintest::seal_initial(QuicVersion::v1, retry_id, kScid, pn, frames, 1200, tok);
+  };
+  {
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    CHECK(follow(a, retried(1, pintest::crypto_frame(0, ch), token)).kind == QuicFollow::Kind::same);
+    CHECK(Buf(a.dcid().begin(), a.dcid().end()) == retry_id);
+    // Its later Initials, pieces of the same hello and ACKs, are the connection's.
+    CHECK(follow(a, retried(2, pintest::crypto_frame(100, slice(ch, 100, 241)), token)).kind ==
+          QuicFollow::Kind::same);
+    // A second hello after a HelloRetryRequest is judged as before, under the new keys.
+    const QuicFollow f = follow(a, retried(3, pintest::crypto_frame(241, other), token));
+    REQUIRE(f.kind == QuicFollow::Kind::hello);
+    CHECK(f.hello.name == "examplx.com");
+    // The old keys open nothing more: the connection moved, and what they carry is another
+    // connection's.
+    CHECK(follow(a, initial(4, pintest::crypto_frame(0, ch))).kind == QuicFollow::Kind::other);
+  }
+  {
+    // Another hello under the Retry's keys: refused, and the connection stays where it was.
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    const QuicFollow f = follow(a, retried(1, pintest::crypto_frame(0, other), token));
+    CHECK(f.kind == QuicFollow::Kind::invalid);
+    CHECK(f.reason == "quic CRYPTO data contradicts the judged ClientHello");
+    CHECK(Buf(a.dcid().begin(), a.dcid().end()) == kDcid);
+    // More than the hello in the first Initial under new keys: the hello and a second one
+    // at once is what a client never sends after a Retry; read as the connection's, the
+    // second is judged.
+    QuicInitialAssembler b;
+    REQUIRE(feed(b, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    const QuicFollow g = follow(b, retried(1, cat(pintest::crypto_frame(0, ch), pintest::crypto_frame(241, other)), token));
+    REQUIRE(g.kind == QuicFollow::Kind::hello);
+    CHECK(g.hello.name == "examplx.com");
+  }
+  {
+    // Without a token it is not a Retry's answer: another connection.
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    CHECK(follow(a, retried(1, pintest::crypto_frame(0, ch), {})).kind == QuicFollow::Kind::other);
+    CHECK(Buf(a.dcid().begin(), a.dcid().end()) == kDcid);
+  }
+  {
+    // One Retry per connection: a second move is another connection, and so is going back.
+    QuicInitialAssembler a;
+    REQUIRE(feed(a, initial(0, pintest::crypto_frame(0, ch))).verdict == Verdict::complete);
+    REQUIRE(follow(a, retried(1, pintest::crypto_frame(0, ch), token)).kind == QuicFollow::Kind::same);
+    const Buf third_id = hex("b1b2b3b4b5b6b7b8");
+    CHECK(follow(a, pintest::seal_initial(QuicVersion::v1, third_id, kScid, 2, pintest::crypto_frame(0, ch), 1200,
+                                          token)).kind == QuicFollow::Kind::other);
+    CHECK(follow(a, pintest::seal_initial(QuicVersion::v1, kDcid, kScid, 2, pintest::crypto_frame(0, ch), 1200,
+                                          token)).kind == QuicFollow::Kind::other);
+  }
+}

@@ -789,6 +789,35 @@ TEST_CASE("QUIC after admission: a second connection on the four-tuple is refuse
   CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame()), 40002), t0)[0].kind == K::admit);
 }
 
+TEST_CASE("QUIC after admission: the client's Initial after a server's Retry is the connection's, its new ID kept") {
+  // RFC 9000 §17.2.5.2: under the ID the Retry chose, with keys from it and the Retry's token,
+  // repeating the judged hello. Refused as another connection before (attack review 8 noticed
+  // HTTP/3 failing against servers that validate addresses).
+  const pintest::Buf a = pintest::hex("8394c8f03e515708"), r = pintest::hex("a1a2a3a4a5a6a7a8a9");
+  const pintest::Buf token = pintest::hex("0102030405060708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  Flows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  CHECK(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, r, {}, 1, rfc_frame(), 1200, token), 40001, true),
+                 t0)[0].kind == K::admit);
+  CHECK(f.packet(3, quic(handshake_packet(r), 40001, true), t0)[0].kind == K::admit);
+  CHECK(f.stats().reset == 0);
+  // The server knows the connection by the new ID now: an Initial under it from another
+  // source port is refused, as one under the first ID is.
+  CHECK(f.packet(4, quic(pintest::seal_initial(QuicVersion::v1, r, {}, 0, rfc_frame()), 40002), t0)[0].kind ==
+        K::reset);
+  CHECK(j.reasons.back().rfind("quic Initial under the connection ID of a connection admitted on another flow", 0) ==
+        0);
+  // Under the Retry's keys, another hello: refused.
+  Flows g(j);
+  REQUIRE(g.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  CHECK(g.packet(2, quic(pintest::seal_initial(QuicVersion::v1, r, {}, 1, rfc_frame(true), 1200, token), 40001, true),
+                 t0)[0].kind == K::reset);
+  CHECK(j.reasons.back() == "quic Initial after the flow was admitted: quic CRYPTO data contradicts the judged ClientHello");
+}
+
 TEST_CASE("QUIC after admission: a second ClientHello (after a HelloRetryRequest) is judged like the first") {
   const pintest::Buf dcid = pintest::hex("8394c8f03e515708");
   Judge j;
