@@ -32,10 +32,13 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <spdlog/spdlog.h>
+#include <string>
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "control/protocol.h"
 
@@ -288,11 +291,39 @@ struct State {
 // Reasons a request line is not a request; empty when it is one.
 std::optional<Json> check_request(std::string_view line, Json& out) {
   struct TooDeep {};
+  struct Duplicate {
+    std::string key;
+  };
+  // The keys of each object open at the moment. A key given twice would
+  // otherwise be taken silently, the last one winning: {"cmd":"apply",
+  // "phase":"off","phase":"open"} installed public, and a request naming
+  // "sandbox" twice switched the second sandbox (attack review 10). A
+  // policy file refuses duplicate keys for the same reason.
+  std::vector<std::set<std::string>> keys;
   try {
-    out = Json::parse(line, [](int depth, Json::parse_event_t, Json&) {
+    out = Json::parse(line, [&keys](int depth, Json::parse_event_t ev, Json& parsed) {
       if (depth > kMaxRequestDepth) throw TooDeep{};
+      switch (ev) {
+        case Json::parse_event_t::object_start:
+          keys.emplace_back();
+          break;
+        case Json::parse_event_t::object_end:
+          if (!keys.empty()) keys.pop_back();
+          break;
+        case Json::parse_event_t::key:
+          if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
+            throw Duplicate{parsed.get<std::string>()};
+          }
+          break;
+        default:
+          break;
+      }
       return true;
     });
+  } catch (const Duplicate& d) {
+    return error_reply("invalid_request",
+                       "duplicate key " + Json(d.key).dump(-1, ' ', false, Json::error_handler_t::replace) +
+                           " in the request: which one was meant is unclear, so neither is taken");
   } catch (const Json::exception& e) {
     // Not only parse_error: a number too large for a double ("1e400") is an
     // out_of_range (406) thrown from the same parse, and an exception that

@@ -349,6 +349,12 @@ TEST_CASE("malformed requests get invalid_request and change nothing") {
       {"{\"cmd\":5}", "\"cmd\" must be a string, got number"},
       {std::string(1000, '[') + std::string(1000, ']'), "deeper than"},
       {"\xff\xfe{garbage", "malformed JSON"},
+      // A key given twice: refused, not the last one taken (attack review 10).
+      {"{\"cmd\":\"apply\",\"phase\":\"off\",\"phase\":\"open\"}", "duplicate key \"phase\""},
+      {"{\"cmd\":\"status\",\"cmd\":\"apply\"}", "duplicate key \"cmd\""},
+      {"{\"cmd\":\"apply\",\"sandbox\":\"one\",\"sandbox\":\"two\"}", "duplicate key \"sandbox\""},
+      {"{\"cmd\":\"apply\",\"inline\":{\"a\":{\"mode\":\"no-network\",\"mode\":\"public\"}}}",
+       "duplicate key \"mode\""},
   };
   for (const auto& tc : cases) {
     CAPTURE(tc.line);
@@ -362,6 +368,9 @@ TEST_CASE("malformed requests get invalid_request and change nothing") {
   CHECK(calls == 0);
   r.send("{\"cmd\":\"ping\",\"id\":2}\n");
   CHECK(r.reply()["id"] == 2);
+  // The same key in two objects, or at two depths, is no duplicate.
+  r.send("{\"cmd\":\"ping\",\"id\":3,\"a\":{\"id\":1},\"b\":[{\"id\":2},{\"id\":3}]}\n");
+  CHECK(r.reply()["id"] == 3);
 }
 
 TEST_CASE("half a line from one client does not block another") {
