@@ -1027,7 +1027,15 @@ void Core::handle(std::span<std::uint8_t> msg, const Client& client_in) {
     const std::string_view key(reinterpret_cast<const char*>(msg.data()) + kHeaderSize, q.question_end - kHeaderSize);
     if (probe_ && key == probe_->key) return probe_arrival(msg, q, client);
     if (!inflight_q_.empty()) {
-      if (auto it = inflight_q_.find(key); it != inflight_q_.end()) return relay(msg, q, client, it->second);
+      // Relayed only while the phase in force forwards the name: after a
+      // switch that refuses it, a copy of egressd's query (sniffed on
+      // loopback, the sandbox's NET_RAW) would otherwise go out at the
+      // sandbox's timing for as long as the first is in flight (attack
+      // review 10). Refused below like any query for it.
+      if (auto it = inflight_q_.find(key);
+          it != inflight_q_.end() && hooks_.decide(q.question.name) == Action::forward) {
+        return relay(msg, q, client, it->second);
+      }
     }
   }
 
@@ -1178,7 +1186,13 @@ void Core::forward(std::span<const std::uint8_t> msg, const ParsedQuery& q, cons
 void Core::exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query) {
   Upstream* up = p->relay ? relay_.get() : upstream_.get();
   if (closed_ || up == nullptr) return;
-  up->async_exchange(query, false, [p](Answer a) { p->core->on_upstream(p, std::move(a)); });
+  // Each try after the first is asked for again under the phase in force
+  // then: a switch stops a query an earlier phase sent, and its relayed
+  // copies, from going out again (attack review 10: a retry round, or TCP
+  // after a truncated answer, half a second after a switch to no-network).
+  up->async_exchange(
+      query, false, [p](Answer a) { p->core->on_upstream(p, std::move(a)); },
+      [p] { return !p->core->closed() && p->core->hooks_.decide(p->qname) == Action::forward; });
 }
 
 bool Core::tcp_slot() {

@@ -401,6 +401,8 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   unsigned next = 0;             // next position in the schedule: round * n + server
   std::size_t server = 0;        // the server of the current try
   bool force_tcp = false;
+  MayRetry may_retry;            // asked before every try after the first
+  bool tried = false;            // a try was started
   unsigned serial = 0;           // of the current try; completions of older ones are stale
   int ufd = -1;           // the UDP socket of the current try
   // ufd's address and port, as the answer's destination said (IP_ORIGDSTADDR):
@@ -508,6 +510,12 @@ struct Exchange : std::enable_shared_from_this<Exchange> {
   }
 
   void start(int round_no, bool tcp_try) {
+    if (tried && may_retry && !may_retry()) {
+      failure = UpstreamFailure::withdrawn;
+      error = "upstream: not asked again, the phase in force no longer forwards the name";
+      return finish(Error::runtime(error));
+    }
+    tried = true;
     const Server& srv = impl->servers[server];
     auto fail_now = [&](UpstreamFailure f, const error_code& ec, const char* what) {
       note(f, "upstream " + srv.to_string() + ": " + what + ": " + ec.message());
@@ -1107,7 +1115,7 @@ Upstream::~Upstream() { impl_->close(); }
 
 asio::io_context::executor_type Upstream::executor() const { return impl_->io.get_executor(); }
 
-void Upstream::send(Bytes query, AnswerCallback done, bool tcp) {
+void Upstream::send(Bytes query, AnswerCallback done, bool tcp, MayRetry may_retry) {
   Impl& s = *impl_;
   if (s.closed) {
     s.last_failure = UpstreamFailure::closed;
@@ -1128,6 +1136,7 @@ void Upstream::send(Bytes query, AnswerCallback done, bool tcp) {
   x->id = read_header(query)->id;
   x->question_len = qend - kHeaderSize;
   x->force_tcp = tcp;
+  x->may_retry = std::move(may_retry);
   ++s.pending;
   x->next_try();
 }

@@ -109,6 +109,14 @@ struct UpstreamOptions {
   std::shared_ptr<FdAccount> fds;
 };
 
+// Asked before every try of an exchange after its first (the next server or
+// round, TCP after a truncated answer): false fails the exchange at once
+// (UpstreamFailure::withdrawn) and nothing more is sent. The proxy's: does
+// the phase in force still forward this name? A switch must stop what an
+// earlier phase sent, not let it go out again (DESIGN §1: the upstream sees
+// no query for a name the phase does not allow).
+using MayRetry = std::function<bool()>;
+
 // An exchange's outcome: the answer's bytes (owned: a coroutine reads them
 // after it resumes, when the receive buffer already holds another answer),
 // or why there is none.
@@ -123,6 +131,7 @@ enum class UpstreamFailure {
   mismatch,      // an answer with the query's ID did not echo its question exactly (0x20 check)
   unavailable,   // no server may be used now (every one held by someone else)
   descriptors,   // no descriptor for a socket: the budget's share is held (UpstreamOptions::fds), or EMFILE
+  withdrawn,     // a try after the first was due and the caller's MayRetry said no
   closed,
 };
 
@@ -156,10 +165,15 @@ class Upstream {
   // caller logs and counts is a message naming the server and the reason
   // (a mismatched 0x20 echo, SERVFAIL from every server), which an
   // error_code cannot carry, and a Result cannot be read without checking.
+  //
+  // `may_retry` (optional): asked before each try after the first; see MayRetry.
   template <class CompletionToken>
-  auto async_exchange(Bytes query, bool tcp, CompletionToken&& token) {
-    return async_from_callback<Answer>(executor(), std::forward<CompletionToken>(token),
-                                       [this, query, tcp](AnswerCallback done) { send(query, std::move(done), tcp); });
+  auto async_exchange(Bytes query, bool tcp, CompletionToken&& token, MayRetry may_retry = {}) {
+    return async_from_callback<Answer>(
+        executor(), std::forward<CompletionToken>(token),
+        [this, query, tcp, may_retry = std::move(may_retry)](AnswerCallback done) mutable {
+          send(query, std::move(done), tcp, std::move(may_retry));
+        });
   }
 
   // What made the last failed exchange fail (for the caller's logs), valid
@@ -199,7 +213,7 @@ class Upstream {
   boost::asio::io_context::executor_type executor() const;
   // The initiation of async_exchange: calls `done` exactly once, maybe
   // before it returns; destroys it uncalled when the Upstream goes first.
-  void send(Bytes query, AnswerCallback done, bool tcp);
+  void send(Bytes query, AnswerCallback done, bool tcp, MayRetry may_retry = {});
   std::shared_ptr<Impl> impl_;
 };
 

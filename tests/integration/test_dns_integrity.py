@@ -2447,3 +2447,198 @@ def test_icmp_errors_from_a_neighbour_do_not_end_egressds_upstream_tries(lab, eg
     sent = int(labmod._read_line(sweep, 10.0, "the sweep's count"))
     assert sent > 256 * 4, sent  # it did sweep, several times
     assert rcodes == ["NOERROR"] * 4, (rcodes, d.log()[-1500:])
+
+
+# ---- A switch stops what an earlier phase sent (attack review 10) -------------------------------
+# DESIGN §1: the upstream sees no query for a name the phase in force does not allow. A query
+# the old phase forwarded was sent again after the switch had been acknowledged: the next try
+# of its schedule (half a second later, the next server or round), or TCP after a truncated
+# answer. Under Docker's resolver a sandbox with NET_RAW could also copy egressd's in-flight
+# question off loopback and have each copy relayed, at its own timing, after the switch.
+
+# An upstream that logs every query it receives (one JSON line: CLOCK_MONOTONIC, transport,
+# name) and answers none ("silent"), or answers every UDP query truncated 0.3 s late and TCP
+# at once ("truncate"), or every UDP query 0.3 s late ("late"); answers say A 198.51.100.11.
+# argv: address, mode, log file.
+LOGGING_UPSTREAM = textwrap.dedent(r'''
+    import json, socket, struct, sys, threading, time
+    addr, mode, path = sys.argv[1], sys.argv[2], sys.argv[3]
+    LATE_ADDR = "198.51.100.11"
+    lock = threading.Lock()
+    def name_end(q):
+        i, labels = 12, []
+        while q[i]:
+            labels.append(q[i + 1:i + 1 + q[i]].decode(errors="replace"))
+            i += 1 + q[i]
+        return ".".join(labels).lower(), i + 5
+    def logged(q, transport):
+        name, end = name_end(q)
+        with lock, open(path, "a") as f:
+            f.write(json.dumps([time.monotonic(), transport, name]) + "\n")
+        return end
+    def answer(q, end):
+        return (q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + q[12:end] + b"\xc0\x0c"
+                + struct.pack("!HHIH", 1, 1, 300, 4) + socket.inet_aton(LATE_ADDR))
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind((addr, 53))
+    t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    t.bind((addr, 53))
+    t.listen(16)
+    def udp():
+        while True:
+            q, peer = u.recvfrom(4096)
+            end = logged(q, "udp")
+            if mode == "truncate":
+                tc = q[:2] + b"\x83\x80\x00\x01\x00\x00\x00\x00\x00\x00" + q[12:end]
+                threading.Timer(0.3, u.sendto, (tc, peer)).start()
+            elif mode == "late":
+                threading.Timer(0.3, u.sendto, (answer(q, end), peer)).start()
+    def serve(c):
+        with c:
+            n = struct.unpack("!H", c.recv(2, socket.MSG_WAITALL))[0]
+            q = c.recv(n, socket.MSG_WAITALL)
+            end = logged(q, "tcp")
+            if mode == "silent":
+                c.recv(1)
+                return
+            a = answer(q, end)
+            c.sendall(struct.pack("!H", len(a)) + a)
+            c.recv(1)
+    threading.Thread(target=udp, daemon=True).start()
+    print("READY", flush=True)
+    while True:
+        c, _ = t.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+''')
+
+
+def logging_upstream(lab, addr: str, mode: str) -> Path:
+    path = lab.tmp / f"upstream-{random.getrandbits(24):06x}.jsonl"
+    lab.internet.ip("addr", "add", f"{addr}/32", "dev", "lo")
+    p = lab.spawn([sys.executable, "-c", LOGGING_UPSTREAM, addr, mode, str(path)], netns=lab.internet,
+                  stdout=subprocess.PIPE)
+    assert labmod._read_line(p, 10.0, "the logging upstream") == "READY"
+    return path
+
+
+def logged_queries(path: Path, name: str) -> list:
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e[2] == name]
+
+
+def switched_mid_query(lab, egressd, mode: str, to: str) -> tuple:
+    """A query for an allowed name whose first try the upstream leaves unanswered (silent) or
+    truncates; the switch to `to` lands while it is in flight. (tries before the
+    acknowledgment, tries after it, the sandbox's rcode)."""
+    upstream = "198.51.100.97"
+    log = logging_upstream(lab, upstream, mode)
+    d = egressd(policy(upstream, extra="  other: { network_mode: allowlist, allowed_hosts: [\"*.other.example.org\"] }\n"))
+    name = f"{tok()}.wild.example.org"
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5.0)
+    s.connect((DNS_V4, 53))
+    s.send(labmod.dns_build_query(name, "A", 0x1234))
+    labmod.wait_for(lambda: logged_queries(log, name), 3.0, "egressd's first try to reach the upstream")
+    rc, out, err = d.ctl("apply", to)
+    assert rc == 0, (rc, out, err)
+    acked = time.monotonic()
+    rcode = labmod.dns_parse_reply(s.recv(4096))[1]  # the query's end: no try comes after it
+    s.close()
+    tries = logged_queries(log, name)
+    return [e for e in tries if e[0] <= acked], [e for e in tries if e[0] > acked], rcode
+
+
+@pytest.mark.parametrize("mode", ["silent", "truncate"])
+@pytest.mark.parametrize("to", ["verifier", "other"])
+def test_a_query_in_flight_at_a_switch_is_not_sent_again_after_it(lab, egressd, mode, to):
+    before, after, rcode = switched_mid_query(lab, egressd, mode, to)
+    assert len(before) == 1 and not after, (before, after)
+    assert rcode == "SERVFAIL", rcode
+
+
+def test_a_query_in_flight_at_a_switch_to_a_phase_that_allows_it_goes_on(lab, egressd):
+    """The control: a switch to a phase that still forwards the name leaves the query's schedule
+    alone (TCP after the truncated answer, and the answer)."""
+    before, after, rcode = switched_mid_query(lab, egressd, "truncate", "agent")
+    assert len(before) == 1 and [e[1] for e in after] == ["tcp"], (before, after)
+    assert rcode == "NOERROR", rcode
+
+
+# A root process with only NET_RAW (Docker's default) in the sandbox: sniffs lo for egressd's
+# query to Docker's resolver (127.0.0.11) whose question holds `label`, then, once the file
+# `flag` exists (the switch was acknowledged), sends `k` copies of it to `target`:53, 20 ms
+# apart, each with an ID and CD bit of its own: a channel of its choosing if relayed.
+# argv: label, target, k, flag.
+QUESTION_COPIER = textwrap.dedent(r'''
+    import json, os, socket, sys, time
+    label, target, k, flag = sys.argv[1].lower().encode(), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind(("lo", 0))
+    sniff.settimeout(0.05)
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    print("READY", flush=True)
+    q = None
+    deadline = time.monotonic() + 5
+    while q is None and time.monotonic() < deadline:
+        try:
+            frame = sniff.recv(65535)
+        except socket.timeout:
+            continue
+        pkt = frame[14:]
+        if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != socket.inet_aton("127.0.0.11"):
+            continue
+        m = pkt[(pkt[0] & 0xF) * 4 + 8:]
+        if len(m) >= 17 and not m[2] & 0x80 and label in m.lower():
+            q = m
+    open(flag + ".seen", "w").close()
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.001)  # polling for the test's go, bounded by the deadline
+    sent = 0
+    for i in range(k if q is not None else 0):
+        m = bytearray(q)
+        m[0:2] = os.urandom(2)
+        m[3] = (m[3] & ~0x10) | (0x10 if i % 2 else 0)
+        out.sendto(bytes(m), (target, 53))
+        sent += 1
+        time.sleep(0.02)  # the attacker's own timing, not synchronisation
+    print(json.dumps({"captured": q is not None, "sent": sent}))
+''')
+
+
+def test_copies_of_egressds_query_sent_after_a_switch_are_not_relayed(lab, egressd):
+    target = "198.51.100.96"
+    log = logging_upstream(lab, target, "silent")
+    DockerResolver(lab, slow={"slow": 1400}, forward=target)
+    d = egressd(policy("127.0.0.11"), extra=["--log-format", "json"])
+    labmod.wait_for(lambda: "forwarder_pinned" in d.log(), 5.0, "egressd to pin Docker's forwarder target")
+    label = f"slow{random.getrandbits(32):08x}"
+    name = f"{label}.wild.example.org"
+    flag = str(lab.tmp / f"go-{label}")
+    k = 20
+    copier = attacker(lab, QUESTION_COPIER, label, target, k, flag, caps=DOCKER_CAPS)
+    s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5.0)
+    s.connect((DNS_V4, 53))
+    s.send(labmod.dns_build_query(name, "A", 0x1234))
+    labmod.wait_for(lambda: os.path.exists(flag + ".seen"), 3.0, "the copier to see egressd's query")
+    rc, out, err = d.ctl("apply", "verifier")
+    assert rc == 0, (rc, out, err)
+    acked = time.monotonic()
+    Path(flag).touch()
+    res = attacker_result(copier)
+    assert res == {"captured": True, "sent": k}, res
+    rcode = labmod.dns_parse_reply(s.recv(4096))[1]
+    s.close()
+    after = [e for e in logged_queries(log, name) if e[0] > acked]
+    assert not after, f"{len(after)} queries for the name reached the upstream after the switch ({k} copies sent)"
+    assert rcode in ("SERVFAIL", "REFUSED"), rcode
+
+
+def test_an_answer_arriving_after_a_switch_teaches_the_new_phase_nothing_it_does_not_allow(lab, egressd):
+    """The old phase forwarded the name; its answer comes after the switch to a phase that does
+    not allow it: the client gets it, the new phase's sets do not."""
+    before, after, rcode = switched_mid_query(lab, egressd, "late", "other")
+    assert len(before) == 1 and not after and rcode == "NOERROR", (before, after, rcode)
+    assert "198.51.100.11" not in lab.learned_set(4, "ph_other")

@@ -812,6 +812,24 @@ TEST_CASE("a dead upstream gives SERVFAIL within 2 s") {
   }
 }
 
+TEST_CASE("a query whose name the phase stopped forwarding is not sent again: SERVFAIL at its next try") {
+  // A switch lands between two tries of a query (attack review 10: the next round half a
+  // second after a switch to no-network carried the name to the upstream again).
+  Fixture f;
+  f.upstream.silent = true;
+  f.hooks.allowed = {"pypi.org"};
+  f.start();
+  UdpClient c(f.io, f.proxy->port());
+  c.send(query(0x53, "pypi.org"));
+  REQUIRE(run_until(f.io, [&] { return f.upstream.seen.size() == 1; }, 2000ms));
+  f.hooks.allowed.clear();  // the phase in force refuses it now
+  REQUIRE(run_until(f.io, [&] { return !c.got.empty(); }, 3000ms));
+  CHECK(rcode_of(c.got[0]) == Rcode::servfail);
+  CHECK(f.upstream.seen.size() == 1);
+  CHECK(f.proxy->counters().failed == 1);
+  // Still forwarded: the schedule goes on (the control, in "a dead upstream ..." above).
+}
+
 TEST_CASE("malformed packets get FORMERR or are dropped, and the proxy keeps serving") {
   Fixture f;
   f.hooks.allowed = {"pypi.org"};
