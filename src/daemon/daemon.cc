@@ -6,6 +6,7 @@
 #include <malloc.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <algorithm>
 #include <optional>
 
@@ -158,6 +160,66 @@ Status write_ready_file(const std::string& path, const nft::ActiveState& st) {
   return {};
 }
 
+// The namespace egressd is in, as "<boot id>:<SO_NETNS_COOKIE>": unique
+// while the machine runs, never reused (inode numbers are). Empty on a kernel
+// without the cookie (before 5.14).
+std::string netns_identity() {
+  const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  std::uint64_t cookie = 0;
+  socklen_t len = sizeof cookie;
+  if (!s.ok() || ::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) return {};
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(in, boot);
+  if (boot.empty()) return {};
+  return boot + ":" + std::to_string(cookie);
+}
+
+// The resolv.conf this egressd reads its upstream from (and Docker's
+// forwarder targets): the one egressd first read in this namespace, kept in
+// `kept` (beside the state file), while egressd restarts in the same
+// namespace. A container that shares its resolv.conf with egressd's (Docker's
+// `network_mode: service:X`, a pod) can write it, as root with no capability
+// at all: read afresh at a restart, a server of the sandbox's would become
+// egressd's upstream and answer allowed names with any address, or an empty
+// file would stop egressd from starting again, leaving the phase in force
+// with no one to switch it (attack review 11). In a new namespace the file is
+// read afresh and kept again.
+std::string kept_resolv_conf(const std::string& kept, const std::shared_ptr<spdlog::logger>& log) {
+  const std::string current = read_resolv_conf();
+  const std::string id = netns_identity();
+  if (id.empty()) return current;
+  const std::string head = "# egressd: the resolv.conf first read in network namespace " + id + "\n";
+  {
+    std::ifstream in(kept);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string was = text.str();
+    if (in && was.starts_with(head)) {
+      const std::string first = was.substr(head.size());
+      if (first != current) {
+        log->warn("event=resolv_conf_changed /etc/resolv.conf changed since egressd first read it in this "
+                  "namespace (a container sharing it may have written it): keeping the first, from {}",
+                  kept);
+      }
+      return first;
+    }
+  }
+  const std::string tmp = kept + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << head << current;
+    if (!out) {
+      log->warn("cannot keep /etc/resolv.conf in {} ({}): a restart reads it afresh", tmp, errno_text(errno));
+      return current;
+    }
+  }
+  if (std::rename(tmp.c_str(), kept.c_str()) != 0) {
+    log->warn("cannot keep /etc/resolv.conf in {} ({}): a restart reads it afresh", kept, errno_text(errno));
+  }
+  return current;
+}
+
 TrimWhenIdle::TrimWhenIdle(boost::asio::io_context& io) : timer_(io) {}
 
 void TrimWhenIdle::operator()() {
@@ -212,7 +274,7 @@ int cmd_run(const RunArgs& a) {
   o.names = a.names;
   o.metrics_file = a.metrics_file;
   o.metrics_interval_s = a.metrics_interval_s;
-  o.resolv_conf = read_resolv_conf();
+  o.resolv_conf = kept_resolv_conf(o.state_file + ".resolv", log);
   o.hosts_file = hosts_file;
   // A ready file says this egressd is ready: one a killed egressd left goes
   // before this one installs anything (a second egressd, refused, leaves the

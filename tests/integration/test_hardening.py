@@ -996,3 +996,28 @@ def test_egressds_log_holds_none_of_the_tables_secret_marks(lab, egressd):
     log = d.log().lower()
     leaked = [s for s in secrets if int(s, 16) != 0 and (f"0x{s}" in log or f"0x{int(s, 16):x}" in log)]
     assert not leaked, leaked
+
+
+# ---- The resolv.conf egressd shares with the sandbox ----------------------------------------------
+# Docker's `network_mode: service:X` and a pod give the containers of one namespace one
+# resolv.conf, writable by any of them as root (no capability needed). Read afresh at every
+# start, a sandbox's server became egressd's upstream after a restart and answered an allowed
+# name with an address of its choosing, which egressd then opened; an emptied file stopped
+# egressd from starting again (attack review 11). egressd keeps the file it first read in a
+# namespace and uses that while it restarts there.
+
+def test_a_restart_in_the_same_namespace_keeps_the_resolv_conf_egressd_first_read(lab, egressd):
+    shared = lab.tmp / "shared-resolv.conf"
+    shared.write_text(f"nameserver {labmod.DNS_V4}\n")
+    wrapped = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(shared),
+               str(labmod.egressd_binary())]
+    d = egressd("initial_phase: agent\nphases:\n  agent: { network_mode: allowlist, "
+                "allowed_hosts: [\"a.example.com\"] }\n", binary=wrapped)
+    assert f"upstream={labmod.DNS_V4} " in d.log(), d.log()[-2000:]
+    for written in ("nameserver 203.0.113.66\n", ""):  # the sandbox's server; nothing at all
+        shared.write_text(written)
+        d.restart()
+        last = d.log().rsplit("--- ", 1)[-1]
+        assert f"upstream={labmod.DNS_V4} " in last, last[-2000:]
+        assert "event=resolv_conf_changed" in last, last[-2000:]
+        assert lab.dns_query("a.example.com", "A", timeout=5.0).rcode == "NOERROR"
