@@ -284,6 +284,27 @@ int cmd_run(const RunArgs& a) {
   };
   o.after_switch = [&trim_when_idle] { trim_when_idle(); };
   o.after_request = [&trim_when_idle] { trim_when_idle(); };
+  // Every interface of the namespace gone, after it had some: its container
+  // stopped. Docker and Podman give a restarted container a new namespace,
+  // so when egressd joined the task's (`network_mode: service:task`), the
+  // restarted task ran in one with no policy while this egressd, in the old
+  // one, still looked ready and took every switch (attack review 11). It
+  // exits (3) instead, the ready file gone: the orchestrator's next request
+  // fails, and a restart policy starts egressd in the task's new namespace.
+  int exit_code = 0;
+  bool had_interfaces = false;
+  o.interfaces_changed = [&](const std::vector<std::string>& interfaces) {
+    if (!interfaces.empty()) {
+      had_interfaces = true;
+      return;
+    }
+    if (!had_interfaces || exit_code != 0) return;
+    if (!a.ready_file.empty()) ::unlink(a.ready_file.c_str());
+    log->error("event=namespace_abandoned every network interface left the namespace egressd serves (its "
+               "container stopped; a restarted container gets a new namespace, with no policy in it): exiting");
+    exit_code = 3;
+    io.stop();
+  };
   auto made = Instance::create(io, std::move(o));
   if (!made) return report(made.error());
   Instance& inst = **made;
@@ -316,7 +337,6 @@ int cmd_run(const RunArgs& a) {
     warn_if_task_can_forge_answers(a.netns_pid, sandbox.compile_options().upstreams);
   }
 
-  int exit_code = 0;
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](const boost::system::error_code& ec, int sig) {
     if (ec) return;

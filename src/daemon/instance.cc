@@ -116,7 +116,13 @@ class NetWatchLoop {
     if (auto st = sandbox_.update_network(*view); !st) {
       spdlog::get("egressd")->error("{}interface watch: {}", prefix_, st.error().message);
     }
+    if (changed) changed(view->interfaces);
   }
+
+ public:
+  std::function<void(const std::vector<std::string>&)> changed;
+
+ private:
 
   NetWatch watch_;
   std::unique_ptr<EventFeed> feed_;
@@ -645,10 +651,12 @@ struct Instance::Impl {
     link_feed = std::move(*f);
   }
   netwatch = std::make_unique<NetWatchLoop>(std::move(*watch), std::move(link_feed), *sandbox, prefix());
+  netwatch->changed = opts.interfaces_changed;
   netwatch->listen();
   auto view = netwatch->dump();
   if (!view) return view.error().wrap("interface watch");
   (void)sandbox->update_network(*view);
+  if (opts.interfaces_changed) opts.interfaces_changed(view->interfaces);
   if (auto s = sandbox->start(opts.initial); !s) return s;
   // A broken or unreadable file is logged and teaches nothing; egressd runs
   // (a file named by the operator was checked before anything was installed).

@@ -81,6 +81,9 @@ struct InstanceOptions {
   std::function<void()> claimed;
   // Called after every switch (the process trims its heap once idle).
   std::function<void()> after_switch;
+  // Called with the namespace's non-loopback interfaces (sorted) each time
+  // the interface watch finds them changed, once the instance is live.
+  std::function<void(const std::vector<std::string>&)> interfaces_changed;
   // Called after every request on the sandbox's own socket (the same: a
   // status of 1k entries leaves its JSON's heap behind).
   std::function<void()> after_request;

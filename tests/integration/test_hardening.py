@@ -1021,3 +1021,24 @@ def test_a_restart_in_the_same_namespace_keeps_the_resolv_conf_egressd_first_rea
         assert f"upstream={labmod.DNS_V4} " in last, last[-2000:]
         assert "event=resolv_conf_changed" in last, last[-2000:]
         assert lab.dns_query("a.example.com", "A", timeout=5.0).rcode == "NOERROR"
+
+
+# ---- A namespace every interface left ----------------------------------------------------------
+# Docker and Podman give a restarted container a new network namespace. With egressd joined to
+# the task's (`network_mode: service:task`), the restarted task ran in a namespace with no policy
+# while egressd, left in the old one, stayed healthy and acknowledged every switch (attack review
+# 11). egressd now exits (3) when every interface has left its namespace, ready file removed, so
+# the orchestrator's next request fails and a restart policy starts egressd in the new namespace.
+
+def test_egressd_exits_when_every_interface_has_left_its_namespace(lab, egressd):
+    d = egressd(POLICY, phase="verifier")
+    ifaces = [l.split(":")[1].strip().split("@")[0] for l in lab.sandbox.ip("-o", "link", "show").stdout.splitlines()]
+    others = [i for i in ifaces if i != "lo"]
+    assert others, ifaces
+    for i in others:
+        lab.sandbox.ip("link", "del", i)
+    assert d.wait(5.0) == 3, d.log()[-2000:]
+    assert "event=namespace_abandoned" in d.log()
+    assert not d.ready_path.exists()
+    # The policy stays in the namespace (fail closed).
+    assert lab.nft(lab.sandbox, "list", "table", "inet", "egressd")[0] == 0
