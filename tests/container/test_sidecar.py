@@ -1,5 +1,5 @@
 """egressd as a container in a task container's network namespace, driven from the host
-through the bind-mounted socket (container/podman.md, container/compose.yaml):
+through the bind-mounted socket (container/podman.md: the task owns the namespace):
 
     podman run -d --name task --network NET <task image>
     podman run -d --network container:task --cap-drop all --cap-add NET_ADMIN \

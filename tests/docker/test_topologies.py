@@ -166,7 +166,8 @@ def test_netns_pid_topology(sandboxes, session):
 
 def test_compose_example_as_shipped(sandboxes):
     """container/compose.yaml: healthy once the policy is in the kernel, closed from the
-    start, the socket in ./egressd-run on the host; the shipped task holds no capability."""
+    start, the socket in ./egressd-run on the host; the shipped task holds no capability and
+    runs in egressd's namespace."""
     sb = sandboxes("compose-example", "no-network")
     dockerlab.wait_for(lambda: sb.egressd.health == "healthy", 15.0, "the shipped healthcheck to pass")
     assert sb.egressd.inspect("{{.HostConfig.RestartPolicy.Name}}") == "unless-stopped"
@@ -175,6 +176,20 @@ def test_compose_example_as_shipped(sandboxes):
     cap_eff = sb.task.exec("grep", "CapEff", "/proc/self/status").stdout.split()[1]
     assert int(cap_eff, 16) == 0, cap_eff
     assert (sb.run_dir / "egressd.sock").is_socket()
+    assert os.stat(f"/proc/{sb.task.pid}/ns/net").st_ino == os.stat(f"/proc/{sb.egressd.pid}/ns/net").st_ino
+
+
+@pytest.mark.parametrize("topology", ["compose-example", "harbor"])
+def test_a_restarted_task_comes_back_into_egressds_namespace_and_policy(sandboxes, topology):
+    """Docker gives a restarted container a new network namespace. Where the task owned it, a
+    restarted task came back with no policy at all while egressd, left in the old one, stayed
+    healthy (attack review 11). Where egressd owns it, the task joins it again, policy and all."""
+    sb = sandboxes(topology, "allowlist", [SERVER_A])
+    assert sb.reachable() == {SERVER_A}
+    dockerlab.docker("restart", "--time", "1", sb.task.ref, timeout=60)
+    dockerlab.wait_for(lambda: sb.task.running, 20.0, "the restarted task")
+    assert sb.reachable() == {SERVER_A}
+    assert sb.status()["mode"] == "allowlist"
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

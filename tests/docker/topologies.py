@@ -8,9 +8,9 @@ so every check and every attack is written once and run in each:
   netns-pid        a task container on its own, egressd joining it as a host process with
                    `run --netns-pid <the task's pid>` and a policy file whose upstream is the
                    task's resolver, Docker's 127.0.0.11; switches are the host's egressctl
-  compose-example  container/compose.yaml as shipped (plus compose-example-offline.yaml): the
-                   task owns the namespace, egressd joins it; switches are egressctl on
-                   ./egressd-run/egressd.sock
+  compose-example  container/compose.yaml as shipped (plus compose-example-offline.yaml):
+                   egressd owns the namespace, the task joins it once egressd is healthy;
+                   switches are egressctl on ./egressd-run/egressd.sock
 
 A sandbox starts in `public`, `allowlist` (with `allow` entries) or `no-network`.
 """
@@ -257,7 +257,6 @@ class NetnsPidSandbox(Sandbox):
 
 class ComposeExampleSandbox(Sandbox):
     topology = "compose-example"
-    can_restart = True
 
     def __init__(self, session, network, mode, allow):
         super().__init__(session, network)
@@ -309,25 +308,6 @@ class ComposeExampleSandbox(Sandbox):
 
     def egressctl(self, *args):
         return dockerlab.egressctl(self.sock, *args)
-
-    def restart_egressd(self, meanwhile=None, timeout: float = 20.0):
-        self.egressd.stop()
-        if meanwhile:
-            meanwhile()
-        (self.run_dir / "ready").unlink(missing_ok=True)
-        self.egressd.start()
-
-        def ready():
-            if (self.run_dir / "ready").exists() and self.egressd.running:
-                return True
-            # `restart: unless-stopped` starts a failed egressd again: a restart count or a
-            # non-zero exit code means it failed.
-            restarts = int(self.egressd.inspect("{{.RestartCount}}"))
-            if restarts or (not self.egressd.running and self.egressd.exit_code != 0):
-                raise LabError(f"egressd exited {self.egressd.exit_code} after the restart "
-                               f"(restarted {restarts} times by its restart policy): {last_line(self.logs())}")
-            return False
-        wait_for(ready, timeout, "the restarted egressd's ready file")
 
     def close(self):
         return self.project.down()
