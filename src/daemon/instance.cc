@@ -509,7 +509,7 @@ struct Instance::Impl {
     if (pinq) {
       const std::size_t n =
           pinq->cut([this](const AdmittedFlow& f) { return sandbox->pin_keeps(f.name, f.dst); });
-      if (n > 0) log->info("{}pin: cut flows={} gen={} (admitted for names the new phase does not allow)", prefix(), n, gen);
+      if (n > 0) log->info("{}pin: cut flows={} gen={} (admitted for names the new phase does not allow, or to addresses whose lookup expired)", prefix(), n, gen);
     }
     // The reaper's thread is woken after the reply has gone out (the reply is
     // written before the loop runs posted work): on a busy host the woken
