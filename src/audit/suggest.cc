@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "egressd/policy.h"
 
@@ -16,26 +17,80 @@ std::string parent_of(const std::string& name) {
 
 namespace {
 
-// True for parents a wildcard must never sit on: one label ("com"), or a
-// two-label name that looks like a public suffix ("co.uk", "com.au").
-bool suffix_like(const std::string& parent) {
-  const auto dot = parent.find('.');
-  if (dot == std::string::npos) return true;
-  if (parent.find('.', dot + 1) != std::string::npos) return false;
-  static const std::set<std::string> kSecondLevel = {"ac", "co", "com", "edu", "gob", "gov", "go", "ltd",
-                                                     "mil", "ne", "net", "nic", "or", "org", "plc", "sch"};
-  const std::string first = parent.substr(0, dot), tld = parent.substr(dot + 1);
-  return tld.size() == 2 && kSecondLevel.count(first) != 0;
-}
+// Services that answer every name below them with the address written in
+// the name (1-2-3-4.nip.io -> 1.2.3.4): a wildcard over one allows every
+// address, loopback and the host's own network included. They are
+// registrable domains in the PSL, so the list alone does not stop them.
+// The well-known ones only; the address-like label check below catches the
+// rest when the sandbox uses them.
+constexpr const char* kAnyAddressServices[] = {
+    "nip.io", "sslip.io", "traefik.me", "localtest.me", "lvh.me",
+};
 
 bool below(const std::string& name, const std::string& parent) {
   return name.size() > parent.size() + 1 && name.compare(name.size() - parent.size(), parent.size(), parent) == 0 &&
          name[name.size() - parent.size() - 1] == '.';
 }
 
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_hex(char c) { return is_digit(c) || (c >= 'a' && c <= 'f'); }
+
+// The any-address service `p` is, or is below; empty if none.
+std::string any_address_service(const std::string& p) {
+  for (const char* s : kAnyAddressServices) {
+    if (p == s || below(p, s)) return s;
+  }
+  return {};
+}
+
+// Why `*.p` must not be suggested; empty if it may. `labels` are the
+// sibling labels exactly one below p.
+std::string withheld_because(const std::string& p, const std::vector<std::string>& labels,
+                             const PublicSuffixes& psl) {
+  if (p.find('.') == std::string::npos || !psl.registrable(p)) {
+    return p + " is a public suffix: names below it belong to different owners";
+  }
+  if (const auto svc = any_address_service(p); !svc.empty()) {
+    return svc + " answers with any address written in the name: a wildcard below it allows every address";
+  }
+  for (const auto& l : labels) {
+    if (address_like_label(l)) {
+      return "names below " + p + " look like addresses (" + l + "): a wildcard could allow every address";
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
-Suggestion suggest_allowed_hosts(const std::vector<std::string>& names, bool wildcards) {
+bool address_like_label(const std::string& label) {
+  if (label.empty()) return false;
+  std::size_t digits = 0, hex = 0, dashes = 0;
+  for (const char c : label) {
+    if (is_digit(c)) ++digits;
+    if (is_hex(c)) ++hex;
+    if (c == '-') ++dashes;
+  }
+  // "10", "1-2-3-4", "192-0-2-1": decimal, plain or dashed.
+  if (digits > 0 && digits + dashes == label.size()) return true;
+  // "c0a80001": an IPv4 address in hex (nip.io, sslip.io decode it).
+  if (label.size() == 8 && hex == 8) return true;
+  // "2001-db8--1", "fe80--1": IPv6 with dashes for colons.
+  if (digits > 0 && dashes >= 2 && hex + dashes == label.size()) return true;
+  // "ip-192-0-2-1", "www-10-0-0-1": a dashed dotted quad after a prefix.
+  std::size_t groups = 0, i = label.size();
+  while (groups < 4 && i > 0 && is_digit(label[i - 1])) {
+    std::size_t n = 0;
+    while (i > 0 && is_digit(label[i - 1]) && n < 4) --i, ++n;
+    if (n > 3) break;
+    ++groups;
+    if (i == 0 || label[i - 1] != '-') break;
+    --i;
+  }
+  return groups == 4;
+}
+
+Suggestion suggest_allowed_hosts(const std::vector<std::string>& names, bool wildcards, const PublicSuffixes* psl) {
   Suggestion s;
   std::set<std::string> hosts;
   std::set<std::string> skipped;
@@ -52,14 +107,26 @@ Suggestion suggest_allowed_hosts(const std::vector<std::string>& names, bool wil
     s.entries.assign(hosts.begin(), hosts.end());
     return s;
   }
-  std::map<std::string, std::size_t> children;  // parent -> names exactly one label below it
+  std::map<std::string, std::vector<std::string>> children;  // parent -> labels of the names exactly one below it
   for (const auto& h : hosts) {
     const std::string p = parent_of(h);
-    if (!p.empty()) ++children[p];
+    if (!p.empty()) children[p].push_back(h.substr(0, h.size() - p.size() - 1));
   }
   std::vector<std::string> parents;
-  for (const auto& [p, n] : children) {
-    if (n >= 2 && !suffix_like(p)) parents.push_back(p);
+  for (const auto& [p, labels] : children) {
+    if (labels.size() < 2) continue;
+    if (psl == nullptr) {
+      // No list: nothing tells a registrable domain from a suffix, and a
+      // guess is what let *.github.io through (attack review 10). Fail closed.
+      s.notes.assign(1, "no Public Suffix List could be loaded: no wildcards suggested, every name listed");
+      parents.clear();
+      break;
+    }
+    if (auto why = withheld_because(p, labels, *psl); !why.empty()) {
+      s.notes.push_back(std::move(why));
+    } else {
+      parents.push_back(p);
+    }
   }
   // A collapsed parent below another collapsed parent is covered by it.
   std::set<std::string> out;
@@ -101,6 +168,12 @@ std::string suggestion_yaml(const Suggestion& s) {
       out += printable(n);
     }
     out += "\n";
+  }
+  // Notes name only entries parse_entry accepted (letters, digits, '-', '.'): no line to forge.
+  for (const auto& n : s.notes) {
+    out += "# ";
+    out += n;
+    out += '\n';
   }
   if (s.entries.empty()) return out + "allowed_hosts: []\n";
   out += "allowed_hosts:\n";

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "audit/explain.h"
+#include "audit/psl.h"
 #include "audit/suggest.h"
 #include "control/audit_view.h"
 #include "control/client.h"
@@ -306,9 +307,15 @@ int cmd_hosts(const Options& o) {
   return run(o, req, [&](const Json& r) {
     const Json hosts = r.value("hosts", Json::array());
     if (o.suggest || o.wildcards) {
-      const auto s = egressd::audit::suggest_allowed_hosts(egressd::control::resolved_names(hosts), o.wildcards);
+      // Wildcards only where the Public Suffix List says who owns the parent; without a list,
+      // none (attack review 10: *.github.io from two names the sandbox chose).
+      egressd::audit::LoadedPsl psl;
+      if (o.wildcards) psl = egressd::audit::load_public_suffixes();
+      auto s = egressd::audit::suggest_allowed_hosts(egressd::control::resolved_names(hosts), o.wildcards,
+                                                     psl.list.get());
+      if (o.wildcards && !psl.list) s.notes.push_back("Public Suffix List: " + psl.error);
       if (o.json) {
-        std::cout << dump(Json{{"allowed_hosts", s.entries}, {"skipped", s.skipped}}, 2) << '\n';
+        std::cout << dump(Json{{"allowed_hosts", s.entries}, {"skipped", s.skipped}, {"notes", s.notes}}, 2) << '\n';
       } else {
         std::cout << egressd::audit::suggestion_yaml(s);
       }

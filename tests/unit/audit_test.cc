@@ -8,8 +8,13 @@
 #include <linux/netfilter/nfnetlink_log.h>
 #include <linux/netlink.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +22,7 @@
 #include "audit/denied.h"
 #include "audit/names.h"
 #include "audit/nflog.h"
+#include "audit/psl.h"
 #include "audit/suggest.h"
 
 using namespace egressd;
@@ -168,17 +174,136 @@ TEST_CASE("suggest: exactly the resolved names, normalized, sorted, unique; inva
   CHECK(suggestion_yaml({}) == "allowed_hosts: []\n");
 }
 
-TEST_CASE("wildcards: two or more siblings collapse to *.parent; never onto a public-suffix-like parent") {
+namespace {
+
+// The real list, as egressctl loads it (Debian: publicsuffix's DAFSA file
+// through libpsl5). Loaded once for the file.
+const PublicSuffixes& real_psl() {
+  static const LoadedPsl loaded = load_public_suffixes();
+  REQUIRE_MESSAGE(loaded.list != nullptr, loaded.error);
+  return *loaded.list;
+}
+
+// A stand-in list: only what is in `suffixes` (and one-label names) is a suffix.
+struct FakePsl : PublicSuffixes {
+  std::vector<std::string> suffixes;
+  bool registrable(const std::string& name) const override {
+    return name.find('.') != std::string::npos &&
+           std::find(suffixes.begin(), suffixes.end(), name) == suffixes.end();
+  }
+};
+
+bool has_note(const Suggestion& s, const std::string& text) {
+  return std::any_of(s.notes.begin(), s.notes.end(),
+                     [&](const std::string& n) { return n.find(text) != std::string::npos; });
+}
+
+}  // namespace
+
+TEST_CASE("wildcards: two or more siblings collapse to *.parent; never onto a public suffix") {
   auto s = suggest_allowed_hosts({"a.files.example.com", "b.files.example.com", "c.d.files.example.com",
                                   "files.example.com", "pypi.org", "x.com", "y.com", "a.co.uk", "b.co.uk",
                                   "solo.other.example"},
-                                 true);
+                                 true, &real_psl());
   CHECK(s.entries == std::vector<std::string>{"*.files.example.com", "a.co.uk", "b.co.uk", "files.example.com",
                                               "pypi.org", "solo.other.example", "x.com", "y.com"});
   CHECK(suggestion_yaml(s).find("  - \"*.files.example.com\"\n") != std::string::npos);
+  CHECK(has_note(s, "co.uk is a public suffix: names below it belong to different owners"));
+  CHECK(has_note(s, "com is a public suffix"));
   // Nested collapses: the outer wildcard covers the inner one.
-  auto n = suggest_allowed_hosts({"a.b.example.net", "c.b.example.net", "b.example.net", "z.example.net"}, true);
+  auto n = suggest_allowed_hosts({"a.b.example.net", "c.b.example.net", "b.example.net", "z.example.net"}, true,
+                                 &real_psl());
   CHECK(n.entries == std::vector<std::string>{"*.example.net"});
+  CHECK(n.notes.empty());
+  // A registrable domain under a two-label suffix, and a name below a PRIVATE suffix's tenant.
+  CHECK(suggest_allowed_hosts({"a.example.com", "b.example.com"}, true, &real_psl()).entries ==
+        std::vector<std::string>{"*.example.com"});
+  CHECK(suggest_allowed_hosts({"www.foo.co.uk", "api.foo.co.uk"}, true, &real_psl()).entries ==
+        std::vector<std::string>{"*.foo.co.uk"});
+  CHECK(suggest_allowed_hosts({"a.me.github.io", "b.me.github.io"}, true, &real_psl()).entries ==
+        std::vector<std::string>{"*.me.github.io"});
+}
+
+// Attack review 10 (F3): the sandbox resolves two names of its choice in public; the
+// suggestion must not hand it every tenant of a hosting or tunnel provider.
+TEST_CASE("wildcards: never over a suffix of the list's PRIVATE section; the names stay listed") {
+  for (const std::string suffix : {"github.io", "trycloudflare.com", "workers.dev", "s3.amazonaws.com",
+                                   "herokuapp.com", "co.uk", "com"}) {
+    CAPTURE(suffix);
+    const auto s = suggest_allowed_hosts({"attacker-1." + suffix, "attacker-2." + suffix}, true, &real_psl());
+    CHECK(s.entries == std::vector<std::string>{"attacker-1." + suffix, "attacker-2." + suffix});
+    const auto y = suggestion_yaml(s);
+    CHECK(y.find("*.") == std::string::npos);
+    CHECK(y.find("# " + suffix + " is a public suffix: names below it belong to different owners\n") !=
+          std::string::npos);
+  }
+}
+
+TEST_CASE("wildcards: never below a service that answers any address written in the name") {
+  for (const std::string svc : {"nip.io", "sslip.io", "traefik.me", "localtest.me", "lvh.me"}) {
+    CAPTURE(svc);
+    const auto s = suggest_allowed_hosts({"app." + svc, "api." + svc, "x.y." + svc, "z.y." + svc}, true,
+                                         &real_psl());
+    CHECK(s.entries == std::vector<std::string>{"api." + svc, "app." + svc, "x.y." + svc, "z.y." + svc});
+    CHECK(has_note(s, svc + " answers with any address written in the name"));
+  }
+}
+
+TEST_CASE("wildcards: never when a sibling label reads as an address") {
+  for (const std::string label : {"1-2-3-4", "192-0-2-1", "c0a80001", "10", "ip-10-0-0-1", "2001-db8--1"}) {
+    CAPTURE(label);
+    CHECK(address_like_label(label));
+    const auto s = suggest_allowed_hosts({label + ".rebind.example", "www.rebind.example"}, true, &real_psl());
+    CHECK(s.entries.size() == 2);
+    CHECK(has_note(s, "names below rebind.example look like addresses (" + label + ")"));
+  }
+  for (const std::string label : {"www", "api", "cdn-01", "edge-2", "files", "eu-west-1", "v2"}) {
+    CAPTURE(label);
+    CHECK_FALSE(address_like_label(label));
+  }
+}
+
+TEST_CASE("wildcards: with no Public Suffix List, none at all, and the output says so") {
+  const auto s = suggest_allowed_hosts({"a.example.com", "b.example.com", "pypi.org"}, true, nullptr);
+  CHECK(s.entries == std::vector<std::string>{"a.example.com", "b.example.com", "pypi.org"});
+  CHECK(suggestion_yaml(s) ==
+        "# no Public Suffix List could be loaded: no wildcards suggested, every name listed\n"
+        "allowed_hosts:\n  - a.example.com\n  - b.example.com\n  - pypi.org\n");
+  // The loader fails closed on a missing file (no builtin fallback) and on a missing library.
+  PslSources missing;
+  missing.files = {"/nonexistent/public_suffix_list.dafsa"};
+  missing.builtin = false;
+  const auto none = load_public_suffixes(missing);
+  CHECK(none.list == nullptr);
+  CHECK(none.error.find("/nonexistent/public_suffix_list.dafsa: cannot be read") != std::string::npos);
+  PslSources no_lib;
+  no_lib.library = "libpsl-not-there.so.5";
+  const auto nolib = load_public_suffixes(no_lib);
+  CHECK(nolib.list == nullptr);
+  CHECK(nolib.error.find("libpsl-not-there.so.5") != std::string::npos);
+  // A list without its PRIVATE section is refused as incomplete.
+  const auto dir = std::filesystem::temp_directory_path() / ("egressd-psl-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream(dir / "icann_only.dat") << "// ===BEGIN ICANN DOMAINS===\ncom\nuk\nco.uk\n// ===END ICANN DOMAINS===\n";
+  }
+  PslSources partial;
+  partial.files = {(dir / "icann_only.dat").string()};
+  partial.builtin = false;
+  const auto inc = load_public_suffixes(partial);
+  CHECK(inc.list == nullptr);
+  CHECK(inc.error.find("incomplete") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("wildcards: the decision takes the list it is given") {
+  FakePsl fake;
+  fake.suffixes = {"hosting.example"};
+  const auto s = suggest_allowed_hosts({"a.hosting.example", "b.hosting.example", "a.mine.example",
+                                        "b.mine.example"},
+                                       true, &fake);
+  CHECK(s.entries == std::vector<std::string>{"*.mine.example", "a.hosting.example", "b.hosting.example"});
+  CHECK(s.notes == std::vector<std::string>{"hosting.example is a public suffix: names below it belong to different owners"});
 }
 
 TEST_CASE("names from the sandbox cannot forge lines of the suggested YAML") {
