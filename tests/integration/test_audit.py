@@ -9,7 +9,8 @@ The contract (docs/audit.md, docs/protocol.md `denied` / `hosts`):
   with the name (and is never forwarded); bursts with the same key are one record with a
   count; the ring is bounded; `egressctl denied --follow` streams new records;
   `egressctl hosts --suggest` lists exactly the names resolved, `--wildcards` collapses
-  siblings; status counters are cumulative across switches.
+  siblings, never over a public suffix or an any-address zone; status counters are
+  cumulative across switches.
 """
 import json
 import random
@@ -249,7 +250,7 @@ def test_hosts_suggest_lists_exactly_the_names_resolved_in_public(lab, egressd):
     assert rc == 0, err
     assert out == ('allowed_hosts:\n  - "*.example.com"\n  - "*.wild.example.org"\n  - c.example.net\n'), out
     sug = d.ctl_json("hosts", "--suggest", "--json")
-    assert sug == {"allowed_hosts": sorted(names), "skipped": []}
+    assert sug == {"allowed_hosts": sorted(names), "skipped": [], "notes": []}
     hosts = d.ctl_json("hosts", "--json")["hosts"]
     by_name = {h["name"]: h for h in hosts}
     assert set(by_name) == set(names)
@@ -261,6 +262,43 @@ def test_hosts_suggest_lists_exactly_the_names_resolved_in_public(lab, egressd):
     apply(d, "verifier")
     rc, out, err = d.ctl("hosts")
     assert rc == 0 and "environment" in out and "c.example.net" in out, out
+
+
+# Attack review 10 (F3): public suffixes of the PSL's PRIVATE section (every tenant of a
+# hosting or tunnel provider), ICANN ones, and an any-address service. All but nip.io are in
+# the PSL Debian ships (/usr/share/publicsuffix); nip.io is registrable there and is refused by
+# egressctl's own short list.
+SUFFIXES = ["github.io", "trycloudflare.com", "workers.dev", "s3.amazonaws.com", "herokuapp.com", "co.uk",
+            "nip.io"]
+
+
+def test_suggested_wildcards_never_cover_a_public_suffix(lab, egressd):
+    """README: run the task in public, paste `egressctl hosts --suggest --wildcards` into
+    allowed_hosts. The sandbox chooses which names it resolves in public: two siblings under a
+    public suffix (or nip.io, or address-like labels) must not become a wildcard; the names stay
+    listed one by one with a comment saying why, and a registrable parent still collapses."""
+    # The lab's dnsmasq answers these names with documentation addresses only; nothing leaves the lab.
+    lab.dns.restart(wildcards={**labmod.DEFAULT_WILDCARDS, **{s: ["203.0.113.10"] for s in SUFFIXES},
+                               "rebind.example.org": ["203.0.113.11"]})
+    d = egressd(policy())
+    names = [f"{label}.{s}" for s in SUFFIXES for label in ("attacker-1", "attacker-2")]
+    names += ["1-2-3-4.rebind.example.org", "192-0-2-1.rebind.example.org",
+              "a.wild.example.org", "b.wild.example.org"]
+    for n in names:
+        assert resolve(lab, n), n
+    rc, out, err = d.ctl("hosts", "--suggest", "--wildcards")
+    assert rc == 0, err
+    entries = [ln[4:].strip('"') for ln in out.splitlines() if ln.startswith("  - ")]
+    assert entries == sorted(["*.wild.example.org"] + [n for n in names if not n.endswith(".wild.example.org")]), out
+    notes = [ln for ln in out.splitlines() if ln.startswith("#")]
+    assert sorted(notes) == sorted([f"# {s} is a public suffix: names below it belong to different owners"
+                            for s in SUFFIXES if s != "nip.io"] +
+                           ["# nip.io answers with any address written in the name: "
+                            "a wildcard below it allows every address",
+                            "# names below rebind.example.org look like addresses (1-2-3-4): "
+                            "a wildcard could allow every address"]), out
+    sug = d.ctl_json("hosts", "--suggest", "--wildcards", "--json")
+    assert sug["allowed_hosts"] == entries and [f"# {n}" for n in sug["notes"]] == notes, sug
 
 
 def test_counters_are_cumulative_across_switches(lab, egressd):
