@@ -45,6 +45,12 @@ std::string quote(std::string_view s) {
 }
 
 std::string did_you_mean(std::string_view got, const std::vector<std::string_view>& candidates) {
+  const std::string_view best = nearest(got, candidates);
+  if (best.empty()) return {};
+  return " (did you mean " + quote(best) + "?)";
+}
+
+std::string_view nearest(std::string_view got, const std::vector<std::string_view>& candidates) {
   // A long key costs length^2 here; nothing that long is a near miss of a short name.
   if (got.size() > 64) return {};
   const std::string low = lower(got);
@@ -57,8 +63,7 @@ std::string did_you_mean(std::string_view got, const std::vector<std::string_vie
       best = c;
     }
   }
-  if (best.empty()) return {};
-  return " (did you mean " + quote(best) + "?)";
+  return best;
 }
 
 std::string did_you_mean(std::string_view got, std::initializer_list<std::string_view> candidates) {
@@ -83,7 +88,12 @@ bool is_network_key(std::string_view key, const std::vector<std::string_view>& k
   for (std::string_view word : {"network", "allow", "host", "internet", "egress", "deny", "block"}) {
     if (low.find(word) != std::string::npos) return true;
   }
-  if (key.size() > 64) return false;
+  return is_near_key(key, known);
+}
+
+bool is_near_key(std::string_view key, const std::vector<std::string_view>& known) {
+  if (key.size() > 64) return false;  // edit_distance costs length^2
+  const std::string low = lower(key);
   for (std::string_view k : known) {
     if (edit_distance(low, k) <= 2) return true;
   }

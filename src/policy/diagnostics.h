@@ -18,6 +18,10 @@ std::string quote(std::string_view s);
 std::string did_you_mean(std::string_view got, const std::vector<std::string_view>& candidates);
 std::string did_you_mean(std::string_view got, std::initializer_list<std::string_view> candidates);
 
+// The candidate did_you_mean would suggest, or empty: for messages that show it in their own
+// form ("did you mean [environment]?").
+std::string_view nearest(std::string_view got, const std::vector<std::string_view>& candidates);
+
 // The network modes, as error messages list them.
 inline constexpr std::string_view kModes = "public, no-network, allowlist";
 
@@ -31,5 +35,10 @@ std::string join(std::initializer_list<std::string_view> words);
 // ("network_mod") silently leaves the phase open; egressd refuses such a key instead,
 // while other keys of the harness's file (timeouts, resources) are none of its business.
 bool is_network_key(std::string_view key, const std::vector<std::string_view>& known);
+
+// True for a key within 2 edits of one of `known` (any case): the narrower test, for tables
+// whose keys are someone else's (a table egressd does not read), where "host" or "allow"
+// in a key says nothing.
+bool is_near_key(std::string_view key, const std::vector<std::string_view>& known);
 
 }  // namespace egressd::policy_detail

@@ -21,13 +21,15 @@
 // Where egressd is stricter than Harbor it refuses rather than guesses: a key that is about
 // the network but unknown in its table ("network_mod", allow_internet under [agent],
 // network_mode at the top level) is an error, since Harbor would silently ignore it and
-// leave the phase more open than its author meant. Every other key is ignored.
+// leave the phase more open than its author meant; so is a network key in a table it does
+// not read ("[enviroment]", "[Agent]", "[steps.agnet]"). Every other key is ignored.
 //
 // Over 500 lines because the inheritance rules above (baseline, overrides,
 // separate verifiers, steps) are resolved in one pass with file:line:col
 // errors for each key; they are one model and read best as one file.
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <optional>
 #include <set>
 #include <string>
@@ -42,6 +44,7 @@ namespace egressd {
 namespace {
 
 using policy_detail::did_you_mean;
+using policy_detail::is_near_key;
 using policy_detail::is_network_key;
 using policy_detail::kModes;
 using policy_detail::join;
@@ -51,6 +54,12 @@ using policy_detail::quote;
 // table ([environment], [verifier.environment]).
 const std::vector<std::string_view> kPhaseKeys = {"network_mode", "allowed_hosts"};
 const std::vector<std::string_view> kBaselineKeys = {"network_mode", "allowed_hosts", "allow_internet"};
+
+// The tables read above, as dotted paths ([[steps]] entries as "steps"): any other table
+// that holds a network key is a typo Harbor would ignore ("[enviroment]", "[steps.agnet]").
+const std::vector<std::string_view> kReadTables = {
+    "environment", "agent", "verifier", "verifier.environment",
+    "steps", "steps.agent", "steps.verifier", "steps.verifier.environment"};
 
 std::string_view type_name(const toml::node& n) {
   switch (n.type()) {
@@ -387,6 +396,66 @@ class TaskReader {
     return {};
   }
 
+  // Network keys in a table egressd does not read. Harbor ignores such a table as it ignores
+  // an unknown key, so "[enviroment]" or "[Agent]" would leave every phase public. Only keys
+  // within 2 edits of Harbor's network keys count here: these tables are Harbor's or the
+  // task's own ([metadata], [verifier.continuous]), where "host" in a key says nothing; and
+  // env maps ([environment.env], [verifier.env]) are skipped whole, since their keys are
+  // variable names (Django reads ALLOWED_HOSTS).
+  //
+  // `path` holds the keys down to `t` (views into the document); the dotted text is built
+  // only for the few paths that can be read tables and for the message, so a deeply nested
+  // document costs time linear in its size.
+  Status check_unread_tables(const toml::table& t, std::vector<std::string_view>& path, bool array_element) const {
+    std::string dotted;
+    if (path.size() <= 3) {  // "steps.verifier.environment" is the deepest read table
+      for (std::string_view p : path) dotted += (dotted.empty() ? "" : ".") + std::string(p);
+    }
+    const bool read = path.empty() || (path.size() <= 3 && std::ranges::find(kReadTables, dotted) != kReadTables.end());
+    for (const auto& [key, value] : t) {
+      const std::string_view k = key.str();
+      if (!read && is_near_key(k, kBaselineKeys)) return unread_table_error(key, path, array_element);
+      if (k == "env") continue;
+      path.push_back(k);
+      Status s;
+      if (const auto* st = value.as_table()) {
+        s = check_unread_tables(*st, path, false);
+      } else if (const auto* arr = value.as_array()) {
+        for (const toml::node& el : *arr) {
+          if (const auto* et = el.as_table(); et != nullptr && s.ok()) s = check_unread_tables(*et, path, true);
+        }
+      }
+      path.pop_back();
+      if (!s.ok()) return s;
+    }
+    return {};
+  }
+
+  Status unread_table_error(const toml::key& key, const std::vector<std::string_view>& path,
+                            bool array_element) const {
+    std::string dotted;
+    for (std::string_view p : path) dotted += (dotted.empty() ? "" : ".") + std::string(p);
+    const std::string shown = array_element ? "[[" + dotted + "]]" : "[" + dotted + "]";
+    std::string hint;
+    if (dotted == "steps.environment") {
+      hint = ": a Harbor step has no environment of its own (every step runs in the task's [environment]; a "
+             "step's separate verifier reads [steps.verifier.environment])";
+    } else {
+      // "[Agent]" -> [agent], "[step.agent]" -> [steps.agent], "[task.environment]" -> [environment].
+      std::string_view best = policy_detail::nearest(dotted, kReadTables);
+      const std::string_view last = path.back();
+      if (best.empty() && (last == "environment" || last == "agent" || last == "verifier")) best = last;
+      if (best == "steps") {
+        hint = " (did you mean [[steps]]?)";
+      } else if (!best.empty()) {
+        hint = " (did you mean [" + std::string(best) + "]?)";
+      }
+    }
+    return err(key.source(), std::string(key.str()) + " in " + shown +
+                                 " would be ignored: Harbor reads network keys only in [environment], [agent], "
+                                 "[verifier] and the tables of [[steps]]" + hint);
+  }
+
   // Phase names of a step: step-NAME-STAGE when every one of them is a valid phase name,
   // else step-N-STAGE (N = 1-based position), so any step name Harbor takes has phases.
   static std::string step_prefix(const std::string& name, std::size_t index, bool separate) {
@@ -452,6 +521,8 @@ class TaskReader {
     }
 
     if (Status s = steps(root, *base, *agent, *verifier, task_place, doc, add); !s.ok()) return s.error();
+    std::vector<std::string_view> path;
+    if (Status s = check_unread_tables(root, path, false); !s.ok()) return s.error();
     doc.policy.initial_phase = "environment";
     return doc;
   }

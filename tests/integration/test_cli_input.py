@@ -189,6 +189,41 @@ def test_check_reports_a_harbor_error_with_its_position(tmp_path):
     assert cp.stderr == f'error: {task}:3:18: entry "pypi.org:443": ports are not allowed: use the host alone\n'
 
 
+# Attack review 10, F6 and F5: harness files that came out more open than written (each
+# printed "public" for the phase its author closed, exit 0). Offline: check only.
+MISNAMED_TABLES = {
+    "enviroment.toml": ('[enviroment]\nnetwork_mode = "no-network"\n', "2:1", "[enviroment]", "[environment]"),
+    "Agent.toml": ('[environment]\nnetwork_mode = "public"\n[Agent]\nnetwork_mode = "no-network"\n', "4:1",
+                   "[Agent]", "[agent]"),
+    "agents.toml": ('[environment]\nnetwork_mode = "public"\n[agents]\nnetwork_mode = "no-network"\n', "4:1",
+                    "[agents]", "[agent]"),
+    "verifer.toml": ('[environment]\nnetwork_mode = "public"\n[verifer]\nnetwork_mode = "no-network"\n', "4:1",
+                     "[verifer]", "[verifier]"),
+    "step.toml": ('[environment]\nnetwork_mode = "public"\n[[step]]\nname = "x"\n[step.agent]\n'
+                  'network_mode = "no-network"\n', "6:1", "[step.agent]", "[steps.agent]"),
+    "task.environment.toml": ('[task.environment]\nnetwork_mode = "no-network"\n', "2:1", "[task.environment]",
+                              "[environment]"),
+    "steps.agnet.toml": ('[environment]\nnetwork_mode = "public"\n[[steps]]\nname = "s"\n[steps.agnet]\n'
+                         'network_mode = "no-network"\n', "6:1", "[steps.agnet]", "[steps.agent]"),
+    "steps.environment.toml": ('[environment]\nnetwork_mode = "public"\n[[steps]]\nname = "s"\n'
+                               '[steps.environment]\nnetwork_mode = "no-network"\n', "6:1", "[steps.environment]",
+                               None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISNAMED_TABLES))
+def test_check_refuses_network_keys_in_a_misnamed_harbor_table(tmp_path, name):
+    text, where, table, meant = MISNAMED_TABLES[name]
+    f = tmp_path / name
+    f.write_text(text)
+    cp = egressd("check", "--config", str(f))
+    assert cp.returncode == 2, f"{name} accepted:\n{cp.stdout}"
+    assert cp.stderr.startswith(f"error: {f}:{where}: network_mode in {table} would be ignored: "), cp.stderr
+    if meant:
+        assert cp.stderr.endswith(f"(did you mean {meant}?)\n"), cp.stderr
+    assert cp.stdout == ""
+
+
 def test_render_takes_a_harbor_step_phase():
     cp = egressd("render", "--config", str(DATA / "harbor/multi-step-docs.toml"), "--phase", "step-implement-agent")
     assert cp.returncode == 0, cp.stderr

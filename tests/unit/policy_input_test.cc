@@ -289,11 +289,58 @@ TEST_CASE("Harbor: rejections name file:line:col") {
         "of the steps");
 }
 
+TEST_CASE("Harbor: network keys in a table egressd does not read are errors (attack review 10, F6)") {
+  // Harbor ignores such a table as it ignores an unknown key, so each of these left every
+  // phase public.
+  CHECK(task_error("[enviroment]\nnetwork_mode = \"no-network\"\n") ==
+        "task.toml:2:1: network_mode in [enviroment] would be ignored: Harbor reads network keys only in "
+        "[environment], [agent], [verifier] and the tables of [[steps]] (did you mean [environment]?)");
+  CHECK(task_error("[environment]\nnetwork_mode = \"public\"\n[Agent]\nnetwork_mode = \"no-network\"\n")
+            .starts_with("task.toml:4:1: network_mode in [Agent] would be ignored: "));
+  CHECK(task_error("[Agent]\nnetwork_mode = \"no-network\"\n").ends_with(" (did you mean [agent]?)"));
+  CHECK(task_error("[agents]\nnetwork_mode = \"no-network\"\n").ends_with(" (did you mean [agent]?)"));
+  CHECK(task_error("[verifer]\nallowed_hosts = []\n").ends_with(" (did you mean [verifier]?)"));
+  CHECK(task_error("[environment]\n[verifier.enviroment]\nallow_internet = false\n") ==
+        "task.toml:3:1: allow_internet in [verifier.enviroment] would be ignored: Harbor reads network keys only "
+        "in [environment], [agent], [verifier] and the tables of [[steps]] (did you mean [verifier.environment]?)");
+  CHECK(task_error("[[step]]\nname = \"x\"\nnetwork_mode = \"no-network\"\n")
+            .starts_with("task.toml:3:1: network_mode in [[step]] would be ignored"));
+  CHECK(task_error("[[step]]\nname = \"x\"\nnetwork_mode = \"no-network\"\n").ends_with("(did you mean [[steps]]?)"));
+  CHECK(task_error("[[step]]\nname = \"x\"\n[step.agent]\nnetwork_mode = \"no-network\"\n") ==
+        "task.toml:4:1: network_mode in [step.agent] would be ignored: Harbor reads network keys only in "
+        "[environment], [agent], [verifier] and the tables of [[steps]] (did you mean [steps.agent]?)");
+  CHECK(task_error("[[steps]]\nname = \"s\"\n[steps.agnet]\nnetwork_mode = \"no-network\"\n")
+            .ends_with("(did you mean [steps.agent]?)"));
+  CHECK(task_error("[task.environment]\nnetwork_mode = \"no-network\"\n") ==
+        "task.toml:2:1: network_mode in [task.environment] would be ignored: Harbor reads network keys only in "
+        "[environment], [agent], [verifier] and the tables of [[steps]] (did you mean [environment]?)");
+  // Harbor's StepConfig has no environment: every step runs in the task's.
+  CHECK(task_error("[[steps]]\nname = \"s\"\n[steps.environment]\nnetwork_mode = \"no-network\"\n") ==
+        "task.toml:4:1: network_mode in [steps.environment] would be ignored: Harbor reads network keys only in "
+        "[environment], [agent], [verifier] and the tables of [[steps]]: a Harbor step has no environment of its "
+        "own (every step runs in the task's [environment]; a step's separate verifier reads "
+        "[steps.verifier.environment])");
+  // Inline tables, arrays of tables and near misses of the key count too; no suggestion when
+  // no read table is near.
+  CHECK(task_error("extra = { network_mod = \"public\" }\n") ==
+        "task.toml:1:11: network_mod in [extra] would be ignored: Harbor reads network keys only in "
+        "[environment], [agent], [verifier] and the tables of [[steps]]");
+  CHECK(task_error("[[agent.rules]]\nallowed_hosts = [\"x.org\"]\n")
+            .starts_with("task.toml:2:1: allowed_hosts in [[agent.rules]] would be ignored"));
+  // Deeply nested tables are walked in time linear in the document.
+  std::string deep = "[a";
+  for (int i = 0; i < 2000; ++i) deep += ".a";
+  CHECK(task_error(deep + "]\nnetwork_mode = \"public\"\n").starts_with("task.toml:2:1: network_mode in [a.a.a."));
+}
+
 TEST_CASE("Harbor: keys that are not about the network are ignored, at any depth") {
   const auto d = task(
       "version = \"1.0\"\n[metadata]\nnetwork = \"documented elsewhere\"\nallowed = true\n"
       "[environment]\ncpus = 2\n[environment.healthcheck]\nhost = \"ignored: not a network table\"\n"
-      "[agent]\ntimeout_sec = 60.0\nuser = \"agent\"\n[verifier]\nenv = { NETWORK = \"x\" }\n");
+      "[agent]\ntimeout_sec = 60.0\nuser = \"agent\"\n[verifier]\nenv = { NETWORK = \"x\" }\n"
+      // Harbor's own sub-tables, and env maps, whose keys are variable names.
+      "[verifier.continuous]\nenabled = true\n[[verifier.collect]]\ncommand = \"true\"\n"
+      "[environment.env]\nALLOWED_HOSTS = \"*\"\n[solution.env]\nALLOW_INTERNET = \"1\"\n");
   CHECK(plan(d.policy) == std::vector<std::string>{"environment public", "agent public", "verifier public"});
 }
 
