@@ -84,11 +84,16 @@ std::string join(const std::vector<std::string_view>& words) {
 }
 
 bool is_network_key(std::string_view key, const std::vector<std::string_view>& known) {
+  return contains_word(key, {"network", "allow", "host", "internet", "egress", "deny", "block"}) ||
+         is_near_key(key, known);
+}
+
+bool contains_word(std::string_view key, std::initializer_list<std::string_view> words) {
   const std::string low = lower(key);
-  for (std::string_view word : {"network", "allow", "host", "internet", "egress", "deny", "block"}) {
+  for (std::string_view word : words) {
     if (low.find(word) != std::string::npos) return true;
   }
-  return is_near_key(key, known);
+  return false;
 }
 
 bool is_near_key(std::string_view key, const std::vector<std::string_view>& known) {
@@ -98,6 +103,11 @@ bool is_near_key(std::string_view key, const std::vector<std::string_view>& know
     if (edit_distance(low, k) <= 2) return true;
   }
   return false;
+}
+
+bool is_mode_word(std::string_view value) {
+  const std::string low = lower(value);
+  return low == "public" || low == "no-network" || low == "allowlist";
 }
 
 }  // namespace egressd::policy_detail

@@ -41,4 +41,11 @@ bool is_network_key(std::string_view key, const std::vector<std::string_view>& k
 // in a key says nothing.
 bool is_near_key(std::string_view key, const std::vector<std::string_view>& known);
 
+// True when `key` contains one of `words` (lower-case), in any case.
+bool contains_word(std::string_view key, std::initializer_list<std::string_view> words);
+
+// True for a network mode word in any case ("public", "No-Network"): an unknown key whose
+// value is one is about the network whatever its name ("mode = \"no-network\"").
+bool is_mode_word(std::string_view value);
+
 }  // namespace egressd::policy_detail

@@ -20,7 +20,7 @@
 //    task's verifier settings).
 // Where egressd is stricter than Harbor it refuses rather than guesses: a key that is about
 // the network but unknown in its table ("network_mod", allow_internet under [agent],
-// network_mode at the top level) is an error, since Harbor would silently ignore it and
+// network_mode at the top level, mode = "no-network" under [agent]) is an error, since Harbor would silently ignore it and
 // leave the phase more open than its author meant; so is a network key in a table it does
 // not read ("[enviroment]", "[Agent]", "[steps.agnet]"). Every other key is ignored.
 //
@@ -43,8 +43,10 @@ namespace egressd {
 
 namespace {
 
+using policy_detail::contains_word;
 using policy_detail::did_you_mean;
 using policy_detail::is_near_key;
+using policy_detail::is_mode_word;
 using policy_detail::is_network_key;
 using policy_detail::kModes;
 using policy_detail::join;
@@ -216,6 +218,22 @@ class TaskReader {
                           std::to_string(where.begin.column) + ": " + reason);
   }
 
+  // An unknown key set to a mode word is about the network whatever its name: "mode =
+  // \"no-network\"" under [agent] would leave the agent public. (A sub-table holding
+  // network_mode is caught by check_unread_tables.)
+  static bool network_by_value(const toml::node& v) {
+    const auto* s = v.as_string();
+    return s != nullptr && is_mode_word(s->get());
+  }
+
+  // In a phase table ([agent], [verifier], a step's), which holds no parameters of the
+  // environment, a key with mode, policy or net in its name is about the network too
+  // ("net_mode", "policy"). Not a sub-table: check_unread_tables looks inside those, and
+  // "[steps.agnet]" is a typo of a table, not a key.
+  static bool net_in_name(std::string_view k, const toml::node& v) {
+    return !v.is_table() && contains_word(k, {"mode", "policy", "net"});
+  }
+
   // Harbor's network keys of a table. `baseline` tables ([environment] and the verifier's
   // environment tables) also take allow_internet. `structural` names the keys this table
   // uses for something else (agent, verifier, steps, ...), handled by the caller; `hint`
@@ -251,10 +269,12 @@ class TaskReader {
           return err(key.source(), "allow_internet is read only in [environment] and the verifier's environment "
                                    "table (Harbor ignores it in " + std::string(label) + "): use network_mode");
         }
-        if (is_network_key(k, known)) {
+        const bool by_name = is_network_key(k, known);
+        if (by_name || network_by_value(value) || (!baseline && net_in_name(k, value))) {
+          std::string dym = did_you_mean(k, known);
+          if (dym.empty() && !by_name) dym = " (did you mean \"network_mode\"?)";
           return err(key.source(), "unknown network key " + quote(k) + " in " + std::string(label) +
-                                       ": the network keys there are " + join(known) + did_you_mean(k, known) +
-                                       std::string(hint));
+                                       ": the network keys there are " + join(known) + dym + std::string(hint));
         }
       }
     }
@@ -386,7 +406,7 @@ class TaskReader {
     for (const auto& [key, value] : root) {
       const std::string_view k = key.str();
       if (k == "environment" || k == "agent" || k == "verifier" || k == "steps") continue;
-      if (is_network_key(k, kBaselineKeys)) {
+      if (is_network_key(k, kBaselineKeys) || network_by_value(value)) {
         return err(key.source(), "network key " + quote(k) +
                                      " at the top level belongs to no phase: put it in [environment], [agent] or "
                                      "[verifier]" +
@@ -556,7 +576,7 @@ class TaskReader {
       for (const auto& [key, value] : step) {
         const std::string_view k = key.str();
         if (k == "agent" || k == "verifier" || k == "name") continue;
-        if (is_network_key(k, kBaselineKeys)) {
+        if (is_network_key(k, kBaselineKeys) || network_by_value(value) || net_in_name(k, value)) {
           return err(key.source(), "network key " + quote(k) + " in [[steps]]" + of_step +
                                        " belongs to no stage: put it in [steps.agent] or [steps.verifier]");
         }

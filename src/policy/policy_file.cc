@@ -38,6 +38,7 @@ namespace {
 
 using YAML::Node;
 using policy_detail::did_you_mean;
+using policy_detail::is_mode_word;
 using policy_detail::is_network_key;
 using policy_detail::kModes;
 using policy_detail::join;
@@ -512,6 +513,41 @@ class Parser {
     return false;
   }
 
+  // An unknown top-level key of env-params is an error when it is about the network: its name
+  // says so ("run_network_polcy", "verifier_policy"), its value is a mode word, or its value
+  // is a map holding a network key ("params": {"run_network_policy": ...}). AgentCompass
+  // would ignore it, leaving the phase its author closed open.
+  Status unknown_env_params_key(const Node& key, const Node& value) const {
+    static const std::vector<std::string_view> known(std::begin(kEnvParamsKeys), std::end(kEnvParamsKeys));
+    const std::string& name = key.Scalar();
+    if (value.IsMap()) {
+      for (const auto& kv : value) {
+        if (!kv.first.IsScalar()) continue;
+        const std::string& inner = kv.first.Scalar();
+        if (inner == "network_mode" || inner == "allowed_hosts" || std::ranges::find(known, inner) != known.end()) {
+          return err(kv.first.Mark(), quote(inner) + " in " + quote(name) +
+                                          " is not read: the network keys of env-params (network_policy, "
+                                          "run_network_policy, verifier_network_policy) are read only at the top "
+                                          "level");
+        }
+      }
+    }
+    std::string low = name;
+    for (char& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const bool by_value = value.IsScalar() && is_mode_word(value.Scalar());
+    if (!is_network_key(name, known) && !low.ends_with("_policy") && !by_value) return {};
+    std::string dym = did_you_mean(name, known);
+    if (dym.empty() && !is_network_key(name, known)) {
+      // "verifier_policy" -> verifier_network_policy, "offline" -> network_policy.
+      const std::string longer = low.ends_with("_policy") ? low.substr(0, low.size() - 7) + "_network_policy" : "";
+      const bool is_known = std::ranges::find(known, longer) != known.end();
+      dym = " (did you mean " + quote(is_known ? longer : "network_policy") + "?)";
+    }
+    return err(key.Mark(), "unknown network key " + quote(name) +
+                               " in env-params: the network keys are network_policy, run_network_policy, "
+                               "verifier_network_policy" + dym);
+  }
+
   // AgentCompass env-params: network_policy (the setup policy), run_network_policy and
   // verifier_network_policy, each a mode or {network_mode, allowed_hosts}. An omitted or
   // null run/verifier policy inherits the setup policy; with no network_policy the setup
@@ -533,13 +569,7 @@ class Parser {
       std::size_t i = 0;
       while (i < 3 && kEnvParamsKeys[i] != name) ++i;
       if (i == 3) {
-        if (is_network_key(name, {"network_policy", "run_network_policy", "verifier_network_policy"})) {
-          return err(key.Mark(), "unknown network key " + quote(name) +
-                                     " in env-params: the network keys are network_policy, run_network_policy, "
-                                     "verifier_network_policy" +
-                                     did_you_mean(name, {"network_policy", "run_network_policy",
-                                                         "verifier_network_policy"}));
-        }
+        if (Status s = unknown_env_params_key(key, kv.second); !s.ok()) return s.error();
         continue;
       }
       if (auto [it, fresh] = seen.emplace(name, key.Mark().line + 1); !fresh) {

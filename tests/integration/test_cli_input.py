@@ -224,6 +224,32 @@ def test_check_refuses_network_keys_in_a_misnamed_harbor_table(tmp_path, name):
     assert cp.stdout == ""
 
 
+MISTYPED = {
+    "agent-mode.toml": ('[environment]\nnetwork_mode = "public"\n[agent]\nmode = "no-network"\n',
+                        ':4:1: unknown network key "mode" in [agent]'),
+    "agent-net_mode.toml": ('[environment]\nnetwork_mode = "public"\n[agent]\nnet_mode = "no-network"\n',
+                            ':4:1: unknown network key "net_mode" in [agent]'),
+    "verifier-policy.toml": ('[environment]\nnetwork_mode = "public"\n[verifier]\npolicy = "no-network"\n',
+                             ':4:1: unknown network key "policy" in [verifier]'),
+    "verifier_policy.json": ('{"network_policy": "public", "verifier_policy": "no-network"}',
+                             ':1:30: unknown network key "verifier_policy" in env-params'),
+    "run_policy.json": ('{"network_policy": "public", "run_policy": {"network_mode": "no-network"}}',
+                        ':1:45: "network_mode" in "run_policy" is not read'),
+    "params.json": ('{"network_policy": "public", "params": {"run_network_policy": "no-network"}}',
+                    ':1:41: "run_network_policy" in "params" is not read'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISTYPED))
+def test_check_refuses_a_mistyped_network_key_in_a_harness_file(tmp_path, name):
+    text, culprit = MISTYPED[name]
+    f = tmp_path / name
+    f.write_text(text)
+    cp = egressd("check", "--config", str(f))
+    assert cp.returncode == 2, f"{name} accepted:\n{cp.stdout}"
+    assert cp.stderr.startswith(f"error: {f}{culprit}"), cp.stderr
+
+
 def test_render_takes_a_harbor_step_phase():
     cp = egressd("render", "--config", str(DATA / "harbor/multi-step-docs.toml"), "--phase", "step-implement-agent")
     assert cp.returncode == 0, cp.stderr

@@ -333,6 +333,39 @@ TEST_CASE("Harbor: network keys in a table egressd does not read are errors (att
   CHECK(task_error(deep + "]\nnetwork_mode = \"public\"\n").starts_with("task.toml:2:1: network_mode in [a.a.a."));
 }
 
+TEST_CASE("Harbor: unknown keys about the network by value or by name are errors (attack review 10, F5)") {
+  // Each of these left the phase its author closed public ("inherits environment").
+  CHECK(task_error("[environment]\nnetwork_mode = \"public\"\n[agent]\nmode = \"no-network\"\n") ==
+        "task.toml:4:1: unknown network key \"mode\" in [agent]: the network keys there are network_mode, "
+        "allowed_hosts (did you mean \"network_mode\"?)");
+  CHECK(task_error("[agent]\nnet_mode = \"no-network\"\n").starts_with(
+      "task.toml:2:1: unknown network key \"net_mode\" in [agent]: "));
+  CHECK(task_error("[verifier]\npolicy = \"no-network\"\n") ==
+        "task.toml:2:1: unknown network key \"policy\" in [verifier]: the network keys there are network_mode, "
+        "allowed_hosts (did you mean \"network_mode\"?); allow_internet belongs in [verifier.environment]");
+  // By name only in the phase tables, which are not the environment's parameters...
+  CHECK(task_error("[agent]\nrun_policy = 1\n").starts_with("task.toml:2:1: unknown network key \"run_policy\""));
+  CHECK(task_error("[[steps]]\nname = \"s\"\n[steps.verifier]\nnet = false\n")
+            .starts_with("task.toml:4:1: unknown network key \"net\" in [steps.verifier] of step \"s\""));
+  CHECK(task_error("[[steps]]\nname = \"s\"\nmode = 1\n")
+            .starts_with("task.toml:3:1: network key \"mode\" in [[steps]] of step \"s\" belongs to no stage"));
+  // ...by value everywhere egressd reads, in any case.
+  CHECK(task_error("[environment]\nvisibility = \"No-Network\"\n")
+            .starts_with("task.toml:2:1: unknown network key \"visibility\" in [environment]: "));
+  CHECK(task_error("mode = \"allowlist\"\n")
+            .starts_with("task.toml:1:1: network key \"mode\" at the top level belongs to no phase"));
+  // A sub-table holding network_mode is a table egressd does not read.
+  CHECK(task_error("[agent.policy]\nnetwork_mode = \"no-network\"\n")
+            .starts_with("task.toml:2:1: network_mode in [agent.policy] would be ignored"));
+  CHECK(task_error("[agent.run]\nnetwork_mode = \"no-network\"\n")
+            .starts_with("task.toml:2:1: network_mode in [agent.run] would be ignored"));
+  // The environment's own keys with "mode" or "net" in their names stay its business.
+  CHECK(plan(task("[environment]\nnetwork_mode = \"no-network\"\nbuild_mode = \"fast\"\nsubnet = 24\n"
+                  "[verifier]\nenvironment_mode = \"shared\"\n")
+                 .policy) == std::vector<std::string>{"environment no-network", "agent no-network",
+                                                      "verifier no-network"});
+}
+
 TEST_CASE("Harbor: keys that are not about the network are ignored, at any depth") {
   const auto d = task(
       "version = \"1.0\"\n[metadata]\nnetwork = \"documented elsewhere\"\nallowed = true\n"
@@ -342,6 +375,12 @@ TEST_CASE("Harbor: keys that are not about the network are ignored, at any depth
       "[verifier.continuous]\nenabled = true\n[[verifier.collect]]\ncommand = \"true\"\n"
       "[environment.env]\nALLOWED_HOSTS = \"*\"\n[solution.env]\nALLOW_INTERNET = \"1\"\n");
   CHECK(plan(d.policy) == std::vector<std::string>{"environment public", "agent public", "verifier public"});
+}
+
+TEST_CASE("env-params: the environment's own parameters are ignored") {
+  const auto d = params("{\"run_network_policy\": \"no-network\", \"image\": \"python:3.12\", \"mode\": \"fast\", "
+                        "\"resources\": {\"cpus\": 2}, \"dns_servers\": [\"192.0.2.53\"]}");
+  CHECK(plan(d.policy) == std::vector<std::string>{"setup public", "run no-network", "verifier public"});
 }
 
 TEST_CASE("env-params: phases setup, run, verifier") {
@@ -377,6 +416,21 @@ TEST_CASE("env-params: rejections name file:line:col") {
         "verifier_network_policy, not a list");
   CHECK(params_error("{\"image\": \"x\"}") ==
         "env.json:1:1: env-params has none of network_policy, run_network_policy, verifier_network_policy");
+  // Attack review 10, F5: about the network by name, by value or one level down.
+  CHECK(params_error("{\"network_policy\": \"public\", \"verifier_policy\": \"no-network\"}") ==
+        "env.json:1:30: unknown network key \"verifier_policy\" in env-params: the network keys are "
+        "network_policy, run_network_policy, verifier_network_policy (did you mean \"verifier_network_policy\"?)");
+  CHECK(params_error("{\"run_policy\": null}").ends_with("(did you mean \"run_network_policy\"?)"));
+  CHECK(params_error("{\"retry_policy\": {}}").ends_with("(did you mean \"network_policy\"?)"));
+  CHECK(params_error("{\"network_policy\": \"public\", \"run_policy\": {\"network_mode\": \"no-network\"}}") ==
+        "env.json:1:45: \"network_mode\" in \"run_policy\" is not read: the network keys of env-params "
+        "(network_policy, run_network_policy, verifier_network_policy) are read only at the top level");
+  CHECK(params_error("{\"network_policy\": \"public\", \"params\": {\"run_network_policy\": \"no-network\"}}") ==
+        "env.json:1:41: \"run_network_policy\" in \"params\" is not read: the network keys of env-params "
+        "(network_policy, run_network_policy, verifier_network_policy) are read only at the top level");
+  CHECK(params_error("{\"network_policy\": \"public\", \"offline\": \"No-Network\"}") ==
+        "env.json:1:30: unknown network key \"offline\" in env-params: the network keys are network_policy, "
+        "run_network_policy, verifier_network_policy (did you mean \"network_policy\"?)");
   CHECK(params_error("{\"network_policy\": [\"public\"]}") ==
         "env.json:1:20: network_policy must be a mode (public, no-network, allowlist) or a map with network_mode "
         "and allowed_hosts, not a list");
