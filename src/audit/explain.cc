@@ -68,8 +68,8 @@ Result<Target> parse_host(std::string_view raw, std::string_view host) {
     t.addr = *ip;
     return t;
   }
-  // "192.0.2.256" or "1.2.3" would pass as hostnames (entries accept them,
-  // see hostname_problem); as a target they are almost surely a typo'd address.
+  // "192.0.2.256" or "1.2.3": almost surely a typo'd address (parse_entry refuses them
+  // too, with a longer hint meant for allowlists).
   if (!host.empty() && host.find_first_not_of("0123456789.") == std::string_view::npos) {
     return bad(raw, quoted(host) + " is not a valid IPv4 address");
   }

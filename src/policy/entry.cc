@@ -4,7 +4,11 @@
 // Reference for accept/reject decisions: Harbor's task.toml validator
 // (allowed_hosts), which our users already write entries for. Where Harbor
 // and DESIGN.md differ, DESIGN.md wins; each such place says so below.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <unordered_set>
 
@@ -90,14 +94,6 @@ std::string label_problem(std::string_view label) {
 }
 
 // Why `name` (normalized, no wildcard) is not a hostname, or empty when it is.
-//
-// All-numeric names such as "1.2.3" or "192.0.2.256" are accepted as
-// hostnames, as Harbor does (its label rule is the same and it only treats
-// what ip_address() parses as an address). This is safe, not just compatible:
-// such an entry is only ever matched against DNS query names, never against
-// packet addresses, so a resolver that reads "1.2.3" as the address 1.2.0.3
-// (inet_aton) still gets denied. The real IP literals were taken out before
-// this point by parse_ip.
 std::string hostname_problem(std::string_view name) {
   std::size_t start = 0;
   while (true) {
@@ -110,6 +106,71 @@ std::string hostname_problem(std::string_view name) {
   }
   return {};
 }
+
+// "a.b.c.d" read as four decimal numbers up to 255 ("192.000.002.001" -> "192.0.2.1"), or
+// empty when `name` is not four such parts.
+std::string dotted_decimal(std::string_view name) {
+  std::string out;
+  int parts = 0;
+  std::size_t start = 0;
+  while (start <= name.size()) {
+    const std::size_t dot = std::min(name.find('.', start), name.size());
+    const std::string_view part = name.substr(start, dot - start);
+    if (!all_digits(part) || part.size() > 3 || std::stoi(std::string(part)) > 255 || ++parts > 4) return {};
+    out += (out.empty() ? "" : ".") + std::to_string(std::stoi(std::string(part)));
+    start = dot + 1;
+  }
+  return parts == 4 ? out : std::string();
+}
+
+// Why `name` (valid labels, no wildcard) must not be taken as a host name, or empty.
+//
+// Harbor accepts all-numeric names such as "1.2.3" or "192.000.002.001" as host names (only
+// what ip_address() parses is an address there). egressd would match such an entry against
+// DNS names only, so it never allows the address its author almost certainly meant, and a
+// resolver that reads it with inet_aton(3) (1.2.0.3) asks for something else again: the
+// entry silently allows nothing (attack review 10, F4). No top-level domain is numeric (RFC
+// 3696 §2), so refusing costs no real name. The text is not converted: the author says which
+// address was meant.
+std::string numeric_name_problem(std::string_view name) {
+  const std::string text(name);  // valid labels only: no NUL to cut the C string short
+  in_addr a{};
+  const bool aton = inet_aton(text.c_str(), &a) != 0;
+  char read_as[INET_ADDRSTRLEN] = {};
+  if (aton) inet_ntop(AF_INET, &a, read_as, sizeof read_as);
+  if (const std::string decimal = dotted_decimal(name); !decimal.empty()) {
+    // inet_aton reads a leading 0 as octal ("010" is 8): name that reading too when it differs.
+    std::string why = "an IPv4 address with leading zeros is not accepted: write " + decimal;
+    if (aton && decimal != read_as) why += " (inet_aton(3) would read it as " + std::string(read_as) + ")";
+    return why;
+  }
+  if (aton) {
+    return "looks like an IPv4 address in inet_aton(3) shorthand (hex, octal or fewer than four parts; it reads "
+           "as " + std::string(read_as) + "): write the address as four decimal numbers, e.g. " + read_as;
+  }
+  const std::string_view last = name.substr(name.rfind('.') + 1);
+  if (all_digits(last)) {
+    return "the last label " + quote_entry(last) + " is all digits, so this is no host name (no top-level domain "
+           "is numeric) and no IPv4 address: write an address as four decimal numbers 0-255, e.g. 192.0.2.1";
+  }
+  return {};
+}
+
+// An IPv4-mapped IPv6 address (::ffff:0:0/96) as the IPv4 entry to write instead, or empty.
+// A socket connecting to ::ffff:192.0.2.1 sends IPv4 to 192.0.2.1, which the IPv6 sets never
+// see, so such an entry allows nothing (attack review 10, F4).
+std::string mapped_ipv4(const IpPrefix& ip) {
+  if (ip.family != 6 || ip.prefix_len < 96) return {};
+  in6_addr a6{};
+  std::memcpy(&a6, ip.bytes.data(), sizeof a6);
+  if (!IN6_IS_ADDR_V4MAPPED(&a6)) return {};
+  char v4[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, ip.bytes.data() + 12, v4, sizeof v4);
+  return ip.prefix_len == 128 ? std::string(v4) : std::string(v4) + "/" + std::to_string(ip.prefix_len - 96);
+}
+
+constexpr const char* kMappedHint =
+    "an IPv4-mapped IPv6 address reaches the IPv4 address, which an IPv6 entry does not allow: write ";
 
 std::string length_problem(std::string_view text) {
   if (text.size() <= kMaxNameLen) return {};
@@ -197,6 +258,8 @@ Result<Entry> parse_cidr(std::string_view s, const auto& fail) {
     return fail("host bits are set: did you mean " + net.to_string() + "?");
   }
 
+  if (const std::string v4 = mapped_ipv4(net); !v4.empty()) return fail(kMappedHint + v4);
+
   Entry e;
   e.ip = net;
   // A /32 or /128 is one address. IpPrefix prints it without the length, so
@@ -215,12 +278,12 @@ Result<Entry> parse_cidr(std::string_view s, const auto& fail) {
 // The ":" branch without "/": an IPv6 address, or a port / scheme we explain.
 Result<Entry> parse_colon(std::string_view s, const auto& fail) {
   if (const auto ip = parse_ip(s)) {
+    if (const std::string v4 = mapped_ipv4(*ip); !v4.empty()) return fail(kMappedHint + v4);
     Entry e;
     e.kind = EntryKind::ipv6;
     e.ip = *ip;
-    // inet_ntop form (DESIGN §1). Harbor prints Python's compressed form,
-    // which differs for IPv4-mapped addresses ("::ffff:c000:201" there,
-    // "::ffff:192.0.2.1" here).
+    // inet_ntop form (DESIGN §1), as Python's compressed form for what is
+    // left once mapped addresses are refused.
     e.text = ip->to_string();
     return e;
   }
@@ -246,6 +309,7 @@ Result<Entry> parse_wildcard(std::string_view s, const auto& fail) {
     }
     if (std::string why = length_problem(s); !why.empty()) return fail(why);
     if (std::string why = hostname_problem(suffix); !why.empty()) return fail(why);
+    if (std::string why = numeric_name_problem(suffix); !why.empty()) return fail(why);
     Entry e;
     e.kind = EntryKind::wildcard;
     e.text = std::string(s);
@@ -331,6 +395,7 @@ Result<Entry> parse_entry(std::string_view raw) {
   // could never match a query.
   if (std::string why = length_problem(s); !why.empty()) return fail(why);
   if (std::string why = hostname_problem(s); !why.empty()) return fail(why);
+  if (std::string why = numeric_name_problem(s); !why.empty()) return fail(why);
   Entry e;
   e.kind = EntryKind::hostname;
   e.text = std::move(s);

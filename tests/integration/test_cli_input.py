@@ -250,6 +250,32 @@ def test_check_refuses_a_mistyped_network_key_in_a_harness_file(tmp_path, name):
     assert cp.stderr.startswith(f"error: {f}{culprit}"), cp.stderr
 
 
+# Attack review 10, F4: addresses written another way were kept as host names (or as an IPv6
+# entry no packet matches), allowing nothing the author meant.
+@pytest.mark.parametrize("entry,hint", [
+    ("192.000.002.001", "write 192.0.2.1"),
+    ("010.000.000.001", "write 10.0.0.1 (inet_aton(3) would read it as 8.0.0.1)"),
+    ("127.1", "e.g. 127.0.0.1"),
+    ("0x7f.1", "e.g. 127.0.0.1"),
+    ("1.2.3", "e.g. 1.2.0.3"),
+    ("::ffff:192.0.2.1", "write 192.0.2.1"),
+    ("::ffff:0:0/96", "write 0.0.0.0/0"),
+])
+def test_check_refuses_an_address_written_another_way(entry, hint):
+    cp = egressd("check", "--allow", entry)
+    assert cp.returncode == 2, cp.stdout
+    assert cp.stderr.startswith(f'error: entry "{entry}": ') and cp.stderr.endswith(hint + "\n"), cp.stderr
+
+
+def test_check_refuses_an_address_written_another_way_in_a_harbor_file(tmp_path):
+    task = tmp_path / "task.toml"
+    task.write_text('[agent]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org", "192.000.002.001"]\n')
+    cp = egressd("check", "--config", str(task))
+    assert cp.returncode == 2
+    assert cp.stderr == (f'error: {task}:3:30: entry "192.000.002.001": an IPv4 address with leading zeros is '
+                         f"not accepted: write 192.0.2.1\n")
+
+
 def test_render_takes_a_harbor_step_phase():
     cp = egressd("render", "--config", str(DATA / "harbor/multi-step-docs.toml"), "--phase", "step-implement-agent")
     assert cp.returncode == 0, cp.stderr

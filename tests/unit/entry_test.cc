@@ -72,13 +72,32 @@ TEST_CASE("only ONE trailing dot is removed") {
   CHECK(contains(reject("."), "DNS root"));
 }
 
-TEST_CASE("all-numeric dotted names are hostnames (Harbor's rule)") {
-  // Not addresses (inet_pton rejects them), so they are only ever matched
-  // against DNS names; see the comment at hostname_problem.
-  CHECK(accept("1.2.3").kind == EntryKind::hostname);
-  CHECK(accept("192.0.2.256").kind == EntryKind::hostname);
-  CHECK(accept("010.0.0.1").kind == EntryKind::hostname);
-  CHECK(accept("123").kind == EntryKind::hostname);
+TEST_CASE("names an IPv4 reader would take for an address are refused (attack review 10, F4)") {
+  // Harbor takes these as host names; here they would match only DNS names, never the
+  // address meant, so the entry would silently allow nothing.
+  CHECK(reject("192.000.002.001") == "an IPv4 address with leading zeros is not accepted: write 192.0.2.1");
+  CHECK(reject("010.000.000.001") ==
+        "an IPv4 address with leading zeros is not accepted: write 10.0.0.1 (inet_aton(3) would read it as 8.0.0.1)");
+  CHECK(reject("08.1.1.1") == "an IPv4 address with leading zeros is not accepted: write 8.1.1.1");
+  CHECK(reject("127.1") ==
+        "looks like an IPv4 address in inet_aton(3) shorthand (hex, octal or fewer than four parts; it reads as "
+        "127.0.0.1): write the address as four decimal numbers, e.g. 127.0.0.1");
+  CHECK(contains(reject("0x7f.1"), "it reads as 127.0.0.1): write the address as four decimal numbers"));
+  CHECK(contains(reject("1.2.3"), "it reads as 1.2.0.3"));
+  CHECK(contains(reject("0xc0000201"), "it reads as 192.0.2.1"));
+  CHECK(contains(reject("123"), "it reads as 0.0.0.123"));
+  CHECK(reject("192.0.2.256") ==
+        "the last label \"256\" is all digits, so this is no host name (no top-level domain is numeric) and no IPv4 "
+        "address: write an address as four decimal numbers 0-255, e.g. 192.0.2.1");
+  CHECK(contains(reject("1.2.3.4.5"), "the last label \"5\" is all digits"));
+  CHECK(contains(reject("*.1.2.3"), "it reads as 1.2.0.3"));
+  CHECK(contains(reject("*.x.2"), "the last label \"2\" is all digits"));
+  // Digits elsewhere, or a last label with a letter, stay host names.
+  CHECK(accept("1.2.3.example").kind == EntryKind::hostname);
+  CHECK(accept("123.com").kind == EntryKind::hostname);
+  CHECK(accept("1.2.3.4a").kind == EntryKind::hostname);
+  CHECK(accept("*.1.2.3.x").kind == EntryKind::wildcard);
+  CHECK(accept("0xcafe.org").kind == EntryKind::hostname);
 }
 
 TEST_CASE("label and name lengths") {
@@ -139,7 +158,6 @@ TEST_CASE("leading wildcards") {
   CHECK(e.name_suffix() == "github.com");
   CHECK(e.is_name());
   CHECK(accept("*.com").name_suffix() == "com");
-  CHECK(accept("*.1.2.3").kind == EntryKind::wildcard);  // a numeric name, not an address
 }
 
 TEST_CASE("misplaced wildcards") {
@@ -213,7 +231,16 @@ TEST_CASE("IPv6 addresses are printed compressed, as inet_ntop does") {
   CHECK(accept("2001:db8:0:1:1:1:1:1").text == "2001:db8:0:1:1:1:1:1");  // one zero group stays
   CHECK(accept("::1").text == "::1");
   CHECK(accept("::").text == "::");
-  CHECK(accept("::FFFF:192.0.2.1").text == "::ffff:192.0.2.1");
+  // Attack review 10, F4: a mapped address leaves as IPv4, which an IPv6 entry never allows.
+  CHECK(reject("::FFFF:192.0.2.1") ==
+        "an IPv4-mapped IPv6 address reaches the IPv4 address, which an IPv6 entry does not allow: write 192.0.2.1");
+  CHECK(contains(reject("::ffff:c000:201"), "write 192.0.2.1"));
+  CHECK(contains(reject("::ffff:0:0/96"), "write 0.0.0.0/0"));
+  CHECK(contains(reject("::ffff:192.0.2.0/120"), "write 192.0.2.0/24"));
+  CHECK(contains(reject("::ffff:192.0.2.1/128"), "write 192.0.2.1"));
+  CHECK(accept("::/0").text == "::/0");  // wider than the mapped range: an IPv6 network
+  CHECK(accept("::192.0.2.1").text == "::192.0.2.1");
+  CHECK(accept("64:ff9b::192.0.2.1").text == "64:ff9b::c000:201");
   CHECK(contains(reject("2001:db8:::1"), "not a valid IPv6 address"));
   CHECK(contains(reject("1::2::3"), "not a valid IPv6 address"));
   CHECK(contains(reject("2001:db8::g"), "\":\" is not allowed"));
