@@ -535,13 +535,15 @@ class Parser {
     std::string low = name;
     for (char& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     const bool by_value = value.IsScalar() && is_mode_word(value.Scalar());
-    if (!is_network_key(name, known) && !low.ends_with("_policy") && !by_value) return {};
+    // "run_policy", "verifier_policy": a known key without its "network_". Other "_policy"
+    // keys ("restart_policy": "always") are the environment's own parameters.
+    const std::string longer = low.ends_with("_policy") ? low.substr(0, low.size() - 7) + "_network_policy" : "";
+    const bool shortened = std::ranges::find(known, longer) != known.end();
+    if (!is_network_key(name, known) && !shortened && !by_value) return {};
     std::string dym = did_you_mean(name, known);
     if (dym.empty() && !is_network_key(name, known)) {
       // "verifier_policy" -> verifier_network_policy, "offline" -> network_policy.
-      const std::string longer = low.ends_with("_policy") ? low.substr(0, low.size() - 7) + "_network_policy" : "";
-      const bool is_known = std::ranges::find(known, longer) != known.end();
-      dym = " (did you mean " + quote(is_known ? longer : "network_policy") + "?)";
+      dym = " (did you mean " + quote(shortened ? longer : "network_policy") + "?)";
     }
     return err(key.Mark(), "unknown network key " + quote(name) +
                                " in env-params: the network keys are network_policy, run_network_policy, "

@@ -421,7 +421,10 @@ TEST_CASE("env-params: rejections name file:line:col") {
         "env.json:1:30: unknown network key \"verifier_policy\" in env-params: the network keys are "
         "network_policy, run_network_policy, verifier_network_policy (did you mean \"verifier_network_policy\"?)");
   CHECK(params_error("{\"run_policy\": null}").ends_with("(did you mean \"run_network_policy\"?)"));
-  CHECK(params_error("{\"retry_policy\": {}}").ends_with("(did you mean \"network_policy\"?)"));
+  // The environment's own "_policy" parameters stay legal.
+  CHECK(parse_env_params("{\"network_policy\": \"public\", \"restart_policy\": \"always\", \"retry_policy\": {}}",
+                         "env.json")
+            .ok());
   CHECK(params_error("{\"network_policy\": \"public\", \"run_policy\": {\"network_mode\": \"no-network\"}}") ==
         "env.json:1:45: \"network_mode\" in \"run_policy\" is not read: the network keys of env-params "
         "(network_policy, run_network_policy, verifier_network_policy) are read only at the top level");
