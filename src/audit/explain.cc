@@ -321,14 +321,11 @@ Result<Target> parse_plain_target(std::string_view raw, std::string_view s) {
 
 std::string suggest_entries(const std::vector<std::string>& names_in) {
   std::set<std::string> names(names_in.begin(), names_in.end());
-  std::vector<std::string> exact, wild;
-  std::set<std::string> seen_wild;
-  for (const auto& n : names) {
-    exact.push_back(n);
-    const std::string parent = parent_of(n);
-    // No wildcard over a top-level domain (*.com, *.org): that is not advice.
-    if (parent.find('.') != std::string::npos && seen_wild.insert(parent).second) wild.push_back("*." + parent);
-  }
+  // Exact names only. The names are what the sandbox resolved, so it chooses
+  // their parents: "or *.github.io" was advice to allow every tenant of a
+  // provider (attack review 10). `hosts --suggest --wildcards` offers
+  // wildcards where the Public Suffix List says a parent has one owner.
+  std::vector<std::string> exact(names.begin(), names.end());
   // Long lists are not advice either; the full list is in `names`.
   constexpr std::size_t kMax = 5;
   auto shown = [&](const std::vector<std::string>& v) {
@@ -337,9 +334,7 @@ std::string suggest_entries(const std::vector<std::string>& names_in) {
     if (v.size() > kMax) out += " (or one of " + std::to_string(v.size() - kMax) + " more)";
     return out;
   };
-  std::string out = "add " + shown(exact);
-  if (!wild.empty()) out += ", or " + shown(wild);
-  return out;
+  return "add " + shown(exact);
 }
 
 namespace {

@@ -163,7 +163,7 @@ TEST_CASE("a denied address names the hostnames that resolved to it and hints li
   CHECK_FALSE(x.allowed);
   CHECK(asked == std::vector<IpPrefix>{ip("198.51.100.11")});
   CHECK(x.names == std::vector<std::string>{"files.pythonhosted.org"});
-  CHECK(*x.hint == "add files.pythonhosted.org, or *.pythonhosted.org");
+  CHECK(*x.hint == "add files.pythonhosted.org");
   CHECK(x.reason.find("198.51.100.11 is in no IP or CIDR entry of phase agent") == 0);
   CHECK(x.reason.find("files.pythonhosted.org") != std::string::npos);
 
@@ -172,7 +172,7 @@ TEST_CASE("a denied address names the hostnames that resolved to it and hints li
     return std::vector<std::string>{"b.cdn.example", "a.cdn.example", "x.other.example"};
   };
   x = ask(ph, "198.51.100.11", {}, several);
-  CHECK(*x.hint == "add a.cdn.example or b.cdn.example or x.other.example, or *.cdn.example or *.other.example");
+  CHECK(*x.hint == "add a.cdn.example or b.cdn.example or x.other.example");
 
   // No name: the address itself, or a CIDR around it.
   x = ask(ph, "198.51.100.11");
@@ -227,7 +227,7 @@ TEST_CASE("a denied hostname gets a hint with the wildcard over its parent") {
   auto x = ask(ph, "files.pythonhosted.org");
   CHECK_FALSE(x.allowed);
   CHECK_FALSE(x.entry);
-  CHECK(*x.hint == "add files.pythonhosted.org, or *.pythonhosted.org");
+  CHECK(*x.hint == "add files.pythonhosted.org");
   CHECK(x.reason.find("refuses it without asking upstream") != std::string::npos);
   // Never a wildcard over a top-level domain.
   x = ask(ph, "example.com");
@@ -318,7 +318,7 @@ TEST_CASE("the JSON shape") {
   CHECK(j["entry"].is_null());
   CHECK(j["learned_name"].is_null());
   CHECK(j["names"] == nlohmann::json::array());
-  CHECK(j["hint"] == "add files.pythonhosted.org, or *.pythonhosted.org");
+  CHECK(j["hint"] == "add files.pythonhosted.org");
 }
 
 // ---- NAME@ADDRESS[:PORT]: hostname pinning (issue 16 point 8) ----
