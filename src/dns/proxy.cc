@@ -1190,9 +1190,12 @@ void Core::exchange(std::shared_ptr<Pending> p, std::vector<std::uint8_t> query)
   // then: a switch stops a query an earlier phase sent, and its relayed
   // copies, from going out again (attack review 10: a retry round, or TCP
   // after a truncated answer, half a second after a switch to no-network).
+  // The check holds `p` by address: it is asked only while the exchange is
+  // pending, when the completion (which owns `p`) is alive; and a raw pointer
+  // keeps the std::function within its local storage (no allocation per query).
   up->async_exchange(
       query, false, [p](Answer a) { p->core->on_upstream(p, std::move(a)); },
-      [p] { return !p->core->closed() && p->core->hooks_.decide(p->qname) == Action::forward; });
+      [raw = p.get()] { return !raw->core->closed() && raw->core->hooks_.decide(raw->qname) == Action::forward; });
 }
 
 bool Core::tcp_slot() {
