@@ -361,7 +361,7 @@ class Core : public std::enable_shared_from_this<Core> {
   std::size_t& tcp_queued() { return tcp_queued_; }
   void inflight_done() { --inflight_; }
   // A query registered in flight (Pending::key) has ended.
-  void unregister(const std::string& key);
+  void unregister(const std::string& key, bool own = false);
 
  private:
   // One upstream server that is local to the namespace, on port 53: the
@@ -380,6 +380,7 @@ class Core : public std::enable_shared_from_this<Core> {
   struct InFlight {
     int queries = 0;
     int relays = 0;
+    int own = 0;  // of `queries`, egressd's own (resolve(): pre-resolution for a switch)
   };
   // The forwarder probe (ForwarderOptions::probe).
   struct Probe {
@@ -520,7 +521,7 @@ Pending::~Pending() {
 // A query registered in flight (Core::inflight_q_) for as long as it lives.
 struct Registration {
   Registration(std::shared_ptr<Core> c, std::string k) : core(std::move(c)), key(std::move(k)) {}
-  ~Registration() { core->unregister(key); }
+  ~Registration() { core->unregister(key, true); }
   Registration(const Registration&) = delete;
   Registration& operator=(const Registration&) = delete;
   std::shared_ptr<Core> core;
@@ -1027,13 +1028,17 @@ void Core::handle(std::span<std::uint8_t> msg, const Client& client_in) {
     const std::string_view key(reinterpret_cast<const char*>(msg.data()) + kHeaderSize, q.question_end - kHeaderSize);
     if (probe_ && key == probe_->key) return probe_arrival(msg, q, client);
     if (!inflight_q_.empty()) {
-      // Relayed only while the phase in force forwards the name: after a
-      // switch that refuses it, a copy of egressd's query (sniffed on
-      // loopback, the sandbox's NET_RAW) would otherwise go out at the
-      // sandbox's timing for as long as the first is in flight (attack
-      // review 10). Refused below like any query for it.
+      // A copy of a sandbox query egressd forwarded is relayed only while
+      // the phase in force forwards the name: after a switch that refuses
+      // it, a copy (sniffed on loopback, the sandbox's NET_RAW) would
+      // otherwise go out at the sandbox's timing for as long as the first
+      // is in flight (attack review 10). Refused below like any query for
+      // it. egressd's own queries (pre-resolution of the phase a switch is
+      // about to install, before it is in force) are relayed as ever: their
+      // names are the orchestrator's, not the sandbox's.
       if (auto it = inflight_q_.find(key);
-          it != inflight_q_.end() && hooks_.decide(q.question.name) == Action::forward) {
+          it != inflight_q_.end() &&
+          (it->second.own > 0 || hooks_.decide(q.question.name) == Action::forward)) {
         return relay(msg, q, client, it->second);
       }
     }
@@ -1205,9 +1210,10 @@ bool Core::tcp_slot() {
   return false;
 }
 
-void Core::unregister(const std::string& key) {
+void Core::unregister(const std::string& key, bool own) {
   auto it = inflight_q_.find(key);
   if (it == inflight_q_.end()) return;
+  if (own) --it->second.own;
   if (--it->second.queries <= 0) inflight_q_.erase(it);
 }
 
@@ -1672,7 +1678,9 @@ void Core::resolve(const std::string& raw, std::function<void(Result<std::vector
       reg = std::make_shared<Registration>(
           shared_from_this(),
           std::string(reinterpret_cast<const char*>(queries[i].data()) + kHeaderSize, qend - kHeaderSize));
-      ++inflight_q_[reg->key].queries;
+      InFlight& entry = inflight_q_[reg->key];
+      ++entry.queries;
+      ++entry.own;
     }
     upstream_->async_exchange(queries[i], false, [st, type, finish, reg, max_ttl = opts_.max_ttl](Answer r) {
       State& s = *st;

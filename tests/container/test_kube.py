@@ -118,9 +118,13 @@ def test_podman_pod_manifest_matches_the_sidecar_one():
 def test_compose_example():
     doc = yaml.safe_load((podlab.REPO_ROOT / "container" / "compose.yaml").read_text())
     task, egressd = doc["services"]["task"], doc["services"]["egressd"]
-    assert egressd["network_mode"] == "service:task"
+    # egressd owns the namespace: a restarted task joins it again (a task that owned it would
+    # come back in a new one, with no policy).
+    assert task["network_mode"] == "service:egressd" and "network_mode" not in egressd
+    assert task["depends_on"] == {"egressd": {"condition": "service_healthy"}}
+    assert egressd["sysctls"] == {"net.ipv4.ip_unprivileged_port_start": 1024}
     assert egressd["cap_drop"] == ["ALL"] and egressd["cap_add"] == ["NET_ADMIN", "NET_BIND_SERVICE"]
-    assert task["cap_drop"] == ["ALL"]
+    assert task["cap_drop"] == ["ALL"] and "volumes" not in task
     cmd = egressd["command"]
     ready = cmd[cmd.index("--ready-file") + 1]
     assert egressd["healthcheck"]["test"] == ["CMD", "test", "-f", ready]
