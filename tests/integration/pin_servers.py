@@ -5,13 +5,15 @@
 
 On every ADDR: TLS on 8443 (any SNI; after the handshake it answers each read with
 b"tls:" + what it read, and a read of b"sni?" with b"sni=" + the server name it was sent), HTTP on 8081 (answers every request head with 200 and the Host it
-saw; keep-alive when asked), and a server-speaks-first banner service on 2222 ("SSH-2.0-lab\r\n", then echo).
+saw; keep-alive when asked), and a server-speaks-first banner service on 2222 ("SSH-2.0-lab\r\n", then echo), and on 2223
+the same greeting 0.3 s after the accept.
 Prints "ready" once every socket listens. Stdlib only.
 """
 import socket
 import ssl
 import sys
 import threading
+import time
 
 
 def serve(sock, handler):
@@ -119,9 +121,11 @@ def http_handler(conn):
         pass
 
 
-def banner_handler(conn):
+def banner_handler(conn, pause: float = 0.0):
     try:
         conn.settimeout(10)
+        if pause:
+            time.sleep(pause)  # the service's own behaviour (a server that greets late), not synchronisation
         conn.sendall(b"SSH-2.0-lab\r\n")
         while True:
             data = conn.recv(4096)
@@ -142,7 +146,8 @@ def main():
     ctx.sni_callback = remember_sni
     for addr in addrs:
         fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        for port, handler in ((8443, tls_handler(ctx)), (8081, http_handler), (2222, banner_handler)):
+        for port, handler in ((8443, tls_handler(ctx)), (8081, http_handler), (2222, banner_handler),
+                              (2223, lambda conn: banner_handler(conn, 0.3))):
             s = socket.socket(fam, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((addr, port))

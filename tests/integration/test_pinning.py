@@ -32,6 +32,7 @@ V4, V6 = "203.0.113.10", "2001:db8:3::10"
 IP_ENTRY_V4 = "198.51.100.10"  # allowed by an IP entry: never inspected
 HOSTS = {**DEFAULT_HOSTS, "allowed.test": [V4, V6], "same-ip.test": [V4, V6]}
 TLS_PORT, HTTP_PORT, BANNER_PORT = 8443, 8081, 2222
+LATE_BANNER_PORT = 2223  # the banner 0.3 s after the accept (pin_servers.py)
 RESET_DEADLINE = 1.0  # s: a reset arrives in milliseconds; a timeout would take the full 3 s
 
 
