@@ -69,28 +69,12 @@ Result<NsId> ns_id(int fd) {
   return NsId{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
 }
 
-// The namespace's cookie (SO_NETNS_COOKIE, Linux 5.14), from a socket made in
-// it; nullopt on an older kernel (ENOPROTOOPT), where the inode number is all
-// there is.
+// The namespace's cookie (current_netns_cookie), from inside it; nullopt on
+// an older kernel, where the inode number is all there is.
 Result<std::optional<std::uint64_t>> ns_cookie(int nsfd) {
   auto scope = NetnsScope::enter(nsfd);
   if (!scope) return scope.error();
-  const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  if (!s.ok()) return errno_error("socket in the network namespace", errno);
-  std::uint64_t cookie = 0;
-  socklen_t len = sizeof cookie;
-  if (::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) {
-    if (errno == ENOPROTOOPT) return std::optional<std::uint64_t>{};
-    return errno_error("SO_NETNS_COOKIE", errno);
-  }
-  return std::optional<std::uint64_t>{cookie};
-}
-
-std::string boot_id() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return id;
+  return current_netns_cookie();
 }
 
 // The start time of process `pid` (field 22 of /proc/PID/stat, clock ticks

@@ -6,7 +6,6 @@
 #include <malloc.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -160,19 +159,13 @@ Status write_ready_file(const std::string& path, const nft::ActiveState& st) {
   return {};
 }
 
-// The namespace egressd is in, as "<boot id>:<SO_NETNS_COOKIE>": unique
-// while the machine runs, never reused (inode numbers are). Empty on a kernel
-// without the cookie (before 5.14).
+// The namespace egressd is in, as "<boot id>:<cookie>" (netns.h): never the
+// name of another. Empty on a kernel without the cookie (before 5.14).
 std::string netns_identity() {
-  const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  std::uint64_t cookie = 0;
-  socklen_t len = sizeof cookie;
-  if (!s.ok() || ::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) return {};
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  std::getline(in, boot);
-  if (boot.empty()) return {};
-  return boot + ":" + std::to_string(cookie);
+  const auto cookie = current_netns_cookie();
+  const std::string boot = boot_id();
+  if (!cookie || !*cookie || boot.empty()) return {};
+  return boot + ":" + std::to_string(**cookie);
 }
 
 // The resolv.conf this egressd reads its upstream from (and Docker's

@@ -85,6 +85,8 @@ class NetWatchLoop {
   NetWatchLoop(NetWatch watch, std::unique_ptr<EventFeed> feed, Sandbox& sandbox, std::string prefix)
       : watch_(std::move(watch)), feed_(std::move(feed)), sandbox_(sandbox), prefix_(std::move(prefix)) {}
   ~NetWatchLoop() { close(); }
+  // Told the interfaces after each refresh (InstanceOptions::interfaces_changed).
+  std::function<void(const std::vector<std::string>&)> changed;
   void listen() {
     nft::Transport::Handlers h;
     h.message = [this](const nlmsghdr* nlh) { changed_ = changed_ || changes_view(nlh); };
@@ -118,11 +120,6 @@ class NetWatchLoop {
     }
     if (changed) changed(view->interfaces);
   }
-
- public:
-  std::function<void(const std::vector<std::string>&)> changed;
-
- private:
 
   NetWatch watch_;
   std::unique_ptr<EventFeed> feed_;

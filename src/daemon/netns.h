@@ -10,10 +10,14 @@
 #include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "egressd/result.h"
@@ -48,6 +52,30 @@ class NetnsScope {
 };
 
 // A /proc entry named by a number (a pid, a tid, a descriptor).
+// The calling thread's network namespace's cookie (SO_NETNS_COOKIE, Linux
+// 5.14), from a socket made in it: unique while the machine runs, never
+// reused (inode numbers are). nullopt on an older kernel (ENOPROTOOPT).
+inline Result<std::optional<std::uint64_t>> current_netns_cookie() {
+  const UniqueFd s(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!s.ok()) return errno_error("socket in the network namespace", errno);
+  std::uint64_t cookie = 0;
+  socklen_t len = sizeof cookie;
+  if (::getsockopt(s.get(), SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &len) != 0) {
+    if (errno == ENOPROTOOPT) return std::optional<std::uint64_t>{};
+    return errno_error("SO_NETNS_COOKIE", errno);
+  }
+  return std::optional<std::uint64_t>{cookie};
+}
+
+// This boot's id (/proc/sys/kernel/random/boot_id): with a cookie, it names a
+// namespace across restarts of egressd. Empty when it cannot be read.
+inline std::string boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
 inline bool all_digits(const std::string& s) {
   return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
 }
