@@ -505,7 +505,9 @@ struct Instance::Impl {
     // name). The rules would re-decide it by address alone.
     if (pinq) {
       const std::size_t n =
-          pinq->cut([this](const AdmittedFlow& f) { return sandbox->pin_keeps(f.name, f.dst); });
+          pinq->cut([this](const AdmittedFlow& f) {
+            return keeps_every_name(f, [&](const std::string& name) { return sandbox->pin_keeps(name, f.dst); });
+          });
       if (n > 0) log->info("{}pin: cut flows={} gen={} (admitted for names the new phase does not allow, or to addresses whose lookup expired)", prefix(), n, gen);
     }
     // The reaper's thread is woken after the reply has gone out (the reply is

@@ -263,6 +263,9 @@ constexpr const char* kQuicForgottenReason =
 constexpr const char* kQuicIdReason =
     "quic Initial under the connection ID of a connection admitted on another flow (new source port, or after "
     "conntrack forgot the first: the server would read only what extends its first hello)";
+constexpr const char* kQuicIdsFullReason =
+    "quic connection beyond the 8192 admitted in 10 minutes whose IDs egressd holds (an ID it let go could be "
+    "taken up again; the client falls back to TCP)";
 constexpr const char* kGsoReason = "quic datagrams sent as one GSO batch (their boundaries cannot be read)";
 constexpr const char* kUrgentPinnedReason =
     "tcp urgent data on a pinned flow (the server's stack takes the urgent byte out of the stream)";
@@ -814,6 +817,7 @@ std::vector<PinVerdict> PinFlows::follow_tls(std::map<Key, Flow>::iterator it, c
     const pin::Parse p = pin::parse_client_hello_message(step.hellos[i]);
     const pin::Decision d = pin::decide(pin::PinProto::tls, p, f.dst, f.dport, judge_.pin_facts());
     if (d.kind != pin::Decision::Kind::admit) bad = "a second ClientHello on the connection: " + d.reason;
+    else admitted_also(key, d.name);
   }
   if (bad) {
     forget_admitted(key);
@@ -1020,6 +1024,7 @@ std::vector<PinVerdict> PinFlows::tls_packet(PinPacketId id, std::map<Key, TlsFo
     if (d.kind != pin::Decision::Kind::admit) {
       return refuse_followed(id, key, seg, "a second ClientHello on the connection: " + d.reason, server_seq, now);
     }
+    admitted_also(key, d.name);
   }
   if (t.records.done()) t.done_ack = seg.ack;
   bound_tls(now);
@@ -1060,6 +1065,7 @@ std::vector<PinVerdict> PinFlows::follow_http(std::map<Key, Flow>::iterator it, 
       forget_admitted(it->first);
       return reset_flow(it, "a later request on the connection: " + d.reason, now);
     }
+    admitted_also(it->first, d.name);
   }
   const Key key = it->first;
   std::vector<PinVerdict> out = finish(it, true, now);
@@ -1236,7 +1242,10 @@ std::vector<PinVerdict> PinFlows::http_packet(PinPacketId id, const Key& key, co
     if (name && *name == h.name) continue;
     const pin::Decision d =
         pin::decide(pin::PinProto::http, pin::Parse::complete_with(name), h.dst, h.dport, judge_.pin_facts());
-    if (d.kind == pin::Decision::Kind::admit) continue;
+    if (d.kind == pin::Decision::Kind::admit) {
+      admitted_also(key, d.name);
+      continue;
+    }
     return refuse_followed(id, key, seg, "a later request on the connection: " + d.reason, server_seq, now);
   }
   bound_http();
@@ -1308,6 +1317,10 @@ std::vector<PinVerdict> PinFlows::quic_packet(PinPacketId id, const Key& key, co
       it->second.ids.push_back(id);
       return reset_flow(it, "too many QUIC flows held at once", now);
     }
+    if (quic_ids_.size() >= kMaxQuicIds) {
+      it->second.ids.push_back(id);
+      return reset_flow(it, kQuicIdsFullReason, now);
+    }
     it->second.quic = std::make_unique<pin::QuicInitialAssembler>();
     ++quic_flows_;
   }
@@ -1331,7 +1344,12 @@ void PinFlows::remember_quic_id(const Key& key, pin::Bytes dcid, Clock::time_poi
   std::string k = quic_id_key(key, dcid);
   quic_ids_[k] = QuicId{now};
   quic_ids_order_.emplace_back(now, std::move(k));
-  while (quic_ids_.size() > kMaxQuicIds && !quic_ids_order_.empty()) pop_oldest(quic_ids_order_, quic_ids_);
+  // No new QUIC flow starts once kMaxQuicIds are held; the flows held
+  // before then may still add theirs (at most kMaxQuicFlows more). Only a
+  // bound for memory's sake lets the oldest go.
+  while (quic_ids_.size() > kMaxQuicIds + kMaxQuicFlows && !quic_ids_order_.empty()) {
+    pop_oldest(quic_ids_order_, quic_ids_);
+  }
 }
 
 std::string PinFlows::quic_id_key(const Key& key, pin::Bytes dcid) {
@@ -1349,13 +1367,20 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
                                               const Segment& seg, Clock::time_point now) {
   const Key key = fo->first;
   const pin::Bytes before = fo->second.quic->dcid();
-  const std::string id_before(before.begin(), before.end());
+  const std::vector<std::uint8_t> id_before(before.begin(), before.end());
   const pin::QuicFollow r = fo->second.quic->follow(pin::Bytes(seg.payload.data(), seg.payload.size()));
   if (const pin::Bytes dcid = fo->second.quic->dcid();
       r.kind != pin::QuicFollow::Kind::invalid && r.kind != pin::QuicFollow::Kind::other &&
       !std::equal(dcid.begin(), dcid.end(), id_before.begin(), id_before.end())) {
     // The client moved to the connection ID a server's Retry chose: the
-    // server knows the connection by it now, from any four-tuple.
+    // server knows the connection by it now, from any four-tuple. A Retry's
+    // ID is new; one an admitted connection has is that connection's, whose
+    // stream the server may still hold and read only from where it ends
+    // (attack review L: a fresh connection's hello, crafted to carry a
+    // second hello for another name at that offset, was taken for the
+    // connection a Retry moved to).
+    if (quic_ids_.contains(quic_id_key(key, dcid))) return refuse_decided(id, key, seg, kQuicIdReason, now);
+    if (quic_ids_.size() >= kMaxQuicIds) return refuse_decided(id, key, seg, kQuicIdsFullReason, now);
     remember_quic_id(key, dcid, now);
   }
   switch (r.kind) {
@@ -1374,7 +1399,10 @@ std::vector<PinVerdict> PinFlows::quic_follow(PinPacketId id, std::map<Key, Foll
       // A second ClientHello (after a HelloRetryRequest): the server takes
       // the name from it, so it must be allowed here as the first was.
       const pin::Decision d = pin::decide(pin::PinProto::quic, r.hello, seg.dst, seg.dport, judge_.pin_facts());
-      if (d.kind == pin::Decision::Kind::admit) return {{id, PinVerdict::Kind::admit}};
+      if (d.kind == pin::Decision::Kind::admit) {
+        admitted_also(key, d.name);
+        return {{id, PinVerdict::Kind::admit}};
+      }
       return refuse_decided(id, key, seg, "a second ClientHello on the connection: " + d.reason, now);
     }
     case pin::QuicFollow::Kind::invalid:
@@ -1457,6 +1485,23 @@ void PinFlows::forget_admitted(const Key& key) {
 
 void PinFlows::remember(const Key& key, const Segment& seg, const std::string& name) {
   remember(key, AdmittedFlow{seg.proto, seg.src, seg.dst, seg.sport, seg.dport, name, 0, seg.ct_id});
+}
+
+void PinFlows::admitted_also(const Key& key, const std::string& name) {
+  auto it = admitted_.find(key);
+  if (it == admitted_.end()) return;
+  AdmittedFlow& f = it->second;
+  if (name == f.name || std::find(f.also.begin(), f.also.end(), name) != f.also.end()) return;
+  if (f.also.size() >= kMaxNamesPerFlow) {
+    f.names_full = true;
+    return;
+  }
+  f.also.push_back(name);
+}
+
+bool keeps_every_name(const AdmittedFlow& f, const std::function<bool(const std::string&)>& keeps) {
+  if (f.names_full || !keeps(f.name)) return false;
+  return std::all_of(f.also.begin(), f.also.end(), keeps);
 }
 
 void PinFlows::remember(const Key& key, AdmittedFlow f) {

@@ -175,7 +175,10 @@ inline constexpr std::chrono::seconds kQuicFollowTime{30};
 // address and port, kept longer than any handshake (a server finds a
 // connection by its ID, whatever the four-tuple: an Initial under it on a
 // flow the reader never admitted, from a new source port or after conntrack
-// forgot the first one, would extend a stream the server holds).
+// forgot the first one, would extend a stream the server holds). Full, no
+// ID is let go early: a new QUIC flow, and a Retry's new ID, are refused
+// until the oldest are 10 minutes old (the client falls back to TCP; attack
+// review L: admitted connections pushing an ID out would re-open it).
 inline constexpr std::size_t kMaxQuicIds = 8192;
 inline constexpr std::chrono::minutes kQuicIdMemory{10};
 // HTTP connections followed at once (their later requests are judged); the
@@ -203,7 +206,18 @@ struct AdmittedFlow {
   std::uint64_t order = 0;  // admission order (the oldest is forgotten first)
   std::uint32_t ct_id = 0;
   bool by_address = false;
+  // The other names the flow was admitted for later: a second ClientHello
+  // (after a HelloRetryRequest: the server's session is that name's), a
+  // later HTTP request's Host. A switch keeps the flow only while the new
+  // phase keeps every one (attack review L: the second hello's name was
+  // never recorded, so a switch that forbade it kept its session). Past
+  // kMaxNamesPerFlow, `names_full`: the next switch cuts the flow.
+  std::vector<std::string> also{};
+  bool names_full = false;
 };
+inline constexpr std::size_t kMaxNamesPerFlow = 8;
+// Whether a switch keeps `f`, given whether the new phase keeps a name on its address.
+bool keeps_every_name(const AdmittedFlow& f, const std::function<bool(const std::string&)>& keeps);
 // A refused TCP flow's server end: the handshake reached the server, the held
 // bytes never did, so a RST at `seq` (the first byte the server waits for)
 // closes its half of the connection, and a new connection on the same
@@ -537,6 +551,8 @@ class PinFlows {
   std::map<Key, std::pair<std::uint32_t, Clock::time_point>> syns_passed_;
   void remember(const Key& key, const Segment& seg, const std::string& name);
   void remember(const Key& key, AdmittedFlow f);
+  // A later name the admitted flow at `key` presented and was admitted for.
+  void admitted_also(const Key& key, const std::string& name);
   std::map<Key, AdmittedFlow> admitted_;
   std::map<std::uint64_t, Key> admitted_order_;
   std::uint64_t next_order_ = 0;

@@ -27,7 +27,9 @@ MODE: onepacket (default): CH1+CH2 in one CRYPTO frame of one Initial
              its own keys and a hello naming SNI1; or the server's own connection ID with keys
              derived from it; or a QUIC v2 Initial under a new ID), then, under the first
              connection's ID and keys, the hello-with-CH2-as-its-tail (found in a second review)
-Prints READY, then one JSON line.
+Prints READY, then one JSON line. HOLD=1 in the environment: once the handshake is done, prints
+"HS <json>" and waits for a line on stdin (a test switches phases), then sends five 1-RTT PINGs
+and reports how many the server acknowledged (after_switch_acks).
 """
 import hashlib
 import hmac
@@ -601,6 +603,7 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     master = hkdf_extract(derived, b"\0" * 32)
                     s_ap = hkdf_expand_label(master, b"s ap traffic", th, 32)
                     app_s = PKeys(s_ap)
+                    app_c = PKeys(hkdf_expand_label(master, b"c ap traffic", th, 32))
                     fk = hkdf_expand_label(hsk[2], b"finished", b"", 32)
                     fin = b"\x14" + u24(hmac.new(fk, th, hashlib.sha256).digest())
                     pl = b"\x06" + varint(0) + varint(len(fin)) + fin
@@ -616,6 +619,45 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
         res["errno"] = e.errno
     if got_done:
         res["step"] = "handshake-done"
+    if got_done and os.environ.get("HOLD"):
+        # The handshake is done: the caller switches phases, says go, and counts what the server
+        # acknowledges of five 1-RTT PINGs sent then.
+        print("HS " + json.dumps(res), flush=True)
+        sys.stdin.readline()
+        s.settimeout(0.5)
+        acks, errs = 0, []
+        for pn in range(5):
+            head = bytes([0x43]) + server_cid + pn.to_bytes(4, "big")
+            out = bytearray(head + app_c.aead.encrypt(app_c.nonce(pn), b"\x01" + b"\x00" * 40, head))
+            pn_at = 1 + len(server_cid)
+            m = app_c.mask(bytes(out[pn_at + 4:pn_at + 20]))
+            out[0] ^= m[0] & 0x1f
+            for i in range(4):
+                out[pn_at + i] ^= m[1 + i]
+            try:
+                s.send(bytes(out))
+            except OSError as e:
+                errs.append(e.errno)
+                continue
+            end = time.monotonic() + 0.6
+            while time.monotonic() < end:
+                try:
+                    d = s.recv(65536)
+                except socket.timeout:
+                    break
+                except OSError as e:
+                    errs.append(e.errno)
+                    break
+                for kind, pkt, at, _ in split_datagram(d, len(scid)):
+                    if kind != "short":
+                        continue
+                    try:
+                        pt = open_packet(app_s, pkt, at, False)
+                    except Exception:
+                        continue
+                    if {2, 3} & set(frames_crypto(pt)[1]):
+                        acks += 1
+        res["after_switch_acks"], res["after_switch_errs"] = acks, errs
     return res
 
 

@@ -22,6 +22,8 @@ The client (quic_hrr_client.py) is a QUIC client of its own: gtlsclient cannot b
 hello without key shares. It completes the handshake and checks the server's Finished against
 the transcript of the second hello.
 """
+import json
+
 import pytest
 
 import lab as labmod
@@ -153,3 +155,36 @@ def test_an_initial_under_an_admitted_connections_id_after_conntrack_forgot_the_
         f"the server completed a handshake for same-ip.test: {res}"
     reasons = [p.get("reason", "") if isinstance(p, dict) else str(p) for p in pin_records(d)]
     assert any("connection ID of a connection admitted on another flow" in r for r in reasons), (res, reasons)
+
+
+# Attack review L: both names allowed, a second hello (after the HelloRetryRequest) naming
+# same-ip.test was judged and admitted, but the flow stayed recorded under the first name, so a
+# switch to a phase allowing only allowed.test kept the connection whose handshake was
+# same-ip.test's (5 of 5 PINGs acknowledged after the switch, IPv4 and IPv6).
+def held_client(lab, d, monkeypatch, addr, second, target) -> dict:
+    d.ctl("apply", "both")
+    learn(lab, "allowed.test")
+    learn(lab, "same-ip.test")
+    monkeypatch.setenv("HOLD", "1")
+    p = attacker(lab, CLIENT, addr, 443, "allowed.test", second, "sequential", uid=True)
+    line = labmod._read_line(p, 30.0, "the handshake")
+    assert line.startswith("HS "), line
+    hs = json.loads(line[3:])
+    assert hs.get("server_finished_verifies_over_ch2_transcript"), hs
+    rc, _, err = d.ctl("apply", target)
+    assert rc == 0, err
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    return attacker_result(p, timeout=60.0)
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_switch_cuts_a_connection_whose_second_hello_named_a_site_the_new_phase_forbids(
+        lab, egressd, quic_servers, monkeypatch, addr):  # noqa: F811
+    from test_pinning_tls import BOTH_NAMES
+    d = egressd(BOTH_NAMES)
+    res = held_client(lab, d, monkeypatch, addr, "same-ip.test", "first_only")
+    assert res.get("after_switch_acks") == 0, f"same-ip.test's connection survived the switch: {res}"
+    # The control: the first name twice keeps its connection across the same switch.
+    res = held_client(lab, d, monkeypatch, addr, "allowed.test", "first_only")
+    assert res.get("after_switch_acks", 0) > 0 and not res.get("after_switch_errs"), res

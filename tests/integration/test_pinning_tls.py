@@ -19,7 +19,7 @@ import sys
 import pytest
 
 import lab as labmod
-from test_pinning import TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
+from test_pinning import DNS_V4, TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
 from test_pinning import pinned  # noqa: F401 (fixture)
 
 CLIENT = str(labmod.HERE / "tls13_hrr_client.py")
@@ -101,3 +101,51 @@ def test_the_segment_that_ends_the_handshake_cannot_be_lost_and_resent_as_a_seco
     p.stdin.flush()
     res = attacker_result(p, timeout=30.0)
     assert res.get("answer") is None, f"the server took a second hello naming same-ip.test: {res}"
+
+
+# Attack review L: both names allowed, the second hello's name was judged and admitted but never
+# recorded for the flow, so a switch to a phase that allowed only the first name kept the
+# connection, whose session is the second name's (the server answered `sni=same-ip.test` after
+# the switch, 4 of 4). A switch now keeps a flow only while it keeps every name the flow was
+# admitted for.
+BOTH_NAMES = f"""\
+initial_phase: both
+dns: {{ upstream: ["{DNS_V4}"] }}
+phases:
+  both:
+    network_mode: allowlist
+    allowed_hosts: [allowed.test, same-ip.test]
+  first_only:
+    network_mode: allowlist
+    allowed_hosts: [allowed.test]
+"""
+
+
+def held_hrr(lab, d, addr, second, target):
+    """The HelloRetryRequest client (uid 65534, no capability) completes its handshake in phase
+    `both`; then `target` is applied and the client asks the server which name it serves."""
+    d.ctl("apply", "both")
+    learn(lab, "allowed.test")
+    learn(lab, "same-ip.test")
+    argv = ["env", "HOLD=1", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--", sys.executable, CLIENT, addr, str(TLS_PORT), "allowed.test", second, "noccs"]
+    p = lab.spawn(argv, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = labmod._read_line(p, 20.0, "the handshake")
+    assert line.strip() == "HS", line
+    rc, _, err = d.ctl("apply", target)
+    assert rc == 0, err
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    out, _ = p.communicate(timeout=20)
+    out = getattr(p, "_lab_pending", b"") + out
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_switch_cuts_a_flow_whose_second_hello_named_a_site_the_new_phase_forbids(lab, egressd, servers, addr):  # noqa: F811
+    d = egressd(BOTH_NAMES)
+    res = held_hrr(lab, d, addr, "same-ip.test", "first_only")
+    assert res.get("answer") != "sni=same-ip.test", f"same-ip.test's session survived the switch: {res}"
+    assert "error" in res, res
+    # The control: the first name twice keeps its connection across the same switch.
+    assert held_hrr(lab, d, addr, "allowed.test", "first_only") == {"step": "done", "answer": "sni=allowed.test"}

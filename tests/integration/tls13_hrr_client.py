@@ -10,7 +10,9 @@ MODE: ccs     a dummy change_cipher_spec before the second hello (middlebox comp
       split   the second hello cut into records of 40 bytes
       ahead   the second hello sent with the first, before the server's answer (the server reads
               it after its HelloRetryRequest)
-      early   the first hello also offers early data (the early_data extension)"""
+      early   the first hello also offers early data (the early_data extension)
+HOLD=1 in the environment: once the handshake is done, prints "HS" and waits for a line on stdin
+before it asks "sni?" (a test switches phases in between)."""
 import hashlib, hmac, json, os, socket, struct, sys
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -180,6 +182,10 @@ def complete(s, c, priv, transcript, sh):
     fin = b"\x14" + u24(hmac.new(fk, th, hashlib.sha256).digest())
     s.sendall(ck.seal(22, fin))
     ak, sak = Keys(c_ap), Keys(s_ap)
+    if os.environ.get("HOLD"):
+        # The handshake is done: the caller switches phases, then says go.
+        print("HS", flush=True)
+        sys.stdin.readline()
     s.sendall(ak.seal(23, b"sni?"))
     while True:
         t, ct, hdr = c.record()

@@ -20,13 +20,17 @@ namespace {
 struct Judge : PinJudge, pin::PinFacts {
   std::vector<std::string> learned{"allowed.test"};
   std::string allows = "allowed.test";
+  std::vector<std::string> also_allows;  // more names the phase allows
   Entry entry;
   std::vector<std::string> reasons;
   const pin::PinFacts& pin_facts() const override { return *this; }
   std::uint32_t pin_mark() const override { return 1; }
   void pin_decided(const pin::Decision& d, const IpPrefix&, std::uint16_t) override { reasons.push_back(d.reason); }
   std::vector<std::string> names_for(const IpPrefix&) const override { return learned; }
-  const Entry* allowed(std::string_view name) const override { return name == allows ? &entry : nullptr; }
+  const Entry* allowed(std::string_view name) const override {
+    const bool also = std::find(also_allows.begin(), also_allows.end(), name) != also_allows.end();
+    return name == allows || also ? &entry : nullptr;
+  }
 };
 
 // The segment's payload points into `bytes`: keep the string alive as long as the segment.
@@ -840,6 +844,103 @@ TEST_CASE("QUIC after admission: a second ClientHello (after a HelloRetryRequest
         "a second ClientHello on the connection: quic sni examplx.com to 203.0.113.10:443; address learned for "
         "example.com");
   CHECK(f.quic_followed() == 0);
+}
+
+TEST_CASE("a switch keeps a flow only while the new phase keeps every name it was admitted for") {
+  // Attack review L: a second ClientHello (after a HelloRetryRequest) naming another allowed
+  // site was judged, never recorded, so a switch that forbade that site kept its session.
+  const pintest::Buf dcid = pintest::hex("8394c8f03e515708");
+  Judge j;
+  j.learned = {"example.com", "examplx.com"};
+  j.allows = "example.com";
+  j.also_allows = {"examplx.com"};
+  const pintest::Buf f2 = rfc_frame(true);
+  const pintest::Buf second = pintest::crypto_frame(241, pintest::Buf(f2.begin() + 4, f2.end()));
+  const auto first_only = [](const AdmittedFlow& a) {
+    return keeps_every_name(a, [](const std::string& n) { return n == "example.com"; });
+  };
+  const auto second_only = [](const AdmittedFlow& a) {
+    return keeps_every_name(a, [](const std::string& n) { return n == "examplx.com"; });
+  };
+  const auto both = [](const AdmittedFlow& a) {
+    return keeps_every_name(a, [](const std::string& n) { return n == "example.com" || n == "examplx.com"; });
+  };
+  Flows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  REQUIRE(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 1, second), 40001, true), t0)[0].kind ==
+          K::admit);
+  CHECK(f.cut(both, t0).empty());
+  auto gone = f.cut(first_only, t0);
+  REQUIRE(gone.size() == 1);
+  CHECK(gone[0].name == "example.com");
+  CHECK(gone[0].also == std::vector<std::string>{"examplx.com"});
+  // The first name alone is no better: a phase without it cuts the flow too.
+  Flows g(j);
+  REQUIRE(g.packet(1, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  REQUIRE(g.packet(2, quic(pintest::seal_initial(QuicVersion::v1, dcid, {}, 1, second), 40001, true), t0)[0].kind ==
+          K::admit);
+  CHECK(g.cut(second_only, t0).size() == 1);
+  // Past kMaxNamesPerFlow names, the next switch cuts the flow whatever it allows.
+  AdmittedFlow many;
+  many.name = "example.com";
+  many.also = {"examplx.com"};
+  CHECK(keeps_every_name(many, [](const std::string&) { return true; }));
+  many.names_full = true;
+  CHECK_FALSE(keeps_every_name(many, [](const std::string&) { return true; }));
+}
+
+TEST_CASE("QUIC: a Retry's connection ID that an admitted connection has is refused") {
+  // Attack review L: connection A admitted on a four-tuple (its first hello asked for a second;
+  // the server holds A's stream). Conntrack and the reader forget the flow; a fresh connection
+  // B on the same four-tuple is admitted on a longer hello for the allowed name; then an
+  // "Initial after a Retry" under A's ID, repeating B's hello, was followed as B's: the server
+  // read, as A's second hello, B's bytes past A's first one, crafted to name another site.
+  const pintest::Buf a = pintest::hex("8394c8f03e515708"), b = pintest::hex("8394c8f03e515709");
+  const pintest::Buf token = pintest::hex("0102030405060708");
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  Flows f(j);
+  REQUIRE(f.packet(1, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  const auto later = t0 + kQuicFollowTime + std::chrono::seconds(5);
+  (void)f.expire(later);
+  REQUIRE(f.packet(2, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame())), later)[0].kind == K::admit);
+  CHECK(f.packet(3, quic(pintest::seal_initial(QuicVersion::v1, a, {}, 1, rfc_frame(), 1200, token), 40001, true),
+                 later)[0].kind == K::reset);
+  CHECK(j.reasons.back().rfind("quic Initial under the connection ID of a connection admitted on another flow", 0) ==
+        0);
+  // A Retry's fresh ID is still followed (the case above this one).
+  Flows g(j);
+  const pintest::Buf r = pintest::hex("a1a2a3a4a5a6a7a8a9");
+  REQUIRE(g.packet(1, quic(pintest::seal_initial(QuicVersion::v1, b, {}, 0, rfc_frame())), t0)[0].kind == K::admit);
+  CHECK(g.packet(2, quic(pintest::seal_initial(QuicVersion::v1, r, {}, 1, rfc_frame(), 1200, token), 40001, true),
+                 t0)[0].kind == K::admit);
+}
+
+TEST_CASE("QUIC: with kMaxQuicIds connection IDs held, new QUIC flows are refused until the oldest age out") {
+  // Evicting the oldest ID would let an Initial under it be judged afresh (the case above):
+  // a sandbox could push an ID out by opening connections.
+  Judge j;
+  j.learned = {"example.com"};
+  j.allows = "example.com";
+  Flows f(j);
+  std::size_t admitted = 0;
+  for (std::size_t i = 0; i < kMaxQuicIds; ++i) {
+    const auto id = pintest::hex(fmt::format("8394c8f0{:08x}", i));
+    const auto dg = pintest::seal_initial(QuicVersion::v1, id, {}, 0, rfc_frame());
+    Segment s = quic(dg, static_cast<std::uint16_t>(1024 + i % 60000));
+    s.src.bytes[3] = static_cast<std::uint8_t>(10 + i / 60000);
+    admitted += f.packet(static_cast<std::uint32_t>(i + 1), s, t0)[0].kind == K::admit;
+    (void)f.expire(t0);
+  }
+  REQUIRE(admitted == kMaxQuicIds);
+  const auto fresh = pintest::seal_initial(QuicVersion::v1, pintest::hex("feedfacefeedface"), {}, 0, rfc_frame());
+  CHECK(f.packet(900001, quic(fresh, 61000), t0)[0].kind == K::reset);
+  CHECK(j.reasons.back().rfind("quic connection beyond the 8192 admitted in 10 minutes", 0) == 0);
+  // Ten minutes on, the oldest are let go and new flows are judged again.
+  const auto after = t0 + kQuicIdMemory + std::chrono::seconds(1);
+  (void)f.expire(after);
+  CHECK(f.packet(900002, quic(fresh, 61001), after)[0].kind == K::admit);
 }
 
 TEST_CASE("QUIC after admission: the kept assemblers are bounded in time and number") {
