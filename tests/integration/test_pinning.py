@@ -51,6 +51,20 @@ dns: {{ upstream: ["{DNS_V4}"] }}
 """
 
 
+# Both names of the shared address allowed, then only the first (attack review L: a flow keeps
+# every name it presented, and a switch keeps it only while it keeps each).
+BOTH_NAMES = f"""\
+initial_phase: both
+dns: {{ upstream: ["{DNS_V4}"] }}
+phases:
+  both:
+    network_mode: allowlist
+    allowed_hosts: [allowed.test, same-ip.test]
+  first_only:
+    network_mode: allowlist
+    allowed_hosts: [allowed.test]
+"""
+
 @pytest.fixture
 def servers(lab, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -267,6 +281,85 @@ def test_a_switch_to_a_phase_without_the_name_cuts_the_admitted_flow(lab, pinned
     assert kind != "ok", "the admitted flow survived a switch to a phase that does not allow its name"
     t.close()
 
+
+
+# A keep-alive connection whose second request names the other allowed site, its body half sent
+# at the switch (attack review L: the rest went through and the server answered
+# host=same-ip.test, 2 of 2). uid 65534, no capability. The client waits until the server has
+# acknowledged everything sent (SIOCOUTQ 0), so the reader has judged the second head before the
+# switch.
+KEEPALIVE_CLIENT = r"""
+import fcntl, json, socket, struct, sys, termios, time
+addr, port, h1, h2 = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect((addr, port))
+def answer():
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        d = s.recv(65536)
+        if not d:
+            raise EOFError("closed")
+        buf += d
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    n = int([l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0])
+    while len(rest) < n:
+        d = s.recv(65536)
+        if not d:
+            raise EOFError("closed mid-body")
+        rest += d
+    return rest[:n].decode()
+def acked():
+    end = time.monotonic() + 5
+    while (left := struct.unpack("i", fcntl.ioctl(s, termios.TIOCOUTQ, b"\0\0\0\0"))[0]) != 0:
+        if time.monotonic() > end:
+            raise TimeoutError(f"the server did not acknowledge the half request: {left} bytes left")
+        time.sleep(0.005)
+res = {}
+try:
+    s.sendall(b"GET / HTTP/1.1\r\nHost: " + h1.encode() + b"\r\nConnection: keep-alive\r\n\r\n")
+    res["first"] = answer()
+    s.sendall(b"POST /up HTTP/1.1\r\nHost: " + h2.encode() + b"\r\nConnection: keep-alive\r\nContent-Length: 20\r\n\r\n"
+              + b"a" * 10)
+    acked()
+    print("HALF", flush=True)
+    sys.stdin.readline()
+    s.sendall(b"b" * 10)
+    res["second"] = answer()
+except Exception as e:
+    res["error"] = repr(e)
+print(json.dumps(res), flush=True)
+"""
+
+
+def keepalive_across_a_switch(lab, d, addr, second, target) -> dict:
+    d.ctl("apply", "both")
+    learn(lab, "allowed.test")
+    learn(lab, "same-ip.test")
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+            "--", "/usr/bin/python3", "-c", KEEPALIVE_CLIENT, addr, str(HTTP_PORT), "allowed.test", second]
+    p = lab.spawn(argv, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = labmod._read_line(p, 20.0, "the half-sent second request")
+    assert line.strip() == "HALF", line
+    rc, _, err = d.ctl("apply", target)
+    assert rc == 0, err
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    out, _ = p.communicate(timeout=20)
+    out = getattr(p, "_lab_pending", b"") + out
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_a_switch_cuts_a_keepalive_connection_a_later_request_of_which_named_a_forbidden_site(
+        lab, egressd, servers, addr):
+    d = egressd(BOTH_NAMES)
+    res = keepalive_across_a_switch(lab, d, addr, "same-ip.test", "first_only")
+    assert res.get("first") == "host=allowed.test", res
+    assert "second" not in res and "error" in res, f"same-ip.test's request went on after the switch: {res}"
+    # The control: both requests for the allowed name, the connection survives the same switch.
+    res = keepalive_across_a_switch(lab, d, addr, "allowed.test", "first_only")
+    assert res == {"first": "host=allowed.test", "second": "host=allowed.test"}, res
 
 # ---- hosts files (issue 16 point 7) ---------------------------------------------------------
 

@@ -28,7 +28,7 @@ import pytest
 
 import lab as labmod
 from test_dns_integrity import attacker, attacker_result
-from test_pinning import V4, V6, learn, policy
+from test_pinning import BOTH_NAMES, V4, V6, learn, policy
 from test_pinning_quic import quic_servers, start_quic_servers  # noqa: F401 (fixture: gtlsserver on 443 of the shared address)
 
 CLIENT = (labmod.HERE / "quic_hrr_client.py").read_text()
@@ -181,7 +181,6 @@ def held_client(lab, d, monkeypatch, addr, second, target) -> dict:
 @pytest.mark.parametrize("addr", [V4, V6])
 def test_a_switch_cuts_a_connection_whose_second_hello_named_a_site_the_new_phase_forbids(
         lab, egressd, quic_servers, monkeypatch, addr):  # noqa: F811
-    from test_pinning_tls import BOTH_NAMES
     d = egressd(BOTH_NAMES)
     res = held_client(lab, d, monkeypatch, addr, "same-ip.test", "first_only")
     assert res.get("after_switch_acks") == 0, f"same-ip.test's connection survived the switch: {res}"

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 import lab as labmod
-from test_pinning import DNS_V4, TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
+from test_pinning import BOTH_NAMES, TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
 from test_pinning import pinned  # noqa: F401 (fixture)
 
 CLIENT = str(labmod.HERE / "tls13_hrr_client.py")
@@ -108,17 +108,6 @@ def test_the_segment_that_ends_the_handshake_cannot_be_lost_and_resent_as_a_seco
 # connection, whose session is the second name's (the server answered `sni=same-ip.test` after
 # the switch, 4 of 4). A switch now keeps a flow only while it keeps every name the flow was
 # admitted for.
-BOTH_NAMES = f"""\
-initial_phase: both
-dns: {{ upstream: ["{DNS_V4}"] }}
-phases:
-  both:
-    network_mode: allowlist
-    allowed_hosts: [allowed.test, same-ip.test]
-  first_only:
-    network_mode: allowlist
-    allowed_hosts: [allowed.test]
-"""
 
 
 def held_hrr(lab, d, addr, second, target):
