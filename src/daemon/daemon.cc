@@ -6,6 +6,7 @@
 #include <malloc.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -168,21 +169,43 @@ std::string netns_identity() {
   return boot + ":" + std::to_string(**cookie);
 }
 
+// The file /etc/resolv.conf is, as "<boot id>:<device>:<inode>:<birth
+// time>": the same while the file lives (written in place or not), another
+// for a file made anew, even on a reused inode. Empty where the file system
+// gives no birth time.
+std::string resolv_conf_identity() {
+  struct statx stx {};
+  if (::statx(AT_FDCWD, "/etc/resolv.conf", 0, STATX_INO | STATX_BTIME, &stx) != 0) return {};
+  if ((stx.stx_mask & STATX_BTIME) == 0) return {};
+  const std::string boot = boot_id();
+  if (boot.empty()) return {};
+  return fmt::format("{}:{}:{}:{}:{}.{:09}", boot, stx.stx_dev_major, stx.stx_dev_minor, stx.stx_ino,
+                     stx.stx_btime.tv_sec, stx.stx_btime.tv_nsec);
+}
+
 // The resolv.conf this egressd reads its upstream from (and Docker's
-// forwarder targets): the one egressd first read in this namespace, kept in
-// `kept` (beside the state file), while egressd restarts in the same
-// namespace. A container that shares its resolv.conf with egressd's (Docker's
-// `network_mode: service:X`, a pod) can write it, as root with no capability
-// at all: read afresh at a restart, a server of the sandbox's would become
-// egressd's upstream and answer allowed names with any address, or an empty
-// file would stop egressd from starting again, leaving the phase in force
-// with no one to switch it (attack review 11). In a new namespace the file is
-// read afresh and kept again.
+// forwarder targets): the one egressd first read from this file, kept in
+// `kept` (beside the state file), for as long as the file lives. A container
+// that shares its resolv.conf with egressd's (Docker's `network_mode:
+// service:X`, a pod) can write it, as root with no capability at all: read
+// afresh at a restart, a server of the sandbox's would become egressd's
+// upstream and answer allowed names with any address, or an empty file would
+// stop egressd from starting again, leaving the phase in force with no one
+// to switch it (attack review 11). That holds whether the restart is in the
+// same namespace or, egressd's container restarted, in a new one with the
+// same file (attack review L). A new file (a new container, a new task's
+// with --netns-pid) is read afresh and kept again. Where the file system
+// gives no birth time, the key is the namespace, as before review L.
 std::string kept_resolv_conf(const std::string& kept, const std::shared_ptr<spdlog::logger>& log) {
   const std::string current = read_resolv_conf();
-  const std::string id = netns_identity();
+  std::string id = resolv_conf_identity();
+  std::string what = "file " + id;
+  if (id.empty()) {
+    id = netns_identity();
+    what = "network namespace " + id;
+  }
   if (id.empty()) return current;
-  const std::string head = "# egressd: the resolv.conf first read in network namespace " + id + "\n";
+  const std::string head = "# egressd: the resolv.conf first read from " + what + "\n";
   {
     std::ifstream in(kept);
     std::stringstream text;
@@ -191,8 +214,9 @@ std::string kept_resolv_conf(const std::string& kept, const std::shared_ptr<spdl
     if (in && was.starts_with(head)) {
       const std::string first = was.substr(head.size());
       if (first != current) {
-        log->warn("event=resolv_conf_changed /etc/resolv.conf changed since egressd first read it in this "
-                  "namespace (a container sharing it may have written it): keeping the first, from {}",
+        log->warn("event=resolv_conf_changed /etc/resolv.conf changed since egressd first read it (a container "
+                  "sharing it may have written it): keeping the first, from {} (remove that file to read "
+                  "/etc/resolv.conf afresh)",
                   kept);
       }
       return first;

@@ -1003,8 +1003,8 @@ def test_egressds_log_holds_none_of_the_tables_secret_marks(lab, egressd):
 # resolv.conf, writable by any of them as root (no capability needed). Read afresh at every
 # start, a sandbox's server became egressd's upstream after a restart and answered an allowed
 # name with an address of its choosing, which egressd then opened; an emptied file stopped
-# egressd from starting again (attack review 11). egressd keeps the file it first read in a
-# namespace and uses that while it restarts there.
+# egressd from starting again (attack review 11). egressd keeps the file it first read and uses
+# that for as long as the file lives, in the same namespace or a new one (attack review L).
 
 def test_a_restart_in_the_same_namespace_keeps_the_resolv_conf_egressd_first_read(lab, egressd):
     shared = lab.tmp / "shared-resolv.conf"
@@ -1022,6 +1022,42 @@ def test_a_restart_in_the_same_namespace_keeps_the_resolv_conf_egressd_first_rea
         assert "event=resolv_conf_changed" in last, last[-2000:]
         assert lab.dns_query("a.example.com", "A", timeout=5.0).rcode == "NOERROR"
 
+
+
+def test_a_restart_in_a_new_namespace_keeps_the_resolv_conf_first_read_from_the_same_file(lab, egressd):
+    """Attack review L: Docker and Podman give a restarted container a new namespace, and the
+    same resolv.conf, which the task that shares it may have written meanwhile. The first read is
+    kept for as long as the file lives, whatever the namespace; a new file (another container's)
+    is read afresh. Each start joins a namespace of its own (--netns-pid of a process made in a
+    new one)."""
+    def holder():
+        p = lab.spawn(["unshare", "-n", "sh", "-c", "ip link set lo up && echo ready && exec sleep 300"],
+                      stdout=subprocess.PIPE)
+        assert labmod._read_line(p, 10.0, "a process in a new namespace") == "ready"
+        return p
+    shared = lab.tmp / "shared-resolv.conf"
+    shared.write_text(f"nameserver {labmod.DNS_V4}\n")
+    wrapped = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(shared),
+               str(labmod.egressd_binary())]
+    first = holder()
+    d = egressd("initial_phase: agent\nphases:\n  agent: { network_mode: allowlist, "
+                "allowed_hosts: [\"a.example.com\"] }\n", binary=wrapped, netns_pid=first.pid)
+    assert f"upstream={labmod.DNS_V4} " in d.log(), d.log()[-2000:]
+    namespaces = {os.readlink(f"/proc/{first.pid}/ns/net")}
+    for written, fresh, want in ((b"nameserver 203.0.113.66\n", False, labmod.DNS_V4),
+                                 (b"nameserver 203.0.113.67\n", True, "203.0.113.67")):
+        if fresh:
+            shared.unlink()  # a new file
+        shared.write_bytes(written)  # else in place: the same file
+        nxt = holder()
+        namespaces.add(os.readlink(f"/proc/{nxt.pid}/ns/net"))
+        d.netns_pid = nxt.pid
+        d.restart()
+        last = d.log().rsplit("--- ", 1)[-1]
+        assert "adopted" not in last, f"not a new namespace: {last[-2000:]}"
+        assert f"upstream={want} " in last, last[-2000:]
+        assert ("event=resolv_conf_changed" in last) == (not fresh), last[-2000:]
+    assert len(namespaces) == 3
 
 # ---- A namespace every interface left ----------------------------------------------------------
 # Docker and Podman give a restarted container a new network namespace. With egressd joined to
