@@ -332,15 +332,16 @@ print(json.dumps(res), flush=True)
 """
 
 
-def keepalive_across_a_switch(lab, d, addr, second, target) -> dict:
+def across_a_switch(lab, d, argv, ready: str, target: str) -> dict:
+    """In phase `both` (BOTH_NAMES), both names learned: `argv` runs in the sandbox until it
+    prints `ready`; then `target` is applied, the client is told to go on, and its last line
+    (JSON) is returned."""
     d.ctl("apply", "both")
     learn(lab, "allowed.test")
     learn(lab, "same-ip.test")
-    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-            "--", "/usr/bin/python3", "-c", KEEPALIVE_CLIENT, addr, str(HTTP_PORT), "allowed.test", second]
     p = lab.spawn(argv, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    line = labmod._read_line(p, 20.0, "the half-sent second request")
-    assert line.strip() == "HALF", line
+    line = labmod._read_line(p, 20.0, f"the client's {ready}")
+    assert line.strip() == ready, line
     rc, _, err = d.ctl("apply", target)
     assert rc == 0, err
     p.stdin.write(b"go\n")
@@ -349,6 +350,10 @@ def keepalive_across_a_switch(lab, d, addr, second, target) -> dict:
     out = getattr(p, "_lab_pending", b"") + out
     return json.loads(out.decode().strip().splitlines()[-1])
 
+
+def keepalive_across_a_switch(lab, d, addr, second, target) -> dict:
+    argv = labmod.NOBODY + ["/usr/bin/python3", "-c", KEEPALIVE_CLIENT, addr, str(HTTP_PORT), "allowed.test", second]
+    return across_a_switch(lab, d, argv, "HALF", target)
 
 @pytest.mark.parametrize("addr", [V4, V6])
 def test_a_switch_cuts_a_keepalive_connection_a_later_request_of_which_named_a_forbidden_site(

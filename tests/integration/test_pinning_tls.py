@@ -19,7 +19,7 @@ import sys
 import pytest
 
 import lab as labmod
-from test_pinning import BOTH_NAMES, TLS_PORT, V4, V6, learn, servers  # noqa: F401 (fixtures)
+from test_pinning import BOTH_NAMES, TLS_PORT, V4, V6, across_a_switch, learn, servers  # noqa: F401 (fixtures)
 from test_pinning import pinned  # noqa: F401 (fixture)
 
 CLIENT = str(labmod.HERE / "tls13_hrr_client.py")
@@ -113,21 +113,9 @@ def test_the_segment_that_ends_the_handshake_cannot_be_lost_and_resent_as_a_seco
 def held_hrr(lab, d, addr, second, target):
     """The HelloRetryRequest client (uid 65534, no capability) completes its handshake in phase
     `both`; then `target` is applied and the client asks the server which name it serves."""
-    d.ctl("apply", "both")
-    learn(lab, "allowed.test")
-    learn(lab, "same-ip.test")
-    argv = ["env", "HOLD=1", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--", sys.executable, CLIENT, addr, str(TLS_PORT), "allowed.test", second, "noccs"]
-    p = lab.spawn(argv, netns=lab.sandbox, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    line = labmod._read_line(p, 20.0, "the handshake")
-    assert line.strip() == "HS", line
-    rc, _, err = d.ctl("apply", target)
-    assert rc == 0, err
-    p.stdin.write(b"go\n")
-    p.stdin.flush()
-    out, _ = p.communicate(timeout=20)
-    out = getattr(p, "_lab_pending", b"") + out
-    return json.loads(out.decode().strip().splitlines()[-1])
+    argv = ["env", "HOLD=1"] + labmod.NOBODY + [sys.executable, CLIENT, addr, str(TLS_PORT), "allowed.test", second,
+                                                "noccs"]
+    return across_a_switch(lab, d, argv, "HS", target)
 
 
 @pytest.mark.parametrize("addr", [V4, V6])
