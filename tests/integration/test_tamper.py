@@ -40,7 +40,10 @@ phases:
   verifier: { network_mode: no-network }
 """
 
-RESTORE_BUDGET_US = 100_000   # DESIGN: restored within 100 ms
+# DESIGN: restored within 100 ms. A sanitizer build (the lab in scripts/test) gets twice that:
+# under CI's load it once took 121 ms (2026-12-07); the release smoke test holds the shipped
+# binary to 100 ms with the same test.
+RESTORE_BUDGET_US = 100_000 * (2 if labmod.sanitized_binary() else 1)
 NO_VERIFY = ["--verify-interval", "0"]   # only the event path may restore
 
 
