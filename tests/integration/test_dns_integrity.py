@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -2119,6 +2120,40 @@ def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd, se
         if (r.outcome, r.rcode) != ("ok", "NOERROR"):
             failures.append(f"{i}: {r.outcome!r} {r.rcode}")
     assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])
+
+
+def test_a_burst_that_arrives_while_egressd_is_not_scheduled_is_answered_whole(lab, egressd):
+    """CI run 31: under load, egressd's sanitizer build was not scheduled while 256 datagrams and
+    then 64 queries arrived; the proxy's socket held the kernel's default 208 KiB (256 small
+    datagrams) and 63 queries were dropped. Here egressd is stopped (SIGSTOP) for the burst:
+    600 datagrams the proxy drops, then 64 queries; continued, it answers every query."""
+    serve(lab)
+    d = egressd(policy(DNS_V4))
+    t = tok()
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        junk = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with junk:
+            for _ in range(600):
+                junk.sendto(b"\0", (DNS_V4, 53))  # too short to be a query: the proxy drops it
+        s = lab.sandbox.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect((DNS_V4, 53))
+        for i in range(64):
+            s.send(labmod.dns_build_query(f"burst{i}.{t}.wild.example.org", "A", i))
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    rcodes = {}
+    with s:
+        deadline = time.monotonic() + 5.0
+        while len(rcodes) < 64 and (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            try:
+                qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
+            except TimeoutError:
+                break
+            rcodes[qid] = rcode
+    assert len(rcodes) == 64 and set(rcodes.values()) == {"NOERROR"}, \
+        f"{len(rcodes)}/64 answered; missing {sorted(set(range(64)) - set(rcodes))}"
 
 
 @pytest.mark.parametrize("server", [DNS_V4, DNS_V6])
