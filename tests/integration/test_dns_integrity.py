@@ -2122,6 +2122,21 @@ def test_sandbox_queries_work_after_a_burst_of_upstream_queries(lab, egressd, se
     assert not failures, f"{len(failures)}/300 sandbox queries failed after the burst:\n" + "\n".join(failures[:10])
 
 
+def answers_by_id(s: socket.socket, n: int, seconds: float) -> dict[int, str]:
+    """The rcode of each answer read on connected socket `s`, by query id, until `n` have come or
+    `seconds` have passed."""
+    rcodes = {}
+    deadline = time.monotonic() + seconds
+    while len(rcodes) < n and (left := deadline - time.monotonic()) > 0:
+        s.settimeout(left)
+        try:
+            qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
+        except TimeoutError:
+            break
+        rcodes[qid] = rcode
+    return rcodes
+
+
 def test_a_burst_that_arrives_while_egressd_is_not_scheduled_is_answered_whole(lab, egressd):
     """CI run 31: under load, egressd's sanitizer build was not scheduled while 256 datagrams and
     then 64 queries arrived; the proxy's socket held the kernel's default 208 KiB (256 small
@@ -2142,16 +2157,8 @@ def test_a_burst_that_arrives_while_egressd_is_not_scheduled_is_answered_whole(l
             s.send(labmod.dns_build_query(f"burst{i}.{t}.wild.example.org", "A", i))
     finally:
         os.kill(d.pid, signal.SIGCONT)
-    rcodes = {}
     with s:
-        deadline = time.monotonic() + 5.0
-        while len(rcodes) < 64 and (left := deadline - time.monotonic()) > 0:
-            s.settimeout(left)
-            try:
-                qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
-            except TimeoutError:
-                break
-            rcodes[qid] = rcode
+        rcodes = answers_by_id(s, 64, 5.0)
     assert len(rcodes) == 64 and set(rcodes.values()) == {"NOERROR"}, \
         f"{len(rcodes)}/64 answered; missing {sorted(set(range(64)) - set(rcodes))}"
 
@@ -2190,15 +2197,7 @@ def test_upstream_queries_work_when_every_ephemeral_port_has_a_stale_sandbox_flo
         s.connect((server, 53))
         for i in range(64):
             s.send(labmod.dns_build_query(f"stale{i}.{t}.wild.example.org", "A", i))
-        rcodes = {}
-        deadline = time.monotonic() + 5.0
-        while len(rcodes) < 64 and (left := deadline - time.monotonic()) > 0:
-            s.settimeout(left)
-            try:
-                qid, rcode, _records = labmod.dns_parse_reply(s.recv(4096))
-            except TimeoutError:
-                break
-            rcodes[qid] = rcode
+        rcodes = answers_by_id(s, 64, 5.0)
     failed = {q: r for q, r in rcodes.items() if r != "NOERROR"}
     if len(rcodes) == 64 and not failed:
         return
